@@ -1,0 +1,33 @@
+# The two commands of the README. Each one builds its own virtual environment first,
+# so nothing installed by hand is assumed.
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: quickstart test test-fast venv clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: the CPU wheel on disk, never the multi-GB CUDA build.
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[test,tensorboard]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+## README command 1: build a tiny model and task, SFT warm start, PPO, before/after table.
+quickstart: $(STAMP)
+	$(VENV)/bin/rlhflab quickstart
+
+## README command 2: the whole test suite (slow end-to-end cases included).
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+## Unit tests only, for a quick loop while editing.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache

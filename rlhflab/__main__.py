@@ -1,0 +1,5 @@
+import sys
+
+from rlhflab.cli import main
+
+sys.exit(main())

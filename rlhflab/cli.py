@@ -1,0 +1,79 @@
+"""`rlhflab <command>`: one entry point for every stage of the pipeline.
+
+Each command lives in its own module, which exposes ``add_parser(parser)`` (fill in an
+argparse parser) and ``run(args) -> int | None``. Only the chosen command's module is
+imported, so ``rlhflab --help`` does not load torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from rlhflab.errors import UserError
+
+# name -> (module, one-line help). The order is the pipeline's order.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "quickstart": ("rlhflab.quickstart", "offline demo: tiny model, arithmetic task, SFT warm start, PPO, before/after table"),
+    "make-tiny": ("rlhflab.models.tiny", "build a tiny causal LM and tokenizer locally (save_pretrained)"),
+    "make-data": ("rlhflab.data.arith", "write a GSM8K-format arithmetic task (train/test jsonl)"),
+    "generate": ("rlhflab.generate", "generate from one or more models on prompts, side by side"),
+    "sft": ("rlhflab.trainers.sft", "supervised fine-tuning (LoRA or full) on instruction data"),
+    "label": ("rlhflab.label.cli", "human preference collection: generate, serve, stats, export"),
+    "rm": ("rlhflab.trainers.rm", "train a Bradley-Terry reward model on preference pairs"),
+    "ppo": ("rlhflab.trainers.ppo", "PPO with a value head or separate critic, KL to a reference"),
+    "grpo": ("rlhflab.trainers.grpo", "GRPO: group-relative advantages, no critic"),
+    "rloo": ("rlhflab.trainers.rloo", "RLOO: leave-one-out baseline, no critic"),
+    "dpo": ("rlhflab.trainers.dpo", "DPO/IPO/hinge on offline preference pairs"),
+    "eval": ("rlhflab.evaluate", "greedy accuracy and mean reward of a model on a task split"),
+    "learn": ("rlhflab.learn.cli", "learner mode: PPO exercises, grader, reference solutions"),
+    "doctor": ("rlhflab.doctor", "health report of a run from its metrics.jsonl"),
+    "config": ("rlhflab.config.cli", "show a command's config schema or a resolved config"),
+}
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    lines = "\n".join(f"  {name:<11} {help_}" for name, (_, help_) in COMMANDS.items())
+    return argparse.ArgumentParser(
+        prog="rlhflab",
+        description="The RLHF pipeline for causal language models.",
+        epilog=f"commands:\n{lines}\n\nrun `rlhflab <command> --help` for a command's options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top = _top_parser()
+    if not argv or argv[0] in ("-h", "--help"):
+        top.print_help()
+        return 0
+    if argv[0] == "--version":
+        from rlhflab import __version__
+        print(__version__)
+        return 0
+    name = argv[0]
+    if name not in COMMANDS:
+        import difflib
+        near = difflib.get_close_matches(name, list(COMMANDS), n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else "; run `rlhflab --help` for the list"
+        print(f"error: unknown command {name!r}{hint}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    parser = argparse.ArgumentParser(prog=f"rlhflab {name}", description=COMMANDS[name][1])
+    module.add_parser(parser)
+    args = parser.parse_args(argv[1:])
+    try:
+        rc = module.run(args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""Load a YAML config: `defaults:` inheritance, dotted overrides, interpolation, validation.
+
+A config file may start with ``defaults: [base.yaml]`` (paths relative to the file
+itself); each base is loaded (recursively) and merged in order, then the file's own
+keys on top, then the dotted command-line overrides (``ppo.kl_coeff=0.1``). The
+result is resolved (``${dataset.max_gen_length}`` interpolations) and checked
+against a typed schema: a tree of dataclasses built with `rlhflab.config.schema.f`.
+
+Every problem is reported as one line naming the file and the key; several problems
+are reported together. No traceback reaches the user for a bad config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from rlhflab.errors import ConfigError
+
+T = TypeVar("T")
+
+_MISSING = dataclasses.MISSING
+
+
+def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> DictConfig:
+    """Read one YAML file and merge its `defaults:` bases under it."""
+    path = path.resolve()
+    if path in chain:
+        cycle = " -> ".join(str(p) for p in (*chain, path))
+        raise ConfigError(f"{path}: defaults form a cycle ({cycle}); remove one of them")
+    if not path.is_file():
+        where = f" (named in defaults of {chain[-1]})" if chain else ""
+        raise ConfigError(f"{path}: config file not found{where}; check the path")
+    try:
+        node = OmegaConf.load(path)
+    except Exception as exc:  # yaml.YAMLError and friends: say where, not a traceback
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{path}: not valid YAML ({first}); fix the syntax") from None
+    if node is None or isinstance(node, ListConfig):
+        if node is None:
+            return OmegaConf.create({})
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, not a list")
+    defaults = node.pop("defaults", None) if "defaults" in node else None
+    merged = OmegaConf.create({})
+    if defaults is not None:
+        if isinstance(defaults, str):
+            defaults = [defaults]
+        if not isinstance(defaults, (list, ListConfig)):
+            raise ConfigError(f"{path}: defaults must be a list of file paths, e.g. [base.yaml]")
+        for base in defaults:
+            if not isinstance(base, str):
+                raise ConfigError(f"{path}: defaults entries must be file paths, got {base!r}")
+            merged = OmegaConf.merge(merged, _read_yaml(path.parent / base, (*chain, path)))
+    return OmegaConf.merge(merged, node)
+
+
+def _parse_overrides(overrides: list[str]) -> DictConfig:
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(
+                f"override {item!r}: expected dotted key=value, e.g. ppo.kl_coeff=0.05"
+            )
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"overrides {overrides}: {exc}".splitlines()[0]) from None
+
+
+def compose(path: str | Path | None, overrides: list[str] | None = None) -> DictConfig:
+    """Merge a config file (with its bases) and dotted overrides; not yet resolved."""
+    cfg = _read_yaml(Path(path)) if path is not None else OmegaConf.create({})
+    if overrides:
+        cfg = OmegaConf.merge(cfg, _parse_overrides(overrides))
+    return cfg
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if origin in (list, tuple):
+        (inner, *_) = typing.get_args(tp) or (Any,)
+        return f"a list of {_describe(inner)}"
+    if origin is dict:
+        return "a mapping"
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "a section (mapping)"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str, errors: list[str]) -> Any:
+    """Return `value` converted to `tp`, or append an error and return None."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            trial: list[str] = []
+            out = _coerce(value, arg, key, trial)
+            if not trial:
+                return out
+        errors.append(f"{key}: expected {_describe(tp)}, got {value!r}")
+        return None
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value in choices:
+            return value
+        hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        extra = f"; did you mean {hint[0]!r}?" if hint else ""
+        errors.append(f"{key}: expected {_describe(tp)}, got {value!r}{extra}")
+        return None
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            errors.append(f"{key}: expected {_describe(tp)}, got {value!r}")
+            return None
+        (inner, *_) = typing.get_args(tp) or (Any,)
+        return [_coerce(v, inner, f"{key}[{i}]", errors) for i, v in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            errors.append(f"{key}: expected a mapping, got {value!r}")
+            return None
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            errors.append(f"{key}: expected a section (mapping of keys), got {value!r}")
+            return None
+        return _build(tp, value, key, errors)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        errors.append(f"{key}: expected true or false, got {value!r}")
+        return None
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        errors.append(f"{key}: expected an integer, got {value!r}")
+        return None
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # "1e-5" written without a dot is read as a string by YAML 1.1
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        errors.append(f"{key}: expected a number, got {value!r}")
+        return None
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        errors.append(f"{key}: expected a string, got {value!r}")
+        return None
+    return value
+
+
+def _build(cls: type[T], data: dict, prefix: str, errors: list[str]) -> T:
+    hints = typing.get_type_hints(cls)
+    fields = {fl.name: fl for fl in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else str(name)
+        if name not in fields:
+            near = difflib.get_close_matches(str(name), list(fields), n=1, cutoff=0.6)
+            hint = f"; did you mean {prefix + '.' if prefix else ''}{near[0]}?" if near else (
+                f"; valid keys: {', '.join(fields)}"
+            )
+            errors.append(f"{key}: unknown key{hint}")
+            continue
+        kwargs[name] = _coerce(value, hints[name], key, errors)
+    for name, fl in fields.items():
+        if name in kwargs:
+            continue
+        if fl.default is _MISSING and fl.default_factory is _MISSING:  # type: ignore[misc]
+            if dataclasses.is_dataclass(hints[name]):
+                kwargs[name] = _build(hints[name], {}, f"{prefix}.{name}" if prefix else name, errors)
+            else:
+                errors.append(f"{prefix + '.' if prefix else ''}{name}: required key is missing")
+    if any(v is None and not _allows_none(hints[k]) for k, v in kwargs.items()):
+        return None  # type: ignore[return-value]  # errors already recorded
+    try:
+        obj = cls(**kwargs)
+    except TypeError:
+        return None  # type: ignore[return-value]
+    # Field-level ranges declared with schema.f(...).
+    for name, fl in fields.items():
+        rng = fl.metadata.get("check")
+        if rng is not None:
+            msg = rng(getattr(obj, name))
+            if msg:
+                errors.append(f"{prefix + '.' if prefix else ''}{name}: {msg}")
+    # Cross-field rules: a `check()` method returning messages keyed relative to the section.
+    check = getattr(obj, "check", None)
+    if callable(check):
+        for msg in check() or []:
+            errors.append(f"{prefix + '.' if prefix else ''}{msg}")
+    return obj
+
+
+def _allows_none(tp: Any) -> bool:
+    return tp is Any or (
+        typing.get_origin(tp) in (Union, types.UnionType) and type(None) in typing.get_args(tp)
+    )
+
+
+def load_config(
+    path: str | Path | None,
+    schema: type[T],
+    overrides: list[str] | None = None,
+) -> tuple[T, DictConfig]:
+    """Load, merge, resolve and validate a config.
+
+    Returns the typed config (a `schema` instance) and the resolved OmegaConf tree
+    (for `effective_config.yaml`). Raises `ConfigError` listing every problem found,
+    one line each, prefixed with the config file.
+    """
+    where = str(path) if path is not None else "<defaults>"
+    raw = compose(path, overrides)
+    try:
+        resolved = OmegaConf.to_container(raw, resolve=True)
+    except OmegaConfBaseException as exc:
+        msg = str(exc).strip().splitlines()[0]
+        raise ConfigError(f"{where}: cannot resolve an interpolation ({msg})") from None
+    errors: list[str] = []
+    obj = _build(schema, resolved or {}, "", errors)
+    if errors:
+        raise ConfigError("\n".join(f"{where}: {e}" for e in errors))
+    effective = OmegaConf.create(dataclasses.asdict(obj))
+    return obj, effective
+
+
+def save_effective_config(cfg: Any, out_dir: str | Path) -> Path:
+    """Write the merged, resolved, validated config as `effective_config.yaml`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    node = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(dataclasses.asdict(cfg))
+    path = out / "effective_config.yaml"
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(OmegaConf.to_yaml(node))
+    tmp.replace(path)
+    return path

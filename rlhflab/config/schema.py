@@ -1,0 +1,225 @@
+"""Typed config sections shared by every command.
+
+Each section is a dataclass; each field has a default and a one-line `help` (shown by
+``rlhflab config show``). YAML files hold values only. Ranges are declared with
+`f(..., gt=, ge=, lt=, le=)`; rules that tie several fields together live in a
+section's `check()` method, which returns messages (`"key: what is wrong; the fix"`).
+
+Method-specific sections (GRPO, RLOO, DPO, SFT, reward model) live beside their
+trainers and reuse these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+
+def f(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = None,
+      gt: float | None = None, ge: float | None = None,
+      lt: float | None = None, le: float | None = None) -> Any:
+    """A dataclass field with a help line and an optional numeric range."""
+
+    def check(v: Any) -> str | None:
+        if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
+            return None
+        if gt is not None and not v > gt:
+            return f"must be > {gt}, got {v}"
+        if ge is not None and not v >= ge:
+            return f"must be >= {ge}, got {v}"
+        if lt is not None and not v < lt:
+            return f"must be < {lt}, got {v}"
+        if le is not None and not v <= le:
+            return f"must be <= {le}, got {v}"
+        return None
+
+    meta = {"help": help, "check": check}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+Dtype = Literal["float32", "bfloat16", "float16", "auto"]
+Device = Literal["cpu", "cuda", "auto"]
+KLKind = Literal["k1", "k2", "k3", "abs", "mse"]
+
+
+@dataclass
+class ModelConfig:
+    """The policy model."""
+
+    name_or_path: str = f("outputs/tiny-model", "Hugging Face hub name or local folder of a causal LM")
+    tokenizer: Optional[str] = f(None, "tokenizer name or path; null means the model's own")
+    torch_dtype: Dtype = f("float32", "weights dtype: float32, bfloat16, float16 or auto")
+    trust_remote_code: bool = f(False, "allow model code from the hub (only for models you trust)")
+    gradient_checkpointing: bool = f(False, "recompute activations in backward to save memory")
+    critic: Literal["value_head", "separate"] = f(
+        "value_head", "value_head: one head on the shared base; separate: a critic model of its own")
+    critic_name_or_path: Optional[str] = f(None, "base of a separate critic; null means the policy's base")
+    reference: Literal["copy", "lora_disabled", "none"] = f(
+        "copy", "frozen copy, the same weights with the LoRA adapter off, or none (no KL)")
+
+
+@dataclass
+class LoRAConfig:
+    """A LoRA adapter (peft) on the policy."""
+
+    enabled: bool = f(False, "train a LoRA adapter instead of all weights")
+    r: int = f(8, "adapter rank", gt=0)
+    alpha: float = f(16.0, "scaling numerator: the update is scaled by alpha / r", gt=0)
+    dropout: float = f(0.0, "dropout on the adapter input", ge=0, lt=1)
+    target_modules: Optional[list[str]] = f(None, "module names to adapt; null picks q/v projections per architecture")
+
+
+@dataclass
+class DatasetConfig:
+    """Where prompts (and answers) come from."""
+
+    name: Optional[str] = f(None, "a `datasets` hub name, e.g. openai/gsm8k; null to use `path`")
+    subset: Optional[str] = f(None, "the dataset configuration, e.g. main for gsm8k")
+    path: Optional[str] = f("outputs/arith/train.jsonl", "local jsonl/json/parquet/csv file of training rows")
+    eval_path: Optional[str] = f("outputs/arith/test.jsonl", "local held-out file; null to split off eval_fraction")
+    split: str = f("train", "split of a hub dataset for training")
+    eval_split: str = f("test", "split of a hub dataset for evaluation")
+    prompt_field: str = f("question", "field holding the prompt text")
+    answer_field: str = f("answer", "field holding the reference answer (for rule rewards)")
+    prompt_template: str = f("{prompt}", "how a prompt is shown to the model; {prompt} is replaced")
+    use_chat_template: bool = f(False, "wrap prompts with the tokenizer's chat template when it has one")
+    num_samples: Optional[int] = f(None, "use only the first N training rows; null uses all", gt=0)
+    num_eval_samples: Optional[int] = f(200, "held-out rows used for evaluation; null uses all", gt=0)
+    max_prompt_length: int = f(256, "prompts longer than this (in tokens) are cut from the left", gt=0)
+    max_gen_length: int = f(256, "largest number of new tokens a response may have", gt=0)
+
+
+@dataclass
+class GenerationConfig:
+    """Sampling settings for rollouts."""
+
+    max_new_tokens: int = f(256, "largest response length in tokens", gt=0)
+    min_new_tokens: int = f(0, "smallest response length in tokens", ge=0)
+    temperature: float = f(1.0, "sampling temperature; logprobs are taken at the same temperature", gt=0)
+    top_k: int = f(0, "sample only from the k likeliest tokens; 0 disables", ge=0)
+    top_p: float = f(1.0, "nucleus sampling mass; 1.0 disables", gt=0, le=1)
+
+    def check(self) -> list[str]:
+        if self.min_new_tokens > self.max_new_tokens:
+            return [f"min_new_tokens: {self.min_new_tokens} exceeds max_new_tokens "
+                    f"{self.max_new_tokens}; lower it"]
+        return []
+
+
+@dataclass
+class RewardSource:
+    """One reward source; a run may sum several with weights."""
+
+    type: Literal["rule", "model", "classifier"] = f("rule", "rule: a Python checker; model: a trained reward model; classifier: a label's probability")
+    name: str = f("gsm8k", "rule name in the registry (gsm8k, gsm8k_strict, ...) or a module:function path")
+    path: Optional[str] = f(None, "reward model or classifier folder/name (type model or classifier)")
+    label: Optional[str] = f(None, "classifier label whose probability is the reward, e.g. POSITIVE")
+    weight: float = f(1.0, "weight of this source in the sum")
+    normalize: bool = f(False, "shift and scale model scores to mean 0, std 1 on reference samples")
+    batch_size: int = f(32, "scoring batch size for model/classifier sources", gt=0)
+
+
+@dataclass
+class RewardConfig:
+    """How responses are scored."""
+
+    sources: list[RewardSource] = f(factory=lambda: [RewardSource()], help="reward sources, summed with their weights")
+    score_clip: Optional[float] = f(None, "clip sequence scores to [-score_clip, score_clip]; null disables", gt=0)
+    missing_eos_penalty: Optional[float] = f(None, "subtract this from the score of responses that hit the length limit without EOS", ge=0)
+
+
+@dataclass
+class PPOSection:
+    """PPO algorithm settings."""
+
+    rollout_samples: int = f(64, "episodes collected per PPO step", gt=0)
+    batch_size: int = f(16, "prompts generated at once during the rollout", gt=0)
+    mini_batch_size: int = f(8, "episodes per minibatch in the update", gt=0)
+    gradient_accumulation_steps: int = f(1, "minibatches accumulated per optimizer step", gt=0)
+    epochs: int = f(4, "passes over the rollout buffer per PPO step", gt=0)
+    learning_rate: float = f(1e-5, "peak learning rate", gt=0)
+    min_learning_rate: float = f(0.0, "floor of the cosine decay", ge=0)
+    warmup_steps: int = f(0, "optimizer steps of linear warmup", ge=0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = f("constant", "learning-rate schedule after warmup")
+    weight_decay: float = f(0.0, "AdamW weight decay", ge=0)
+    adam_beta1: float = f(0.9, "AdamW beta1", ge=0, lt=1)
+    adam_beta2: float = f(0.999, "AdamW beta2", ge=0, lt=1)
+    adam_eps: float = f(1e-8, "AdamW epsilon", gt=0)
+    use_8bit_adam: bool = f(False, "8-bit AdamW from bitsandbytes (CUDA only; falls back to AdamW)")
+    max_grad_norm: Optional[float] = f(1.0, "clip the global gradient norm to this; null disables", gt=0)
+    gamma: float = f(1.0, "discount factor", ge=0, le=1)
+    lam: float = f(0.95, "GAE lambda", ge=0, le=1)
+    clip_eps: float = f(0.2, "policy ratio clip: ratios outside [1-eps, 1+eps] stop the gradient", gt=0, lt=1)
+    dual_clip: Optional[float] = f(None, "dual-clip bound c > 1 for negative advantages; null disables", gt=1)
+    value_clip: Optional[float] = f(0.2, "value clip range around the rollout values; null disables", gt=0)
+    vf_coeff: float = f(0.1, "weight of the value loss in the total loss", ge=0)
+    entropy_coeff: float = f(0.0, "weight of the entropy bonus (loss subtracts entropy_coeff * entropy)", ge=0)
+    kl_coeff: float = f(0.05, "weight of the KL penalty to the reference", ge=0)
+    kl_estimator: KLKind = f("k1", "KL estimator: k1, k2, k3, abs or mse")
+    kl_in: Literal["reward", "loss"] = f("reward", "put the KL penalty in the per-token reward or in the loss")
+    whiten_advantages: bool = f(True, "normalise advantages to mean 0, std 1 over response tokens")
+    whiten_rewards: bool = f(False, "normalise per-token rewards before GAE (scale only)")
+    loss_aggregation: Literal["token_mean", "seq_mean"] = f("token_mean", "average over all tokens or per sequence first")
+
+    def check(self) -> list[str]:
+        errs = []
+        if self.mini_batch_size > self.rollout_samples:
+            errs.append(f"mini_batch_size: {self.mini_batch_size} is larger than the rollout "
+                        f"(rollout_samples={self.rollout_samples}); lower it or collect more")
+        if self.min_learning_rate > self.learning_rate:
+            errs.append(f"min_learning_rate: {self.min_learning_rate} exceeds learning_rate "
+                        f"{self.learning_rate}; lower it")
+        return errs
+
+
+@dataclass
+class TrainingConfig:
+    """The run: length, device, seeds, outputs."""
+
+    output_dir: str = f("outputs/run", "folder for effective_config.yaml, metrics, step_N/, final/")
+    device: Device = f("auto", "cpu, cuda, or auto (cuda when present)")
+    seed: int = f(42, "seed for torch, numpy, random and the prompt shuffles")
+    total_ppo_steps: int = f(100, "number of rollout+update steps", gt=0)
+    save_interval: int = f(50, "save step_N/ every this many steps; 0 disables", ge=0)
+    eval_interval: int = f(25, "evaluate on the held-out split every this many steps; 0 disables", ge=0)
+    eval_batch_size: int = f(64, "prompts per batch during greedy evaluation", gt=0)
+    keep_last_checkpoints: Optional[int] = f(None, "keep only the newest N step_N/ folders; null keeps all", gt=0)
+    num_threads: Optional[int] = f(None, "torch CPU threads; null leaves torch's default", gt=0)
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go besides metrics.jsonl."""
+
+    report_to: list[Literal["tensorboard", "wandb"]] = f(factory=list, help="extra sinks: tensorboard, wandb")
+    wandb_project: str = f("rlhflab", "W&B project name")
+    run_name: Optional[str] = f(None, "run name for TensorBoard/W&B; null uses the output folder name")
+    progress_bar: bool = f(True, "show a tqdm progress bar")
+    plots: bool = f(True, "draw PNG plots of the metrics at the end")
+    doctor: bool = f(True, "warn when metrics look unhealthy during training")
+
+
+@dataclass
+class PPORunConfig:
+    """`rlhflab ppo`: every section of a PPO run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    ppo: PPOSection = field(default_factory=PPOSection)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def check(self) -> list[str]:
+        errs = []
+        if self.model.reference == "lora_disabled" and not self.lora.enabled:
+            errs.append("model.reference: lora_disabled needs lora.enabled=true; use reference: copy")
+        if self.ppo.kl_coeff > 0 and self.model.reference == "none":
+            errs.append("model.reference: none leaves no policy to measure KL against; "
+                        "set ppo.kl_coeff=0 or reference: copy")
+        return errs

@@ -1,0 +1,14 @@
+"""Errors that speak to the user.
+
+Bad input (a config key, a dataset row, a model path, a web request) raises
+`UserError` with one line that names the thing and the fix. The CLI prints it as
+``error: <message>`` and exits with status 2, without a traceback.
+"""
+
+
+class UserError(Exception):
+    """Bad input from the user; the message names the thing and the fix."""
+
+
+class ConfigError(UserError):
+    """A config file or override is invalid (unknown key, wrong type, out of range)."""

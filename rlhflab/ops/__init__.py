@@ -1,0 +1,33 @@
+"""The math of RLHF as pure functions on tensors (torch only; no models, I/O or config).
+
+Shapes: B batch, T response length, V vocabulary. `response_mask` is 1 for a real
+response token. See each module's docstring for where it departs from common practice.
+"""
+
+from rlhflab.ops.advantages import GAEOutput, gae, group_advantages, rloo_advantages
+from rlhflab.ops.kl import KL_KINDS, kl_estimate, kl_shaped_rewards, last_token_index
+from rlhflab.ops.logprobs import entropy_from_logits, logprobs_from_logits
+from rlhflab.ops.losses import (
+    DPOLossOutput,
+    EntropyLossOutput,
+    PolicyLossOutput,
+    RewardModelLossOutput,
+    ValueLossOutput,
+    aggregate,
+    dpo_loss,
+    entropy_loss,
+    ppo_policy_loss,
+    reward_model_loss,
+    value_loss,
+)
+from rlhflab.ops.stats import masked_mean, masked_sum, masked_var, masked_whiten
+
+__all__ = [
+    "masked_sum", "masked_mean", "masked_var", "masked_whiten",
+    "logprobs_from_logits", "entropy_from_logits",
+    "KL_KINDS", "kl_estimate", "kl_shaped_rewards", "last_token_index",
+    "GAEOutput", "gae", "group_advantages", "rloo_advantages",
+    "aggregate", "ppo_policy_loss", "PolicyLossOutput", "value_loss", "ValueLossOutput",
+    "entropy_loss", "EntropyLossOutput", "dpo_loss", "DPOLossOutput",
+    "reward_model_loss", "RewardModelLossOutput",
+]

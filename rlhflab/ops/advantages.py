@@ -1,0 +1,94 @@
+"""Advantages: GAE for PPO, group-relative for GRPO, leave-one-out for RLOO.
+
+Whitening is not done here: the trainer calls `masked_whiten` itself, so GAE alone
+can be tested (a fault of some libraries whose GAE always whitens).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+from torch import Tensor
+
+
+class GAEOutput(NamedTuple):
+    advantages: Tensor  # (B, T), 0 on padding
+    returns: Tensor     # (B, T) = advantages + values, 0 on padding; the value targets
+
+
+def gae(rewards: Tensor, values: Tensor, response_mask: Tensor,
+        gamma: float = 1.0, lam: float = 0.95) -> GAEOutput:
+    """Generalised Advantage Estimation (Schulman et al., 2016), computed in reverse.
+
+    rewards, values, response_mask: (B, T), the mask right-padded (1…1 0…0).
+
+        δ_t = r_t + γ·V_{t+1} − V_t         (V past the last real token is 0: the episode ends)
+        A_t = δ_t + γλ·A_{t+1}
+
+    Worked example (γ=0.9, λ=0.95, r=[1,0,2], V=[2,2.5,3]): δ = [1.25, 0.2, −1.0],
+    A = [0.690, −0.655, −1.0]. Padding gives 0, and extra right padding changes nothing.
+    """
+    if not (rewards.shape == values.shape == response_mask.shape) or rewards.dim() != 2:
+        raise ValueError(
+            f"gae expects rewards, values, response_mask all (B, T); got {tuple(rewards.shape)}, "
+            f"{tuple(values.shape)}, {tuple(response_mask.shape)}")
+    mask = response_mask.to(values.dtype)
+    values = values * mask
+    rewards = rewards * mask
+    b, t = rewards.shape
+    advantages = torch.zeros_like(rewards)
+    next_adv = torch.zeros(b, dtype=rewards.dtype, device=rewards.device)    # A_{t+1}, (B,)
+    next_value = torch.zeros(b, dtype=values.dtype, device=values.device)    # V_{t+1}, (B,)
+    for i in reversed(range(t)):
+        delta = rewards[:, i] + gamma * next_value - values[:, i]
+        next_adv = (delta + gamma * lam * next_adv) * mask[:, i]
+        advantages[:, i] = next_adv
+        next_value = values[:, i]
+    returns = (advantages + values) * mask
+    return GAEOutput(advantages, returns)
+
+
+def group_advantages(scores: Tensor, group_size: int,
+                     scale: Literal["group", "batch", "none"] = "group",
+                     eps: float = 1e-4) -> Tensor:
+    """GRPO advantages: each score minus its group's mean, scaled.
+
+    scores: (B,) with B = n_groups · group_size, each group contiguous -> (B,).
+    scale="group" divides by the group's std (Shao et al., 2024), "batch" by the
+    std of the whole batch (less biased towards easy/hard prompts, Liu et al. 2025),
+    "none" leaves the centred score. Std is the unbiased (n − 1) estimate. A group
+    whose scores are all equal gets advantage 0, never NaN.
+    """
+    if scores.dim() != 1:
+        raise ValueError(f"scores must be (B,), got {tuple(scores.shape)}")
+    if group_size < 1 or scores.shape[0] % group_size:
+        raise ValueError(f"batch of {scores.shape[0]} is not a whole number of groups of {group_size}")
+    s = scores.float().view(-1, group_size)                       # (G, K)
+    centred = s - s.mean(dim=1, keepdim=True)
+    if scale == "group":
+        std = s.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(s[:, :1])
+        out = centred / (std + eps)
+    elif scale == "batch":
+        std = s.std() if s.numel() > 1 else s.new_zeros(())
+        out = centred / (std + eps)
+    elif scale == "none":
+        out = centred
+    else:
+        raise ValueError(f"unknown scale {scale!r}; choose group, batch or none")
+    return out.reshape(-1)
+
+
+def rloo_advantages(scores: Tensor, k: int) -> Tensor:
+    """RLOO: each score minus the mean of the other k − 1 scores of its prompt.
+
+    scores: (B,) with B = n_prompts · k, each prompt's samples contiguous -> (B,).
+    baseline_i = (Σ_j s_j − s_i) / (k − 1)   (Kool et al., 2019; Ahmadian et al., 2024)
+    """
+    if scores.dim() != 1:
+        raise ValueError(f"scores must be (B,), got {tuple(scores.shape)}")
+    if k < 2 or scores.shape[0] % k:
+        raise ValueError(f"RLOO needs k >= 2 samples per prompt and B divisible by k; got B={scores.shape[0]}, k={k}")
+    s = scores.float().view(-1, k)                                  # (P, k)
+    baseline = (s.sum(dim=1, keepdim=True) - s) / (k - 1)
+    return (s - baseline).reshape(-1)

@@ -1,0 +1,35 @@
+"""Token log-probabilities and entropy from logits, in float32 whatever the model dtype."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def logprobs_from_logits(logits: Tensor, tokens: Tensor, chunk_size: int = 0) -> Tensor:
+    """log p(tokens) under softmax(logits).
+
+    logits: (B, T, V); tokens: (B, T) int -> (B, T) float32.
+
+    Computed as logit[token] - logsumexp(logits), so no (B, T, V) log-softmax copy is
+    kept; `chunk_size` > 0 processes that many rows of B at a time to cap the float32
+    upcast of a half-precision batch.
+    """
+    if logits.shape[:-1] != tokens.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match tokens {tuple(tokens.shape)}")
+    if chunk_size and logits.shape[0] > chunk_size:
+        return torch.cat([logprobs_from_logits(lg, tk) for lg, tk in
+                          zip(logits.split(chunk_size), tokens.split(chunk_size))])
+    logits = logits.float()
+    picked = torch.gather(logits, -1, tokens.unsqueeze(-1)).squeeze(-1)  # (B, T)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of softmax(logits) per position: (B, T, V) -> (B, T) float32.
+
+    H = logsumexp(z) - sum_v p_v z_v, which avoids log(0) for tokens with p = 0.
+    """
+    logits = logits.float()
+    p = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (p * logits).sum(dim=-1)
