@@ -1,0 +1,588 @@
+"""The training doctor: rules that read the per-step metrics and say what looks unhealthy.
+
+Two ways in:
+
+- During training: ``doctor = Doctor(DoctorConfig(max_grad_norm=...))``, then
+  ``for f in doctor.observe(step, metrics): print(f)`` after each step. A rule reports
+  once when it starts firing and stays quiet until it clears, so a long bad stretch
+  prints one line, not one per step. A finding of severity ``"stop"`` (a NaN or an
+  infinity) means the trainer should stop and keep the last good checkpoint.
+  `check_finite(name, tensor)` raises `NonFiniteError` naming the tensor, for losses.
+- After (or during) a run: ``rlhflab doctor RUN_DIR`` replays ``metrics.jsonl`` through
+  the same rules, prints one line per rule (OK, or the finding and the step it first
+  fired) and draws ``doctor.png``, a trend plot of the key metrics.
+
+Every rule skips quietly when its metric is missing, so the same doctor serves PPO,
+GRPO, RLOO and (for the rules that apply) DPO/SFT. The thresholds are rules of thumb,
+not laws; each one lives in `DoctorConfig` with its reason, and `docs/metrics.md`
+explains each pattern.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional, Sequence
+
+from rlhflab.errors import UserError
+
+Severity = Literal["warn", "stop"]
+
+# Metric names the rules read (written by the trainers, see docs/metrics.md).
+REWARD_MEAN = "rollout/reward_mean"
+REWARD_STD = "rollout/reward_std"
+ZERO_SPREAD = "rollout/zero_spread_frac"
+VALUE_LOSS = "loss/value"
+ENTROPY = "loss/entropy"
+POLICY_CLIP = "params/policy_clip_frac"
+GRAD_NORM = "params/grad_norm"
+KL_TO_REF = "params/kl_to_ref"
+
+
+@dataclass
+class DoctorConfig:
+    """Thresholds of the rules. The defaults suit PPO/GRPO on a small LM; loosen them
+    for a run that is known to behave differently."""
+
+    # policy_clip_frac: PPO clips a token once its ratio leaves [1-eps, 1+eps]; a healthy
+    # update clips a few percent of tokens. Above this for `clip_frac_patience` steps in a
+    # row, each update moves the policy too far.
+    clip_frac_max: float = 0.3
+    clip_frac_patience: int = 2
+    # grad_norm: the pre-clip global gradient norm; clipping hides spikes, but a norm
+    # many times the clip for several steps in a row means the loss surface is steep.
+    max_grad_norm: Optional[float] = 1.0   # the trainer's ppo.max_grad_norm; None: 1.0 is used
+    grad_norm_factor: float = 10.0
+    grad_norm_patience: int = 3
+    # value_loss: after `value_window` steps, the mean of the last `value_avg_steps`
+    # values should be below `value_drop` times the mean of the first `value_avg_steps`.
+    value_window: int = 20
+    value_avg_steps: int = 5
+    value_drop: float = 0.9
+    # kl_to_ref: rising over the last `kl_window` steps (least-squares slope > 0 and the
+    # last value >= `kl_growth` times the window's first) and above `kl_max` nats.
+    kl_window: int = 10
+    kl_growth: float = 1.5
+    kl_max: float = 1.0
+    # entropy: the mean of the last `entropy_avg_steps` values below `entropy_floor`
+    # nats per token, or below the run's starting entropy divided by `entropy_drop_factor`.
+    entropy_floor: float = 0.05
+    entropy_drop_factor: float = 10.0
+    entropy_avg_steps: int = 3
+    # reward_constant: reward_std <= `reward_eps` (every reward equal) for
+    # `reward_patience` steps in a row; GRPO's zero_spread_frac >= `zero_spread_max`
+    # (almost no group has a reward spread) for as long.
+    reward_patience: int = 3
+    reward_eps: float = 1e-8
+    zero_spread_max: float = 0.95
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One rule that started firing at `step`. `message` says what and what to do."""
+
+    rule: str
+    severity: Severity
+    step: int
+    message: str
+
+    @property
+    def stop(self) -> bool:
+        """True when the trainer should stop (keep the last good checkpoint)."""
+        return self.severity == "stop"
+
+    def __str__(self) -> str:
+        return f"doctor [{self.severity}] step {self.step} {self.rule}: {self.message}"
+
+
+class NonFiniteError(FloatingPointError):
+    """A loss or tensor holds NaN or infinity; the message names it."""
+
+
+def check_finite(name: str, tensor: Any, step: int | None = None) -> None:
+    """Raise `NonFiniteError` if `tensor` (a torch tensor or a number) holds NaN or inf.
+
+    Call it on each loss before ``backward()``: a NaN gradient step ruins the weights
+    of every later checkpoint, so failing here keeps the last saved one good. It costs
+    one device sync per call; call it on scalars, not on every activation.
+    """
+    where = f" at step {step}" if step is not None else ""
+    if isinstance(tensor, (int, float)):
+        if not math.isfinite(tensor):
+            raise NonFiniteError(f"{name} is {tensor}{where}; {_NONFINITE_ADVICE}")
+        return
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"check_finite: {name} is a {type(tensor).__name__}, not a tensor or number")
+    finite = torch.isfinite(tensor)
+    if bool(finite.all()):
+        return
+    n_bad = int((~finite).sum())
+    n_nan = int(torch.isnan(tensor).sum())
+    if tensor.dim() == 0:
+        what = f"is {tensor.item()}"
+    else:
+        first = tuple(int(i) for i in (~finite).nonzero()[0].tolist())
+        what = (f"has {n_bad} non-finite of {tensor.numel()} values ({n_nan} NaN, "
+                f"{n_bad - n_nan} inf; first at index {first}, shape {tuple(tensor.shape)})")
+    raise NonFiniteError(f"{name} {what}{where}; {_NONFINITE_ADVICE}")
+
+
+_NONFINITE_ADVICE = ("stop and resume from the last good checkpoint (step_N/) with a lower "
+                     "learning rate; check the reward for NaN/inf and prefer bfloat16 or "
+                     "float32 over float16")
+
+
+# --------------------------------------------------------------------------- rules
+# A rule reads the history and returns None (not enough data to judge), "" (healthy)
+# or a message (firing).
+
+History = dict[str, list[tuple[int, float]]]
+
+
+def _values(history: History, key: str) -> list[float]:
+    return [v for _, v in history.get(key, [])]
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def _slope(ys: Sequence[float]) -> float:
+    """Least-squares slope of ys against 0, 1, 2, ..."""
+    n = len(ys)
+    xm, ym = (n - 1) / 2, _mean(ys)
+    den = sum((i - xm) ** 2 for i in range(n))
+    return sum((i - xm) * (y - ym) for i, y in enumerate(ys)) / den if den else 0.0
+
+
+def _rule_non_finite(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
+    bad = [k for k, v in latest.items() if not math.isfinite(v)]
+    if not bad:
+        return ""
+    names = ", ".join(f"{k}={latest[k]}" for k in bad[:4]) + (" ..." if len(bad) > 4 else "")
+    return (f"non-finite metric(s): {names}; the trainer should stop. Resume from the last "
+            f"checkpoint saved before this step with a lower learning rate; check the reward "
+            f"for NaN/inf, and prefer bfloat16/float32 to float16")
+
+
+def _rule_clip_frac(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
+    xs = _values(history, POLICY_CLIP)
+    if len(xs) < cfg.clip_frac_patience:
+        return None
+    recent = xs[-cfg.clip_frac_patience:]
+    if min(recent) <= cfg.clip_frac_max:
+        return ""
+    return (f"policy clip fraction {recent[-1]:.2f} has been above {cfg.clip_frac_max} for "
+            f"{len(recent)} steps: each update moves the policy too far from the one that "
+            f"sampled the data. Lower ppo.learning_rate (e.g. by 3-10x) or ppo.epochs")
+
+
+def _rule_grad_norm(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
+    xs = _values(history, GRAD_NORM)
+    if len(xs) < cfg.grad_norm_patience:
+        return None
+    ref = cfg.max_grad_norm or 1.0
+    limit = cfg.grad_norm_factor * ref
+    recent = xs[-cfg.grad_norm_patience:]
+    if min(recent) <= limit:
+        return ""
+    return (f"pre-clip gradient norm {recent[-1]:.3g} has been over {cfg.grad_norm_factor:g}x "
+            f"max_grad_norm ({ref:g}) for {len(recent)} steps: clipping hides it, but the "
+            f"updates are unstable. Lower the learning rate; check the reward scale "
+            f"(reward.score_clip, ppo.whiten_advantages) and the value loss")
+
+
+def _rule_value_loss(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
+    xs = _values(history, VALUE_LOSS)
+    if len(xs) < cfg.value_window:
+        return None
+    k = max(1, min(cfg.value_avg_steps, len(xs) // 2))
+    start, recent = _mean(xs[:k]), _mean(xs[-k:])
+    if recent < cfg.value_drop * start:
+        return ""
+    return (f"value loss has not fallen in {len(xs)} steps (mean {recent:.3g} over the last "
+            f"{k} steps vs {start:.3g} at the start): the critic is not learning the "
+            f"returns, so the advantages are noise. Check ppo.vf_coeff (raise it), "
+            f"ppo.value_clip (loosen it), the reward scale, and that the value head is saved/loaded")
+
+
+def _rule_kl(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
+    xs = _values(history, KL_TO_REF)
+    if len(xs) < cfg.kl_window:
+        return None
+    w = xs[-cfg.kl_window:]
+    rising = _slope(w) > 0 and (w[0] <= 0 or w[-1] >= cfg.kl_growth * w[0])
+    if not (rising and w[-1] > cfg.kl_max):
+        return ""
+    return (f"KL to the reference rose from {w[0]:.3g} to {w[-1]:.3g} over the last "
+            f"{len(w)} steps and keeps rising: the policy is drifting from the reference, "
+            f"often toward reward hacking. Raise ppo.kl_coeff (e.g. 2x) or lower the learning rate")
+
+
+def _rule_entropy(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
+    xs = _values(history, ENTROPY)
+    k = cfg.entropy_avg_steps
+    if len(xs) < k:
+        return None
+    start, recent = _mean(xs[:k]), _mean(xs[-k:])
+    if recent < cfg.entropy_floor:
+        why = f"below the floor of {cfg.entropy_floor} nats per token"
+    elif len(xs) >= 2 * k and start > 0 and recent < start / cfg.entropy_drop_factor:
+        why = f"more than {cfg.entropy_drop_factor:g}x below its start ({start:.3g})"
+    else:
+        return ""
+    return (f"entropy collapsed to {recent:.3g} ({why}): the policy is nearly deterministic, "
+            f"so rollouts stop exploring and samples within a prompt look alike. Raise "
+            f"ppo.kl_coeff or ppo.entropy_coeff, lower the learning rate, or check "
+            f"generation.temperature")
+
+
+def _rule_reward_constant(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
+    n = cfg.reward_patience
+    stds = _values(history, REWARD_STD)
+    spreads = _values(history, ZERO_SPREAD)
+    if len(stds) < n and len(spreads) < n:
+        return None
+    if len(stds) >= n and max(abs(s) for s in stds[-n:]) <= cfg.reward_eps:
+        means = _values(history, REWARD_MEAN)
+        if means and abs(means[-1]) <= cfg.reward_eps:
+            what = "every reward has been 0"
+        elif means:
+            what = f"every reward has been equal ({means[-1]:.3g})"
+        else:
+            what = "every reward has been equal (reward_std = 0)"
+        return (f"{what} for {n} steps: the advantages carry no signal. Check the reward "
+                f"function on a few samples (`rlhflab generate`), the answer format the "
+                f"checker expects, and max_new_tokens (answers cut off score 0)")
+    if len(spreads) >= n and min(spreads[-n:]) >= cfg.zero_spread_max:
+        return (f"{spreads[-1]:.0%} of groups had identical rewards for {n} steps: their "
+                f"advantages are 0, so there is almost nothing to learn from. The prompts are "
+                f"too easy or too hard; raise the group size or the temperature, or change the data")
+    return ""
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    severity: Severity
+    metric: str             # what it reads, for the report
+    healthy: str            # one line: what OK means
+    check: Callable[[History, dict[str, float], DoctorConfig], Optional[str]] = field(repr=False)
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("non_finite", "stop", "every metric", "every metric is finite", _rule_non_finite),
+    Rule("policy_clip_frac", "warn", POLICY_CLIP, "policy clip fraction stays low", _rule_clip_frac),
+    Rule("grad_norm", "warn", GRAD_NORM, "pre-clip gradient norm stays near max_grad_norm", _rule_grad_norm),
+    Rule("value_loss", "warn", VALUE_LOSS, "value loss falls", _rule_value_loss),
+    Rule("kl_to_ref", "warn", KL_TO_REF, "KL to the reference stays bounded", _rule_kl),
+    Rule("entropy", "warn", ENTROPY, "entropy stays above its floor", _rule_entropy),
+    Rule("reward_constant", "warn", f"{REWARD_STD}, {ZERO_SPREAD}", "rewards vary", _rule_reward_constant),
+)
+RULE_NAMES = tuple(r.name for r in RULES)
+
+
+def _as_float(v: Any) -> Optional[float]:
+    """A metric value as a float; None for non-numbers (strings, lists, null, bools)."""
+    if isinstance(v, bool) or v is None:
+        return None
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, str) and v.strip().lower() in ("nan", "inf", "-inf", "infinity", "-infinity"):
+        return float(v)
+    try:  # numpy / torch scalars
+        return float(v) if hasattr(v, "__float__") and getattr(v, "ndim", 0) == 0 else None
+    except (TypeError, ValueError):
+        return None
+
+
+class Doctor:
+    """Feed it one metrics dict per step; it returns the findings that are new.
+
+    ``observe(step, metrics) -> list[Finding]``: a rule's finding is returned on the step
+    it starts firing, then not again until the rule has cleared (gone back to healthy)
+    and fires anew. `active` holds the rules firing now, `first_fired` the step each
+    rule first fired, `findings` every finding returned so far.
+    """
+
+    def __init__(self, config: DoctorConfig | None = None, rules: Sequence[Rule] = RULES):
+        self.config = config or DoctorConfig()
+        self.rules = tuple(rules)
+        self.history: History = {}
+        self.active: dict[str, Finding] = {}
+        self.first_fired: dict[str, int] = {}
+        self.findings: list[Finding] = []
+        self.state: dict[str, Optional[str]] = {r.name: None for r in self.rules}
+        self.steps = 0
+        self.last_step: Optional[int] = None
+
+    def observe(self, step: int, metrics: dict[str, Any]) -> list[Finding]:
+        latest: dict[str, float] = {}
+        for key, raw in metrics.items():
+            if key == "step":
+                continue
+            v = _as_float(raw)
+            if v is not None:
+                latest[key] = v
+                if math.isfinite(v):  # a NaN is the non_finite rule's; other rules see finite values
+                    self.history.setdefault(key, []).append((step, v))
+        self.steps += 1
+        self.last_step = step
+        new: list[Finding] = []
+        for rule in self.rules:
+            msg = rule.check(self.history, latest, self.config)
+            self.state[rule.name] = msg
+            if msg:
+                if rule.name not in self.active:
+                    finding = Finding(rule.name, rule.severity, step, msg)
+                    self.active[rule.name] = finding
+                    self.first_fired.setdefault(rule.name, step)
+                    self.findings.append(finding)
+                    new.append(finding)
+            elif msg == "":
+                self.active.pop(rule.name, None)
+        return new
+
+    @property
+    def should_stop(self) -> bool:
+        """True while a "stop" finding is active."""
+        return any(f.stop for f in self.active.values())
+
+
+# --------------------------------------------------------------------------- the CLI
+
+def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """Read metrics.jsonl: the records, and notes about lines that were skipped.
+
+    A partial last line (the run is still writing) is skipped quietly; a broken line
+    elsewhere is skipped with a note.
+    """
+    records: list[dict[str, Any]] = []
+    notes: list[str] = []
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    for i, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines):
+                notes.append(f"line {i} is incomplete (the run may still be writing); skipped")
+            else:
+                notes.append(f"line {i} is not valid JSON; skipped")
+            continue
+        if not isinstance(row, dict):
+            notes.append(f"line {i} is not a JSON object; skipped")
+            continue
+        if "step" not in row:
+            row = {"step": len(records), **row}
+        records.append(row)
+    return records, notes
+
+
+def _find_metrics(run_dir: str) -> Path:
+    p = Path(run_dir)
+    if p.is_file():
+        return p
+    if not p.exists():
+        raise UserError(f"{p}: no such run folder; pass the training.output_dir of a run "
+                        f"(the folder holding metrics.jsonl)")
+    if not p.is_dir():
+        raise UserError(f"{p}: not a folder or a metrics.jsonl file; pass a run's output folder")
+    m = p / "metrics.jsonl"
+    if not m.is_file():
+        raise UserError(f"{m}: not found; is {p} a run's output folder? metrics.jsonl appears "
+                        f"after the first training step")
+    return m
+
+
+def _max_grad_norm_from(run_dir: Path) -> Optional[float]:
+    """ppo.max_grad_norm (or any section's max_grad_norm) from effective_config.yaml."""
+    cfg_path = run_dir / "effective_config.yaml"
+    if not cfg_path.is_file():
+        return None
+    try:
+        import yaml
+
+        data = yaml.safe_load(cfg_path.read_text(encoding="utf-8"))
+    except Exception:
+        return None
+    if not isinstance(data, dict):
+        return None
+    for section in data.values():
+        if isinstance(section, dict) and "max_grad_norm" in section:
+            v = section["max_grad_norm"]
+            return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    return None
+
+
+PLOT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("reward", (REWARD_MEAN, "eval/reward_mean", "eval/accuracy")),
+    ("value loss", (VALUE_LOSS,)),
+    ("KL to reference", (KL_TO_REF, "params/approx_kl")),
+    ("entropy", (ENTROPY,)),
+    ("clip fractions", (POLICY_CLIP, "params/value_clip_frac")),
+    ("grad norm (pre-clip)", (GRAD_NORM,)),
+)
+
+
+def plot_trends(records: Sequence[dict[str, Any]], out: Path, findings: Sequence[Finding] = (),
+                config: DoctorConfig | None = None, title: str = "") -> Optional[Path]:
+    """Draw the key metrics (those present) in a grid, with the rule thresholds as dotted
+    lines and the step each finding fired as a red mark. Returns the path, or None when
+    no key metric is present."""
+    cfg = config or DoctorConfig()
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for row in records:
+        for key, raw in row.items():
+            v = _as_float(raw)
+            if key != "step" and v is not None:
+                xs, ys = series.setdefault(key, ([], []))
+                xs.append(int(row["step"]))
+                ys.append(v if math.isfinite(v) else math.nan)  # a gap in the line
+    panels = [(t, [k for k in keys if k in series]) for t, keys in PLOT_PANELS]
+    panels = [(t, ks) for t, ks in panels if ks]
+    if not panels:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ncols = 2 if len(panels) > 1 else 1
+    nrows = (len(panels) + ncols - 1) // ncols
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 2.4 * nrows), sharex=True,
+                             squeeze=False)
+    thresholds = {POLICY_CLIP: cfg.clip_frac_max, KL_TO_REF: cfg.kl_max,
+                  GRAD_NORM: cfg.grad_norm_factor * (cfg.max_grad_norm or 1.0),
+                  ENTROPY: cfg.entropy_floor}
+    rule_metric = {r.name: r.metric for r in RULES}
+    for ax, (panel_title, keys) in zip(axes.flat, panels):
+        for key in keys:
+            xs, ys = series[key]
+            ax.plot(xs, ys, label=key, lw=1.2, marker="." if len(xs) < 30 else None)
+            if key == REWARD_MEAN and REWARD_STD in series and len(series[REWARD_STD][0]) == len(xs):
+                sd = series[REWARD_STD][1]
+                ax.fill_between(xs, [y - s for y, s in zip(ys, sd)], [y + s for y, s in zip(ys, sd)],
+                                alpha=0.15, lw=0)
+            if key in thresholds:
+                ax.axhline(thresholds[key], color="grey", ls=":", lw=1)
+        if GRAD_NORM in keys:
+            ys = [y for y in series[GRAD_NORM][1] if math.isfinite(y) and y > 0]
+            if ys and max(ys) / min(ys) > 50:
+                ax.set_yscale("log")
+        for f in findings:
+            if f.rule == "non_finite" or any(k in rule_metric.get(f.rule, "") for k in keys):
+                ax.axvline(f.step, color="tab:red", lw=1, alpha=0.6)
+        ax.set_title(panel_title, fontsize=9)
+        ax.tick_params(labelsize=8)
+        ax.legend(fontsize=7, loc="best")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    for ax in axes[-1]:
+        ax.set_xlabel("step", fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
+    return out
+
+
+def diagnose(records: Sequence[dict[str, Any]], config: DoctorConfig | None = None) -> Doctor:
+    """Replay a run's records through a fresh Doctor and return it."""
+    doctor = Doctor(config)
+    for row in records:
+        doctor.observe(int(row["step"]), row)
+    return doctor
+
+
+def format_report(doctor: Doctor, source: str, n_records: int, notes: Sequence[str] = ()) -> str:
+    """One line per rule: OK, n/a (not enough data), or WARN/STOP with the first step."""
+    lines = [f"doctor: {source}: {n_records} steps, last step {doctor.last_step}"]
+    lines += [f"  note: {n}" for n in notes]
+    width = max(len(r.name) for r in doctor.rules)
+    for rule in doctor.rules:
+        name = rule.name.ljust(width)
+        if rule.name in doctor.first_fired:
+            first = doctor.first_fired[rule.name]
+            finding = doctor.active.get(rule.name) or next(
+                f for f in reversed(doctor.findings) if f.rule == rule.name)
+            now = "still firing" if rule.name in doctor.active else "cleared since"
+            lines.append(f"  {rule.severity.upper():<4}  {name}  first at step {first} "
+                         f"({now}): {finding.message}")
+        elif doctor.state.get(rule.name) is None:
+            lines.append(f"  n/a   {name}  not enough data ({rule.metric})")
+        else:
+            lines.append(f"  OK    {name}  {rule.healthy}")
+    fired = [r for r in doctor.rules if r.name in doctor.first_fired]
+    if not fired:
+        lines.append("verdict: healthy (no rule fired)")
+    else:
+        stop = any(r.severity == "stop" for r in fired)
+        lines.append(f"verdict: {len(fired)} rule(s) fired" + ("; the run should have stopped" if stop else ""))
+    return "\n".join(lines)
+
+
+def add_parser(parser) -> None:
+    parser.add_argument("run_dir", metavar="RUN_DIR",
+                        help="a run's output folder (holding metrics.jsonl), or a metrics.jsonl file")
+    parser.add_argument("--out", default=None,
+                        help="where to write the trend plot (default: RUN_DIR/doctor.png)")
+    parser.add_argument("--no-plot", action="store_true", help="print the report only")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="change a threshold, e.g. --set clip_frac_max=0.4 (repeatable); "
+                             f"keys: {', '.join(DoctorConfig.field_names())}")
+    parser.epilog = ("Exit status: 0 when every rule is OK, 1 when any rule fired, "
+                     "2 for a bad path or option.")
+
+
+def _config_from(overrides: Sequence[str], max_grad_norm: Optional[float]) -> DoctorConfig:
+    cfg = DoctorConfig()
+    if max_grad_norm is not None:
+        cfg.max_grad_norm = max_grad_norm
+    fields = {f.name: f for f in dataclasses.fields(DoctorConfig)}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in fields:
+            import difflib
+
+            near = difflib.get_close_matches(key, list(fields), n=1)
+            hint = f"; did you mean {near[0]}?" if near else f"; keys: {', '.join(fields)}"
+            raise UserError(f"--set {item!r}: expected KEY=VALUE with a known key{hint}")
+        kind = int if isinstance(getattr(cfg, key), int) and key != "max_grad_norm" else float
+        try:
+            setattr(cfg, key, None if value.strip().lower() in ("none", "null") and key == "max_grad_norm"
+                    else kind(value))
+        except ValueError:
+            raise UserError(f"--set {item!r}: {value!r} is not a valid {kind.__name__}") from None
+    return cfg
+
+
+def run(args) -> int:
+    metrics_path = _find_metrics(args.run_dir)
+    run_dir = metrics_path.parent
+    records, notes = read_metrics(metrics_path)
+    if not records:
+        raise UserError(f"{metrics_path}: no complete step yet; wait for the first step to be "
+                        f"logged, or check that this is a training run's metrics file")
+    cfg = _config_from(args.overrides, _max_grad_norm_from(run_dir))
+    doctor = diagnose(records, cfg)
+    print(format_report(doctor, str(metrics_path), len(records), notes))
+    if not args.no_plot:
+        out = Path(args.out) if args.out else run_dir / "doctor.png"
+        written = plot_trends(records, out, doctor.findings, cfg, title=str(run_dir))
+        print(f"plot: {written}" if written else "plot: none of the key metrics is logged; no plot")
+    return 1 if doctor.first_fired else 0
