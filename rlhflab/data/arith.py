@@ -1,0 +1,119 @@
+"""A GSM8K-format arithmetic task, generated locally.
+
+Each row has the fields of GSM8K: ``question`` (a short word problem) and ``answer``
+(a worked line ending in ``#### N``). The problems are one-digit additions and
+subtractions wrapped in a few sentence templates, so a tiny model can learn them on a
+CPU in a minute or two.
+
+``noisy_demonstrations`` makes the "sloppy demonstrator" used for the supervised warm
+start: with probability ``wrong_rate`` the worked answer is off by one (always +1, a
+systematic slip). A model imitating it learns the format and arithmetic but prefers
+the wrong answer; a reward for correctness can then take it beyond its teacher, which
+is the point the RLHF seeds make about reward learning versus demonstrations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+NAMES = ["Ada", "Ben", "Cleo", "Dan", "Eve", "Finn", "Gia", "Hugo", "Ivy", "Jon",
+         "Kai", "Lea", "Max", "Nia", "Omar", "Pia", "Quinn", "Rosa", "Sam", "Tess"]
+ITEMS = ["apples", "books", "coins", "cards", "pens", "shells", "stamps", "marbles",
+         "cookies", "stickers"]
+
+ADD_TEMPLATES = [
+    "{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?",
+    "{name} found {a} {item} on Monday and {b} {item} on Tuesday. How many {item} in all?",
+    "There are {a} {item} in a box and {name} adds {b}. How many {item} are in the box?",
+]
+SUB_TEMPLATES = [
+    "{name} has {a} {item} and gives away {b}. How many {item} are left?",
+    "{name} had {a} {item} and lost {b} of them. How many {item} does {name} have now?",
+    "There are {a} {item} in a jar and {name} takes {b}. How many {item} stay in the jar?",
+]
+
+
+def make_problem(rng: random.Random) -> dict:
+    """One problem: {"question", "answer", "a", "b", "op", "result"}."""
+    op = rng.choice("+-")
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
+    if op == "-" and b > a:
+        a, b = b, a
+    result = a + b if op == "+" else a - b
+    template = rng.choice(ADD_TEMPLATES if op == "+" else SUB_TEMPLATES)
+    question = template.format(name=rng.choice(NAMES), item=rng.choice(ITEMS), a=a, b=b)
+    answer = f"{a} {op} {b} = {result}\n#### {result}"
+    return {"question": question, "answer": answer, "a": a, "b": b, "op": op, "result": result}
+
+
+def make_split(n: int, seed: int, exclude: set[str] | None = None) -> list[dict]:
+    """`n` distinct problems (by question text), none of them in `exclude`."""
+    rng = random.Random(seed)
+    rows, seen = [], set(exclude or ())
+    for _ in range(n * 50):
+        row = make_problem(rng)
+        if row["question"] in seen:
+            continue
+        seen.add(row["question"])
+        rows.append(row)
+        if len(rows) == n:
+            return rows
+    raise RuntimeError(f"could not draw {n} distinct problems; ask for fewer")
+
+
+def noisy_demonstrations(rows: list[dict], wrong_rate: float, seed: int) -> list[dict]:
+    """SFT rows (prompt/completion) from `rows`, a `wrong_rate` fraction off by one."""
+    rng = random.Random(seed)
+    out = []
+    for row in rows:
+        result = row["result"] + (1 if rng.random() < wrong_rate else 0)
+        out.append({"prompt": row["question"],
+                    "completion": f"{row['a']} {row['op']} {row['b']} = {result}\n#### {result}"})
+    return out
+
+
+def write_jsonl(rows: list[dict], path: str | Path) -> Path:
+    """Write rows as jsonl atomically (a temporary file renamed into place)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with tmp.open("w") as fh:
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def write_task(out_dir: str | Path, n_train: int = 2000, n_test: int = 200, seed: int = 0,
+               wrong_rate: float = 0.6) -> dict[str, Path]:
+    """Write train.jsonl, test.jsonl and sft.jsonl (noisy demonstrations) to `out_dir`."""
+    out = Path(out_dir)
+    test = make_split(n_test, seed + 1)
+    train = make_split(n_train, seed, exclude={r["question"] for r in test})
+    return {
+        "train": write_jsonl(train, out / "train.jsonl"),
+        "test": write_jsonl(test, out / "test.jsonl"),
+        "sft": write_jsonl(noisy_demonstrations(train, wrong_rate, seed + 2), out / "sft.jsonl"),
+    }
+
+
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="outputs/arith", help="output folder")
+    parser.add_argument("--n-train", type=int, default=2000)
+    parser.add_argument("--n-test", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--wrong-rate", type=float, default=0.6,
+                        help="fraction of SFT demonstrations whose answer is off by one")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rlhflab.errors import UserError
+    if not 0.0 <= args.wrong_rate <= 1.0:
+        raise UserError(f"--wrong-rate {args.wrong_rate}: must be between 0 and 1")
+    paths = write_task(args.out, args.n_train, args.n_test, args.seed, args.wrong_rate)
+    for name, path in paths.items():
+        print(f"{name:>5}: {path}")
+    return 0

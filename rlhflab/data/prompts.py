@@ -1,0 +1,60 @@
+"""Prompts for RL: load a split, format each prompt, draw a fresh shuffle every step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlhflab.data.loading import read_rows, require_fields
+from rlhflab.errors import UserError
+
+
+@dataclass
+class PromptExample:
+    prompt: str  # the formatted text the model sees
+    row: dict    # the raw dataset row (the reward reads e.g. row["answer"])
+
+
+def format_prompt(text: str, template: str, tokenizer=None, use_chat_template: bool = False) -> str:
+    body = template.replace("{prompt}", text)
+    if use_chat_template and tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": body}],
+                                             tokenize=False, add_generation_prompt=True)
+    return body
+
+
+def load_prompts(dataset_cfg, tokenizer=None, split: str = "train") -> list[PromptExample]:
+    """The train or eval split as formatted prompts, with `answer` normalised into the row."""
+    d = dataset_cfg
+    if split == "train":
+        source, hub_split, limit = (d.path or d.name), d.split, d.num_samples
+    else:
+        source, hub_split, limit = (d.eval_path or d.name), d.eval_split, d.num_eval_samples
+    if source is None:
+        raise UserError(f"dataset: no {'path' if split == 'train' else 'eval_path'} and no name; set one")
+    rows = read_rows(source, hub_split, d.subset)
+    require_fields(rows, [d.prompt_field], str(source))
+    if limit is not None:
+        rows = rows[:limit]
+    out = []
+    for row in rows:
+        row = dict(row)
+        if d.answer_field in row and "answer" not in row:
+            row["answer"] = row[d.answer_field]
+        out.append(PromptExample(format_prompt(str(row[d.prompt_field]), d.prompt_template,
+                                               tokenizer, d.use_chat_template), row))
+    return out
+
+
+def step_prompts(examples: list[PromptExample], n: int, seed: int, step: int) -> list[PromptExample]:
+    """`n` prompts for PPO step `step`: a fresh permutation per step, seeded by (seed, step).
+
+    Depends only on (seed, step), so a resumed run draws what the uninterrupted run would.
+    """
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    picked: list[PromptExample] = []
+    while len(picked) < n:
+        order = torch.randperm(len(examples), generator=g).tolist()
+        picked.extend(examples[i] for i in order[: n - len(picked)])
+    return picked

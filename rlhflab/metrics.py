@@ -1,0 +1,126 @@
+"""Metrics: one JSON line per step in metrics.jsonl, optional TensorBoard/W&B, PNG plots.
+
+The jsonl file is the source of truth (`rlhflab doctor` and the plots read it); it is
+appended and flushed each step, so a crash loses at most the step in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Iterable
+
+PLOT_GROUPS: dict[str, list[str]] = {
+    "reward": ["rollout/reward_mean", "eval/reward_mean", "eval/accuracy"],
+    "losses": ["loss/policy", "loss/value", "loss/total"],
+    "entropy": ["loss/entropy"],
+    "kl": ["params/approx_kl", "params/kl_to_ref"],
+    "clipping": ["params/policy_clip_frac", "params/value_clip_frac"],
+    "grad_norm": ["params/grad_norm"],
+    "length": ["rollout/response_length"],
+    "lr": ["lr"],
+}
+
+
+def _plain(v: Any) -> Any:
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # JSON has no NaN/inf; keep them visible as strings
+    return v
+
+
+class MetricsLogger:
+    """Writes metrics to `out_dir/metrics.jsonl` and to the configured extra sinks."""
+
+    def __init__(self, out_dir: str | Path, report_to: Iterable[str] = (), run_name: str | None = None,
+                 wandb_project: str = "rlhflab", config: dict | None = None, resume: bool = False):
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.out_dir / "metrics.jsonl"
+        if not resume and self.path.exists():
+            self.path.unlink()
+        self._fh = self.path.open("a")
+        self._tb = None
+        self._wandb = None
+        name = run_name or self.out_dir.name
+        for sink in report_to:
+            if sink == "tensorboard":
+                try:
+                    from torch.utils.tensorboard import SummaryWriter
+                except ImportError:
+                    print("warning: tensorboard is not installed (pip install 'rlhflab[tensorboard]'); skipping it")
+                    continue
+                self._tb = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"))
+            elif sink == "wandb":
+                try:
+                    import wandb
+                except ImportError:
+                    print("warning: wandb is not installed (pip install 'rlhflab[wandb]'); skipping it")
+                    continue
+                self._wandb = wandb.init(project=wandb_project, name=name, config=config or {})
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self._fh.write(json.dumps(row) + "\n")
+        self._fh.flush()
+        numeric = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
+        if self._tb is not None:
+            for k, v in numeric.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(numeric, step=step)
+
+    def close(self) -> None:
+        self._fh.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """Rows of a metrics.jsonl; a partial last line (a run still writing) is skipped."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def plot_metrics(metrics_path: str | Path, out_dir: str | Path,
+                 groups: dict[str, list[str]] | None = None) -> list[Path]:
+    """One PNG per group of metrics present in the file; returns the paths written."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, keys in (groups or PLOT_GROUPS).items():
+        series = {}
+        for k in keys:
+            pts = [(r["step"], r[k]) for r in rows if isinstance(r.get(k), (int, float))]
+            if pts:
+                series[k] = pts
+        if not series:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for k, pts in series.items():
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, ms=3, label=k)
+        ax.set_xlabel("step")
+        ax.set_title(name)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out / f"{name}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        written.append(path)
+    return written

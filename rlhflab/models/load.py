@@ -1,0 +1,135 @@
+"""Load any Hugging Face causal LM and its tokenizer, ready for RLHF.
+
+- dtype: float32, bfloat16, float16 or auto; device: cpu, cuda or auto.
+- The tokenizer gets a pad token when it has none (EOS is reused) and pads on the left,
+  so a batch of prompts ends at the same column and generation continues from there.
+- A missing local path or an unreachable hub name becomes a `UserError` that says what
+  was tried and how to fix it, not a stack of HTTP errors.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhflab.errors import UserError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """'auto' is cuda when present, else cpu; asking for cuda without one is an error."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"device {device!r}: no CUDA device is visible; use training.device=cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(name: str) -> torch.dtype | str:
+    if name == "auto":
+        return "auto"
+    if name not in DTYPES:
+        raise UserError(f"torch_dtype {name!r}: choose float32, bfloat16, float16 or auto")
+    return DTYPES[name]
+
+
+def _load_error(kind: str, name_or_path: str, exc: Exception) -> UserError:
+    path = Path(name_or_path).expanduser()
+    if path.exists() and not (path / "config.json").exists() and kind == "model":
+        return UserError(f"model path {name_or_path!r} has no config.json; point model.name_or_path "
+                         f"at a folder written by save_pretrained (try `rlhflab make-tiny --out {name_or_path}`)")
+    if not path.exists() and ("/" not in name_or_path.strip("./") or name_or_path.startswith((".", "/"))):
+        return UserError(f"{kind} {name_or_path!r}: no such local folder and not a hub name; "
+                         f"check the path (make one with `rlhflab make-tiny --out {name_or_path}`)")
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return UserError(f"could not load {kind} {name_or_path!r} ({first}); give a local folder saved "
+                     f"with save_pretrained, or a hub name on a machine that can reach the hub")
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, padding_side: str = "left"):
+    """The tokenizer with a pad token and the given padding side."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # OSError, HFValidationError, ValueError from a bad folder
+        raise _load_error("tokenizer", name_or_path, exc) from None
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise UserError(f"tokenizer {name_or_path!r} has neither a pad nor an EOS token; "
+                            "add one with tokenizer.add_special_tokens and save it")
+        tok.pad_token = tok.eos_token
+    tok.padding_side = padding_side
+    return tok
+
+
+def load_model(name_or_path: str, torch_dtype: str = "float32", device: str = "cpu",
+               trust_remote_code: bool = False, tokenizer: str | None = None,
+               **kwargs: Any):
+    """Load (model, tokenizer) for a causal LM from a local folder or a hub name."""
+    from transformers import AutoModelForCausalLM
+
+    dev = resolve_device(device)
+    dtype = resolve_dtype(torch_dtype)
+    tok = load_tokenizer(tokenizer or name_or_path, trust_remote_code)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            name_or_path, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
+    except Exception as exc:
+        raise _load_error("model", name_or_path, exc) from None
+    model.to(dev)
+    if model.generation_config is not None:
+        if model.generation_config.pad_token_id is None:
+            model.generation_config.pad_token_id = tok.pad_token_id
+        if model.generation_config.eos_token_id is None:
+            model.generation_config.eos_token_id = tok.eos_token_id
+    return model, tok
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Set every dropout probability to 0, so train() and eval() compute the same function.
+
+    PPO's ratio new/old must be exactly 1 before the first update; dropout would break it.
+    """
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    config = getattr(model, "config", None)
+    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "attn_pdrop",
+                "embd_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob"):
+        if config is not None and isinstance(getattr(config, key, None), float):
+            setattr(config, key, 0.0)
+
+
+def default_lora_targets(model: torch.nn.Module) -> list[str]:
+    """q/v projections (or their equivalents) for the model's architecture."""
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    for pair in (["q_proj", "v_proj"], ["c_attn"], ["query_key_value"], ["query", "value"],
+                 ["Wqkv"], ["qkv_proj"]):
+        if all(p in names for p in pair):
+            return pair
+    linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                     if isinstance(m, torch.nn.Linear) and "lm_head" not in name})
+    if not linear:
+        raise UserError("no Linear layers found for LoRA; set lora.target_modules to module names")
+    return linear
+
+
+def add_lora(model: torch.nn.Module, r: int = 8, alpha: float = 16.0, dropout: float = 0.0,
+             target_modules: list[str] | None = None):
+    """Wrap `model` with a trainable LoRA adapter (peft); the base weights freeze."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = target_modules or default_lora_targets(model)
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [t for t in targets if t not in present]
+    if missing:
+        raise UserError(f"lora.target_modules: {missing} not found in the model; "
+                        f"some module names it has: {sorted(present)[:12]}")
+    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+                     task_type="CAUSAL_LM", bias="none")
+    return get_peft_model(model, cfg)

@@ -1,0 +1,107 @@
+"""Reward sources for RL: rule functions, reward models, classifiers, and weighted sums.
+
+A reward is either a function ``(prompt, response, example) -> float`` registered by
+name, or a batched scorer with ``score(prompts, responses, examples) -> Tensor (B,)``.
+`build_reward(cfg.reward, ...)` turns a config's ``reward.sources`` into one scorer.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from rlhflab.errors import UserError
+from rlhflab.rewards.gsm8k import gsm8k_reward
+
+RewardFn = Callable[[str, str, dict], float]
+
+REGISTRY: dict[str, RewardFn] = {}
+
+
+def register(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: make a rule reward available as ``reward.sources[i].name: <name>``."""
+    def wrap(fn: RewardFn) -> RewardFn:
+        REGISTRY[name] = fn
+        return fn
+    return wrap
+
+
+@register("gsm8k")
+def _gsm8k(prompt: str, response: str, example: dict) -> float:
+    return gsm8k_reward(response, str(example["answer"]))
+
+
+@register("gsm8k_lenient")
+def _gsm8k_lenient(prompt: str, response: str, example: dict) -> float:
+    return gsm8k_reward(response, str(example["answer"]), fallback_last_number=True)
+
+
+class Scorer(Protocol):
+    def score(self, prompts: Sequence[str], responses: Sequence[str],
+              examples: Sequence[dict]) -> torch.Tensor: ...
+
+
+def resolve_rule(name: str) -> RewardFn:
+    if name in REGISTRY:
+        return REGISTRY[name]
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise UserError(f"reward rule {name!r}: cannot import it ({exc}); "
+                            "give module:function of an importable module") from None
+    import difflib
+    near = difflib.get_close_matches(name, list(REGISTRY), n=1)
+    hint = f"did you mean {near[0]!r}? " if near else ""
+    raise UserError(f"reward rule {name!r} is not registered; {hint}known: "
+                    f"{', '.join(sorted(REGISTRY))}, or give module:function")
+
+
+class RuleScorer:
+    """A per-example Python function applied to each (prompt, response, example)."""
+
+    def __init__(self, fn: RewardFn):
+        self.fn = fn
+
+    def score(self, prompts, responses, examples) -> torch.Tensor:
+        return torch.tensor([float(self.fn(p, r, e)) for p, r, e in zip(prompts, responses, examples)],
+                            dtype=torch.float32)
+
+
+class WeightedSum:
+    """Σ weight_i · scorer_i."""
+
+    def __init__(self, parts: list[tuple[float, Scorer]]):
+        self.parts = parts
+
+    def score(self, prompts, responses, examples) -> torch.Tensor:
+        total = torch.zeros(len(responses), dtype=torch.float32)
+        for weight, scorer in self.parts:
+            total += weight * scorer.score(prompts, responses, examples).float().cpu()
+        return total
+
+
+def build_source(source, device: torch.device | str = "cpu") -> Scorer:
+    """One `RewardSource` config -> a scorer."""
+    if source.type == "rule":
+        return RuleScorer(resolve_rule(source.name))
+    if source.type == "model":
+        from rlhflab.rewards.model import RewardModelScorer
+        return RewardModelScorer.from_config(source, device)
+    if source.type == "classifier":
+        from rlhflab.rewards.classifier import ClassifierScorer
+        return ClassifierScorer.from_config(source, device)
+    raise UserError(f"reward type {source.type!r}: choose rule, model or classifier")
+
+
+def build_reward(reward_cfg, device: torch.device | str = "cpu") -> Scorer:
+    """The config's reward sources as one scorer (a weighted sum when there are several)."""
+    if not reward_cfg.sources:
+        raise UserError("reward.sources is empty; add at least one source (e.g. type: rule, name: gsm8k)")
+    parts = [(s.weight, build_source(s, device)) for s in reward_cfg.sources]
+    if len(parts) == 1 and parts[0][0] == 1.0:
+        return parts[0][1]
+    return WeightedSum(parts)

@@ -1,0 +1,111 @@
+"""Pieces every trainer shares: seeding, optimizer and schedule, output folder, timing."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from rlhflab.errors import UserError
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def set_threads(num_threads: int | None) -> None:
+    if num_threads:
+        torch.set_num_threads(num_threads)
+
+
+def make_optimizer(params: list[torch.nn.Parameter], lr: float, weight_decay: float = 0.0,
+                   betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                   use_8bit: bool = False) -> torch.optim.Optimizer:
+    """AdamW; 8-bit AdamW (bitsandbytes) when asked for and CUDA is present."""
+    if not params:
+        raise UserError("no trainable parameters; check lora.enabled / lora.target_modules")
+    if use_8bit:
+        on_cuda = any(p.is_cuda for p in params)
+        try:
+            import bitsandbytes as bnb  # noqa: F401
+            have_bnb = True
+        except ImportError:
+            have_bnb = False
+        if on_cuda and have_bnb:
+            return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+        why = "no CUDA device" if not on_cuda else "bitsandbytes is not installed (pip install 'rlhflab[bnb]')"
+        warnings.warn(f"use_8bit_adam: {why}; using torch AdamW instead", stacklevel=2)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 0,
+                   schedule: str = "constant", min_lr: float = 0.0) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup, then constant, cosine or linear decay down to `min_lr`."""
+    base = optimizer.param_groups[0]["lr"]
+    floor = min_lr / base if base > 0 else 0.0
+    total = max(total_steps, 1)
+
+    def factor(step: int) -> float:
+        if warmup_steps and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total - warmup_steps))
+        if schedule == "cosine":
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        if schedule == "linear":
+            return floor + (1 - floor) * (1 - progress)
+        raise ValueError(f"unknown lr schedule {schedule!r}")
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class Timer:
+    """Accumulates wall time per phase: `with timer("generate"): ...`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"time/{k}": v for k, v in self.seconds.items()}
+
+
+def prepare_output_dir(path: str | Path, resume: bool = False) -> Path:
+    """Create the run folder; refuse to mix a new run into an old one's step_N/ folders."""
+    out = Path(path)
+    if out.exists() and not resume and any(out.glob("step_*")):
+        raise UserError(f"output folder {out} already holds checkpoints (step_*/); choose another "
+                        f"training.output_dir, delete it, or continue with --resume {out}/step_N")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    except ImportError:  # pragma: no cover
+        return float("nan")
