@@ -221,7 +221,7 @@ def doctor_example() -> Path:
             "params/policy_clip_frac": (0.05 if not bad else 0.38 + 0.004 * (t - 25)) + rng.uniform(-0.02, 0.02),
             "params/value_clip_frac": 0.1 + rng.uniform(-0.02, 0.02),
             "params/approx_kl": (0.01 if not bad else 0.08) + rng.uniform(0, 0.005),
-            "params/kl_to_ref": 0.1 * (1 - math.exp(-4 * u)) + (0.08 * 1.12 ** (t - 25) - 0.08 if bad else 0),
+            "params/kl_to_ref": 0.1 * (1 - math.exp(-4 * u)) + (0.3 * 1.12 ** (t - 25) - 0.3 if bad else 0),
             "params/grad_norm": (3.0 if not bad else 14 + 0.4 * (t - 25)) + rng.uniform(-1, 1),
         })
     doctor = diagnose(rows)

@@ -63,10 +63,11 @@ class DoctorConfig:
     value_avg_steps: int = 5
     value_drop: float = 0.9
     # kl_to_ref: rising over the last `kl_window` steps (least-squares slope > 0 and the
-    # last value >= `kl_growth` times the window's first) and above `kl_max` nats.
+    # last value >= `kl_growth` times the window's first) and above `kl_max`. The PPO
+    # trainer logs params/kl_to_ref as nats summed over a response, averaged over the batch.
     kl_window: int = 10
     kl_growth: float = 1.5
-    kl_max: float = 1.0
+    kl_max: float = 5.0
     # entropy: the mean of the last `entropy_avg_steps` values below `entropy_floor`
     # nats per token, or below the run's starting entropy divided by `entropy_drop_factor`.
     entropy_floor: float = 0.05
@@ -314,8 +315,14 @@ class Doctor:
     rule first fired, `findings` every finding returned so far.
     """
 
-    def __init__(self, config: DoctorConfig | None = None, rules: Sequence[Rule] = RULES):
-        self.config = config or DoctorConfig()
+    def __init__(self, config: DoctorConfig | None = None, *, rules: Sequence[Rule] = RULES,
+                 **thresholds: Any):
+        # Doctor(max_grad_norm=0.5) is short for Doctor(DoctorConfig(max_grad_norm=0.5)).
+        unknown = set(thresholds) - set(DoctorConfig.field_names())
+        if unknown:
+            raise TypeError(f"Doctor: unknown threshold(s) {sorted(unknown)}; "
+                            f"known: {', '.join(DoctorConfig.field_names())}")
+        self.config = dataclasses.replace(config or DoctorConfig(), **thresholds)
         self.rules = tuple(rules)
         self.history: History = {}
         self.active: dict[str, Finding] = {}
@@ -428,9 +435,9 @@ def _max_grad_norm_from(run_dir: Path) -> Optional[float]:
 PLOT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reward", (REWARD_MEAN, "eval/reward_mean", "eval/accuracy")),
     ("value loss", (VALUE_LOSS,)),
-    ("KL to reference", (KL_TO_REF, "params/approx_kl")),
-    ("entropy", (ENTROPY,)),
-    ("clip fractions", (POLICY_CLIP, "params/value_clip_frac")),
+    ("KL to reference (nats per response)", (KL_TO_REF,)),
+    ("entropy (nats per token)", (ENTROPY,)),
+    ("update size: clip fractions, approx KL", (POLICY_CLIP, "params/value_clip_frac", "params/approx_kl")),
     ("grad norm (pre-clip)", (GRAD_NORM,)),
 )
 

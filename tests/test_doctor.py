@@ -125,18 +125,19 @@ def test_value_loss_rising_fires_and_short_runs_are_not_judged():
 def test_kl_growing_without_bound():
     rows = healthy_history()
     for t, row in enumerate(rows):
-        row["params/kl_to_ref"] = 0.05 * 1.15 ** t   # 0.05 ... 11.7, rising every step
+        row["params/kl_to_ref"] = 0.05 * 1.15 ** t   # 0.05 ... 11.7 nats, rising every step
     _, found = replay(rows)
     assert rules_fired(found) == ["kl_to_ref"]
-    # first step with the value above kl_max = 1.0: 0.05 * 1.15^t > 1 at t = 22
-    assert found[0].step == 22
+    # first step above kl_max = 5: 0.05 * 1.15^t > 5 for t > ln(100)/ln(1.15) = 32.9, so 33;
+    # its window (steps 24..33) grew 1.15^9 = 3.5x >= kl_growth 1.5
+    assert found[0].step == 33
     assert "kl_coeff" in found[0].message
 
 
 def test_kl_high_but_flat_does_not_fire():
     rows = healthy_history()
     for row in rows:
-        row["params/kl_to_ref"] = 1.5            # above kl_max but not rising
+        row["params/kl_to_ref"] = 8.0            # above kl_max but not rising
     _, found = replay(rows)
     assert found == []
 
@@ -218,6 +219,13 @@ def test_missing_metrics_skip_rules():
     assert found == []
     assert doctor.state["non_finite"] == ""
     assert all(doctor.state[n] is None for n in RULE_NAMES if n != "non_finite")
+
+
+def test_thresholds_as_keywords():
+    assert Doctor(max_grad_norm=0.5).config.max_grad_norm == 0.5
+    assert Doctor(DoctorConfig(kl_max=2.0), entropy_floor=0.1).config.kl_max == 2.0
+    with pytest.raises(TypeError, match="clip_frac"):
+        Doctor(clip_frac=0.5)
 
 
 def test_finding_text_and_non_numeric_values_are_ignored():
