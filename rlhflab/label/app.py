@@ -1,0 +1,348 @@
+"""The labelling web app: Flask routes over the SQLite database in `db.py`.
+
+Routes (JSON unless noted; with a token configured every request needs it, else 401):
+
+    GET  /                 the labelling page (HTML; its JS and CSS come from /static)
+    POST /login            form field `token`: sets the token cookie, redirects to /
+    GET  /api/next         ?annotator=NAME -> {"pair": {...} | null, "progress": {...}}
+    POST /api/labels       {submission_id, annotator, pair_id, level 1..5, comment?,
+                            criteria?, flipped?, elapsed_ms?} -> 201 stored, 200 retry
+    POST /api/skip         {submission_id, annotator, pair_id} -> 201 stored, 200 retry
+    GET  /api/progress     ?annotator=NAME -> counts
+    GET  /api/stats        the numbers `rlhflab label stats` prints
+    GET  /api/health       {"ok": true}
+
+Model text is untrusted: it reaches the page only as JSON and is put into the document
+with `textContent` (never innerHTML), and a Content-Security-Policy allows scripts from
+this server only. POSTs must be `application/json`, which a cross-site form cannot send.
+Bad requests get a 4xx with {"error": "..."} and change nothing.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import re
+import sqlite3
+import unicodedata
+from pathlib import Path
+from typing import Any
+
+from flask import Flask, Response, g, jsonify, redirect, render_template, request
+from werkzeug.exceptions import HTTPException
+
+from rlhflab.label import CRITERIA, LEVELS
+from rlhflab.label import db as labeldb
+from rlhflab.label.db import LabelIn, Rejected
+
+COOKIE = "rlhflab_label_token"
+MAX_BODY_BYTES = 64 * 1024
+MAX_ANNOTATOR_CHARS = 64
+SUBMISSION_ID = re.compile(r"[A-Za-z0-9_-]{8,128}")
+LOOPBACK_NAMES = {"127.0.0.1", "localhost", "::1"}
+
+PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+            "connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'")
+LOGIN_CSP = ("default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; "
+             "base-uri 'none'; frame-ancestors 'none'")
+
+
+class BadRequest(Rejected):
+    """A 400 with a message that names the field and the fix."""
+
+    def __init__(self, message: str):
+        super().__init__(400, message)
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _annotator(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise BadRequest("annotator: give your name (a non-empty string)")
+    name = value.strip()
+    if len(name) > MAX_ANNOTATOR_CHARS:
+        raise BadRequest(f"annotator: at most {MAX_ANNOTATOR_CHARS} characters, got {len(name)}")
+    if any(unicodedata.category(ch) in ("Cc", "Cf") for ch in name):
+        raise BadRequest("annotator: control characters are not allowed in a name")
+    return name
+
+
+def _int(body: dict, key: str, lo: int | None = None, hi: int | None = None) -> int:
+    value = body.get(key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"{key}: expected an integer, got {json.dumps(value)[:40]}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise BadRequest(f"{key}: must be between {lo} and {hi}, got {value}")
+    return value
+
+
+def _submission_id(body: dict) -> str:
+    value = body.get("submission_id")
+    if not isinstance(value, str) or not SUBMISSION_ID.fullmatch(value):
+        raise BadRequest("submission_id: 8 to 128 characters from A-Z a-z 0-9 _ -, made by the "
+                         "client once per label and reused when the request is retried")
+    return value
+
+
+def _check_keys(body: dict, allowed: set[str]) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise BadRequest(f"unknown field(s) {unknown}; allowed: {sorted(allowed)}")
+
+
+# ---------------------------------------------------------------- the app
+
+
+def load_annotator_tokens(path: str | Path) -> dict[str, str]:
+    """Read {"name": "token", ...}; returns token -> name."""
+    from rlhflab.errors import UserError
+
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"--annotator-tokens {path}: cannot read a JSON object ({exc}); "
+                        'write {"alice": "token-for-alice", ...}') from None
+    if not isinstance(data, dict) or not data:
+        raise UserError(f'--annotator-tokens {path}: expected a non-empty JSON object {{"name": "token"}}')
+    out: dict[str, str] = {}
+    for name, token in data.items():
+        if not isinstance(token, str) or len(token) < 8:
+            raise UserError(f"--annotator-tokens {path}: the token of {name!r} must be a string "
+                            "of 8+ characters")
+        if token in out:
+            raise UserError(f"--annotator-tokens {path}: {name!r} and {out[token]!r} share a token")
+        out[token] = _annotator(name)
+    return out
+
+
+def create_app(db_path: str | Path, *, token: str | None = None,
+               annotator_tokens: dict[str, str] | None = None,
+               labels_per_pair: int | None = 1, criteria: tuple[str, ...] = CRITERIA,
+               max_comment: int = 2000, allowed_hosts: set[str] | None = None) -> Flask:
+    """The Flask app serving one database.
+
+    token: a shared access token (annotators still type their name).
+    annotator_tokens: token -> annotator name; the token identifies the annotator.
+    labels_per_pair: stop offering a pair once it has this many labels (None: never).
+    allowed_hosts: accepted Host header names (DNS-rebinding guard); None accepts any.
+    """
+    db_path = Path(db_path)
+    labeldb.connect(db_path).close()  # fail early on a missing or foreign file
+    tokens: dict[str, str | None] = {}
+    if token:
+        tokens[token] = None
+    tokens.update(annotator_tokens or {})
+    criteria = tuple(criteria)
+
+    app = Flask(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+    app.json.sort_keys = False  # type: ignore[attr-defined]
+    page_config = {
+        "levels": {str(k): v for k, v in LEVELS.items()},
+        "criteria": list(criteria),
+        "max_comment": max_comment,
+        "labels_per_pair": labels_per_pair,
+        "annotator_fixed": False,
+    }
+
+    def conn() -> sqlite3.Connection:
+        if "conn" not in g:
+            g.conn = labeldb.connect(db_path)
+        return g.conn
+
+    @app.teardown_appcontext
+    def _close(_exc: BaseException | None) -> None:
+        c = g.pop("conn", None)
+        if c is not None:
+            c.close()
+
+    # -------------------------------------------------------- guards
+
+    def _given_token() -> str:
+        auth = request.headers.get("Authorization", "")
+        if auth.lower().startswith("bearer "):
+            return auth[7:].strip()
+        return (request.headers.get("X-Label-Token") or request.cookies.get(COOKIE)
+                or request.args.get("token") or "")
+
+    def _match(given: str) -> tuple[bool, str | None]:
+        found, name = False, None
+        for tok, who in tokens.items():  # compare with every token: no early exit on a match
+            if hmac.compare_digest(tok.encode(), given.encode()):
+                found, name = True, who
+        return found, name
+
+    def _unauthorized(message: str) -> Response:
+        if request.path.startswith("/api/"):
+            resp = jsonify(error=message)
+        else:
+            resp = Response(render_template("login.html", message=message), mimetype="text/html")
+            resp.headers["Content-Security-Policy"] = LOGIN_CSP
+        resp.status_code = 401
+        resp.headers["WWW-Authenticate"] = 'Bearer realm="rlhflab label"'
+        return resp
+
+    def _with_cookie(resp: Response, value: str) -> Response:
+        resp.set_cookie(COOKIE, value, httponly=True, samesite="Strict", path="/")
+        return resp
+
+    @app.before_request
+    def _guard() -> Response | None:
+        if allowed_hosts is not None:
+            host = request.host
+            name = host[1:].split("]")[0] if host.startswith("[") else host.partition(":")[0]
+            if name.lower() not in allowed_hosts:
+                return jsonify(error=f"Host {host!r} is not served here; open http://127.0.0.1"), 400
+        g.fixed_annotator = None
+        if not tokens:
+            return None
+        if request.path == "/login" and request.method == "POST":
+            given = request.form.get("token", "")
+            ok, _ = _match(given)
+            if not ok:
+                return _unauthorized("That token is not right; ask whoever runs the server.")
+            return _with_cookie(redirect("/", code=303), given)
+        ok, who = _match(_given_token())
+        if not ok:
+            return _unauthorized("This labelling server needs an access token.")
+        g.fixed_annotator = who
+        if request.method == "GET" and "token" in request.args and not request.path.startswith("/api/"):
+            # /?token=... from a shared link: keep it in a cookie, drop it from the address bar
+            return _with_cookie(redirect(request.path, code=303), request.args["token"])
+        return None
+
+    @app.after_request
+    def _headers(resp: Response) -> Response:
+        resp.headers.setdefault("Content-Security-Policy", PAGE_CSP)
+        resp.headers["X-Content-Type-Options"] = "nosniff"
+        resp.headers["X-Frame-Options"] = "DENY"
+        resp.headers["Referrer-Policy"] = "no-referrer"
+        if request.path.startswith("/api/"):
+            resp.headers["Cache-Control"] = "no-store"
+        return resp
+
+    # -------------------------------------------------------- errors
+
+    @app.errorhandler(Rejected)
+    def _rejected(exc: Rejected):
+        return jsonify(error=str(exc)), exc.status
+
+    @app.errorhandler(HTTPException)
+    def _http(exc: HTTPException):
+        if not request.path.startswith("/api/") and exc.code != 413:
+            return exc
+        messages = {
+            404: f"no route {request.method} {request.path}; see the routes in rlhflab/label/app.py",
+            405: f"{request.method} is not allowed on {request.path}",
+            413: f"request body over {MAX_BODY_BYTES} bytes; shorten the comment",
+        }
+        return jsonify(error=messages.get(exc.code, exc.description)), exc.code
+
+    # -------------------------------------------------------- helpers
+
+    def _who(value: Any) -> str:
+        return g.fixed_annotator if g.fixed_annotator is not None else _annotator(value)
+
+    def _json_body() -> dict:
+        if not request.is_json:
+            raise Rejected(415, "send the body as JSON with Content-Type: application/json")
+        body = request.get_json(silent=True)
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        return body
+
+    # -------------------------------------------------------- routes
+
+    @app.get("/")
+    def index():
+        cfg = dict(page_config, annotator_fixed=g.fixed_annotator is not None,
+                   annotator=g.fixed_annotator)
+        return render_template("index.html", config_json=json.dumps(cfg))
+
+    @app.post("/login")
+    def login():  # reached only without tokens configured
+        return redirect("/", code=303)
+
+    @app.get("/api/health")
+    def health():
+        return jsonify(ok=True)
+
+    @app.get("/api/next")
+    def next_pair():
+        who = _who(request.args.get("annotator"))
+        pair = labeldb.next_pair(conn(), who, labels_per_pair)
+        return jsonify(pair=pair, progress=labeldb.progress(conn(), who, labels_per_pair))
+
+    @app.get("/api/progress")
+    def progress():
+        raw = request.args.get("annotator")
+        who = _who(raw) if raw is not None or g.fixed_annotator is not None else None
+        return jsonify(labeldb.progress(conn(), who, labels_per_pair))
+
+    @app.post("/api/labels")
+    def post_label():
+        body = _json_body()
+        _check_keys(body, {"submission_id", "annotator", "pair_id", "level", "comment",
+                           "criteria", "flipped", "elapsed_ms"})
+        comment = body.get("comment", "")
+        if not isinstance(comment, str):
+            raise BadRequest("comment: expected a string")
+        if len(comment) > max_comment:
+            raise BadRequest(f"comment: at most {max_comment} characters, got {len(comment)}; shorten it")
+        picked = body.get("criteria", [])
+        if not isinstance(picked, list) or not all(isinstance(c, str) for c in picked):
+            raise BadRequest("criteria: expected a list of strings")
+        unknown = [c for c in picked if c not in criteria]
+        if unknown:
+            raise BadRequest(f"criteria: unknown {unknown}; choose from {list(criteria)}")
+        flipped = body.get("flipped")
+        if flipped is not None and not isinstance(flipped, bool):
+            raise BadRequest("flipped: expected true or false")
+        elapsed = body.get("elapsed_ms")
+        if elapsed is not None:
+            elapsed = _int(body, "elapsed_ms", 0, 7 * 24 * 3600 * 1000)
+        label = LabelIn(
+            submission_id=_submission_id(body), annotator=_who(body.get("annotator")),
+            pair_id=_int(body, "pair_id"), level=_int(body, "level", 1, 5),
+            comment=comment, criteria=tuple(dict.fromkeys(picked)), flipped=flipped,
+            elapsed_ms=elapsed)
+        stored = labeldb.submit_label(conn(), label)
+        return jsonify(stored=stored.stored, label_id=stored.id), 201 if stored.stored else 200
+
+    @app.post("/api/skip")
+    def post_skip():
+        body = _json_body()
+        _check_keys(body, {"submission_id", "annotator", "pair_id"})
+        stored = labeldb.submit_skip(conn(), _submission_id(body), _who(body.get("annotator")),
+                                     _int(body, "pair_id"))
+        return jsonify(stored=stored.stored, skip_id=stored.id), 201 if stored.stored else 200
+
+    @app.get("/api/stats")
+    def stats():
+        from rlhflab.label.export import stats as compute
+
+        return jsonify(compute(conn()))
+
+    return app
+
+
+def serve(app: Flask, host: str = "127.0.0.1", port: int = 8765, quiet: bool = False,
+          announce: str = "") -> None:
+    """Serve with werkzeug's threaded server (one thread per request) until Ctrl-C."""
+    from werkzeug.serving import make_server
+
+    if quiet:
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = make_server(host, port, app, threaded=True)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"rlhflab label: {announce}serving on http://{shown}:{server.server_port}/ "
+          "(Ctrl-C to stop)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        print("stopped", flush=True)
+    finally:
+        server.server_close()
