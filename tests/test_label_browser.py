@@ -214,3 +214,31 @@ def test_long_markdown_response_stays_readable(driver, tmp_path):
         assert "# Heading" in driver.find_element(By.ID, side).text
     finally:
         server.stop()
+
+
+def test_missing_chromium_without_root_skips_with_instructions(monkeypatch):
+    monkeypatch.delenv("RLHFLAB_CHROMIUM", raising=False)
+    monkeypatch.delenv("RLHFLAB_CHROMEDRIVER", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000, raising=False)
+    with pytest.raises(pytest.skip.Exception, match="apt-get install chromium chromium-driver"):
+        _find_or_install_chromium()
+
+
+def test_missing_chromium_as_root_is_installed_with_apt(monkeypatch):
+    monkeypatch.delenv("RLHFLAB_CHROMIUM", raising=False)
+    monkeypatch.delenv("RLHFLAB_CHROMEDRIVER", raising=False)
+    installed = []
+    paths = {"chromium": "/usr/bin/chromium", "chromedriver": "/usr/bin/chromedriver",
+             "apt-get": "/usr/bin/apt-get"}
+    monkeypatch.setattr(shutil, "which",
+                        lambda name: paths[name] if name == "apt-get" or installed else None)
+    monkeypatch.setattr(os, "geteuid", lambda: 0, raising=False)
+
+    def fake_run(cmd, **kw):
+        installed.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    assert _find_or_install_chromium() == ("/usr/bin/chromium", "/usr/bin/chromedriver")
+    assert installed == [["apt-get", "update"], ["apt-get", "install", "-y", "chromium", "chromium-driver"]]
