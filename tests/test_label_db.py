@@ -184,8 +184,10 @@ def _label_a(conn, who, pid, a_level, n):
 def test_export_aggregates_and_handles_ties(conn, tmp_path):
     _label_a(conn, "ann", 1, 1, 0)                                    # A much: A, 1.0
     _label_a(conn, "ann", 2, 4, 0)                                    # B slightly: B, 0.5
-    _label_a(conn, "ann", 3, 1, 0); _label_a(conn, "bob", 3, 4, 0)    # +2 -1: A, 0.25
-    _label_a(conn, "ann", 4, 1, 0); _label_a(conn, "bob", 4, 5, 0)    # +2 -2: tie
+    _label_a(conn, "ann", 3, 1, 0)                                    # +2 -1: A, 0.25
+    _label_a(conn, "bob", 3, 4, 0)
+    _label_a(conn, "ann", 4, 1, 0)                                    # +2 -2: tie
+    _label_a(conn, "bob", 4, 5, 0)
     _label_a(conn, "ann", 5, 3, 0)                                    # about the same: tie
     rows, result = export_rows(conn)
     by = {r["pair_id"]: r for r in rows}

@@ -92,7 +92,7 @@ def cohen_kappa(x: Sequence[Hashable], y: Sequence[Hashable]) -> float | None:
     n = len(x)
     if n == 0:
         return None
-    p_o = sum(a == b for a, b in zip(x, y)) / n
+    p_o = sum(a == b for a, b in zip(x, y, strict=True)) / n
     cx, cy = Counter(x), Counter(y)
     p_e = sum(cx[k] * cy[k] for k in cx) / (n * n)
     if p_e >= 1.0:
@@ -124,6 +124,6 @@ def pairwise_cohen(ratings: dict[Hashable, dict[str, Hashable]]) -> list[Pairwis
             continue
         x = [by[a1] for by in common]
         y = [by[a2] for by in common]
-        agreement = sum(u == v for u, v in zip(x, y)) / len(common)
+        agreement = sum(u == v for u, v in zip(x, y, strict=True)) / len(common)
         out.append(PairwiseKappa(a1, a2, len(common), cohen_kappa(x, y), agreement))
     return out

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import json
+import random
 import secrets
 import sqlite3
 import time
@@ -227,9 +229,6 @@ def add_candidates(conn: sqlite3.Connection, prompt: str, responses: list[str],
                    result: AddResult | None = None) -> AddResult:
     """Store a prompt, its responses, and pairs of distinct responses (all of them, or
     `max_pairs` drawn at random). Call inside a transaction."""
-    import itertools
-    import random
-
     result = result or AddResult()
     pid = add_prompt(conn, prompt)
     ids = list(dict.fromkeys(add_response(conn, pid, r, source) for r in responses))

@@ -88,7 +88,7 @@ def stats(conn: sqlite3.Connection) -> dict:
     """Counts per annotator, pairs labelled k times, and agreement on both scales."""
     per_annotator: dict[str, dict] = {}
     for row in conn.execute(
-            "SELECT annotator, COUNT(*) AS n, AVG(elapsed_ms) AS ms FROM labels GROUP BY annotator"):
+            "SELECT annotator, COUNT(*) AS n FROM labels GROUP BY annotator"):
         per_annotator[row["annotator"]] = {"labels": row["n"], "skips": 0,
                                            "median_seconds": None, "levels": {}}
     for row in conn.execute("SELECT annotator, COUNT(*) AS n FROM skips GROUP BY annotator"):
@@ -106,7 +106,7 @@ def stats(conn: sqlite3.Connection) -> dict:
 
     pairs = labelled_pairs(conn, include_unlabelled=True)
     times_labelled = Counter(len(p.a_levels) for p in pairs)
-    five = {p.pair_id: dict(zip(p.annotators, p.a_levels)) for p in pairs if len(p.a_levels) >= 2}
+    five = {p.pair_id: dict(zip(p.annotators, p.a_levels, strict=True)) for p in pairs if len(p.a_levels) >= 2}
     three = {k: {a: agreement.direction(v) for a, v in by.items()} for k, by in five.items()}
 
     def scale(ratings: dict) -> dict:

@@ -76,6 +76,7 @@ def generate_pairs(cfg: LabelGenerateConfig, prompts_path: str | Path,
                    out_db: str | Path) -> labeldb.AddResult:
     """Sample, then store prompts, responses and pairs in `out_db` (created if new)."""
     import torch
+
     from rlhflab.models.load import load_model
 
     prompts = read_prompts(prompts_path)
@@ -92,7 +93,7 @@ def generate_pairs(cfg: LabelGenerateConfig, prompts_path: str | Path,
             batch = prompts[start:start + cfg.batch_size]
             samples = sample_responses(model, tokenizer, batch, cfg.n, cfg.generation)
             with labeldb.transaction(conn):
-                for prompt, responses in zip(batch, samples):
+                for prompt, responses in zip(batch, samples, strict=True):
                     labeldb.add_candidates(conn, prompt, responses, source,
                                            cfg.pairs_per_prompt, cfg.seed, result)
             result.rows += len(batch)

@@ -229,7 +229,7 @@
     const body = {
       submission_id: submissionId, annotator, pair_id: current.pair_id, level,
       flipped: current.flipped, comment: $("comment").value, criteria: picked,
-      elapsed_ms: Date.now() - shownAt,
+      elapsed_ms: Math.min(Date.now() - shownAt, 7 * 24 * 3600 * 1000),
     };
     try {
       await postWithRetry("/api/labels", body);
@@ -240,6 +240,8 @@
       setStatus("Not saved: " + err.message, "error");
       busy = false;
       setLevelsEnabled(true);
+      // the pair is gone or already labelled (another tab?): move on, keeping the message
+      if (err.status === 404 || err.status === 409) await loadNext();
     }
   }
 
@@ -256,6 +258,7 @@
       setStatus("Not skipped: " + err.message, "error");
       busy = false;
       setLevelsEnabled(true);
+      if (err.status === 404 || err.status === 409) await loadNext();
     }
   }
 
