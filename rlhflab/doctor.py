@@ -261,9 +261,12 @@ def _rule_reward_constant(history: History, latest: dict[str, float], cfg: Docto
             what = f"every reward has been equal ({means[-1]:.3g})"
         else:
             what = "every reward has been equal (reward_std = 0)"
-        return (f"{what} for {n} steps: the advantages carry no signal. Check the reward "
-                f"function on a few samples (`rlhflab generate`), the answer format the "
-                f"checker expects, and max_new_tokens (answers cut off score 0)")
+        cut = _values(history, "rollout/hit_limit_frac")
+        cutoff = (f"; {cut[-1]:.0%} of responses hit max_new_tokens without EOS, so answers "
+                  f"may be cut off" if cut and cut[-1] >= 0.5 else "")
+        return (f"{what} for {n} steps: the advantages carry no signal{cutoff}. Read a few "
+                f"samples (eval/step_N.jsonl, `rlhflab generate`) and check the reward "
+                f"function, the answer format the checker expects, and max_new_tokens")
     if len(spreads) >= n and min(spreads[-n:]) >= cfg.zero_spread_max:
         return (f"{spreads[-1]:.0%} of groups had identical rewards for {n} steps: their "
                 f"advantages are 0, so there is almost nothing to learn from. The prompts are "
@@ -440,6 +443,11 @@ PLOT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("update size: clip fractions, approx KL", (POLICY_CLIP, "params/value_clip_frac", "params/approx_kl")),
     ("grad norm (pre-clip)", (GRAD_NORM,)),
 )
+# the panel on which each rule's firing step is marked (non_finite: every panel)
+RULE_PANEL = {"reward_constant": "reward", "value_loss": "value loss",
+              "kl_to_ref": "KL to reference (nats per response)", "entropy": "entropy (nats per token)",
+              "policy_clip_frac": "update size: clip fractions, approx KL",
+              "grad_norm": "grad norm (pre-clip)"}
 
 
 def plot_trends(records: Sequence[dict[str, Any]], out: Path, findings: Sequence[Finding] = (),
@@ -472,7 +480,6 @@ def plot_trends(records: Sequence[dict[str, Any]], out: Path, findings: Sequence
     thresholds = {POLICY_CLIP: cfg.clip_frac_max, KL_TO_REF: cfg.kl_max,
                   GRAD_NORM: cfg.grad_norm_factor * (cfg.max_grad_norm or 1.0),
                   ENTROPY: cfg.entropy_floor}
-    rule_metric = {r.name: r.metric for r in RULES}
     for ax, (panel_title, keys) in zip(axes.flat, panels):
         for key in keys:
             xs, ys = series[key]
@@ -488,7 +495,7 @@ def plot_trends(records: Sequence[dict[str, Any]], out: Path, findings: Sequence
             if ys and max(ys) / min(ys) > 50:
                 ax.set_yscale("log")
         for f in findings:
-            if f.rule == "non_finite" or any(k in rule_metric.get(f.rule, "") for k in keys):
+            if f.rule == "non_finite" or RULE_PANEL.get(f.rule) == panel_title:
                 ax.axvline(f.step, color="tab:red", lw=1, alpha=0.6)
         ax.set_title(panel_title, fontsize=9)
         ax.tick_params(labelsize=8)
@@ -517,7 +524,7 @@ def diagnose(records: Sequence[dict[str, Any]], config: DoctorConfig | None = No
 
 def format_report(doctor: Doctor, source: str, n_records: int, notes: Sequence[str] = ()) -> str:
     """One line per rule: OK, n/a (not enough data), or WARN/STOP with the first step."""
-    lines = [f"doctor: {source}: {n_records} steps, last step {doctor.last_step}"]
+    lines = [f"doctor: {source}: {n_records} rows, last step {doctor.last_step}"]
     lines += [f"  note: {n}" for n in notes]
     width = max(len(r.name) for r in doctor.rules)
     for rule in doctor.rules:

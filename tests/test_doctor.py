@@ -175,6 +175,16 @@ def test_all_rewards_zero_and_all_equal():
     assert [(f.rule, f.step) for f in found] == [("reward_constant", 2), ("reward_constant", 32)]
     assert "every reward has been 0" in found[0].message
     assert "equal (1)" in found[1].message
+    assert "max_new_tokens without EOS" not in found[0].message
+
+
+def test_constant_reward_mentions_cut_off_answers():
+    rows = healthy_history()
+    for row in rows[:3]:
+        row.update({"rollout/reward_mean": 0.0, "rollout/reward_std": 0.0, "rollout/hit_limit_frac": 1.0})
+    _, found = replay(rows)
+    assert [(f.rule, f.step) for f in found] == [("reward_constant", 2)]
+    assert "100% of responses hit max_new_tokens without EOS" in found[0].message
 
 
 def test_reward_std_zero_for_two_steps_is_quiet():
@@ -279,7 +289,7 @@ def test_cli_reports_a_sick_run_and_writes_the_plot(tmp_path, capsys):
     rc = main(["doctor", str(run_dir)])
     out = capsys.readouterr().out
     assert rc == 1
-    assert "40 steps, last step 39" in out
+    assert "40 rows, last step 39" in out
     assert "line 41 is incomplete" in out
     line = next(l for l in out.splitlines() if "policy_clip_frac" in l)
     assert line.strip().startswith("WARN") and "first at step 11 (cleared since)" in line
