@@ -195,6 +195,10 @@ def test_kl_exact_example():
     quoted("kl.md", "| k3 with the inverted ratio (bug) | 0.4220 |", _exact_moments(lp, ref, "k3", swap=True)[0])
     assert k1[0].item() == pytest.approx(true_kl.item(), abs=1e-6)   # unbiased
     assert k3[0].item() == pytest.approx(true_kl.item(), abs=1e-6)   # unbiased
+    assert round((k1[1] / k3[1]).item()) == 4
+    assert "k3's samples spread four times less than k1's" in page("kl.md")
+    inverted = _exact_moments(lp, ref, "k3", swap=True)[0]
+    quoted("kl.md", "the inverted k3 is 22% off", 100 * (inverted / true_kl - 1))
 
 
 def test_kl_estimator_gradients_in_the_loss():
