@@ -108,3 +108,17 @@ def request(base: str, method: str, path: str, body: dict | None = None,
             return err.code, json.loads(raw)
         except ValueError:
             return err.code, {"raw": raw.decode(errors="replace")}
+
+
+_TINY: Path | None = None
+
+
+def tiny_model(tmp_path_factory) -> Path:
+    """One small local causal LM for every label test in the session (built once)."""
+    global _TINY
+    if _TINY is None:
+        from rlhflab.models.tiny import make_tiny_model
+
+        _TINY = make_tiny_model(tmp_path_factory.mktemp("label-tiny") / "model", hidden_size=64,
+                                num_layers=2, num_heads=2, seed=0)
+    return _TINY

@@ -1,15 +1,19 @@
-"""`rlhflab label export` feeds `rlhflab rm` as it is: no conversion step in between.
+"""`rlhflab label export` feeds `rlhflab rm` and `rlhflab dpo` as it is: no conversion.
 
-Skipped until the reward-model trainer (rlhflab/trainers/rm.py) exists. The config keys
-it sets are gathered in RM_KEYS so they can follow the trainer's schema in one place.
+The rm test is skipped until the reward-model trainer (rlhflab/trainers/rm.py) exists;
+the config keys it sets are gathered in RM_KEYS so they can follow its schema in one place.
 """
 
 import json
+from pathlib import Path
 
 import pytest
+from label_helpers import tiny_model
 
 from rlhflab.cli import main
 from rlhflab.label import db as labeldb
+
+REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow
 
@@ -40,23 +44,41 @@ def _labelled_db(path):
     return path
 
 
-@pytest.mark.timeout(600)
-def test_exported_file_trains_a_reward_model(tmp_path):
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_model(tmp_path_factory)
+
+
+@pytest.fixture
+def prefs(tmp_path):
     db = _labelled_db(tmp_path / "pairs.db")
-    prefs = tmp_path / "prefs.jsonl"
-    assert main(["label", "export", "--db", str(db), "--out", str(prefs)]) == 0
-    rows = [json.loads(line) for line in prefs.read_text().splitlines()]
+    out = tmp_path / "prefs.jsonl"
+    assert main(["label", "export", "--db", str(db), "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 16 and {r["margin"] for r in rows} == {0.5, 1.0}
     assert all(r["chosen"].startswith(" The answer is") for r in rows)
+    return out
 
+
+@pytest.mark.timeout(600)
+def test_exported_file_trains_a_reward_model(tiny, prefs, tmp_path):
     pytest.importorskip("rlhflab.trainers.rm", reason="the reward-model trainer is not written yet")
-    from rlhflab.models.tiny import make_tiny_model
-
-    model = make_tiny_model(tmp_path / "tiny", seed=0)
     out = tmp_path / "rm-run"
-    values = {"model": model, "prefs": prefs, "out": out}
+    values = {"model": tiny, "prefs": prefs, "out": out}
     overrides = [f"{k}={str(v).format(**values)}" for k, v in RM_KEYS.items()]
     cfg = tmp_path / "rm.yaml"
     cfg.write_text("{}\n")  # everything comes from the overrides above
     assert main(["rm", "--config", str(cfg), *overrides]) == 0
     assert out.is_dir() and any(out.iterdir())
+
+
+@pytest.mark.timeout(600)
+def test_exported_file_trains_dpo(tiny, prefs, tmp_path):
+    pytest.importorskip("rlhflab.trainers.dpo", reason="the DPO trainer is not there")
+    out = tmp_path / "dpo-run"
+    assert main(["dpo", "--config", str(REPO / "configs" / "dpo_debug.yaml"),
+                 f"model.name_or_path={tiny}", f"dataset.path={prefs}", "dataset.eval_path=null",
+                 "dpo.task_eval_path=null", f"training.output_dir={out}", "dpo.max_steps=2",
+                 "dpo.batch_size=8", "dpo.mini_batch_size=8", "logging.plots=false",
+                 "logging.progress_bar=false"]) == 0
+    assert (out / "final").is_dir()

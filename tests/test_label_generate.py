@@ -4,6 +4,7 @@ import json
 from math import comb
 
 import pytest
+from label_helpers import tiny_model
 
 from rlhflab.cli import main
 from rlhflab.label import db as labeldb
@@ -13,9 +14,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from rlhflab.models.tiny import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+    return tiny_model(tmp_path_factory)
 
 
 @pytest.fixture
