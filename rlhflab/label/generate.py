@@ -75,11 +75,12 @@ def sample_responses(model, tokenizer, prompts: list[str], n: int,
 def generate_pairs(cfg: LabelGenerateConfig, prompts_path: str | Path,
                    out_db: str | Path) -> labeldb.AddResult:
     """Sample, then store prompts, responses and pairs in `out_db` (created if new)."""
+    prompts = read_prompts(prompts_path)  # a bad file fails before torch is imported
+
     import torch
 
     from rlhflab.models.load import load_model
 
-    prompts = read_prompts(prompts_path)
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_model(cfg.model.name_or_path, torch_dtype=cfg.model.torch_dtype,
                                   device=cfg.device, trust_remote_code=cfg.model.trust_remote_code,
