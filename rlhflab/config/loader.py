@@ -57,8 +57,20 @@ def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> DictConfig:
         for base in defaults:
             if not isinstance(base, str):
                 raise ConfigError(f"{path}: defaults entries must be file paths, got {base!r}")
-            merged = OmegaConf.merge(merged, _read_yaml(path.parent / base, (*chain, path)))
-    return OmegaConf.merge(merged, node)
+            merged = _merge(merged, _read_yaml(path.parent / base, (*chain, path)), f"{path} onto {base}")
+    return _merge(merged, node, f"{path} onto its defaults")
+
+
+def _merge(base: DictConfig, top: DictConfig, what: str) -> DictConfig:
+    """OmegaConf.merge, with a list-vs-mapping clash reported as a ConfigError."""
+    try:
+        return OmegaConf.merge(base, top)
+    except (OmegaConfBaseException, TypeError, ValueError) as exc:
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(
+            f"{what}: cannot merge ({msg}); a key that is a list or mapping in one must be the "
+            f"same kind in the other (a list is replaced whole, e.g. reward.sources=[{{name: gsm8k}}])"
+        ) from None
 
 
 def _parse_overrides(overrides: list[str]) -> DictConfig:
@@ -76,8 +88,8 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
 def compose(path: str | Path | None, overrides: list[str] | None = None) -> DictConfig:
     """Merge a config file (with its bases) and dotted overrides; not yet resolved."""
     cfg = _read_yaml(Path(path)) if path is not None else OmegaConf.create({})
-    if overrides:
-        cfg = OmegaConf.merge(cfg, _parse_overrides(overrides))
+    for item in overrides or []:  # one at a time, so a clash names its override
+        cfg = _merge(cfg, _parse_overrides([item]), f"override {item!r}")
     return cfg
 
 
@@ -195,19 +207,21 @@ def _build(cls: type[T], data: dict, prefix: str, errors: list[str]) -> T:
                 kwargs[name] = _build(hints[name], {}, f"{prefix}.{name}" if prefix else name, errors)
             else:
                 errors.append(f"{prefix + '.' if prefix else ''}{name}: required key is missing")
+    # Field-level ranges declared with schema.f(...), checked before the section is built
+    # so that a type error in one key does not hide a range error in another.
+    for name, fl in fields.items():
+        rng = fl.metadata.get("check")
+        value = kwargs[name] if name in kwargs else fl.default
+        if rng is not None and value is not None and value is not _MISSING:
+            msg = rng(value)
+            if msg:
+                errors.append(f"{prefix + '.' if prefix else ''}{name}: {msg}")
     if any(v is None and not _allows_none(hints[k]) for k, v in kwargs.items()):
         return None  # type: ignore[return-value]  # errors already recorded
     try:
         obj = cls(**kwargs)
     except TypeError:
         return None  # type: ignore[return-value]
-    # Field-level ranges declared with schema.f(...).
-    for name, fl in fields.items():
-        rng = fl.metadata.get("check")
-        if rng is not None:
-            msg = rng(getattr(obj, name))
-            if msg:
-                errors.append(f"{prefix + '.' if prefix else ''}{name}: {msg}")
     # Cross-field rules: a `check()` method returning messages keyed relative to the section.
     check = getattr(obj, "check", None)
     if callable(check):

@@ -169,7 +169,8 @@ class PPOSection:
         if self.mini_batch_size > self.rollout_samples:
             errs.append(f"mini_batch_size: {self.mini_batch_size} is larger than the rollout "
                         f"(rollout_samples={self.rollout_samples}); lower it or collect more")
-        if self.min_learning_rate > self.learning_rate:
+        # a learning_rate <= 0 is already reported by its range; comparing would only echo it
+        if self.min_learning_rate > self.learning_rate > 0:
             errs.append(f"min_learning_rate: {self.min_learning_rate} exceeds learning_rate "
                         f"{self.learning_rate}; lower it")
         return errs

@@ -58,6 +58,8 @@ def kl_shaped_rewards(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor,
     """
     if scores.dim() != 1 or scores.shape[0] != logprobs.shape[0]:
         raise ValueError(f"scores must be (B,) = ({logprobs.shape[0]},), got {tuple(scores.shape)}")
+    if response_mask.shape != logprobs.shape:  # a (B, 1) or (T,) mask would broadcast silently
+        raise ValueError(f"response_mask {tuple(response_mask.shape)} != logprobs {tuple(logprobs.shape)}")
     mask = response_mask.float()
     kl = kl_estimate(logprobs, ref_logprobs, kind) * mask  # (B, T)
     rewards = -kl_coeff * kl

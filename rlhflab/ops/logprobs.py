@@ -29,7 +29,12 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     """Entropy of softmax(logits) per position: (B, T, V) -> (B, T) float32.
 
     H = logsumexp(z) - sum_v p_v z_v, which avoids log(0) for tokens with p = 0.
+    A logit of -inf (a masked-out token) is clamped to the float32 minimum first, so its
+    term p_v z_v is 0 rather than 0 * -inf = NaN (in the value and in the gradient); the
+    clamp's (B, T, V) copy is made only when such a logit is present.
     """
     logits = logits.float()
+    if torch.isneginf(logits).any():
+        logits = logits.clamp(min=torch.finfo(torch.float32).min)
     p = torch.softmax(logits, dim=-1)
     return torch.logsumexp(logits, dim=-1) - (p * logits).sum(dim=-1)

@@ -186,6 +186,9 @@ def reward_model_loss(chosen_scores: Tensor, rejected_scores: Tensor,
     if chosen_scores.shape != rejected_scores.shape or chosen_scores.dim() != 1:
         raise ValueError(f"reward_model_loss expects two (B,) tensors; got {tuple(chosen_scores.shape)} "
                          f"and {tuple(rejected_scores.shape)}")
+    if isinstance(margin, Tensor) and margin.dim() > 0 and margin.shape != chosen_scores.shape:
+        # a (B, 1) margin against (B,) scores would broadcast to (B, B) silently
+        raise ValueError(f"margin {tuple(margin.shape)} must be a scalar or (B,) = {tuple(chosen_scores.shape)}")
     diff = chosen_scores - rejected_scores
     if margin is not None:
         diff = diff - margin

@@ -1,0 +1,224 @@
+"""Config loading: defaults inheritance, overrides, interpolation, validation messages."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from rlhflab.config import PPORunConfig, load_config, save_effective_config
+from rlhflab.errors import ConfigError, UserError
+
+DATA = Path(__file__).parent / "data" / "config"
+BASE, DEBUG = DATA / "base.yaml", DATA / "debug.yaml"
+
+
+def _write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _errors(path, overrides=None) -> list[str]:
+    """The lines of the ConfigError raised by loading `path`; each must be one line naming the file."""
+    with pytest.raises(ConfigError) as info:
+        load_config(path, PPORunConfig, overrides)
+    lines = str(info.value).splitlines()
+    assert lines
+    for line in lines:
+        assert line.startswith(f"{path}: "), line
+    return lines
+
+
+def test_base_loads_with_typed_values():
+    cfg, effective = load_config(BASE, PPORunConfig)
+    assert isinstance(cfg, PPORunConfig)
+    assert cfg.ppo.learning_rate == 1e-5 and isinstance(cfg.ppo.learning_rate, float)  # "1e-5" is a float
+    assert cfg.ppo.kl_estimator == "k3"
+    assert cfg.generation.max_new_tokens == 48                 # ${dataset.max_gen_length}
+    assert cfg.reward.sources[0].name == "gsm8k" and cfg.reward.sources[0].weight == 1.0
+    assert cfg.ppo.epochs == 4                                 # not in the file: the schema default
+    assert effective.generation.max_new_tokens == 48           # the effective tree is resolved
+
+
+def test_debug_inherits_from_base_relative_to_the_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # `defaults: [base.yaml]` is found beside debug.yaml, not in the cwd
+    cfg, _ = load_config(DEBUG, PPORunConfig)
+    assert cfg.ppo.rollout_samples == 8 and cfg.ppo.mini_batch_size == 4      # from debug
+    assert cfg.training.total_ppo_steps == 2 and cfg.training.output_dir == "outputs/debug"
+    assert cfg.generation.temperature == 0.7 and cfg.ppo.kl_estimator == "k3"  # from base
+    # the interpolation in base.yaml is resolved after the merge, so it sees debug's value
+    assert cfg.generation.max_new_tokens == 16
+
+
+def test_defaults_chain_and_order(tmp_path):
+    _write(tmp_path, "a.yaml", "ppo:\n  epochs: 1\n  kl_coeff: 0.5\n")
+    _write(tmp_path, "b.yaml", "ppo:\n  epochs: 2\n")
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    main = _write(sub, "main.yaml", "defaults: [../a.yaml, ../b.yaml]\nppo:\n  vf_coeff: 0.3\n")
+    cfg, _ = load_config(main, PPORunConfig)
+    # later bases win over earlier ones, the file itself over its bases
+    assert (cfg.ppo.epochs, cfg.ppo.kl_coeff, cfg.ppo.vf_coeff) == (2, 0.5, 0.3)
+
+
+def test_dotted_overrides():
+    cfg, _ = load_config(DEBUG, PPORunConfig, ["ppo.kl_coeff=0.1", "dataset.max_gen_length=20",
+                                               "lora.enabled=true", "logging.report_to=[tensorboard]",
+                                               "ppo.learning_rate=3e-6"])
+    assert cfg.ppo.kl_coeff == 0.1 and cfg.lora.enabled is True
+    assert cfg.generation.max_new_tokens == 20      # the override feeds the interpolation
+    assert cfg.logging.report_to == ["tensorboard"]
+    assert cfg.ppo.learning_rate == 3e-6
+    # an override may also set the interpolated key directly
+    cfg, _ = load_config(DEBUG, PPORunConfig, ["generation.max_new_tokens=5"])
+    assert cfg.generation.max_new_tokens == 5 and cfg.dataset.max_gen_length == 16
+    # no file at all: the schema defaults plus overrides
+    cfg, _ = load_config(None, PPORunConfig, ["ppo.epochs=3"])
+    assert cfg.ppo.epochs == 3 and cfg.ppo.learning_rate == PPORunConfig().ppo.learning_rate
+
+
+def test_bad_override_syntax_and_clash():
+    with pytest.raises(ConfigError, match="expected dotted key=value"):
+        load_config(DEBUG, PPORunConfig, ["ppo.kl_coeff"])
+    # indexing into a list is a mapping-vs-list clash: a ConfigError naming the override,
+    # not a TypeError traceback from OmegaConf
+    with pytest.raises(ConfigError, match=r"override 'reward.sources.0.weight=2': cannot merge"):
+        load_config(DEBUG, PPORunConfig, ["reward.sources.0.weight=2"])
+    # replacing the list whole works
+    cfg, _ = load_config(DEBUG, PPORunConfig, ["reward.sources=[{name: gsm8k, weight: 2}]"])
+    assert cfg.reward.sources[0].weight == 2.0
+
+
+def test_list_mapping_clash_between_files(tmp_path):
+    _write(tmp_path, "base.yaml", "reward:\n  sources:\n    - name: gsm8k\n")
+    main = _write(tmp_path, "main.yaml", "defaults: [base.yaml]\nreward:\n  sources:\n    weight: 2\n")
+    with pytest.raises(ConfigError, match=r"main.yaml onto its defaults: cannot merge"):
+        load_config(main, PPORunConfig)
+
+
+def test_unknown_key_suggests_the_nearest():
+    (line,) = _errors(DEBUG, ["ppo.kl_coef=0.1"])
+    assert line.endswith("ppo.kl_coef: unknown key; did you mean ppo.kl_coeff?")
+    (line,) = _errors(DEBUG, ["trainng.seed=1"])
+    assert "trainng: unknown key; did you mean training?" in line
+    (line,) = _errors(DEBUG, ["ppo.zzz=1"])                   # nothing near: list the valid keys
+    assert "ppo.zzz: unknown key; valid keys: rollout_samples, batch_size" in line
+    (line,) = _errors(DEBUG, ["reward.sources=[{nmae: gsm8k}]"])
+    assert "reward.sources[0].nmae: unknown key; did you mean reward.sources[0].name?" in line
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("ppo.epochs=four", "ppo.epochs: expected an integer, got 'four'"),
+    ("ppo.epochs=2.5", "ppo.epochs: expected an integer, got 2.5"),
+    ("ppo.learning_rate=fast", "ppo.learning_rate: expected a number, got 'fast'"),
+    ("lora.enabled=maybe", "lora.enabled: expected true or false, got 'maybe'"),
+    ("ppo.kl_estimator=k4", "ppo.kl_estimator: expected one of 'k1', 'k2', 'k3', 'abs', 'mse', got 'k4'"),
+    ("ppo.loss_aggregation=token_man", "did you mean 'token_mean'?"),
+    ("ppo=3", "ppo: expected a section (mapping of keys), got 3"),
+    ("dataset.num_samples=lots", "dataset.num_samples: expected int or null, got 'lots'"),
+])
+def test_bad_type(override, expected):
+    (line,) = _errors(DEBUG, [override])
+    assert expected in line
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["ppo.learning_rate=-1e-5"], "ppo.learning_rate: must be > 0, got -1e-05"),
+    (["ppo.clip_eps=1.5"], "ppo.clip_eps: must be < 1, got 1.5"),
+    (["ppo.min_learning_rate=1e-4"], "ppo.min_learning_rate: 0.0001 exceeds learning_rate 1e-05"),
+    (["ppo.clip_eps=0"], "ppo.clip_eps: must be > 0, got 0.0"),
+    (["ppo.mini_batch_size=64"], "ppo.mini_batch_size: 64 is larger than the rollout (rollout_samples=8)"),
+    (["generation.min_new_tokens=100"], "generation.min_new_tokens: 100 exceeds max_new_tokens 16"),
+    (["model.reference=none"], "model.reference: none leaves no policy to measure KL against"),
+])
+def test_bad_range(overrides, expected):
+    (line,) = _errors(DEBUG, overrides)
+    assert expected in line
+
+
+def test_several_errors_reported_together(tmp_path):
+    path = _write(tmp_path, "bad.yaml", """\
+defaults: [{base}]
+ppo:
+  kl_coef: 0.1
+  epochs: four
+  clip_eps: 2.0
+lora:
+  r: 0
+training:
+  seed: abc
+""".format(base=BASE))
+    lines = _errors(path)
+    text = "\n".join(lines)
+    assert len(lines) == 5, text
+    assert "ppo.kl_coef: unknown key; did you mean ppo.kl_coeff?" in text
+    assert "ppo.epochs: expected an integer" in text
+    # a range error is reported beside a type error in the same section
+    assert "ppo.clip_eps: must be < 1, got 2.0" in text
+    assert "lora.r: must be > 0, got 0" in text
+    assert "training.seed: expected an integer" in text
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found; check the path"):
+        load_config(tmp_path / "nope.yaml", PPORunConfig)
+    main = _write(tmp_path, "main.yaml", "defaults: [gone.yaml]\n")
+    with pytest.raises(ConfigError, match=r"gone.yaml: config file not found \(named in defaults of .*main.yaml\)"):
+        load_config(main, PPORunConfig)
+
+
+def test_yaml_syntax_error_is_a_config_error(tmp_path):
+    path = _write(tmp_path, "broken.yaml", "ppo:\n  epochs: [1, 2\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, PPORunConfig)
+    assert isinstance(info.value, UserError)
+    msg = str(info.value)
+    assert "\n" not in msg and "broken.yaml: not valid YAML" in msg
+
+
+def test_top_level_list_and_bad_defaults(tmp_path):
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(_write(tmp_path, "list.yaml", "- a\n- b\n"), PPORunConfig)
+    with pytest.raises(ConfigError, match="defaults must be a list of file paths"):
+        load_config(_write(tmp_path, "d.yaml", "defaults: {a: 1}\n"), PPORunConfig)
+
+
+def test_defaults_cycle(tmp_path):
+    a = _write(tmp_path, "a.yaml", "defaults: [b.yaml]\n")
+    _write(tmp_path, "b.yaml", "defaults: [a.yaml]\n")
+    with pytest.raises(ConfigError, match=r"defaults form a cycle \(.*a.yaml -> .*b.yaml -> .*a.yaml\)"):
+        load_config(a, PPORunConfig)
+    self_ref = _write(tmp_path, "self.yaml", "defaults: [self.yaml]\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(self_ref, PPORunConfig)
+
+
+def test_bad_interpolation(tmp_path):
+    path = _write(tmp_path, "interp.yaml", "generation:\n  max_new_tokens: ${dataset.max_len}\n")
+    with pytest.raises(ConfigError, match=r"interp.yaml: cannot resolve an interpolation .*dataset.max_len"):
+        load_config(path, PPORunConfig)
+
+
+def test_save_effective_config_round_trip(tmp_path):
+    # strings YAML could misread once written back: a newline, a '#', a quote, a number-like
+    run = _write(tmp_path, "run.yaml", f"""\
+defaults: [{DEBUG}]
+dataset:
+  prompt_template: "Q: {{prompt}}\\nA: #1 'x'"
+  name: "123"
+model:
+  tokenizer: "null"
+""")
+    overrides = ["ppo.kl_coeff=0.2", "lora.target_modules=[q_proj, v_proj]"]
+    cfg, effective = load_config(run, PPORunConfig, overrides)
+    for i, what in enumerate((cfg, effective)):   # from the dataclass or from the resolved tree
+        path = save_effective_config(what, tmp_path / f"run{i}")
+        assert path == tmp_path / f"run{i}" / "effective_config.yaml"
+        text = path.read_text()
+        assert "${" not in text and "defaults" not in text   # resolved and flat
+        again, _ = load_config(path, PPORunConfig)
+        assert again == cfg
+        assert dataclasses.asdict(again) == dataclasses.asdict(cfg)
+    assert cfg.generation.max_new_tokens == 16 and cfg.lora.target_modules == ["q_proj", "v_proj"]
+    assert cfg.dataset.prompt_template == "Q: {prompt}\nA: #1 'x'"
+    assert cfg.dataset.name == "123" and cfg.model.tokenizer == "null" and cfg.ppo.kl_coeff == 0.2
