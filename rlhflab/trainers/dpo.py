@@ -1,0 +1,575 @@
+"""DPO on offline preference pairs: `rlhflab dpo --config configs/dpo_debug.yaml [key=value ...]`.
+
+Direct Preference Optimisation (Rafailov et al., 2023) and two relatives (IPO, hinge)
+on pairs in the labelling app's export format, read as they are:
+
+    {"prompt": str, "chosen": str, "rejected": str, "margin": float, "pair_id": ..., "n_labels": int}
+
+The loop, in order:
+
+    1. data         read and tokenize the pairs (prompt left-truncated, responses
+                    right-truncated, EOS appended); tie rows are left out
+    2. reference    sequence log-probs of every pair under the reference, computed once
+                    and cached (up front, or on a pair's first use)
+    3. update       per batch of pairs: policy sequence log-probs of chosen and rejected
+                    in one forward pass, `ops.dpo_loss`, gradient accumulation over
+                    micro-batches, grad-norm clipping
+    4. log, evaluate (held-out implicit-reward accuracy; greedy task accuracy), save
+
+A sequence log-prob is the sum of the log-probs of the response tokens only (EOS
+included, prompt and padding excluded). The LM head runs only on the response
+positions (`PolicyOnly.forward_response`).
+
+Where we depart from common practice:
+- With `precompute_ref_logprobs` and a frozen-copy reference, the copy is freed once
+  every pair's reference log-probs are cached, so training holds one model. Under LoRA
+  the reference is the adapter-disabled policy and costs no memory; its log-probs are
+  cached all the same, so each pair's reference pass runs once.
+- Besides the implicit-reward accuracy (β·log π/π_ref of chosen > of rejected, which is
+  0 before training because both rewards are 0), `eval/logp_accuracy` reports how often
+  the policy itself gives the chosen response the higher log-probability.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from rlhflab import ops
+from rlhflab.config import load_config, save_effective_config
+from rlhflab.config.schema import (DatasetConfig, GenerationConfig, LoggingConfig, LoRAConfig,
+                                   ModelConfig, TrainingConfig, f)
+from rlhflab.data.loading import read_rows
+from rlhflab.data.prompts import format_prompt, load_prompts
+from rlhflab.errors import UserError
+from rlhflab.evaluate import evaluate_policy, save_samples
+from rlhflab.metrics import MetricsLogger, plot_metrics
+from rlhflab.models.actor_critic import Reference
+from rlhflab.models.checkpoint import load_trainer_state, prune_checkpoints, set_rng_state
+from rlhflab.rewards import RuleScorer, resolve_rule
+from rlhflab.trainers.common import Timer, peak_memory_mb, prepare_output_dir, seed_everything, set_threads
+from rlhflab.trainers.policy_gradient import (OptimizerFields, PolicyModels, PolicyOnly, build_policy_models,
+                                              check_reference, check_resume_dir, make_optimization,
+                                              save_policy_checkpoint)
+
+
+# --------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------
+@dataclass
+class DPOSection(OptimizerFields):
+    """DPO settings (the optimizer fields are shared with GRPO and RLOO)."""
+
+    beta: float = f(0.1, "strength of the implicit KL to the reference: the reward is beta * log(pi/pi_ref)", gt=0)
+    loss_kind: Literal["sigmoid", "ipo", "hinge"] = f(
+        "sigmoid", "sigmoid: DPO; ipo: squared loss to 1/(2 beta); hinge: SLiC's max(0, 1 - beta h)")
+    label_smoothing: float = f(0.0, "assumed fraction of flipped labels (conservative DPO; sigmoid only)", ge=0, lt=0.5)
+    batch_size: int = f(16, "pairs per optimizer step", gt=0)
+    mini_batch_size: int = f(8, "pairs per forward pass; batch_size / mini_batch_size micro-batches are accumulated", gt=0)
+    epochs: int = f(1, "passes over the training pairs", gt=0)
+    max_steps: Optional[int] = f(None, "stop after this many optimizer steps; null runs every epoch", gt=0)
+    max_response_length: int = f(256, "chosen/rejected responses longer than this (in tokens, EOS included) are cut", gt=0)
+    append_eos: bool = f(True, "end every response with the EOS token (the export holds text without it)")
+    precompute_ref_logprobs: bool = f(True, "compute every pair's reference log-probs before training; false: on first use (cached either way)")
+    eval_fraction: float = f(0.1, "held-out fraction of the pairs when dataset.eval_path is null", ge=0, lt=1)
+    task_eval_path: Optional[str] = f(None, "GSM8K-format file (question/answer) for greedy held-out accuracy; null skips it")
+    task_reward: str = f("gsm8k", "rule reward used to score the greedy task answers")
+
+    def check(self) -> list[str]:
+        errs = super().check()
+        if self.mini_batch_size > self.batch_size:
+            errs.append(f"mini_batch_size: {self.mini_batch_size} exceeds batch_size {self.batch_size}; lower it")
+        if self.label_smoothing and self.loss_kind != "sigmoid":
+            errs.append(f"label_smoothing: only the sigmoid loss uses it, loss_kind is {self.loss_kind!r}; set it to 0")
+        return errs
+
+
+def _dpo_dataset() -> DatasetConfig:
+    return DatasetConfig(path="outputs/arith/pairs_train.jsonl", eval_path="outputs/arith/pairs_test.jsonl",
+                         prompt_field="prompt", answer_field="answer")
+
+
+@dataclass
+class DPORunConfig:
+    """`rlhflab dpo`: every section of a DPO run. `training.total_ppo_steps` is not used."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    dataset: DatasetConfig = field(default_factory=_dpo_dataset)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)  # greedy task evaluation only
+    dpo: DPOSection = field(default_factory=DPOSection)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def check(self) -> list[str]:
+        return check_reference(self.model, self.lora, 1.0, "dpo.beta")
+
+
+# --------------------------------------------------------------------------------------
+# 1. Data
+# --------------------------------------------------------------------------------------
+@dataclass
+class PreferencePair:
+    prompt: str    # as the model sees it (template applied)
+    chosen: str
+    rejected: str
+    pair_id: object = None
+
+
+def read_preference_pairs(source: str, dataset_cfg: DatasetConfig, tokenizer=None,
+                          limit: int | None = None, warn=print) -> list[PreferencePair]:
+    """Rows of a preference export as pairs; tie rows are left out (and counted)."""
+    d = dataset_cfg
+    rows = read_rows(source, d.split, d.subset)
+    if not rows:
+        raise UserError(f"{source}: no rows; export some with `rlhflab label export`")
+    pairs, ties = [], 0
+    for i, row in enumerate(rows):
+        for key in (d.prompt_field, "chosen", "rejected"):
+            if not isinstance(row.get(key), str):
+                raise UserError(f"{source}: row {i} needs a string {key!r} (it has {sorted(row)}); "
+                                "DPO reads prompt/chosen/rejected rows (set dataset.prompt_field for the prompt)")
+        if row.get("tie"):
+            ties += 1
+            continue
+        pairs.append(PreferencePair(format_prompt(row[d.prompt_field], d.prompt_template, tokenizer,
+                                                  d.use_chat_template),
+                                    row["chosen"], row["rejected"], row.get("pair_id", i)))
+    if ties:
+        warn(f"{source}: {ties} tie rows left out (no preference to learn)")
+    if not pairs:
+        raise UserError(f"{source}: every row is a tie; DPO needs pairs with a preference")
+    return pairs[:limit] if limit is not None else pairs
+
+
+@dataclass
+class TokenizedPair:
+    prompt_ids: list[int]
+    chosen_ids: list[int]
+    rejected_ids: list[int]
+
+
+def tokenize_pairs(pairs: Sequence[PreferencePair], tokenizer, max_prompt_length: int,
+                   max_response_length: int, append_eos: bool = True) -> list[TokenizedPair]:
+    """Prompt and responses tokenized separately (as at generation time) and truncated."""
+    eos = tokenizer.eos_token_id
+
+    def response(text: str) -> list[int]:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if append_eos and eos is not None and (not ids or ids[-1] != eos):
+            ids = ids + [eos]
+        return ids[:max_response_length]
+
+    out = []
+    for p in pairs:
+        prompt = tokenizer(p.prompt, add_special_tokens=False)["input_ids"][-max_prompt_length:]
+        out.append(TokenizedPair(prompt, response(p.chosen), response(p.rejected)))
+    return out
+
+
+@dataclass
+class ResponseBatch:
+    input_ids: Tensor      # (B, P+T) prompt left-padded, response right-padded
+    attention_mask: Tensor  # (B, P+T)
+    response_ids: Tensor   # (B, T)
+    response_mask: Tensor  # (B, T) 1 on real response tokens
+    prompt_len: int        # P
+
+
+def collate_responses(prompts: Sequence[list[int]], responses: Sequence[list[int]], pad_token_id: int,
+                      device: torch.device | str = "cpu") -> ResponseBatch:
+    """Prompt+response rows in the rollout layout, so response token t sits at P + t."""
+    b = len(prompts)
+    p = max(len(x) for x in prompts)
+    t = max(max(len(x) for x in responses), 1)
+    prompt_ids = torch.full((b, p), pad_token_id, dtype=torch.long)      # (B, P)
+    prompt_mask = torch.zeros((b, p), dtype=torch.long)
+    response_ids = torch.full((b, t), pad_token_id, dtype=torch.long)    # (B, T)
+    response_mask = torch.zeros((b, t), dtype=torch.long)
+    for i, (pr, rs) in enumerate(zip(prompts, responses)):
+        if pr:
+            prompt_ids[i, p - len(pr):] = torch.tensor(pr)
+            prompt_mask[i, p - len(pr):] = 1
+        if rs:
+            response_ids[i, :len(rs)] = torch.tensor(rs)
+            response_mask[i, :len(rs)] = 1
+    return ResponseBatch(torch.cat([prompt_ids, response_ids], 1).to(device),
+                         torch.cat([prompt_mask, response_mask], 1).to(device),
+                         response_ids.to(device), response_mask.to(device), p)
+
+
+def pair_batch(pairs: Sequence[TokenizedPair], pad_token_id: int, device) -> ResponseBatch:
+    """2b rows: the b chosen responses, then the b rejected ones, each after its prompt."""
+    prompts = [x.prompt_ids for x in pairs] * 2
+    responses = [x.chosen_ids for x in pairs] + [x.rejected_ids for x in pairs]
+    return collate_responses(prompts, responses, pad_token_id, device)
+
+
+def sequence_logprobs(logits: Tensor, batch: ResponseBatch) -> Tensor:
+    """Σ_t log p(response token t), response tokens only: logits (B, T, V) -> (B,)."""
+    logprobs = ops.logprobs_from_logits(logits, batch.response_ids)  # (B, T)
+    return ops.masked_sum(logprobs, batch.response_mask, dim=-1)      # (B,)
+
+
+def policy_sequence_logprobs(actor: PolicyOnly, batch: ResponseBatch) -> Tensor:
+    out = actor.forward_response(batch.input_ids, batch.attention_mask, batch.prompt_len)
+    return sequence_logprobs(out.logits, batch)
+
+
+# --------------------------------------------------------------------------------------
+# 2. The reference log-probs, computed once per pair
+# --------------------------------------------------------------------------------------
+class ReferenceCache:
+    """Sequence log-probs of chosen and rejected under the reference, per pair index.
+
+    `get(indices)` computes the pairs it has not seen yet (one batched pass) and returns
+    the cached values; `fill(batch_size)` computes them all up front. `n_computed` counts
+    the pairs sent through the reference, so a test can check each goes through once.
+    """
+
+    def __init__(self, reference: Reference | None, pairs: Sequence[TokenizedPair], pad_token_id: int,
+                 device: torch.device, batch_size: int = 16):
+        self.reference = reference
+        self.pairs = pairs
+        self.pad_token_id = pad_token_id
+        self.device = device
+        self.batch_size = batch_size
+        self.chosen = torch.zeros(len(pairs))    # (N,)
+        self.rejected = torch.zeros(len(pairs))  # (N,)
+        self.done = torch.zeros(len(pairs), dtype=torch.bool)
+        self.n_computed = 0
+
+    @torch.no_grad()
+    def _compute(self, indices: list[int]) -> None:
+        if self.reference is None:
+            raise RuntimeError("ReferenceCache: the reference was released before every pair was cached")
+        for s in range(0, len(indices), self.batch_size):
+            idx = indices[s : s + self.batch_size]
+            batch = pair_batch([self.pairs[i] for i in idx], self.pad_token_id, self.device)
+            logits = self.reference.response_logits(batch.input_ids, batch.attention_mask, batch.prompt_len)
+            lp = sequence_logprobs(logits, batch).cpu()  # (2b,)
+            b = len(idx)
+            self.chosen[idx], self.rejected[idx] = lp[:b], lp[b:]
+            self.done[idx] = True
+            self.n_computed += b
+
+    def get(self, indices: Sequence[int]) -> tuple[Tensor, Tensor]:
+        """(ref_chosen, ref_rejected), each (b,), on the training device."""
+        indices = [int(i) for i in indices]
+        missing = [i for i in indices if not self.done[i]]
+        if missing:
+            self._compute(missing)
+        return self.chosen[indices].to(self.device), self.rejected[indices].to(self.device)
+
+    def fill(self) -> None:
+        self._compute([i for i in range(len(self.pairs)) if not self.done[i]])
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.done.all())
+
+
+# --------------------------------------------------------------------------------------
+# 3. The loss of a batch
+# --------------------------------------------------------------------------------------
+@dataclass
+class DPOBatchStats:
+    loss: float
+    chosen_rewards: Tensor    # (b,) β·(log π − log π_ref), chosen
+    rejected_rewards: Tensor  # (b,)
+    policy_chosen: Tensor     # (b,) sequence log-probs under the policy
+    policy_rejected: Tensor   # (b,)
+
+
+def dpo_micro_batch_loss(actor: PolicyOnly, pairs: Sequence[TokenizedPair], ref_chosen: Tensor,
+                         ref_rejected: Tensor, sec: DPOSection, pad_token_id: int,
+                         device) -> tuple[Tensor, DPOBatchStats]:
+    """The DPO loss of b pairs (mean over them) from one forward pass over 2b rows."""
+    batch = pair_batch(pairs, pad_token_id, device)
+    lp = policy_sequence_logprobs(actor, batch)  # (2b,)
+    b = len(pairs)
+    out = ops.dpo_loss(lp[:b], lp[b:], ref_chosen, ref_rejected, sec.beta, sec.loss_kind, sec.label_smoothing)
+    return out.loss, DPOBatchStats(float(out.loss.detach()), out.chosen_rewards.cpu(), out.rejected_rewards.cpu(),
+                                   lp[:b].detach().cpu(), lp[b:].detach().cpu())
+
+
+def reward_metrics(chosen: Tensor, rejected: Tensor, prefix: str = "") -> dict[str, float]:
+    """TRL's names: rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies."""
+    return {f"{prefix}rewards/chosen": float(chosen.mean()),
+            f"{prefix}rewards/rejected": float(rejected.mean()),
+            f"{prefix}rewards/margins": float((chosen - rejected).mean()),
+            f"{prefix}rewards/accuracies": float((chosen > rejected).float().mean())}
+
+
+@torch.no_grad()
+def evaluate_pairs(actor: PolicyOnly, pairs: Sequence[TokenizedPair], cache: ReferenceCache,
+                   sec: DPOSection, pad_token_id: int, device) -> dict[str, float]:
+    """Held-out loss, implicit-reward metrics and the policy's own log-prob preference."""
+    was_training = actor.training
+    actor.eval()
+    losses, ch, rj, pc, pr = [], [], [], [], []
+    for s in range(0, len(pairs), sec.mini_batch_size):
+        idx = list(range(s, min(s + sec.mini_batch_size, len(pairs))))
+        ref_c, ref_r = cache.get(idx)
+        loss, st = dpo_micro_batch_loss(actor, [pairs[i] for i in idx], ref_c, ref_r, sec, pad_token_id, device)
+        losses.append(st.loss * len(idx))
+        ch.append(st.chosen_rewards), rj.append(st.rejected_rewards)
+        pc.append(st.policy_chosen), pr.append(st.policy_rejected)
+    if was_training:
+        actor.train()
+    chosen, rejected = torch.cat(ch), torch.cat(rj)
+    return {"eval/loss": sum(losses) / len(pairs), **reward_metrics(chosen, rejected, "eval/"),
+            "eval/logp_accuracy": float((torch.cat(pc) > torch.cat(pr)).float().mean())}
+
+
+# --------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------
+@dataclass
+class TrainResult:
+    output_dir: Path
+    final_dir: Path
+    history: list[dict] = field(default_factory=list)
+    eval_before: dict | None = None
+    eval_after: dict | None = None
+    pairs_per_s: float = 0.0
+    models: PolicyModels | None = None
+    ref_cache: ReferenceCache | None = None
+
+
+def _split(pairs: list[PreferencePair], fraction: float, seed: int) -> tuple[list, list]:
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(pairs), generator=g).tolist()
+    n_eval = int(round(len(pairs) * fraction))
+    return [pairs[i] for i in order[n_eval:]], [pairs[i] for i in order[:n_eval]]
+
+
+def _evaluate(models: PolicyModels, eval_tok, eval_cache, task_examples, task_scorer, cfg: DPORunConfig,
+              out_dir: Path, step: int) -> dict[str, float]:
+    metrics = {}
+    if eval_tok:
+        metrics.update(evaluate_pairs(models.actor, eval_tok, eval_cache, cfg.dpo,
+                                      models.tokenizer.pad_token_id, models.device))
+    if task_examples:
+        res = evaluate_policy(models.policy, models.tokenizer, task_examples, task_scorer,
+                              max_new_tokens=cfg.generation.max_new_tokens,
+                              max_prompt_length=cfg.dataset.max_prompt_length,
+                              batch_size=cfg.training.eval_batch_size)
+        save_samples(res, out_dir / "eval" / f"step_{step}.jsonl")
+        metrics.update(res.metrics())
+    return metrics
+
+
+def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, quiet: bool = False) -> TrainResult:
+    """Run DPO as configured; returns where the outputs went and the metric history."""
+    t, sec, d = cfg.training, cfg.dpo, cfg.dataset
+    say = (lambda *a: None) if quiet else print
+    set_threads(t.num_threads)
+    resume_dir = check_resume_dir(resume)
+    out_dir = prepare_output_dir(t.output_dir, resume=resume_dir is not None)
+    save_effective_config(effective if effective is not None else cfg, out_dir)
+    seed_everything(t.seed)
+    models = build_policy_models(cfg.model, cfg.lora, t.device, need_reference=True, resume_dir=resume_dir)
+    tok, pad = models.tokenizer, models.tokenizer.pad_token_id
+
+    # 1. data: the export rows as they are; held-out pairs from eval_path or a split.
+    if not d.path:
+        raise UserError("dataset.path: DPO needs a preference file (prompt/chosen/rejected jsonl)")
+    train_pairs = read_preference_pairs(d.path, d, tok, d.num_samples, warn=say)
+    if d.eval_path:
+        eval_pairs = read_preference_pairs(d.eval_path, d, tok, d.num_eval_samples, warn=say)
+    else:
+        train_pairs, eval_pairs = _split(train_pairs, sec.eval_fraction, t.seed)
+        eval_pairs = eval_pairs[: d.num_eval_samples] if d.num_eval_samples else eval_pairs
+    tok_args = (tok, d.max_prompt_length, sec.max_response_length, sec.append_eos)
+    train_tok, eval_tok = tokenize_pairs(train_pairs, *tok_args), tokenize_pairs(eval_pairs, *tok_args)
+    task_examples, task_scorer = [], None
+    if sec.task_eval_path and t.eval_interval:
+        task_cfg = dataclasses.replace(d, eval_path=sec.task_eval_path, prompt_field="question",
+                                       answer_field="answer")
+        task_examples = load_prompts(task_cfg, tok, "eval")
+        task_scorer = RuleScorer(resolve_rule(sec.task_reward))
+
+    # 2. reference log-probs: cached per pair; with a frozen copy, the copy is freed after.
+    train_cache = ReferenceCache(models.reference, train_tok, pad, models.device, sec.mini_batch_size)
+    eval_cache = ReferenceCache(models.reference, eval_tok, pad, models.device, sec.mini_batch_size)
+    timer = Timer()
+    if sec.precompute_ref_logprobs:
+        with timer("reference"):
+            train_cache.fill()
+            eval_cache.fill()
+        if models.reference is not None and models.reference.model is not None:
+            models.reference = train_cache.reference = eval_cache.reference = None  # free the copy
+
+    steps_per_epoch = math.ceil(len(train_tok) / sec.batch_size)
+    total_steps = steps_per_epoch * sec.epochs
+    if sec.max_steps is not None:
+        total_steps = min(total_steps, sec.max_steps)
+    optimizer, scheduler = make_optimization(models.actor.trainable_parameters(), sec, total_steps)
+    start_step = 0
+    if resume_dir is not None:
+        state = load_trainer_state(resume_dir)
+        optimizer.load_state_dict(state["optimizer"])
+        if state.get("scheduler"):
+            scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        start_step = int(state["step"])
+
+    logger = MetricsLogger(out_dir, cfg.logging.report_to, cfg.logging.run_name, cfg.logging.wandb_project,
+                           config=dataclasses.asdict(cfg), resume=resume_dir is not None)
+    result = TrainResult(out_dir, out_dir / "final", models=models, ref_cache=train_cache)
+    if t.eval_interval and start_step == 0:
+        result.eval_before = _evaluate(models, eval_tok, eval_cache, task_examples, task_scorer, cfg, out_dir, 0)
+        logger.log(0, {**result.eval_before, **timer.metrics()})
+        say("step 0 (before training): " + ", ".join(f"{k}={v:.3f}" for k, v in result.eval_before.items()))
+
+    from tqdm import tqdm
+    bar = tqdm(total=total_steps, initial=start_step, disable=quiet or not cfg.logging.progress_bar,
+               desc="dpo", dynamic_ncols=True)
+    params = models.actor.trainable_parameters()
+    step, total_pairs, total_seconds = 0, 0, 0.0
+    for epoch in range(sec.epochs):
+        # The order depends only on (seed, epoch), so a resumed run sees the same batches.
+        order = torch.randperm(len(train_tok), generator=torch.Generator().manual_seed(t.seed * 1_009 + epoch))
+        for start in range(0, len(order), sec.batch_size):
+            if step >= total_steps:
+                break
+            step += 1
+            if step <= start_step:
+                continue
+            timer = Timer()
+            t0 = time.perf_counter()
+            idx = order[start : start + sec.batch_size].tolist()
+            with timer("reference"):
+                ref_c, ref_r = train_cache.get(idx)
+            # 3. update: micro-batches of pairs, their losses weighted to the batch mean.
+            stats = []
+            with timer("update"):
+                for m in range(0, len(idx), sec.mini_batch_size):
+                    sl = slice(m, m + sec.mini_batch_size)
+                    mb = idx[sl]
+                    loss, st = dpo_micro_batch_loss(models.actor, [train_tok[i] for i in mb], ref_c[sl],
+                                                    ref_r[sl], sec, pad, models.device)
+                    if not torch.isfinite(loss):
+                        raise FloatingPointError(f"DPO loss is {float(loss)} at step {step}")
+                    (loss * len(mb) / len(idx)).backward()
+                    stats.append((len(mb), st))
+                max_norm = sec.max_grad_norm if sec.max_grad_norm is not None else float("inf")
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            seconds = time.perf_counter() - t0
+            total_pairs += len(idx)
+            total_seconds += seconds
+            # 4. log, evaluate, save.
+            chosen = torch.cat([s.chosen_rewards for _, s in stats])
+            rejected = torch.cat([s.rejected_rewards for _, s in stats])
+            metrics = {"loss": sum(n * s.loss for n, s in stats) / len(idx), **reward_metrics(chosen, rejected),
+                       "logps/chosen": float(torch.cat([s.policy_chosen for _, s in stats]).mean()),
+                       "logps/rejected": float(torch.cat([s.policy_rejected for _, s in stats]).mean()),
+                       "params/grad_norm": grad_norm, "lr": optimizer.param_groups[0]["lr"], "epoch": epoch,
+                       **timer.metrics(), "perf/pairs_per_s": len(idx) / seconds}
+            if t.eval_interval and (step % t.eval_interval == 0 or step == total_steps):
+                metrics.update(_evaluate(models, eval_tok, eval_cache, task_examples, task_scorer, cfg, out_dir, step))
+            logger.log(step, metrics)
+            result.history.append({"step": step, **metrics})
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['rewards/accuracies']:.2f}")
+            if t.save_interval and step % t.save_interval == 0 and step < total_steps:
+                save_policy_checkpoint(out_dir / f"step_{step}", models.policy, tok, optimizer=optimizer,
+                                       scheduler=scheduler, step=step)
+                prune_checkpoints(out_dir, t.keep_last_checkpoints)
+    bar.close()
+    save_policy_checkpoint(result.final_dir, models.policy, tok, optimizer=optimizer, scheduler=scheduler,
+                           step=total_steps)
+    logger.close()
+    if cfg.logging.plots:
+        plot_metrics(logger.path, out_dir / "plots", PLOT_GROUPS)
+    evals = [h for h in result.history if any(k.startswith("eval/") for k in h)]
+    if evals:
+        result.eval_after = {k: v for k, v in evals[-1].items() if k.startswith("eval/")}
+    result.pairs_per_s = total_pairs / total_seconds if total_seconds else 0.0
+    (out_dir / "peak_memory_mb.txt").write_text(f"{peak_memory_mb(models.device):.1f}\n")
+    return result
+
+
+PLOT_GROUPS: dict[str, list[str]] = {
+    "loss": ["loss", "eval/loss"],
+    "rewards": ["rewards/chosen", "rewards/rejected", "rewards/margins"],
+    "accuracy": ["rewards/accuracies", "eval/rewards/accuracies", "eval/logp_accuracy", "eval/accuracy"],
+    "logps": ["logps/chosen", "logps/rejected"],
+    "grad_norm": ["params/grad_norm"],
+    "lr": ["lr"],
+}
+
+
+# --------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML config, e.g. configs/dpo_debug.yaml")
+    parser.add_argument("--resume", default=None, help="continue from a step_N/ checkpoint folder")
+    parser.add_argument("--make-arith-pairs", metavar="TASK_DIR", default=None,
+                        help="write demo pairs (right vs off-by-one answers) from TASK_DIR/{train,test}.jsonl "
+                             "to TASK_DIR/pairs_{train,test}.jsonl and exit")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. dpo.beta=0.2")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.make_arith_pairs:
+        for split, path in write_arith_pairs(args.make_arith_pairs).items():
+            print(f"{split:>5}: {path}")
+        return 0
+    if not args.config:
+        raise UserError("give --config (e.g. configs/dpo_debug.yaml) or --make-arith-pairs TASK_DIR")
+    cfg, effective = load_config(args.config, DPORunConfig, args.overrides)
+    res = train(cfg, resume=args.resume, effective=effective)
+    print(f"done: {res.output_dir} (final model in {res.final_dir}); {res.pairs_per_s:.2f} pairs/s")
+    if res.eval_before and res.eval_after:
+        for k in res.eval_after:
+            if k in res.eval_before:
+                print(f"  {k}: {res.eval_before[k]:.3f} -> {res.eval_after[k]:.3f}")
+    (res.output_dir / "train_result.json").write_text(json.dumps(
+        {"eval_before": res.eval_before, "eval_after": res.eval_after, "pairs_per_s": res.pairs_per_s},
+        indent=2))
+    return 0
+
+
+# --------------------------------------------------------------------------------------
+# Demo pairs from the arithmetic task
+# --------------------------------------------------------------------------------------
+def arith_preference_pairs(rows: Sequence[dict], slip: int = 1) -> list[dict]:
+    """Export-format rows from arithmetic-task rows: chosen is the right worked answer,
+    rejected the same line off by `slip` (the SFT demonstrator's systematic mistake)."""
+    out = []
+    for i, row in enumerate(rows):
+        a, op, b, result = row["a"], row["op"], row["b"], row["result"]
+        out.append({"prompt": row["question"],
+                    "chosen": f" {a} {op} {b} = {result}\n#### {result}",
+                    "rejected": f" {a} {op} {b} = {result + slip}\n#### {result + slip}",
+                    "margin": 1.0, "pair_id": i, "n_labels": 1})
+    return out
+
+
+def write_arith_pairs(task_dir: str | Path) -> dict[str, Path]:
+    """pairs_train.jsonl and pairs_test.jsonl beside the task's train.jsonl and test.jsonl."""
+    from rlhflab.data.arith import write_jsonl
+
+    task_dir = Path(task_dir)
+    out = {}
+    for split in ("train", "test"):
+        src = task_dir / f"{split}.jsonl"
+        if not src.is_file():
+            raise UserError(f"{src} not found; make the task first with `rlhflab make-data --out {task_dir}`")
+        out[split] = write_jsonl(arith_preference_pairs(read_rows(str(src))), task_dir / f"pairs_{split}.jsonl")
+    return out
