@@ -240,8 +240,13 @@ def load_config(
     path: str | Path | None,
     schema: type[T],
     overrides: list[str] | None = None,
+    base: dict | None = None,
 ) -> tuple[T, DictConfig]:
     """Load, merge, resolve and validate a config.
+
+    `base` (a plain mapping, e.g. ``dataclasses.asdict`` of a config built in code) sits
+    under the file and the overrides: how commands with built-in settings (the
+    quickstart) still take dotted overrides with the same checks.
 
     Returns the typed config (a `schema` instance) and the resolved OmegaConf tree
     (for `effective_config.yaml`). Raises `ConfigError` listing every problem found,
@@ -249,6 +254,8 @@ def load_config(
     """
     where = str(path) if path is not None else "<defaults>"
     raw = compose(path, overrides)
+    if base is not None:
+        raw = _merge(OmegaConf.create(base), raw, where)
     try:
         resolved = OmegaConf.to_container(raw, resolve=True)
     except OmegaConfBaseException as exc:

@@ -339,11 +339,8 @@ def train(cfg: PPORunConfig, resume: str | Path | None = None, math_: PPOMath | 
 
     doctor = None
     if cfg.logging.doctor:
-        try:
-            from rlhflab.doctor import Doctor
-            doctor = Doctor(max_grad_norm=p.max_grad_norm) if "max_grad_norm" in Doctor.__init__.__code__.co_varnames else Doctor()
-        except ImportError:
-            doctor = None
+        from rlhflab.doctor import Doctor, DoctorConfig
+        doctor = Doctor(DoctorConfig(max_grad_norm=p.max_grad_norm))
     logger = MetricsLogger(out_dir, cfg.logging.report_to, cfg.logging.run_name, cfg.logging.wandb_project,
                            config=dataclasses.asdict(cfg), resume=resume_dir is not None)
     result = TrainResult(out_dir, out_dir / "final")
@@ -382,7 +379,7 @@ def train(cfg: PPORunConfig, resume: str | Path | None = None, math_: PPOMath | 
         bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}", kl=f"{metrics['params/kl_to_ref']:.3f}")
         if doctor is not None:
             for finding in doctor.observe(step, metrics):
-                tqdm.write(str(getattr(finding, "message", finding)))
+                tqdm.write(str(finding))
         if t.save_interval and step % t.save_interval == 0 and step < t.total_ppo_steps:
             save_checkpoint(out_dir / f"step_{step}", models.actor_critic, models.tokenizer,
                             optimizer=optimizer, scheduler=scheduler, step=step)
