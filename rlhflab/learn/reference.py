@@ -1,0 +1,148 @@
+"""The reference solution in the exercises' signatures: thin adapters, no second copy.
+
+Each function below calls the library's own code (`rlhflab.ops` and the PPO trainer)
+and only renames its inputs and outputs to the contract of an exercise. The grader
+compares the learner's functions with these; `rlhflab learn solution N` prints the
+library functions they call. There is deliberately no hand-written solution file.
+
+`update_step` is the one place that orders library calls itself: the trainer's
+accumulation loop sits inside `ppo_update`, which takes a whole rollout, so the group
+step is spelled out here in the same order (`ppo_minibatch_loss` per minibatch with the
+group's token count as normalizer, backward, clip the norm, step, zero the gradients).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from rlhflab import ops
+from rlhflab.trainers.ppo import PPOMath, ppo_minibatch_loss
+
+
+class PolicyLoss(NamedTuple):
+    loss: Tensor
+    clip_frac: Tensor
+
+
+class ValueLoss(NamedTuple):
+    loss: Tensor
+    clip_frac: Tensor
+
+
+class EntropyLoss(NamedTuple):
+    loss: Tensor
+    entropy: Tensor
+
+
+class MinibatchLoss(NamedTuple):
+    total: Tensor
+    policy: Tensor
+    value: Tensor
+    entropy: Tensor
+    policy_clip_frac: Tensor
+    value_clip_frac: Tensor
+
+
+class UpdateStats(NamedTuple):
+    loss: float
+    grad_norm: float
+
+
+# ---------------------------------------------------------------- exercises 1-4
+def compute_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
+                        response_mask: Tensor, clip_eps: float = 0.2) -> PolicyLoss:
+    out = ops.ppo_policy_loss(logprobs, old_logprobs, advantages, response_mask, clip_eps)
+    return PolicyLoss(out.loss, out.clip_frac)
+
+
+def compute_value_loss(values: Tensor, old_values: Tensor, returns: Tensor,
+                       response_mask: Tensor, clip_range: float | None = 0.2) -> ValueLoss:
+    out = ops.value_loss(values, old_values, returns, response_mask, clip_range)
+    return ValueLoss(out.loss, out.clip_frac)
+
+
+def compute_entropy_loss(logits: Tensor, response_mask: Tensor) -> EntropyLoss:
+    out = ops.entropy_loss(ops.entropy_from_logits(logits), response_mask)
+    return EntropyLoss(out.loss, out.entropy)
+
+
+def compute_gae_advantages(rewards: Tensor, values: Tensor, response_mask: Tensor,
+                           gamma: float = 1.0, lam: float = 0.95) -> ops.GAEOutput:
+    return ops.gae(rewards, values, response_mask, gamma, lam)
+
+
+def whiten_advantages(advantages: Tensor, response_mask: Tensor) -> Tensor:
+    return ops.masked_whiten(advantages, response_mask)
+
+
+# ---------------------------------------------------------------- exercise 5
+class ResponseModel:
+    """What exercise 5 receives as `model`: `logits, values = model(mb)`.
+
+    Wraps anything with the actor-critic's `forward_response(input_ids, attention_mask,
+    prompt_len, with_values)` and `trainable_parameters()`: the real `ActorCritic` in
+    `learn run`, a toy one in the grader. Keeps the last logits so the trainer adapter
+    can log the approximate KL without a second forward pass.
+    """
+
+    def __init__(self, actor_critic, temperature: float = 1.0):
+        self.actor_critic = actor_critic
+        self.temperature = temperature
+        self.last_logits: Tensor | None = None
+
+    def __call__(self, mb: dict) -> tuple[Tensor, Tensor]:
+        out = self.actor_critic.forward_response(mb["input_ids"], mb["attention_mask"],
+                                                 mb["prompt_len"], True)
+        logits = out.logits if self.temperature == 1.0 else out.logits / self.temperature  # (B, T, V)
+        self.last_logits = logits
+        return logits, out.values
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.actor_critic.trainable_parameters())
+
+
+def n_tokens(mb: dict) -> float:
+    """Real response tokens of a minibatch (at least 1, as the library's normalizer)."""
+    return float(mb["response_mask"].sum().clamp(min=1))
+
+
+def minibatch_loss(model: ResponseModel, mb: dict, settings) -> MinibatchLoss:
+    """The trainer's `ppo_minibatch_loss`, normalised by this minibatch's own tokens."""
+    total, st = ppo_minibatch_loss(model.actor_critic, mb, settings, model.temperature,
+                                   PPOMath(), normalizer=n_tokens(mb))
+    t = lambda x: torch.tensor(x)  # noqa: E731 - the trainer's stats are floats
+    return MinibatchLoss(total, t(st.policy), t(st.value), t(st.entropy),
+                         t(st.policy_clip_frac), t(st.value_clip_frac))
+
+
+def update_step(model: ResponseModel, minibatches: list[dict], optimizer, settings) -> UpdateStats:
+    """One optimizer step over a gradient-accumulation group, in `ppo_update`'s order."""
+    params = model.parameters()
+    # Every minibatch's loss is divided by the whole group's token count, so the
+    # accumulated gradient is that of the group as one batch (docs/batching.md).
+    group_tokens = sum(n_tokens(mb) for mb in minibatches)
+    total = 0.0
+    for mb in minibatches:
+        loss, _ = ppo_minibatch_loss(model.actor_critic, mb, settings, model.temperature,
+                                     PPOMath(), normalizer=group_tokens)
+        loss.backward()
+        total += float(loss.detach())
+    max_norm = settings.max_grad_norm if settings.max_grad_norm is not None else float("inf")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))  # the norm before clipping
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return UpdateStats(total, grad_norm)
+
+
+REFERENCE_FUNCTIONS = {
+    "compute_policy_loss": compute_policy_loss,
+    "compute_value_loss": compute_value_loss,
+    "compute_entropy_loss": compute_entropy_loss,
+    "compute_gae_advantages": compute_gae_advantages,
+    "whiten_advantages": whiten_advantages,
+    "minibatch_loss": minibatch_loss,
+    "update_step": update_step,
+}
