@@ -1,0 +1,251 @@
+"""Rows for supervised fine-tuning: recognise the layout, format, tokenize, mask the prompt.
+
+Layouts recognised (the first that fits a row wins):
+
+    messages            {"messages": [{"role": "user", "content": ...}, ..., {"role": "assistant", ...}]}
+    instruction         {"instruction", "response"} (Dolly; optional "context")
+                        or {"instruction", "output"} (Alpaca; optional "input" as the context)
+    prompt_completion   {"prompt", "completion"}
+    input_output        {"input", "output"}
+    question_answer     {"question", "answer"} (GSM8K and the arithmetic task)
+
+A row that fits none is reported with its index and the fields it has and skipped; a
+file where more than `max_bad_fraction` of the rows are bad stops with a `UserError`.
+
+Formatting: with `use_chat_template` and a tokenizer that has a chat template, the
+conversation is rendered by the template (the prompt part with the generation prompt,
+the response part is the rest). Otherwise ``prompt_template`` (default
+``"User: {prompt}\\n\\nAssistant:"``) and ``response_template`` (default ``" {response}"``)
+are used and EOS is appended, giving ``User: {prompt}\\n\\nAssistant: {response}<eos>``.
+
+Prompt and response are tokenized separately and concatenated, exactly as a prompt is
+tokenized at generation time and the response is then produced token by token; so the
+model learns to answer right after the prompt's last token. Labels are -100 on the
+prompt (and later on padding): the loss covers response tokens only.
+
+Truncation to `max_seq_length` cuts from the right, keeping the prompt's start; a row
+whose prompt alone fills the budget has no response left and is dropped. Both are
+counted and reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from rlhflab.errors import UserError
+
+IGNORE_INDEX = -100
+LAYOUTS = ("messages", "instruction", "prompt_completion", "input_output", "question_answer")
+
+
+@dataclass
+class SFTExample:
+    """One demonstration: a conversation whose last assistant turn is the target."""
+
+    messages: list[dict]  # [{"role", "content"}, ...], the last one from the assistant
+    index: int            # row number in the source file (0-based)
+
+    @property
+    def prompt(self) -> str:
+        """The last user turn (what a plain template shows as {prompt})."""
+        users = [m["content"] for m in self.messages[:-1] if m["role"] == "user"]
+        return users[-1] if users else ""
+
+    @property
+    def response(self) -> str:
+        return self.messages[-1]["content"]
+
+
+def _text(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def detect_layout(row: dict) -> str | None:
+    """The name of the layout `row` fits, or None."""
+    msgs = row.get("messages")
+    if isinstance(msgs, list) and msgs and all(
+            isinstance(m, dict) and _text(m.get("role")) and _text(m.get("content")) for m in msgs):
+        return "messages"
+    if _text(row.get("instruction")) and (_text(row.get("response")) or _text(row.get("output"))):
+        return "instruction"
+    if _text(row.get("prompt")) and _text(row.get("completion")):
+        return "prompt_completion"
+    if _text(row.get("input")) and _text(row.get("output")):
+        return "input_output"
+    if _text(row.get("question")) and _text(row.get("answer")):
+        return "question_answer"
+    return None
+
+
+def row_to_example(row: dict, index: int, layout: str | None = None) -> SFTExample | None:
+    """The row as an SFTExample, or None when it fits no layout (or has no assistant turn)."""
+    layout = layout or detect_layout(row)
+    if layout == "messages":
+        msgs = [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
+        # The target is the last assistant turn; anything after it is dropped.
+        last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
+        if last is None or last == 0:
+            return None
+        return SFTExample(msgs[: last + 1], index)
+    if layout == "instruction":
+        context = row.get("context") or row.get("input") or ""
+        prompt = row["instruction"] + (f"\n\n{context}" if isinstance(context, str) and context.strip() else "")
+        response = row["response"] if _text(row.get("response")) else row["output"]
+    elif layout == "prompt_completion":
+        prompt, response = row["prompt"], row["completion"]
+    elif layout == "input_output":
+        prompt, response = row["input"], row["output"]
+    elif layout == "question_answer":
+        prompt, response = row["question"], row["answer"]
+    else:
+        return None
+    return SFTExample([{"role": "user", "content": prompt}, {"role": "assistant", "content": response}], index)
+
+
+def parse_rows(rows: Sequence[dict], source: str, max_bad_fraction: float = 0.5,
+               warn=print) -> list[SFTExample]:
+    """Rows -> examples; bad rows are reported (index and fields) and skipped."""
+    if not rows:
+        raise UserError(f"{source}: no rows; check the file or split")
+    examples, bad = [], []
+    for i, row in enumerate(rows):
+        ex = row_to_example(row, i) if isinstance(row, dict) else None
+        if ex is None:
+            bad.append(i)
+            if len(bad) <= 5:
+                fields = sorted(row) if isinstance(row, dict) else type(row).__name__
+                warn(f"warning: {source}: row {i} fits no SFT layout (it has {fields}); skipped")
+        else:
+            examples.append(ex)
+    if bad:
+        if len(bad) > 5:
+            warn(f"warning: {source}: {len(bad)} rows in all fit no SFT layout and were skipped")
+        if len(bad) / len(rows) > max_bad_fraction or not examples:
+            first = rows[bad[0]]
+            fields = sorted(first) if isinstance(first, dict) else type(first).__name__
+            raise UserError(
+                f"{source}: {len(bad)} of {len(rows)} rows fit no SFT layout (row {bad[0]} has {fields}); "
+                "give rows with messages, instruction/response, prompt/completion, input/output or "
+                "question/answer fields")
+    return examples
+
+
+# --------------------------------------------------------------------------------------
+# Formatting and tokenization
+# --------------------------------------------------------------------------------------
+@dataclass
+class Template:
+    """How an example becomes text; see the module docstring."""
+
+    prompt_template: str = "User: {prompt}\n\nAssistant:"
+    response_template: str = " {response}"
+    use_chat_template: bool = True
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def _plain_history(messages: list[dict], tpl: Template) -> str:
+    """Earlier turns of a multi-turn conversation without a chat template."""
+    parts = []
+    for m in messages:
+        if m["role"] == "assistant":
+            parts.append(tpl.response_template.replace("{response}", m["content"]) + "\n\n")
+        elif m["role"] == "user":
+            parts.append(tpl.prompt_template.replace("{prompt}", m["content"]))
+        else:  # system and other roles: plain text, first
+            parts.append(m["content"] + "\n\n")
+    return "".join(parts)
+
+
+def format_example(ex: SFTExample, tokenizer, tpl: Template) -> tuple[str, str, bool]:
+    """(prompt text, response text, append_eos) for one example."""
+    if tpl.use_chat_template and has_chat_template(tokenizer):
+        prompt = tokenizer.apply_chat_template(ex.messages[:-1], tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(ex.messages, tokenize=False)
+        if full.startswith(prompt):
+            # The template's own end-of-turn marker closes the response; EOS is added only
+            # when the template does not end with it.
+            return prompt, full[len(prompt):], not full.rstrip().endswith(tokenizer.eos_token or "\0")
+        # A template that renders the history differently with the generation prompt:
+        # fall back to plain formatting for this row rather than mis-mask it.
+    history = _plain_history(ex.messages[:-2], tpl) if len(ex.messages) > 2 else ""
+    if ex.messages[-2]["role"] == "user":
+        prompt = history + tpl.prompt_template.replace("{prompt}", ex.messages[-2]["content"])
+    else:
+        prompt = history + _plain_history([ex.messages[-2]], tpl)
+    response = tpl.response_template.replace("{response}", ex.response)
+    return prompt, response, True
+
+
+@dataclass
+class TokenizedExample:
+    input_ids: list[int]
+    labels: list[int]      # IGNORE_INDEX on the prompt
+    prompt_len: int
+    truncated: bool
+
+
+@dataclass
+class TokenizeReport:
+    examples: list[TokenizedExample]
+    truncated: int         # rows cut to max_seq_length (response shortened)
+    dropped: int           # rows whose prompt alone filled max_seq_length
+
+    def message(self, source: str, max_seq_length: int) -> str | None:
+        if not self.truncated and not self.dropped:
+            return None
+        msg = f"{source}: {self.truncated} rows truncated to max_seq_length={max_seq_length} (prompt start kept)"
+        if self.dropped:
+            msg += f"; {self.dropped} rows dropped because the prompt alone fills it"
+        return msg + "; raise data.max_seq_length to keep them whole"
+
+
+def tokenize_example(prompt: str, response: str, append_eos: bool, tokenizer,
+                     max_seq_length: int) -> TokenizedExample | None:
+    """Token ids and labels (prompt masked); None when no response token fits."""
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
+    if append_eos and tokenizer.eos_token_id is not None and (
+            not response_ids or response_ids[-1] != tokenizer.eos_token_id):
+        response_ids = response_ids + [tokenizer.eos_token_id]
+    ids = prompt_ids + response_ids
+    truncated = len(ids) > max_seq_length
+    ids = ids[:max_seq_length]  # keep the start
+    n_prompt = min(len(prompt_ids), len(ids))
+    if n_prompt >= len(ids):
+        return None
+    labels = [IGNORE_INDEX] * n_prompt + ids[n_prompt:]
+    return TokenizedExample(ids, labels, n_prompt, truncated)
+
+
+def tokenize_examples(examples: Sequence[SFTExample], tokenizer, tpl: Template,
+                      max_seq_length: int) -> TokenizeReport:
+    out, truncated, dropped = [], 0, 0
+    for ex in examples:
+        prompt, response, eos = format_example(ex, tokenizer, tpl)
+        tok = tokenize_example(prompt, response, eos, tokenizer, max_seq_length)
+        if tok is None:
+            dropped += 1
+            continue
+        truncated += tok.truncated
+        out.append(tok)
+    return TokenizeReport(out, truncated, dropped)
+
+
+def collate(batch: Sequence[TokenizedExample], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded input_ids, attention_mask and labels (-100 on prompt and padding). (B, L)."""
+    width = max(len(b.input_ids) for b in batch)
+    ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)    # (B, L)
+    labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)  # (B, L)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)                 # (B, L)
+    for i, b in enumerate(batch):
+        n = len(b.input_ids)
+        ids[i, :n] = torch.tensor(b.input_ids)
+        labels[i, :n] = torch.tensor(b.labels)
+        mask[i, :n] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}

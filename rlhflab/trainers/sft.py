@@ -1,0 +1,474 @@
+"""Supervised fine-tuning: `rlhflab sft --config configs/sft_debug.yaml [key=value ...]`.
+
+One visible loop:
+
+    1. data        read rows (local file or `datasets` name), recognise the layout,
+                   format (chat template or prompt/response templates), tokenize,
+                   mask the prompt (labels -100), truncate to max_seq_length
+    2. model       the causal LM, with a LoRA adapter (peft) or all weights trainable
+    3. update      shuffled micro-batches, gradient accumulation, token-weighted loss
+                   over response tokens, grad-norm clipping, warmup then decay
+    4. evaluate    held-out loss and perplexity (token-weighted), greedy generations
+                   scored by ROUGE-L and exact match (and the GSM8K checker when the
+                   references carry "#### N")
+    5. log, save   metrics.jsonl, plots, step_N/ and final/ (a plain HF folder; under
+                   LoRA the adapter goes to final/adapter/ and a merged copy to final/)
+
+`train_sft(cfg)` is the Python entry point (the quickstart uses it for the warm start).
+
+Where this departs from common recipes:
+- Under gradient accumulation the summed response-token NLL is divided by the token
+  count of the whole accumulated group, so 1x8 equals 8x1 and every response token
+  weighs the same (the usual per-micro-batch mean over-weights short batches).
+- Prompt and response are tokenized separately (see `rlhflab.data.sft`), matching how
+  a prompt is encoded before generation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from rlhflab.config import load_config, save_effective_config
+from rlhflab.config.schema import LoggingConfig, LoRAConfig, ModelConfig, TrainingConfig, f
+from rlhflab.data import sft as sftdata
+from rlhflab.data.loading import read_rows
+from rlhflab.errors import UserError
+from rlhflab.metrics import MetricsLogger, plot_metrics
+from rlhflab.models.checkpoint import prune_checkpoints, save_policy
+from rlhflab.models.load import add_lora, load_model, resolve_device
+from rlhflab.trainers.common import (make_optimizer, make_scheduler, peak_memory_mb, prepare_output_dir,
+                                     seed_everything, set_threads)
+
+
+# --------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------
+@dataclass
+class SFTDataConfig:
+    """Demonstrations: where they come from and how they become tokens."""
+
+    path: Optional[str] = f("outputs/arith/sft.jsonl", "local jsonl/json/parquet/csv file of demonstrations; null to use `name`")
+    name: Optional[str] = f(None, "a `datasets` hub name, e.g. databricks/databricks-dolly-15k (used when path is null)")
+    subset: Optional[str] = f(None, "the hub dataset's configuration name")
+    split: str = f("train", "split of a hub dataset for training")
+    eval_path: Optional[str] = f(None, "local held-out file; null to use eval_split or split off eval_fraction")
+    eval_split: Optional[str] = f(None, "split of a hub dataset for evaluation; null splits off eval_fraction")
+    eval_fraction: float = f(0.05, "share of the training rows held out when there is no eval file or split", ge=0, lt=1)
+    num_samples: Optional[int] = f(None, "use only the first N training rows; null uses all", gt=0)
+    num_eval_samples: Optional[int] = f(200, "held-out rows for loss/perplexity; null uses all", gt=0)
+    prompt_template: str = f("User: {prompt}\n\nAssistant:", "prompt text without a chat template; {prompt} is replaced")
+    response_template: str = f(" {response}", "response text without a chat template; {response} is replaced, EOS follows")
+    use_chat_template: bool = f(True, "use the tokenizer's chat template when it has one")
+    max_seq_length: int = f(512, "longest prompt+response in tokens; longer rows are cut from the right", gt=1)
+    max_bad_fraction: float = f(0.5, "stop when more than this share of rows fit no layout", ge=0, le=1)
+
+    def check(self) -> list[str]:
+        errs = []
+        if self.path is None and self.name is None:
+            errs.append("path: no path and no name; set data.path to a file or data.name to a hub dataset")
+        if "{prompt}" not in self.prompt_template:
+            errs.append("prompt_template: must contain {prompt}")
+        if "{response}" not in self.response_template:
+            errs.append("response_template: must contain {response}")
+        return errs
+
+
+@dataclass
+class SFTSection:
+    """Optimisation and evaluation settings of SFT."""
+
+    epochs: float = f(1.0, "passes over the training rows (fractions allowed); ignored when max_steps is set", gt=0)
+    max_steps: Optional[int] = f(None, "optimizer steps in all; null derives them from epochs", gt=0)
+    batch_size: int = f(16, "rows per micro-batch", gt=0)
+    gradient_accumulation_steps: int = f(1, "micro-batches per optimizer step", gt=0)
+    learning_rate: float = f(2e-4, "peak learning rate", gt=0)
+    min_learning_rate: float = f(0.0, "floor of the decay", ge=0)
+    warmup_ratio: float = f(0.03, "share of the optimizer steps spent in linear warmup", ge=0, lt=1)
+    lr_schedule: Literal["constant", "cosine", "linear"] = f("cosine", "learning-rate schedule after warmup")
+    weight_decay: float = f(0.0, "AdamW weight decay", ge=0)
+    adam_beta1: float = f(0.9, "AdamW beta1", ge=0, lt=1)
+    adam_beta2: float = f(0.999, "AdamW beta2", ge=0, lt=1)
+    adam_eps: float = f(1e-8, "AdamW epsilon", gt=0)
+    max_grad_norm: Optional[float] = f(1.0, "clip the global gradient norm to this; null disables", gt=0)
+    logging_steps: int = f(10, "log the training loss every this many optimizer steps", gt=0)
+    eval_before: bool = f(True, "evaluate the starting model too (step 0), for a before/after table")
+    num_eval_generate: int = f(64, "held-out prompts answered greedily for ROUGE-L and exact match; 0 skips", ge=0)
+    eval_max_new_tokens: int = f(64, "largest generated response during evaluation", gt=0)
+    save_merged: bool = f(True, "under LoRA, also save the adapter merged into a plain model in final/")
+
+    def check(self) -> list[str]:
+        if self.min_learning_rate > self.learning_rate:
+            return [f"min_learning_rate: {self.min_learning_rate} exceeds learning_rate {self.learning_rate}; lower it"]
+        return []
+
+
+def _sft_training() -> TrainingConfig:
+    return TrainingConfig(output_dir="outputs/sft", eval_interval=50, save_interval=0)
+
+
+@dataclass
+class SFTRunConfig:
+    """`rlhflab sft`: every section of an SFT run (training.total_ppo_steps is not used)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    sft: SFTSection = field(default_factory=SFTSection)
+    training: TrainingConfig = field(default_factory=_sft_training)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# --------------------------------------------------------------------------------------
+# The loss (pure)
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ResponseNLL:
+    total: torch.Tensor  # scalar: summed NLL over response tokens
+    tokens: int          # number of response tokens
+
+
+def response_nll(logits: torch.Tensor, labels: torch.Tensor) -> ResponseNLL:
+    """Summed next-token NLL over positions whose label is not -100.
+
+    logits (B, L, V) from input_ids (B, L); labels (B, L) with -100 on prompt and padding.
+    Position i predicts token i+1, so logits[:, :-1] meet labels[:, 1:].
+    """
+    if logits.shape[:2] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on (B, L)")
+    pred = logits[:, :-1].float()                                   # (B, L-1, V)
+    target = labels[:, 1:]                                          # (B, L-1)
+    total = F.cross_entropy(pred.reshape(-1, pred.shape[-1]), target.reshape(-1),
+                            ignore_index=sftdata.IGNORE_INDEX, reduction="sum")
+    return ResponseNLL(total, int((target != sftdata.IGNORE_INDEX).sum()))
+
+
+def accumulate_group(model, group: Sequence[dict[str, torch.Tensor]], device: torch.device) -> "GroupNLL":
+    """Backward over a group of micro-batches whose loss is the group's token-mean NLL.
+
+    Each micro-batch's summed NLL is divided by the response-token count of the whole
+    group, so the accumulated gradient equals that of one batch holding every row.
+    """
+    n_tokens = sum(int((b["labels"][:, 1:] != sftdata.IGNORE_INDEX).sum()) for b in group)
+    total = 0.0
+    for b in group:
+        b = {k: v.to(device) for k, v in b.items()}
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits  # (B, L, V)
+        nll = response_nll(logits, b["labels"])
+        (nll.total / max(n_tokens, 1)).backward()
+        total += float(nll.total.detach())
+    return GroupNLL(total, n_tokens)
+
+
+@dataclass(frozen=True)
+class GroupNLL:
+    total: float  # summed NLL over the group's response tokens
+    tokens: int
+
+
+# --------------------------------------------------------------------------------------
+# 1. data
+# --------------------------------------------------------------------------------------
+@dataclass
+class SFTData:
+    train: list[sftdata.TokenizedExample]
+    eval: list[sftdata.TokenizedExample]
+    eval_examples: list[sftdata.SFTExample]  # for generation (prompt, reference)
+    template: sftdata.Template
+
+
+def _read(source: str, split: str, subset: str | None, d: SFTDataConfig, warn) -> list[sftdata.SFTExample]:
+    rows = read_rows(source, split, subset)
+    return sftdata.parse_rows(rows, str(source), d.max_bad_fraction, warn)
+
+
+def load_sft_data(d: SFTDataConfig, tokenizer, seed: int = 0, warn=print) -> SFTData:
+    """Train and held-out examples, tokenized; truncation reported through `warn`."""
+    source = d.path or d.name
+    train = _read(source, d.split, d.subset, d, warn)
+    if d.num_samples is not None:
+        train = train[: d.num_samples]
+    if d.eval_path:
+        held = _read(d.eval_path, "train", None, d, warn)
+    elif d.path is None and d.eval_split:
+        held = _read(d.name, d.eval_split, d.subset, d, warn)
+    elif d.eval_fraction > 0:
+        order = list(range(len(train)))
+        random.Random(seed).shuffle(order)
+        n_eval = max(1, int(round(len(train) * d.eval_fraction)))
+        if n_eval >= len(train):
+            raise UserError(f"{source}: {len(train)} rows leave nothing to train on after holding out "
+                            f"eval_fraction={d.eval_fraction}; lower data.eval_fraction or give data.eval_path")
+        held_idx = set(order[:n_eval])
+        held = [ex for i, ex in enumerate(train) if i in held_idx]
+        train = [ex for i, ex in enumerate(train) if i not in held_idx]
+    else:
+        held = []
+    if d.num_eval_samples is not None:
+        held = held[: d.num_eval_samples]
+    tpl = sftdata.Template(d.prompt_template, d.response_template, d.use_chat_template)
+    tr = sftdata.tokenize_examples(train, tokenizer, tpl, d.max_seq_length)
+    ev = sftdata.tokenize_examples(held, tokenizer, tpl, d.max_seq_length)
+    for rep, name in ((tr, str(source)), (ev, str(d.eval_path or source) + " (held out)")):
+        msg = rep.message(name, d.max_seq_length)
+        if msg:
+            warn(f"warning: {msg}")
+    if not tr.examples:
+        raise UserError(f"{source}: no training row has a response token within max_seq_length="
+                        f"{d.max_seq_length}; raise data.max_seq_length")
+    return SFTData(tr.examples, ev.examples, held, tpl)
+
+
+def batches(examples: Sequence[sftdata.TokenizedExample], batch_size: int, seed: int,
+            epoch: int) -> list[list[sftdata.TokenizedExample]]:
+    """A fresh shuffle per epoch (seeded by seed and epoch), cut into micro-batches."""
+    order = list(range(len(examples)))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return [[examples[i] for i in order[s : s + batch_size]] for s in range(0, len(order), batch_size)]
+
+
+# --------------------------------------------------------------------------------------
+# 4. evaluation
+# --------------------------------------------------------------------------------------
+@torch.no_grad()
+def heldout_loss(model, examples: Sequence[sftdata.TokenizedExample], pad_token_id: int,
+                 batch_size: int, device: torch.device) -> dict[str, float]:
+    """Token-weighted mean NLL over every held-out response token, and its perplexity."""
+    was_training = model.training
+    model.eval()
+    total, tokens = 0.0, 0
+    for s in range(0, len(examples), batch_size):
+        b = {k: v.to(device) for k, v in sftdata.collate(examples[s : s + batch_size], pad_token_id).items()}
+        out = response_nll(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"])
+        total += float(out.total)
+        tokens += out.tokens
+    if was_training:
+        model.train()
+    loss = total / max(tokens, 1)
+    return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
+
+
+def generation_metrics(model, tokenizer, examples: Sequence[sftdata.SFTExample], tpl: sftdata.Template,
+                       max_new_tokens: int, batch_size: int) -> tuple[dict[str, float], list[dict]]:
+    """Greedy responses to held-out prompts: ROUGE-L F1, exact match, and GSM8K accuracy."""
+    from rouge_score import rouge_scorer
+
+    from rlhflab.rewards.gsm8k import is_correct
+    from rlhflab.rollout import generate
+
+    prompts = [sftdata.format_example(ex, tokenizer, tpl)[0] for ex in examples]
+    roll = generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, greedy=True, batch_size=batch_size)
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
+    refs = [ex.response.strip() for ex in examples]
+    outs = [r.strip() for r in roll.responses]
+    rouge = [scorer.score(ref, out)["rougeL"].fmeasure for ref, out in zip(refs, outs)]
+    exact = [float(ref == out) for ref, out in zip(refs, outs)]
+    metrics = {"eval/rougeL": sum(rouge) / len(rouge), "eval/exact_match": sum(exact) / len(exact)}
+    samples = [{"prompt": p, "reference": ref, "response": out, "rougeL": r, "exact": bool(e)}
+               for p, ref, out, r, e in zip(prompts, refs, outs, rouge, exact)]
+    if all("####" in ref for ref in refs):
+        correct = [is_correct(out, ref) for out, ref in zip(outs, refs)]
+        metrics["eval/accuracy"] = sum(correct) / len(correct)
+        for s, c in zip(samples, correct):
+            s["correct"] = c
+    return metrics, samples
+
+
+def evaluate_sft(model, tokenizer, data: SFTData, cfg: SFTRunConfig, device: torch.device,
+                 out_dir: Path | None = None, step: int = 0) -> dict[str, float]:
+    metrics: dict[str, float] = {}
+    if data.eval:
+        metrics.update(heldout_loss(model, data.eval, tokenizer.pad_token_id, cfg.training.eval_batch_size, device))
+    n_gen = min(cfg.sft.num_eval_generate, len(data.eval_examples))
+    if n_gen:
+        gm, samples = generation_metrics(model, tokenizer, data.eval_examples[:n_gen], data.template,
+                                         cfg.sft.eval_max_new_tokens, cfg.training.eval_batch_size)
+        metrics.update(gm)
+        if out_dir is not None:
+            path = out_dir / "eval" / f"step_{step}.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("".join(json.dumps(s) + "\n" for s in samples))
+    return metrics
+
+
+# --------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------
+PLOT_GROUPS = {
+    "loss": ["train/loss", "eval/loss"],
+    "perplexity": ["eval/perplexity"],
+    "generation": ["eval/rougeL", "eval/exact_match", "eval/accuracy"],
+    "grad_norm": ["params/grad_norm"],
+    "lr": ["lr"],
+}
+
+
+@dataclass
+class SFTResult:
+    output_dir: Path
+    final_dir: Path                      # plain HF folder (merged under LoRA)
+    adapter_dir: Path | None             # final/adapter/ under LoRA
+    eval_before: dict | None = None      # eval/* metrics of the starting model
+    eval_after: dict | None = None       # eval/* metrics of the final model
+    history: list[dict] = field(default_factory=list)
+    steps: int = 0
+    train_rows: int = 0
+    seconds: float = 0.0
+
+
+def build_model(cfg: SFTRunConfig, device: torch.device):
+    m = cfg.model
+    model, tok = load_model(m.name_or_path, torch_dtype=m.torch_dtype, device=str(device),
+                            trust_remote_code=m.trust_remote_code, tokenizer=m.tokenizer)
+    if cfg.lora.enabled:
+        model = add_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
+    if m.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        if cfg.lora.enabled:
+            model.enable_input_require_grads()
+    model.config.use_cache = False
+    model.train()
+    return model, tok
+
+
+def _save(model, tokenizer, folder: Path, merged: bool) -> None:
+    """A plain HF folder (merged under LoRA, adapter in adapter/), written then renamed."""
+    import shutil
+    tmp = folder.with_name(folder.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    model.config.use_cache = True
+    if hasattr(model, "peft_config") and not merged:
+        model.save_pretrained(tmp / "adapter")
+        tokenizer.save_pretrained(tmp)
+    else:
+        save_policy(model, tokenizer, tmp)
+    model.config.use_cache = False
+    if folder.exists():
+        shutil.rmtree(folder)
+    tmp.rename(folder)
+
+
+def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResult:
+    """Run SFT as configured; returns where the model went and the before/after metrics."""
+    t, s = cfg.training, cfg.sft
+    say = (lambda *a, **k: None) if quiet else print
+    set_threads(t.num_threads)
+    out_dir = prepare_output_dir(t.output_dir)
+    save_effective_config(effective if effective is not None else cfg, out_dir)
+    seed_everything(t.seed)
+    device = resolve_device(t.device)
+    start = time.perf_counter()
+
+    # 1-2. data and model
+    model, tok = build_model(cfg, device)
+    tok.padding_side = "right"
+    data = load_sft_data(cfg.data, tok, t.seed, warn=say)
+    tok.padding_side = "left"
+    groups_per_epoch = math.ceil(math.ceil(len(data.train) / s.batch_size) / s.gradient_accumulation_steps)
+    total_steps = s.max_steps or max(1, math.ceil(groups_per_epoch * s.epochs))
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(params, s.learning_rate, s.weight_decay, (s.adam_beta1, s.adam_beta2), s.adam_eps)
+    scheduler = make_scheduler(optimizer, total_steps, int(s.warmup_ratio * total_steps), s.lr_schedule,
+                               s.min_learning_rate)
+    n_trainable = sum(p.numel() for p in params)
+    say(f"sft: {len(data.train)} training rows, {len(data.eval)} held out; {total_steps} optimizer steps; "
+        f"{n_trainable:,} trainable parameters")
+
+    logger = MetricsLogger(out_dir, cfg.logging.report_to, cfg.logging.run_name, cfg.logging.wandb_project,
+                           config=dataclasses.asdict(cfg))
+    result = SFTResult(out_dir, out_dir / "final", out_dir / "final" / "adapter" if cfg.lora.enabled else None,
+                       train_rows=len(data.train))
+    if s.eval_before:
+        result.eval_before = evaluate_sft(model, tok, data, cfg, device, out_dir, 0)
+        logger.log(0, result.eval_before)
+        say("step 0 (before training): " + ", ".join(f"{k}={v:.3f}" for k, v in result.eval_before.items()))
+
+    from tqdm import tqdm
+    bar = tqdm(total=total_steps, disable=quiet or not cfg.logging.progress_bar, desc="sft", dynamic_ncols=True)
+    step, epoch = 0, 0
+    window_nll, window_tokens, window_norms, window_start = 0.0, 0, [], time.perf_counter()
+    last_eval: dict[str, float] = {}
+    while step < total_steps:
+        micro = batches(data.train, s.batch_size, t.seed, epoch)
+        epoch += 1
+        for g in range(0, len(micro), s.gradient_accumulation_steps):
+            if step >= total_steps:
+                break
+            group = [sftdata.collate(b, tok.pad_token_id) for b in micro[g : g + s.gradient_accumulation_steps]]
+            # 3. update: backward over the group, then clip and step.
+            nll = accumulate_group(model, group, device)
+            if not math.isfinite(nll.total):
+                raise FloatingPointError(f"sft loss is {nll.total} at step {step + 1}; lower sft.learning_rate")
+            window_nll += nll.total
+            window_tokens += nll.tokens
+            max_norm = s.max_grad_norm if s.max_grad_norm is not None else float("inf")
+            window_norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            bar.update(1)
+            # 5. log, evaluate, save
+            metrics: dict[str, float] = {}
+            if step % s.logging_steps == 0 or step == total_steps:
+                elapsed = time.perf_counter() - window_start
+                metrics.update({"train/loss": window_nll / max(window_tokens, 1),
+                                "params/grad_norm": sum(window_norms) / len(window_norms),
+                                "lr": optimizer.param_groups[0]["lr"], "epoch": step / groups_per_epoch,
+                                "perf/tokens_per_s": window_tokens / max(elapsed, 1e-9)})
+                window_nll, window_tokens, window_norms, window_start = 0.0, 0, [], time.perf_counter()
+            if (t.eval_interval and step % t.eval_interval == 0) or step == total_steps:
+                last_eval = evaluate_sft(model, tok, data, cfg, device, out_dir, step)
+                metrics.update(last_eval)
+            if metrics:
+                logger.log(step, metrics)
+                result.history.append({"step": step, **metrics})
+                if "train/loss" in metrics:
+                    bar.set_postfix(loss=f"{metrics['train/loss']:.3f}")
+            if t.save_interval and step % t.save_interval == 0 and step < total_steps:
+                _save(model, tok, out_dir / f"step_{step}", merged=s.save_merged)
+                prune_checkpoints(out_dir, t.keep_last_checkpoints)
+    bar.close()
+    _save(model, tok, result.final_dir, merged=s.save_merged)
+    logger.close()
+    if cfg.logging.plots:
+        plot_metrics(logger.path, out_dir / "plots", PLOT_GROUPS)
+    result.eval_after = last_eval or None
+    result.steps = step
+    result.seconds = time.perf_counter() - start
+    (out_dir / "peak_memory_mb.txt").write_text(f"{peak_memory_mb(device):.1f}\n")
+    (out_dir / "train_result.json").write_text(json.dumps(
+        {"eval_before": result.eval_before, "eval_after": result.eval_after, "steps": step,
+         "train_rows": result.train_rows, "seconds": result.seconds}, indent=2))
+    return result
+
+
+# --------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="YAML config, e.g. configs/sft_debug.yaml")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sft.learning_rate=1e-4")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg, effective = load_config(args.config, SFTRunConfig, args.overrides)
+    res = train_sft(cfg, effective=effective)
+    print(f"done in {res.seconds:.0f}s: {res.output_dir} (model in {res.final_dir}"
+          + (f", adapter in {res.adapter_dir})" if res.adapter_dir else ")"))
+    if res.eval_before and res.eval_after:
+        for k in res.eval_after:
+            print(f"  {k}: {res.eval_before.get(k, float('nan')):.3f} -> {res.eval_after[k]:.3f}")
+    return 0
