@@ -19,8 +19,9 @@ from decimal import Decimal, InvalidOperation
 
 CORRECT, FORMATTED, MISSING = 1.0, 0.1, 0.0
 
-# A number: optional sign, digits with optional thousands commas, optional decimals.
-_NUMBER = r"[-+]?\$?\s?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+"
+# A number: optional sign, optional "$" (a space may follow the "$" only: "10 - 3" ends
+# in 3, not -3), digits with optional thousands commas, optional decimals.
+_NUMBER = r"[-+]?(?:\$\s?)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+"
 _HASH_ANSWER = re.compile(r"####\s*(" + _NUMBER + r")")
 _ANY_NUMBER = re.compile(_NUMBER)
 
