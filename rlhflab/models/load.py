@@ -37,11 +37,26 @@ def resolve_dtype(name: str) -> torch.dtype | str:
     return DTYPES[name]
 
 
+def _looks_local(name_or_path: str) -> bool:
+    """A path rather than a hub id: starts with . / ~, has two or more '/', or its first
+    folder exists here (``outputs/tiny-model`` with an ``outputs/`` folder present)."""
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1 or "\\" in name_or_path:
+        return True
+    return "/" in name_or_path and Path(name_or_path.split("/", 1)[0]).is_dir()
+
+
+def _check_local(name_or_path: str, kind: str = "model") -> None:
+    """Fail at once for a missing local path: asking the hub first retries for a minute offline."""
+    if _looks_local(name_or_path) and not Path(name_or_path).expanduser().exists():
+        raise UserError(f"{kind} path {name_or_path!r} does not exist; check the path "
+                        f"(make a tiny model there with `rlhflab make-tiny --out {name_or_path}`)")
+
+
 def _load_error(kind: str, name_or_path: str, exc: Exception) -> UserError:
     path = Path(name_or_path).expanduser()
-    if path.exists() and not (path / "config.json").exists() and kind == "model":
-        return UserError(f"model path {name_or_path!r} has no config.json; point model.name_or_path "
-                         f"at a folder written by save_pretrained (try `rlhflab make-tiny --out {name_or_path}`)")
+    if path.is_dir() and not (path / "config.json").exists():
+        return UserError(f"{kind} path {name_or_path!r} has no config.json; point it at a folder "
+                         f"written by save_pretrained (try `rlhflab make-tiny --out {name_or_path}`)")
     if not path.exists() and ("/" not in name_or_path.strip("./") or name_or_path.startswith((".", "/"))):
         return UserError(f"{kind} {name_or_path!r}: no such local folder and not a hub name; "
                          f"check the path (make one with `rlhflab make-tiny --out {name_or_path}`)")
@@ -54,6 +69,7 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, padding_s
     """The tokenizer with a pad token and the given padding side."""
     from transformers import AutoTokenizer
 
+    _check_local(name_or_path, "tokenizer")
     try:
         tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except Exception as exc:  # OSError, HFValidationError, ValueError from a bad folder
@@ -75,6 +91,7 @@ def load_model(name_or_path: str, torch_dtype: str = "float32", device: str = "c
 
     dev = resolve_device(device)
     dtype = resolve_dtype(torch_dtype)
+    _check_local(name_or_path)
     tok = load_tokenizer(tokenizer or name_or_path, trust_remote_code)
     try:
         model = AutoModelForCausalLM.from_pretrained(

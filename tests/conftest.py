@@ -1,0 +1,58 @@
+"""Shared fixtures for the PPO-engine tests (models, rollout, checkpoint, ppo, cli, quickstart).
+
+- `tiny_model_dir`: one very small Llama (64 hidden, 2 layers, 2 heads) and its tokenizer,
+  built once per session with `rlhflab.models.tiny.make_tiny_model`.
+- `arith_dir`: the arithmetic task (200 train / 40 test rows), written once per session.
+- `ppo_cfg`: a factory for a `PPORunConfig` from `configs/ppo_debug.yaml` pointed at the
+  two folders above, with small settings and extra dotted overrides.
+
+Fixture names are specific, so other test modules' own fixtures are untouched.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DEBUG_CONFIG = ROOT / "configs" / "ppo_debug.yaml"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from rlhflab.models.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("ppo-tiny-model"), hidden_size=64, num_layers=2,
+                           num_heads=2)
+
+
+@pytest.fixture(scope="session")
+def arith_dir(tmp_path_factory) -> Path:
+    from rlhflab.data.arith import write_task
+
+    out = tmp_path_factory.mktemp("ppo-arith")
+    write_task(out, n_train=200, n_test=40)
+    return out
+
+
+def small_overrides(model_dir: Path, data_dir: Path, out_dir: Path) -> list[str]:
+    """Dotted overrides that make `ppo_debug.yaml` run in about a second per step."""
+    return [f"model.name_or_path={model_dir}", f"dataset.path={data_dir / 'train.jsonl'}",
+            f"dataset.eval_path={data_dir / 'test.jsonl'}", f"training.output_dir={out_dir}",
+            "generation.max_new_tokens=8", "dataset.num_eval_samples=8", "ppo.rollout_samples=16",
+            "ppo.batch_size=16", "ppo.mini_batch_size=8", "training.eval_interval=0",
+            "training.save_interval=0", "logging.progress_bar=false", "logging.plots=false",
+            "training.num_threads=1"]
+
+
+@pytest.fixture
+def ppo_cfg(tiny_model_dir, arith_dir, tmp_path):
+    """`ppo_cfg(*overrides)` -> PPORunConfig of the debug config on the tiny model and task."""
+    from rlhflab.config import PPORunConfig, load_config
+
+    def make(*overrides: str, out_dir: Path | None = None):
+        over = small_overrides(tiny_model_dir, arith_dir, out_dir or tmp_path / "run") + list(overrides)
+        return load_config(DEBUG_CONFIG, PPORunConfig, over)[0]
+
+    return make
