@@ -9,6 +9,9 @@ Layout of a batch (B episodes):
 The logits that predict response token t sit at position P-1+t of the full sequence,
 hence the slice ``P-1 : P+T-1`` (see `rlhflab.models.actor_critic`). Logprobs are taken
 at the sampling temperature, so the "old" policy of PPO is exactly the one that sampled.
+That holds for plain temperature sampling; ``top_k``, ``top_p`` and ``min_new_tokens``
+truncate the sampling distribution, while the logprobs stay those of the full softmax at
+temperature T (as in TRL and OpenRLHF).
 """
 
 from __future__ import annotations
