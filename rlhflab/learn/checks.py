@@ -354,7 +354,11 @@ def check_policy_grad(ws) -> None:
     c = cases.policy_random(seed=12)
     lp, loss, _ = _run_policy(ws, c)
     ref_lp = c["logprobs"].clone().requires_grad_(True)
-    ops.ppo_policy_loss(ref_lp, *(c[k] for k in POLICY_KEYS[1:]), clip_eps=c["clip_eps"]).loss.backward()
+    want = ops.ppo_policy_loss(ref_lp, *(c[k] for k in POLICY_KEYS[1:]), clip_eps=c["clip_eps"]).loss
+    b, t = lp.shape
+    compare("loss", scalar(loss, "loss", b, t, 1), want.detach().double(), _policy_mistakes(c)[0],
+            "compare with the contract in the docstring, token by token", _docs(1))
+    want.backward()
     compare_grad("logprobs", lp, loss, ref_lp.grad, c["response_mask"], _docs(1))
 
 
@@ -454,7 +458,11 @@ def check_value_grad(ws) -> None:
     c = cases.value_random(seed=22)
     v, loss, _ = _run_value(ws, c)
     ref_v = c["values"].clone().requires_grad_(True)
-    ops.value_loss(ref_v, *(c[k] for k in VALUE_KEYS[1:]), clip_range=c["clip_range"]).loss.backward()
+    want = ops.value_loss(ref_v, *(c[k] for k in VALUE_KEYS[1:]), clip_range=c["clip_range"]).loss
+    b, t = v.shape
+    compare("loss", scalar(loss, "loss", b, t, 2), want.detach().double(), _value_mistakes(c)[0],
+            "compare with the contract in the docstring, token by token", _docs(2))
+    want.backward()
     compare_grad("values", v, loss, ref_v.grad, c["response_mask"], _docs(2))
 
 
@@ -530,7 +538,12 @@ def check_entropy_grad(ws) -> None:
     c = cases.entropy_random(seed=32)
     logits, loss, _ = _run_entropy(ws, c)
     ref_logits = c["logits"].clone().requires_grad_(True)
-    ops.entropy_loss(ops.entropy_from_logits(ref_logits), c["response_mask"]).loss.backward()
+    want = ops.entropy_loss(ops.entropy_from_logits(ref_logits), c["response_mask"]).loss
+    b, t, _ = logits.shape
+    compare("loss", scalar(loss, "loss", b, t, 3), want.detach().double(), _entropy_mistakes(c)[0],
+            "H_t = -sum_v p_v log p_v, averaged over real tokens; loss = -that", _docs(3),
+            nonfinite=NONFINITE_ENTROPY)
+    want.backward()
     mask3 = c["response_mask"].unsqueeze(-1).expand_as(ref_logits)
     compare_grad("logits", logits, loss, ref_logits.grad, mask3, _docs(3))
 

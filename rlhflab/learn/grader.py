@@ -113,19 +113,25 @@ def format_report(report: Report) -> str:
         verdict = "pass" if results and good == len(results) else "FAIL"
         passed_ex += verdict == "pass"
         out.append(f"Exercise {n}  {ex.title:<42} {verdict}  ({good}/{len(results)} checks)")
-        seen: set[tuple] = set()
+        seen: set[tuple] = set()      # findings shown in full
+        explained: set[tuple] = set()  # (diagnosis, hint, docs) shown in full
         repeats: list[str] = []
         for r in results:
             if r.passed:
                 continue
             first_failing = first_failing or n
-            key = tuple(r.finding)
+            key, why = tuple(r.finding), tuple(r.finding[1:])
             if key in seen:
                 repeats.append(r.name)
                 continue
             seen.add(key)
             out.append(f"  FAIL {r.name}")
-            out.append(_indent("\n".join(_finding_lines(r.finding)), "       "))
+            if why in explained and any(why):
+                lines = textwrap.wrap(r.finding.what, 96, subsequent_indent="  ") + ["(the same diagnosis as above)"]
+            else:
+                explained.add(why)
+                lines = _finding_lines(r.finding)
+            out.append(_indent("\n".join(lines), "       "))
             if r.output.strip():
                 lines = r.output.strip().splitlines()
                 more = f"\n... {len(lines) - MAX_OUTPUT_LINES} more lines" if len(lines) > MAX_OUTPUT_LINES else ""
