@@ -245,9 +245,11 @@ def ppo_update(models: Models, optimizer, scheduler, roll: Rollout, cfg: PPORunC
                     raise FloatingPointError(f"loss/total is {float(loss)} at step {step}; "
                                              f"policy={st.policy} value={st.value} entropy={st.entropy}")
                 loss.backward()
-                for k in ("policy", "value", "total"):
+                # Losses and the entropy are divided by the whole group's normalizer, so
+                # their sum over a group's minibatches is the group's value.
+                for k in ("policy", "value", "total", "entropy"):
                     loss_sums[k] = loss_sums.get(k, 0.0) + getattr(st, k)
-                for k in ("entropy", "policy_clip_frac", "value_clip_frac", "approx_kl"):
+                for k in ("policy_clip_frac", "value_clip_frac", "approx_kl"):
                     frac_sums[k] = frac_sums.get(k, 0.0) + getattr(st, k)
                 n_mb += 1
             max_norm = p.max_grad_norm if p.max_grad_norm is not None else float("inf")
@@ -257,7 +259,6 @@ def ppo_update(models: Models, optimizer, scheduler, roll: Rollout, cfg: PPORunC
             optimizer.zero_grad(set_to_none=True)
             n_groups += 1
     out = {f"loss/{k}": v / n_groups for k, v in loss_sums.items()}
-    out["loss/entropy"] = frac_sums["entropy"] / n_mb
     out["params/policy_clip_frac"] = frac_sums["policy_clip_frac"] / n_mb
     out["params/value_clip_frac"] = frac_sums["value_clip_frac"] / n_mb
     out["params/approx_kl"] = frac_sums["approx_kl"] / n_mb
