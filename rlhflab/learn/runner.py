@@ -21,6 +21,7 @@ missing; each run writes DIR/runs/NNN/.
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -57,8 +58,9 @@ def packaged_config() -> Path:
 
 
 def debug_config_path() -> Path:
-    """The repo's debug config when running from a checkout, else the packaged copy."""
-    return repo_debug_config() or packaged_config()
+    """The repo's debug config when running from a checkout, else a packaged one."""
+    shipped = Path(__file__).resolve().parents[1] / "configs" / "ppo_debug.yaml"  # rlhflab/configs/, if shipped
+    return repo_debug_config() or (shipped if shipped.is_file() else packaged_config())
 
 
 def write_packaged_config(dest: Path | None = None) -> Path:
@@ -162,9 +164,11 @@ def _minibatch_adapter(fn: Callable) -> Callable:
         out = unpack(fn(model, mb, p), MB_FIELDS, fn.__name__, "MinibatchLoss")
         total = out[0]
         scale = float(mb["response_mask"].sum().clamp(min=1)) / normalizer
-        with torch.no_grad():
-            lp = ops.logprobs_from_logits(model.last_logits.detach(), mb["response_ids"])
-            approx_kl = float(ops.masked_mean(0.5 * (lp - mb["old_logprobs"]).square(), mb["response_mask"]))
+        approx_kl = 0.0
+        if model.last_logits is not None:
+            with torch.no_grad():
+                lp = ops.logprobs_from_logits(model.last_logits.detach(), mb["response_ids"])
+                approx_kl = float(ops.masked_mean(0.5 * (lp - mb["old_logprobs"]).square(), mb["response_mask"]))
         # The trainer sums the minibatches' loss stats over an accumulation group, so
         # each carries its share of the group, as the library's own step reports them.
         stats = MinibatchStats(float(out[1]) * scale, float(out[2]) * scale, float(out[3]) * scale,
@@ -237,12 +241,12 @@ def plug(ws: Workspace, whiten: bool) -> Plugged:
     if found["minibatch_loss"]:
         math_.minibatch_step = _minibatch_adapter(found["minibatch_loss"])
     elif found["compute_entropy_loss"]:
-        used["compute_entropy_loss"] = ("not run: it takes logits, which only exercise 5's minibatch_loss "
-                                        "sees; the library's step computes the entropy itself")
+        used["compute_entropy_loss"] = ("not run: it takes logits, which only exercise 5's minibatch_loss\n"
+                                        f"{'':27}sees; the library's step computes the entropy itself")
     if not whiten:
         used["whiten_advantages"] = "not run: ppo.whiten_advantages is false"
-    used["update_step"] = ("not run: the trainer's own accumulation loop runs (it has no hook for "
-                           "update_step yet); `learn check 5` grades yours")
+    used["update_step"] = ("not run: the trainer's own loop steps the optimizer (no hook for it yet);\n"
+                           f"{'':27}`learn check 5` grades yours")
     return Plugged(math_, whiten, used)
 
 
@@ -326,8 +330,9 @@ def compare_text(mine: list[dict], lib: list[dict]) -> str:
                  if abs(mine[0][k] - lib[0][k]) / max(1e-3, abs(lib[0][k])) >= 1e-3]
         verdict = "step 1 differs from the library's: " + "; ".join(diffs) + \
                   ". Both runs start from the same rollout, so `rlhflab learn check` should show why"
-    return ("\n" + verdict + ".\n(Later steps sample new rollouts from slightly different policies, "
-            "so small differences there grow and are expected.)")
+    note = ("(Later steps sample new rollouts from slightly different policies, so small differences "
+            "there grow and are expected.)")
+    return "\n" + textwrap.fill(verdict + ".", 100) + "\n" + textwrap.fill(note, 100)
 
 
 def main() -> None:  # python -m rlhflab.learn.runner: refresh the packaged config
