@@ -119,7 +119,15 @@ class RewardSource:
     label: Optional[str] = f(None, "classifier label whose probability is the reward, e.g. POSITIVE")
     weight: float = f(1.0, "weight of this source in the sum")
     normalize: bool = f(False, "shift and scale model scores to mean 0, std 1 on reference samples")
+    reference_path: Optional[str] = f(None, "jsonl of prompt/response (or preference) rows to measure normalize's mean/std on; null: a reward model's saved held-out stats")
+    text: Literal["prompt_response", "response"] = f("prompt_response", "what a model/classifier reads: prompt + response, or the response alone")
     batch_size: int = f(32, "scoring batch size for model/classifier sources", gt=0)
+
+    def check(self) -> list[str]:
+        errs = []
+        if self.type in ("model", "classifier") and not self.path:
+            errs.append(f"path: a {self.type} source needs path (a model folder or hub name)")
+        return errs
 
 
 @dataclass

@@ -1,0 +1,235 @@
+"""Preference pairs for reward models (and DPO): read the labelling app's export as it is.
+
+Row forms accepted:
+
+    standard        {"prompt": str, "chosen": str, "rejected": str, ...}
+    conversational  {"chosen": [messages], "rejected": [messages]}: the prompt is the
+                    shared leading messages, the completion the rest; an explicit
+                    "prompt" (a list of messages, or a string read as one user turn)
+                    may be given instead, with chosen/rejected holding completions only.
+
+Optional fields: "margin" (or "strength"): how strongly chosen is preferred (the app
+writes 1.0 "much better", 0.5 "slightly better"); "tie": true (or margin 0) for a tie;
+"pair_id", "n_labels" (kept for reference). Any other field is ignored.
+
+The text a reward model reads is ``prompt + response``: the app stores prompts exactly
+as the policy saw them (templated), and PPO passes its prompts the same way, so no
+template is applied here. Conversational rows are rendered with the tokenizer's chat
+template when it has one, else as ``User: ...\\n\\nAssistant: ...``
+(`rlhflab.data.sft.format_example`).
+
+A row that fits no form is reported with its index and fields and skipped; a file
+where more than `max_bad_fraction` of rows are bad stops with a `UserError`. Rows whose
+chosen and rejected responses are identical carry no preference and are skipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from rlhflab.errors import UserError
+
+
+@dataclass
+class PreferencePair:
+    prompt: Any          # str, or a list of messages (conversational)
+    chosen: Any          # str, or a list of messages (the completion only)
+    rejected: Any
+    margin: float | None
+    tie: bool
+    index: int           # row number in the source (0-based)
+    pair_id: Any = None
+
+    @property
+    def conversational(self) -> bool:
+        return isinstance(self.chosen, list)
+
+
+def _is_messages(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in v)
+
+
+def _number(v: Any) -> float | None:
+    if isinstance(v, bool) or v is None:
+        return None
+    if isinstance(v, (int, float)):
+        return float(v)
+    return None
+
+
+def _why_bad(row: Any) -> str | None:
+    if not isinstance(row, dict):
+        return f"is a {type(row).__name__}, not an object"
+    if "chosen" not in row or "rejected" not in row:
+        return "lacks chosen/rejected"
+    c, r = row["chosen"], row["rejected"]
+    if isinstance(c, str) and isinstance(r, str):
+        if not isinstance(row.get("prompt"), str):
+            return "has string chosen/rejected but no string prompt"
+    elif not (_is_messages(c) and _is_messages(r)):
+        return "has chosen/rejected that are neither strings nor lists of {role, content} messages"
+    for key in ("margin", "strength"):
+        if key in row and row[key] is not None and _number(row[key]) is None:
+            return f"has a non-numeric {key} {row[key]!r}"
+    return None
+
+
+def row_to_pair(row: dict, index: int) -> PreferencePair:
+    """One valid row (see `_why_bad`) as a PreferencePair."""
+    margin = _number(row.get("margin"))
+    if margin is None:
+        margin = _number(row.get("strength"))
+    tie = bool(row.get("tie")) or margin == 0.0
+    c, r = row["chosen"], row["rejected"]
+    prompt: Any = row.get("prompt")
+    if isinstance(c, list):
+        if _is_messages(prompt):
+            pass
+        elif isinstance(prompt, str) and prompt:
+            prompt = [{"role": "user", "content": prompt}]
+        else:
+            # The implicit prompt: the leading messages both sides share.
+            n = 0
+            while n < min(len(c), len(r)) - 1 and c[n] == r[n]:
+                n += 1
+            prompt, c, r = c[:n], c[n:], r[n:]
+    return PreferencePair(prompt, c, r, margin, tie, index, row.get("pair_id"))
+
+
+@dataclass
+class PairReport:
+    pairs: list[PreferencePair]
+    bad: int
+    identical: int
+    ties: int
+
+
+def parse_pairs(rows: Sequence[Any], source: str, max_bad_fraction: float = 0.5, warn=print) -> PairReport:
+    """Rows -> pairs; bad rows reported (index and fields) and skipped."""
+    if not rows:
+        raise UserError(f"{source}: no rows; check the file or split")
+    pairs, bad, identical = [], [], 0
+    for i, row in enumerate(rows):
+        why = _why_bad(row)
+        if why is not None:
+            bad.append(i)
+            if len(bad) <= 5:
+                fields = sorted(row) if isinstance(row, dict) else type(row).__name__
+                warn(f"warning: {source}: row {i} {why} (it has {fields}); skipped")
+            continue
+        pair = row_to_pair(row, i)
+        if pair.chosen == pair.rejected and not pair.tie:
+            identical += 1
+            continue
+        pairs.append(pair)
+    if bad and len(bad) > 5:
+        warn(f"warning: {source}: {len(bad)} rows in all were not preference pairs and were skipped")
+    if identical:
+        warn(f"warning: {source}: {identical} rows have identical chosen and rejected responses; skipped")
+    if bad and (len(bad) / len(rows) > max_bad_fraction or not pairs):
+        first = rows[bad[0]]
+        fields = sorted(first) if isinstance(first, dict) else type(first).__name__
+        raise UserError(f"{source}: {len(bad)} of {len(rows)} rows are not preference pairs (row {bad[0]} "
+                        f"{_why_bad(first)}; it has {fields}); give prompt/chosen/rejected rows as "
+                        "exported by `rlhflab label export`, or conversational chosen/rejected messages")
+    if not pairs:
+        raise UserError(f"{source}: no usable preference pairs; check the file")
+    return PairReport(pairs, len(bad), identical, sum(p.tie for p in pairs))
+
+
+def _completion_text(messages: list[dict]) -> str:
+    return "\n\n".join(m["content"] for m in messages)
+
+
+def pair_texts(pair: PreferencePair, tokenizer=None, use_chat_template: bool = True) -> tuple[str, str, str]:
+    """(prompt text, chosen response text, rejected response text) as the model reads them."""
+    if not pair.conversational:
+        return pair.prompt, pair.chosen, pair.rejected
+    from rlhflab.data import sft as sftdata
+
+    tpl = sftdata.Template(use_chat_template=use_chat_template)
+    out = []
+    for side in (pair.chosen, pair.rejected):
+        msgs = list(pair.prompt) + [{"role": "assistant", "content": _completion_text(side)}]
+        if not any(m["role"] == "user" for m in pair.prompt):
+            msgs = [{"role": "user", "content": ""}] + msgs
+        prompt, response, _ = sftdata.format_example(sftdata.SFTExample(msgs, pair.index), tokenizer, tpl)
+        out.append((prompt, response))
+    return out[0][0], out[0][1], out[1][1]
+
+
+# --------------------------------------------------------------------------------------
+# A learnable preference task for the offline pipeline (no humans on a CPU runner)
+# --------------------------------------------------------------------------------------
+ARITH_TEMPLATE = "Question: {prompt}\nAnswer:"
+
+
+def arith_pairs(rows: Sequence[dict], seed: int = 0, template: str = ARITH_TEMPLATE) -> list[dict]:
+    """Preference rows in the labelling app's export format from arithmetic problems.
+
+    chosen is the correct worked answer; rejected is wrong: half the time off by one
+    (the sloppy demonstrator's slip), else off by 2-3 either way, or right in the
+    equation but wrong after ####. The preference is learnable: a reward model has to
+    check the arithmetic. `rows` are `rlhflab.data.arith` problems (a, b, op, result).
+    """
+    import random as _random
+
+    rng = _random.Random(seed)
+    out = []
+    for i, row in enumerate(rows):
+        a, b, op, res = row["a"], row["b"], row["op"], row["result"]
+        kind = rng.random()
+        if kind < 0.5:
+            wrong_eq = wrong_final = res + 1
+        elif kind < 0.8:
+            wrong_eq = wrong_final = res + rng.choice([-3, -2, 2, 3])
+        else:
+            wrong_eq, wrong_final = res, res + rng.choice([-2, -1, 1, 2])
+        out.append({
+            "prompt": template.replace("{prompt}", row["question"]),
+            "chosen": f" {a} {op} {b} = {res}\n#### {res}",
+            "rejected": f" {a} {op} {b} = {wrong_eq}\n#### {wrong_final}",
+            "margin": 1.0, "pair_id": i, "n_labels": 1,
+        })
+    return out
+
+
+def write_arith_pairs(out_dir, n_train: int = 2000, n_test: int = 200, seed: int = 0,
+                      template: str = ARITH_TEMPLATE) -> dict:
+    """Write train.jsonl and test.jsonl preference files (held-out questions differ).
+
+    With the same seed as `rlhflab make-data`, the questions match its train/test split.
+    """
+    from pathlib import Path
+
+    from rlhflab.data import arith
+
+    out = Path(out_dir)
+    test = arith.make_split(n_test, seed + 1)
+    train = arith.make_split(n_train, seed, exclude={r["question"] for r in test})
+    return {"train": arith.write_jsonl(arith_pairs(train, seed + 3, template), out / "train.jsonl"),
+            "test": arith.write_jsonl(arith_pairs(test, seed + 4, template), out / "test.jsonl")}
+
+
+def add_parser(parser) -> None:
+    parser.add_argument("--out", default="outputs/prefs", help="output folder")
+    parser.add_argument("--n-train", type=int, default=2000)
+    parser.add_argument("--n-test", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args) -> int:
+    for name, path in write_arith_pairs(args.out, args.n_train, args.n_test, args.seed).items():
+        print(f"{name:>5}: {path}")
+    return 0
+
+
+if __name__ == "__main__":  # python -m rlhflab.data.preferences --out outputs/prefs
+    import argparse
+
+    _parser = argparse.ArgumentParser(prog="python -m rlhflab.data.preferences",
+                                      description="write arithmetic preference pairs (labelling-app format)")
+    add_parser(_parser)
+    raise SystemExit(run(_parser.parse_args()))

@@ -1,0 +1,480 @@
+"""Reward model: `rlhflab rm --config configs/rm_debug.yaml [key=value ...]`.
+
+One visible loop:
+
+    1. data        preference rows (the labelling app's export as it is, or the
+                   conversational form), held-out split, texts ``prompt + response``
+    2. model       the base LM as a ``*ForSequenceClassification`` with one output: a
+                   scalar head (initialised small) read at the last real token;
+                   LoRA (peft, the head fully trained) or every weight trainable
+    3. update      chosen and rejected of each pair in one forward; Bradley-Terry loss
+                   −log σ(r_chosen − r_rejected − margin_coeff·margin), plus
+                   center_coeff·mean((r_chosen + r_rejected)²) to keep scores near 0
+    4. evaluate    held-out pairwise accuracy, mean score gap, score mean and std
+    5. log, save   metrics.jsonl, plots, final/ (a plain HF folder that
+                   `reward.sources: [{type: model, path: .../final}]` loads;
+                   under LoRA the adapter also goes to final/adapter/)
+
+`train_rm(cfg)` is the Python entry point.
+
+Where this departs from common recipes:
+- Ties (rows with "tie": true or margin 0) are dropped by default; with
+  ``data.ties: soft`` they count with target ½: −½[log σ(d) + log σ(−d)].
+- Texts are truncated from the left: the score is read at the end.
+- Under gradient accumulation each micro-batch's mean loss is weighted by its share of
+  the group's pairs, so 1x8 equals 8x1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, NamedTuple, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from rlhflab import ops
+from rlhflab.config import load_config, save_effective_config
+from rlhflab.config.schema import LoggingConfig, LoRAConfig, ModelConfig, TrainingConfig, f
+from rlhflab.data import preferences as prefdata
+from rlhflab.data.loading import read_rows
+from rlhflab.errors import UserError
+from rlhflab.metrics import MetricsLogger, plot_metrics
+from rlhflab.models.load import default_lora_targets, disable_dropout, load_tokenizer, resolve_device, resolve_dtype
+from rlhflab.rewards.model import META_FILE, RMMeta, encode, score_head, sequence_scores
+from rlhflab.trainers.common import (make_optimizer, make_scheduler, peak_memory_mb, prepare_output_dir,
+                                     seed_everything, set_threads)
+
+
+# --------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------
+@dataclass
+class PreferenceDataConfig:
+    """Preference pairs: where they come from and how they are read."""
+
+    path: Optional[str] = f("outputs/prefs/train.jsonl", "local jsonl/json/parquet/csv of prompt/chosen/rejected rows; null to use `name`")
+    name: Optional[str] = f(None, "a `datasets` hub name, e.g. trl-lib/ultrafeedback_binarized (used when path is null)")
+    subset: Optional[str] = f(None, "the hub dataset's configuration name")
+    split: str = f("train", "split of a hub dataset for training")
+    eval_path: Optional[str] = f(None, "local held-out file; null to use eval_split or split off eval_fraction")
+    eval_split: Optional[str] = f(None, "split of a hub dataset for evaluation; null splits off eval_fraction")
+    eval_fraction: float = f(0.1, "share of the pairs held out when there is no eval file or split", ge=0, lt=1)
+    num_samples: Optional[int] = f(None, "use only the first N training pairs; null uses all", gt=0)
+    num_eval_samples: Optional[int] = f(500, "held-out pairs evaluated; null uses all", gt=0)
+    max_length: int = f(512, "longest prompt+response in tokens; longer texts are cut from the left", gt=1)
+    append_eos: bool = f(True, "end every text with EOS, the token whose state is scored")
+    use_chat_template: bool = f(True, "render conversational rows with the tokenizer's chat template when it has one")
+    ties: Literal["drop", "soft"] = f("drop", "rows marked as ties: drop them, or train them toward equal scores")
+    max_bad_fraction: float = f(0.5, "stop when more than this share of rows are not preference pairs", ge=0, le=1)
+
+    def check(self) -> list[str]:
+        if self.path is None and self.name is None:
+            return ["path: no path and no name; set data.path to a file or data.name to a hub dataset"]
+        return []
+
+
+@dataclass
+class RMSection:
+    """Optimisation, loss and evaluation settings of reward-model training."""
+
+    epochs: float = f(1.0, "passes over the training pairs (fractions allowed); ignored when max_steps is set", gt=0)
+    max_steps: Optional[int] = f(None, "optimizer steps in all; null derives them from epochs", gt=0)
+    batch_size: int = f(8, "pairs per micro-batch (2x sequences per forward)", gt=0)
+    gradient_accumulation_steps: int = f(1, "micro-batches per optimizer step", gt=0)
+    learning_rate: float = f(1e-5, "peak learning rate", gt=0)
+    min_learning_rate: float = f(0.0, "floor of the decay", ge=0)
+    warmup_ratio: float = f(0.03, "share of the optimizer steps spent in linear warmup", ge=0, lt=1)
+    lr_schedule: Literal["constant", "cosine", "linear"] = f("cosine", "learning-rate schedule after warmup")
+    weight_decay: float = f(0.0, "AdamW weight decay", ge=0)
+    adam_beta1: float = f(0.9, "AdamW beta1", ge=0, lt=1)
+    adam_beta2: float = f(0.999, "AdamW beta2", ge=0, lt=1)
+    adam_eps: float = f(1e-8, "AdamW epsilon", gt=0)
+    max_grad_norm: Optional[float] = f(1.0, "clip the global gradient norm to this; null disables", gt=0)
+    margin_coeff: float = f(0.0, "ask for a score gap of margin_coeff x the row's margin (Llama 2); 0 ignores margins", ge=0)
+    center_coeff: float = f(0.0, "weight of mean((r_chosen + r_rejected)^2), keeping scores near 0", ge=0)
+    head_init_std: float = f(1e-2, "std of the normal init of the scalar head (bias 0)", gt=0)
+    logging_steps: int = f(10, "log the training loss every this many optimizer steps", gt=0)
+    eval_before: bool = f(True, "evaluate the starting model too (step 0)")
+
+    def check(self) -> list[str]:
+        if self.min_learning_rate > self.learning_rate:
+            return [f"min_learning_rate: {self.min_learning_rate} exceeds learning_rate {self.learning_rate}; lower it"]
+        return []
+
+
+def _rm_training() -> TrainingConfig:
+    return TrainingConfig(output_dir="outputs/rm", eval_interval=50, save_interval=0)
+
+
+def _rm_model() -> ModelConfig:
+    return ModelConfig(name_or_path="outputs/sft/final")
+
+
+@dataclass
+class RMRunConfig:
+    """`rlhflab rm`: every section of a reward-model run (training.total_ppo_steps is not used)."""
+
+    model: ModelConfig = field(default_factory=_rm_model)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    rm: RMSection = field(default_factory=RMSection)
+    training: TrainingConfig = field(default_factory=_rm_training)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# --------------------------------------------------------------------------------------
+# The loss (pure)
+# --------------------------------------------------------------------------------------
+class RMLoss(NamedTuple):
+    loss: Tensor      # scalar
+    accuracy: Tensor  # fraction of non-tie pairs with r_chosen > r_rejected
+
+
+def pairwise_loss(chosen: Tensor, rejected: Tensor, margin: Tensor | None = None, tie: Tensor | None = None,
+                  center_coeff: float = 0.0) -> RMLoss:
+    """Bradley-Terry over preferred pairs, ½/½ targets over ties, mean over all pairs.
+
+    chosen, rejected, margin: (B,) float; tie: (B,) bool. With no ties this is exactly
+    `rlhflab.ops.reward_model_loss`.
+    """
+    if tie is None or not bool(tie.any()):
+        out = ops.reward_model_loss(chosen, rejected, margin, center_coeff)
+        return RMLoss(out.loss, out.accuracy)
+    if tie.shape != chosen.shape:
+        raise ValueError(f"tie {tuple(tie.shape)} must be (B,) = {tuple(chosen.shape)}")
+    pref = ~tie
+    diff = chosen - rejected                                            # (B,)
+    if margin is not None:
+        diff = diff - torch.where(pref, margin, torch.zeros_like(margin))
+    per_pair = torch.where(pref, -F.logsigmoid(diff), -0.5 * (F.logsigmoid(diff) + F.logsigmoid(-diff)))
+    loss = per_pair.mean()
+    if center_coeff:
+        loss = loss + center_coeff * (chosen + rejected).square().mean()
+    acc = (chosen[pref] > rejected[pref]).float().mean() if bool(pref.any()) else torch.tensor(float("nan"))
+    return RMLoss(loss, acc.detach())
+
+
+# --------------------------------------------------------------------------------------
+# 1. data
+# --------------------------------------------------------------------------------------
+@dataclass
+class PairTexts:
+    chosen: str     # prompt + chosen response
+    rejected: str   # prompt + rejected response
+    margin: float   # 0.0 when the row has none
+    tie: bool
+
+
+def _load_pairs(source: str, split: str, subset: str | None, d: PreferenceDataConfig, warn) -> list[prefdata.PreferencePair]:
+    rep = prefdata.parse_pairs(read_rows(source, split, subset), str(source), d.max_bad_fraction, warn)
+    pairs = rep.pairs
+    if rep.ties and d.ties == "drop":
+        pairs = [p for p in pairs if not p.tie]
+        warn(f"{source}: {rep.ties} tie rows dropped (data.ties=soft trains them toward equal scores)")
+        if not pairs:
+            raise UserError(f"{source}: every row is a tie; set data.ties=soft or give rows with a preference")
+    return pairs
+
+
+def to_texts(pairs: Sequence[prefdata.PreferencePair], tokenizer, d: PreferenceDataConfig) -> list[PairTexts]:
+    out = []
+    for p in pairs:
+        prompt, chosen, rejected = prefdata.pair_texts(p, tokenizer, d.use_chat_template)
+        out.append(PairTexts(prompt + chosen, prompt + rejected, p.margin or 0.0, p.tie))
+    return out
+
+
+@dataclass
+class RMData:
+    train: list[PairTexts]
+    eval: list[PairTexts]
+
+
+def load_rm_data(d: PreferenceDataConfig, tokenizer, seed: int = 0, warn=print) -> RMData:
+    source = d.path or d.name
+    train = _load_pairs(source, d.split, d.subset, d, warn)
+    if d.num_samples is not None:
+        train = train[: d.num_samples]
+    if d.eval_path:
+        held = _load_pairs(d.eval_path, "train", None, d, warn)
+    elif d.path is None and d.eval_split:
+        held = _load_pairs(d.name, d.eval_split, d.subset, d, warn)
+    elif d.eval_fraction > 0:
+        order = list(range(len(train)))
+        random.Random(seed).shuffle(order)
+        n_eval = max(1, int(round(len(train) * d.eval_fraction)))
+        if n_eval >= len(train):
+            raise UserError(f"{source}: {len(train)} pairs leave nothing to train on after holding out "
+                            f"eval_fraction={d.eval_fraction}; lower data.eval_fraction or give data.eval_path")
+        held_idx = set(order[:n_eval])
+        held = [p for i, p in enumerate(train) if i in held_idx]
+        train = [p for i, p in enumerate(train) if i not in held_idx]
+    else:
+        held = []
+    if d.num_eval_samples is not None:
+        held = held[: d.num_eval_samples]
+    return RMData(to_texts(train, tokenizer, d), to_texts(held, tokenizer, d))
+
+
+def count_truncated(tokenizer, texts: Sequence[PairTexts], meta: RMMeta) -> int:
+    n = 0
+    for p in texts:
+        for t in (p.chosen, p.rejected):
+            n += len(tokenizer(t, add_special_tokens=meta.add_special_tokens)["input_ids"]) + meta.append_eos > meta.max_length
+    return n
+
+
+# --------------------------------------------------------------------------------------
+# 2. model
+# --------------------------------------------------------------------------------------
+def build_reward_model(cfg: RMRunConfig, device: torch.device):
+    """(model, tokenizer): the base LM with a fresh scalar head, LoRA-wrapped if asked."""
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhflab.models.load import _load_error
+
+    m = cfg.model
+    tok = load_tokenizer(m.tokenizer or m.name_or_path, m.trust_remote_code, padding_side="right")
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            m.name_or_path, num_labels=1, dtype=resolve_dtype(m.torch_dtype), trust_remote_code=m.trust_remote_code)
+    except Exception as exc:
+        raise _load_error("model", m.name_or_path, exc) from None
+    model.config.pad_token_id = tok.pad_token_id
+    head = score_head(model)
+    torch.nn.init.normal_(head.weight, std=cfg.rm.head_init_std)
+    if getattr(head, "bias", None) is not None:
+        torch.nn.init.zeros_(head.bias)
+    disable_dropout(model)
+    if cfg.lora.enabled:
+        from peft import LoraConfig, get_peft_model
+        head_name = "score" if hasattr(model, "score") else "classifier"
+        targets = cfg.lora.target_modules or default_lora_targets(model)
+        lcfg = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                          target_modules=targets, task_type="SEQ_CLS", modules_to_save=[head_name], bias="none")
+        model = get_peft_model(model, lcfg)
+    if m.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        if cfg.lora.enabled:
+            model.enable_input_require_grads()
+    model.to(device).train()
+    return model, tok
+
+
+# --------------------------------------------------------------------------------------
+# 3. update, 4. evaluate
+# --------------------------------------------------------------------------------------
+def pair_scores(model, tokenizer, pairs: Sequence[PairTexts], meta: RMMeta, device) -> tuple[Tensor, Tensor]:
+    """(chosen, rejected) scores, each (B,), from one forward over the 2B texts."""
+    b = encode(tokenizer, [p.chosen for p in pairs] + [p.rejected for p in pairs], meta, device)
+    scores = sequence_scores(model, b["input_ids"], b["attention_mask"])   # (2B,)
+    return scores[: len(pairs)], scores[len(pairs):]
+
+
+def _batch_loss(model, tokenizer, pairs: Sequence[PairTexts], meta: RMMeta, cfg: RMRunConfig, device) -> RMLoss:
+    chosen, rejected = pair_scores(model, tokenizer, pairs, meta, device)
+    margin = None
+    if cfg.rm.margin_coeff:
+        margin = cfg.rm.margin_coeff * torch.tensor([p.margin for p in pairs], dtype=torch.float32, device=chosen.device)
+    tie = torch.tensor([p.tie for p in pairs], dtype=torch.bool, device=chosen.device)
+    return pairwise_loss(chosen, rejected, margin, tie, cfg.rm.center_coeff)
+
+
+@torch.no_grad()
+def evaluate_rm(model, tokenizer, pairs: Sequence[PairTexts], meta: RMMeta, batch_size: int,
+                device) -> dict[str, float]:
+    """Held-out accuracy (non-tie pairs), mean gap r_chosen − r_rejected, score mean/std."""
+    was_training = model.training
+    model.eval()
+    cs, rs = [], []
+    for s in range(0, len(pairs), batch_size):
+        c, r = pair_scores(model, tokenizer, pairs[s : s + batch_size], meta, device)
+        cs.append(c.cpu())
+        rs.append(r.cpu())
+    if was_training:
+        model.train()
+    chosen, rejected = torch.cat(cs), torch.cat(rs)
+    tie = torch.tensor([p.tie for p in pairs], dtype=torch.bool)
+    pref = ~tie
+    both = torch.cat([chosen, rejected])
+    loss = pairwise_loss(chosen, rejected, None, tie)
+    return {"eval/accuracy": float((chosen[pref] > rejected[pref]).float().mean()) if pref.any() else float("nan"),
+            "eval/loss": float(loss.loss),
+            "eval/score_gap": float((chosen[pref] - rejected[pref]).mean()) if pref.any() else float("nan"),
+            "eval/score_mean": float(both.mean()), "eval/score_std": float(both.std()) if len(both) > 1 else 0.0}
+
+
+# --------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------
+PLOT_GROUPS = {
+    "loss": ["train/loss", "eval/loss"],
+    "accuracy": ["train/accuracy", "eval/accuracy"],
+    "scores": ["eval/score_gap", "eval/score_mean", "eval/score_std"],
+    "grad_norm": ["params/grad_norm"],
+    "lr": ["lr"],
+}
+
+
+@dataclass
+class RMResult:
+    output_dir: Path
+    final_dir: Path                  # AutoModelForSequenceClassification folder + rlhflab_rm.json
+    adapter_dir: Path | None         # final/adapter/ under LoRA
+    eval_before: dict | None = None
+    eval_after: dict | None = None
+    history: list[dict] = field(default_factory=list)
+    steps: int = 0
+    train_pairs: int = 0
+    seconds: float = 0.0
+
+
+def save_reward_model(model, tokenizer, meta: RMMeta, folder: Path) -> None:
+    """A plain HF sequence-classification folder (LoRA merged; adapter in adapter/)."""
+    import copy
+    import shutil
+    tmp = folder.with_name(folder.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    if hasattr(model, "peft_config"):
+        model.save_pretrained(tmp / "adapter")
+        copy.deepcopy(model).merge_and_unload().save_pretrained(tmp)
+    else:
+        model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / META_FILE).write_text(meta.to_json())
+    if folder.exists():
+        shutil.rmtree(folder)
+    tmp.rename(folder)
+
+
+def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
+    """Train a reward model as configured; returns where it went and the before/after metrics."""
+    t, r = cfg.training, cfg.rm
+    say = (lambda *a, **k: None) if quiet else print
+    set_threads(t.num_threads)
+    out_dir = prepare_output_dir(t.output_dir)
+    save_effective_config(effective if effective is not None else cfg, out_dir)
+    seed_everything(t.seed)
+    device = resolve_device(t.device)
+    start = time.perf_counter()
+
+    # 1-2. data and model
+    model, tok = build_reward_model(cfg, device)
+    meta = RMMeta(append_eos=cfg.data.append_eos, add_special_tokens=False, max_length=cfg.data.max_length)
+    data = load_rm_data(cfg.data, tok, t.seed, warn=say)
+    cut = count_truncated(tok, data.train, meta)
+    if cut:
+        say(f"warning: {cut} training texts are longer than data.max_length={cfg.data.max_length} "
+            "and are cut from the left (the response end is kept)")
+    groups_per_epoch = math.ceil(math.ceil(len(data.train) / r.batch_size) / r.gradient_accumulation_steps)
+    total_steps = r.max_steps or max(1, math.ceil(groups_per_epoch * r.epochs))
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(params, r.learning_rate, r.weight_decay, (r.adam_beta1, r.adam_beta2), r.adam_eps)
+    scheduler = make_scheduler(optimizer, total_steps, int(r.warmup_ratio * total_steps), r.lr_schedule,
+                               r.min_learning_rate)
+    say(f"rm: {len(data.train)} training pairs, {len(data.eval)} held out; {total_steps} optimizer steps; "
+        f"{sum(p.numel() for p in params):,} trainable parameters")
+
+    logger = MetricsLogger(out_dir, cfg.logging.report_to, cfg.logging.run_name, cfg.logging.wandb_project,
+                           config=dataclasses.asdict(cfg))
+    result = RMResult(out_dir, out_dir / "final", out_dir / "final" / "adapter" if cfg.lora.enabled else None,
+                      train_pairs=len(data.train))
+    if r.eval_before and data.eval:
+        result.eval_before = evaluate_rm(model, tok, data.eval, meta, t.eval_batch_size, device)
+        logger.log(0, result.eval_before)
+        say("step 0 (before training): " + ", ".join(f"{k}={v:.3f}" for k, v in result.eval_before.items()))
+
+    from tqdm import tqdm
+    bar = tqdm(total=total_steps, disable=quiet or not cfg.logging.progress_bar, desc="rm", dynamic_ncols=True)
+    step, epoch = 0, 0
+    win_loss, win_acc, win_n, win_norms = 0.0, 0.0, 0, []
+    last_eval: dict[str, float] = {}
+    while step < total_steps:
+        order = list(range(len(data.train)))
+        random.Random(t.seed * 1_000_003 + epoch).shuffle(order)  # a fresh shuffle per epoch
+        micro = [[data.train[i] for i in order[s : s + r.batch_size]] for s in range(0, len(order), r.batch_size)]
+        epoch += 1
+        for g in range(0, len(micro), r.gradient_accumulation_steps):
+            if step >= total_steps:
+                break
+            group = micro[g : g + r.gradient_accumulation_steps]
+            n_group = sum(len(b) for b in group)
+            # 3. update: each micro-batch's mean loss weighted by its share of the group.
+            for b in group:
+                out = _batch_loss(model, tok, b, meta, cfg, device)
+                if not torch.isfinite(out.loss):
+                    raise FloatingPointError(f"rm loss is {float(out.loss)} at step {step + 1}; lower rm.learning_rate")
+                (out.loss * (len(b) / n_group)).backward()
+                win_loss += float(out.loss.detach()) * len(b)
+                win_acc += float(out.accuracy) * len(b) if math.isfinite(float(out.accuracy)) else 0.0
+                win_n += len(b)
+            max_norm = r.max_grad_norm if r.max_grad_norm is not None else float("inf")
+            win_norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            bar.update(1)
+            # 5. log, evaluate
+            metrics: dict[str, float] = {}
+            if step % r.logging_steps == 0 or step == total_steps:
+                metrics.update({"train/loss": win_loss / max(win_n, 1), "train/accuracy": win_acc / max(win_n, 1),
+                                "params/grad_norm": sum(win_norms) / len(win_norms),
+                                "lr": optimizer.param_groups[0]["lr"], "epoch": step / groups_per_epoch})
+                win_loss, win_acc, win_n, win_norms = 0.0, 0.0, 0, []
+            if data.eval and ((t.eval_interval and step % t.eval_interval == 0) or step == total_steps):
+                last_eval = evaluate_rm(model, tok, data.eval, meta, t.eval_batch_size, device)
+                metrics.update(last_eval)
+            if metrics:
+                logger.log(step, metrics)
+                result.history.append({"step": step, **metrics})
+                if "train/loss" in metrics:
+                    bar.set_postfix(loss=f"{metrics['train/loss']:.3f}")
+    bar.close()
+    # The held-out score distribution: what `normalize: true` uses when no reference file is given.
+    if last_eval:
+        meta.score_mean, meta.score_std = last_eval["eval/score_mean"], max(last_eval["eval/score_std"], 1e-6)
+        meta.extra = {"eval_accuracy": last_eval["eval/accuracy"]}
+    model.eval()
+    save_reward_model(model, tok, meta, result.final_dir)
+    logger.close()
+    if cfg.logging.plots:
+        plot_metrics(logger.path, out_dir / "plots", PLOT_GROUPS)
+    result.eval_after = last_eval or None
+    result.steps = step
+    result.seconds = time.perf_counter() - start
+    (out_dir / "peak_memory_mb.txt").write_text(f"{peak_memory_mb(device):.1f}\n")
+    (out_dir / "train_result.json").write_text(json.dumps(
+        {"eval_before": result.eval_before, "eval_after": result.eval_after, "steps": step,
+         "train_pairs": result.train_pairs, "seconds": result.seconds}, indent=2))
+    return result
+
+
+# --------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="YAML config, e.g. configs/rm_debug.yaml")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rm.learning_rate=1e-4")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg, effective = load_config(args.config, RMRunConfig, args.overrides)
+    res = train_rm(cfg, effective=effective)
+    print(f"done in {res.seconds:.0f}s: reward model in {res.final_dir}"
+          + (f" (adapter in {res.adapter_dir})" if res.adapter_dir else ""))
+    if res.eval_before and res.eval_after:
+        for k in res.eval_after:
+            print(f"  {k}: {res.eval_before.get(k, float('nan')):.3f} -> {res.eval_after[k]:.3f}")
+    return 0
