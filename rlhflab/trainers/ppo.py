@@ -60,6 +60,7 @@ class PPOMath:
     entropy_loss: Callable = ops.entropy_loss
     advantages: Callable = ops.gae
     minibatch_step: Callable | None = None  # None: `ppo_minibatch_loss` below
+    update_group: Callable | None = None    # None: `ppo_update_group` below
 
 
 # --------------------------------------------------------------------------------------
@@ -215,6 +216,27 @@ def ppo_minibatch_loss(ac: ActorCritic, mb: dict, p, temperature: float, math_: 
     return total, stats
 
 
+def ppo_update_group(ac: ActorCritic, minibatches: list[dict], optimizer, params: list,
+                     p, temperature: float, math_: PPOMath,
+                     normalizer: float) -> tuple[float, list[MinibatchStats]]:
+    """One optimizer step over an accumulation group: forward, losses and backward per
+    minibatch, then clip the global grad norm and step. Returns (pre-clip grad norm, stats)."""
+    minibatch_step = math_.minibatch_step or ppo_minibatch_loss
+    stats = []
+    for mb in minibatches:
+        loss, st = minibatch_step(ac, mb, p, temperature, math_, normalizer)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"loss/total is {float(loss)}; policy={st.policy} "
+                                     f"value={st.value} entropy={st.entropy}")
+        loss.backward()
+        stats.append(st)
+    max_norm = p.max_grad_norm if p.max_grad_norm is not None else float("inf")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))  # the norm before clipping
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, stats
+
+
 def ppo_update(models: Models, optimizer, scheduler, roll: Rollout, cfg: PPORunConfig,
                step: int, math_: PPOMath) -> dict[str, float]:
     """5. `epochs` passes of shuffled minibatches; one optimizer step per accumulation group."""
@@ -226,7 +248,7 @@ def ppo_update(models: Models, optimizer, scheduler, roll: Rollout, cfg: PPORunC
     frac_sums: dict[str, float] = {}
     n_groups = n_mb = 0
     grad_norms: list[float] = []
-    minibatch_step = math_.minibatch_step or ppo_minibatch_loss
+    update_group = math_.update_group or ppo_update_group
     for _epoch in range(p.epochs):
         order = torch.randperm(n, generator=g).to(roll.prompt_ids.device)
         minibatches = [order[i : i + p.mini_batch_size] for i in range(0, n, p.mini_batch_size)]
@@ -238,13 +260,14 @@ def ppo_update(models: Models, optimizer, scheduler, roll: Rollout, cfg: PPORunC
                 normalizer = float(roll.response_mask[rows].sum().clamp(min=1))
             else:
                 normalizer = float((roll.response_mask[rows].sum(-1) > 0).sum().clamp(min=1))
-            for mb_rows in group:
-                mb = _trim(mb_rows, roll)
-                loss, st = minibatch_step(ac, mb, p, cfg.generation.temperature, math_, normalizer)
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"loss/total is {float(loss)} at step {step}; "
-                                             f"policy={st.policy} value={st.value} entropy={st.entropy}")
-                loss.backward()
+            try:
+                grad_norm, stats = update_group(ac, [_trim(r, roll) for r in group], optimizer, params,
+                                                p, cfg.generation.temperature, math_, normalizer)
+            except FloatingPointError as exc:
+                raise FloatingPointError(f"step {step}: {exc}") from None
+            scheduler.step()
+            grad_norms.append(grad_norm)
+            for st in stats:
                 # Losses and the entropy are divided by the whole group's normalizer, so
                 # their sum over a group's minibatches is the group's value.
                 for k in ("policy", "value", "total", "entropy"):
@@ -252,11 +275,6 @@ def ppo_update(models: Models, optimizer, scheduler, roll: Rollout, cfg: PPORunC
                 for k in ("policy_clip_frac", "value_clip_frac", "approx_kl"):
                     frac_sums[k] = frac_sums.get(k, 0.0) + getattr(st, k)
                 n_mb += 1
-            max_norm = p.max_grad_norm if p.max_grad_norm is not None else float("inf")
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))  # pre-clip norm
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
             n_groups += 1
     out = {f"loss/{k}": v / n_groups for k, v in loss_sums.items()}
     out["params/policy_clip_frac"] = frac_sums["policy_clip_frac"] / n_mb
@@ -343,7 +361,8 @@ def train(cfg: PPORunConfig, resume: str | Path | None = None, math_: PPOMath | 
         from rlhflab.doctor import Doctor, DoctorConfig
         doctor = Doctor(DoctorConfig(max_grad_norm=p.max_grad_norm))
     logger = MetricsLogger(out_dir, cfg.logging.report_to, cfg.logging.run_name, cfg.logging.wandb_project,
-                           config=dataclasses.asdict(cfg), resume=resume_dir is not None)
+                           config=dataclasses.asdict(cfg), resume=resume_dir is not None,
+                           resume_step=start_step if resume_dir is not None else None)
     result = TrainResult(out_dir, out_dir / "final")
     if eval_examples and start_step == 0:
         result.eval_before = _evaluate(models, eval_examples, scorer, cfg, out_dir, 0)
