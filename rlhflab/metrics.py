@@ -35,12 +35,21 @@ class MetricsLogger:
     """Writes metrics to `out_dir/metrics.jsonl` and to the configured extra sinks."""
 
     def __init__(self, out_dir: str | Path, report_to: Iterable[str] = (), run_name: str | None = None,
-                 wandb_project: str = "rlhflab", config: dict | None = None, resume: bool = False):
+                 wandb_project: str = "rlhflab", config: dict | None = None, resume: bool = False,
+                 resume_step: int | None = None):
+        """`resume` appends to an existing metrics.jsonl; with `resume_step` (the step of the
+        checkpoint resumed from) rows of later steps, logged before the run stopped and about
+        to be redone, are dropped first, so each step appears once."""
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / "metrics.jsonl"
         if not resume and self.path.exists():
             self.path.unlink()
+        if resume and resume_step is not None and self.path.exists():
+            keep = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+            tmp.replace(self.path)
         self._fh = self.path.open("a")
         self._tb = None
         self._wandb = None

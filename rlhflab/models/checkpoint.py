@@ -66,19 +66,11 @@ def save_checkpoint(folder: str | Path, actor_critic, tokenizer, *, optimizer=No
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    save_policy(actor_critic.policy, tokenizer, tmp)
-    if actor_critic.critic is not None:
-        critic_dir = tmp / "critic"
-        critic_dir.mkdir()
-        unwrap(actor_critic.critic.base).save_pretrained(critic_dir)
-        save_value_head(actor_critic.critic.value_head, critic_dir)
-    else:
-        save_value_head(actor_critic.value_head, tmp)
-    if optimizer is not None:
-        torch.save({"step": step, "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                    "rng": rng_state(), "extra": extra or {}}, tmp / STATE_FILE)
-    (tmp / "rlhflab.json").write_text(json.dumps({"step": step, **(extra or {})}, indent=2))
+    try:
+        _write_checkpoint(tmp, actor_critic, tokenizer, optimizer, scheduler, step, extra)
+    except BaseException:  # a failed save (disk full, Ctrl-C) leaves no half-written folder
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     old = folder.with_name(folder.name + ".old")
     if folder.exists():
         if old.exists():
@@ -88,6 +80,24 @@ def save_checkpoint(folder: str | Path, actor_critic, tokenizer, *, optimizer=No
     if old.exists():
         shutil.rmtree(old)
     return folder
+
+
+def _write_checkpoint(tmp: Path, actor_critic, tokenizer, optimizer, scheduler, step, extra) -> None:
+    save_policy(actor_critic.policy, tokenizer, tmp)
+    if actor_critic.critic is not None:
+        critic_dir = tmp / "critic"
+        critic_dir.mkdir()
+        unwrap(actor_critic.critic.base).save_pretrained(critic_dir)
+        if tokenizer is not None:  # critic/ loads on its own (load_model wants a tokenizer)
+            tokenizer.save_pretrained(critic_dir)
+        save_value_head(actor_critic.critic.value_head, critic_dir)
+    else:
+        save_value_head(actor_critic.value_head, tmp)
+    if optimizer is not None:
+        torch.save({"step": step, "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                    "rng": rng_state(), "extra": extra or {}}, tmp / STATE_FILE)
+    (tmp / "rlhflab.json").write_text(json.dumps({"step": step, **(extra or {})}, indent=2))
 
 
 def load_trainer_state(folder: str | Path) -> dict[str, Any]:
