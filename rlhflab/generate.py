@@ -1,0 +1,154 @@
+"""`rlhflab generate`: answer the same prompts with one or more models, side by side.
+
+    rlhflab generate --model outputs/tiny-model --model outputs/sft_debug/final \\
+        --prompts outputs/arith/test.jsonl --template "Question: {prompt}\\nAnswer:" --limit 5
+
+Prompts come from ``--prompt`` strings and/or a ``--prompts`` file: a .txt file (one
+prompt per line) or any dataset file `rlhflab sft` reads (the prompt of each row's SFT
+layout, or ``--prompt-field``). A model is a folder saved with ``save_pretrained``, a
+hub name, or a LoRA adapter folder (its base is loaded and the adapter applied).
+Decoding is greedy unless ``--sample`` is given, so a base/tuned comparison is not a
+matter of luck. ``--out`` writes one JSON line per prompt with every model's response.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rlhflab.errors import UserError
+
+
+def read_prompt_file(path: str | Path, field: str | None = None) -> list[str]:
+    """Prompts from a .txt file (a line each) or a dataset file (a row each)."""
+    from rlhflab.data import sft as sftdata
+    from rlhflab.data.loading import read_rows
+
+    path = Path(path)
+    if path.suffix == ".txt":
+        if not path.is_file():
+            raise UserError(f"--prompts {path}: no such file")
+        return [line for line in path.read_text().splitlines() if line.strip()]
+    rows = read_rows(str(path))
+    prompts = []
+    for i, row in enumerate(rows):
+        if field is not None:
+            if field not in row:
+                raise UserError(f"{path}: row {i} has no field {field!r} (it has {sorted(row)}); "
+                                "set --prompt-field to one of them")
+            prompts.append(str(row[field]))
+            continue
+        ex = sftdata.row_to_example(row, i)
+        if ex is not None:
+            prompts.append(ex.prompt)
+        elif isinstance(row.get("prompt"), str):  # e.g. preference rows, prompt-only files
+            prompts.append(row["prompt"])
+        else:
+            raise UserError(f"{path}: row {i} has no prompt (it has {sorted(row)}); "
+                            "set --prompt-field to the field holding the prompt")
+    return prompts
+
+
+def load_any(name_or_path: str, device: str = "cpu", torch_dtype: str = "float32"):
+    """(model, tokenizer) from a model folder, a hub name, or a LoRA adapter folder."""
+    from rlhflab.models.load import load_model
+
+    path = Path(name_or_path)
+    if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+        from peft import PeftModel
+        base_name = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        if not base_name:
+            raise UserError(f"{path}/adapter_config.json names no base_model_name_or_path; "
+                            "give the merged model folder instead")
+        has_tok = (path / "tokenizer_config.json").is_file() or (path.parent / "tokenizer_config.json").is_file()
+        tok_src = str(path) if (path / "tokenizer_config.json").is_file() else (
+            str(path.parent) if has_tok else None)
+        base, tok = load_model(base_name, torch_dtype=torch_dtype, device=device, tokenizer=tok_src)
+        model = PeftModel.from_pretrained(base, str(path))
+        return model.eval(), tok
+    model, tok = load_model(name_or_path, torch_dtype=torch_dtype, device=device)
+    return model.eval(), tok
+
+
+def format_for(tokenizer, prompt: str, template: str, chat: bool) -> str:
+    from rlhflab.data.prompts import format_prompt
+    return format_prompt(prompt, template, tokenizer, use_chat_template=chat)
+
+
+def compare(models: list[str], prompts: list[str], *, template: str = "{prompt}", chat: bool = False,
+            max_new_tokens: int = 64, sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
+            device: str = "cpu", batch_size: int = 16, seed: int = 0) -> list[dict]:
+    """One row per prompt: {"prompt", "responses": {model: response}}."""
+    import torch
+
+    from rlhflab.rollout import generate
+
+    rows = [{"prompt": p, "responses": {}} for p in prompts]
+    for name in models:
+        model, tok = load_any(name, device=device)
+        torch.manual_seed(seed)
+        texts = [format_for(tok, p, template, chat) for p in prompts]
+        roll = generate(model, tok, texts, max_new_tokens=max_new_tokens, greedy=not sample,
+                        temperature=temperature, top_p=top_p, batch_size=batch_size)
+        for row, resp in zip(rows, roll.responses):
+            row["responses"][name] = resp
+        del model
+    return rows
+
+
+def render(rows: list[dict], width: int = 100) -> str:
+    """A readable side-by-side listing: each prompt, then each model's response under it."""
+    names = list(rows[0]["responses"]) if rows else []
+    label_w = min(max((len(n) for n in names), default=0), 40)
+    lines = []
+    for i, row in enumerate(rows, 1):
+        lines.append(f"=== prompt {i} " + "=" * max(0, width - 14 - len(str(i))))
+        lines.append(row["prompt"])
+        lines.append("-" * width)
+        for name in names:
+            label = name if len(name) <= label_w else "…" + name[-(label_w - 1):]
+            body = row["responses"][name].strip().splitlines() or [""]
+            lines.append(f"{label:<{label_w}} | {body[0]}")
+            lines.extend(f"{'':<{label_w}} | {more}" for more in body[1:])
+    return "\n".join(lines)
+
+
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", action="append", required=True,
+                        help="model folder, hub name or LoRA adapter folder; repeat to compare models")
+    parser.add_argument("--prompt", action="append", default=[], help="a prompt; may be repeated")
+    parser.add_argument("--prompts", default=None, help=".txt (a prompt per line) or a dataset file")
+    parser.add_argument("--prompt-field", default=None, help="field holding the prompt in --prompts rows")
+    parser.add_argument("--template", default="{prompt}", help='e.g. "Question: {prompt}\\nAnswer:"')
+    parser.add_argument("--chat", action="store_true", help="wrap prompts with each tokenizer's chat template")
+    parser.add_argument("--limit", type=int, default=5, help="first N prompts of --prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--out", default=None, help="also write the rows to this jsonl file")
+
+
+def run(args: argparse.Namespace) -> int:
+    prompts = list(args.prompt)
+    if args.prompts:
+        prompts += read_prompt_file(args.prompts, args.prompt_field)[: args.limit]
+    if not prompts:
+        raise UserError("no prompts; give --prompt TEXT or --prompts FILE")
+    template = args.template.replace("\\n", "\n")
+    if "{prompt}" not in template:
+        raise UserError(f"--template {args.template!r} has no {{prompt}}; e.g. \"Question: {{prompt}}\\nAnswer:\"")
+    from rlhflab.models.load import resolve_device
+    rows = compare(args.model, prompts, template=template, chat=args.chat, max_new_tokens=args.max_new_tokens,
+                   sample=args.sample, temperature=args.temperature, top_p=args.top_p,
+                   device=str(resolve_device(args.device)), seed=args.seed)
+    print(render(rows))
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        print(f"wrote {len(rows)} rows to {out}")
+    return 0
