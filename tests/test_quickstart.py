@@ -1,0 +1,46 @@
+"""The quickstart end to end with small settings: every stage runs and summary.json is whole.
+
+(Whether PPO beats the sloppy teacher with the default settings is measured separately;
+this run is far too short to learn.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlhflab import cli
+from rlhflab.quickstart import format_table, quickstart
+
+SMALL = ["sft.max_steps=20", "sft.batch_size=16", "training.total_ppo_steps=1", "ppo.rollout_samples=8",
+         "ppo.batch_size=8", "ppo.mini_batch_size=8", "ppo.epochs=1", "dataset.num_eval_samples=10",
+         "generation.max_new_tokens=8", "training.eval_interval=1", "logging.progress_bar=false",
+         "logging.plots=false"]
+
+
+@pytest.mark.slow
+def test_quickstart_small(tmp_path):
+    out = tmp_path / "qs"
+    summary = quickstart(out, overrides=SMALL, threads=1, quiet=True)
+    on_disk = json.loads((out / "summary.json").read_text())
+    assert on_disk == summary
+    for key in ("accuracy_before", "accuracy_after", "reward_before", "reward_after"):
+        assert isinstance(summary[key], float) and 0.0 <= summary[key] <= 1.0, key
+    # Accuracy is a fraction of the 10 held-out problems.
+    for key in ("accuracy_before", "accuracy_after"):
+        assert summary[key] * 10 == pytest.approx(round(summary[key] * 10)), key
+    assert summary["seconds"] > 0 and summary["ppo_episodes_per_s"] > 0
+    assert summary["ppo_steps"] == 1 and summary["ppo_episodes"] == 8
+    # The stages left their outputs: the tiny model, the task, the SFT and PPO runs.
+    assert (out / "tiny-model" / "config.json").exists() and (out / "data" / "sft.jsonl").exists()
+    assert (out / "sft" / "final" / "config.json").exists()
+    assert (out / "ppo" / "final" / "value_head.safetensors").exists()
+    assert summary["final_model"] == str(out / "ppo" / "final")
+    table = format_table(summary)
+    assert "accuracy (greedy)" in table and "mean reward" in table
+
+
+def test_quickstart_rejects_a_bad_override_before_any_work(tmp_path, capsys):
+    rc = cli.main(["quickstart", "--out", str(tmp_path / "qs"), "ppo.kl_coef=0.1"])
+    assert rc == 2 and "did you mean ppo.kl_coeff?" in capsys.readouterr().err
+    assert not (tmp_path / "qs" / "tiny-model").exists()
