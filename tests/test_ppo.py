@@ -69,6 +69,28 @@ def test_step_prompts_fresh_each_step_and_resume_safe():
     assert counts.sum() == 25 and counts.min() >= 2 and counts.max() <= 3
 
 
+def test_load_prompts(tmp_path):
+    from rlhflab.config import DatasetConfig
+    from rlhflab.data.arith import write_jsonl
+    from rlhflab.errors import UserError
+
+    rows = [{"q": f"what is {i} + 1?", "final": str(i + 1), "answer": "a worked solution"} for i in range(6)]
+    write_jsonl(rows, tmp_path / "train.jsonl")
+    write_jsonl(rows[:3], tmp_path / "test.jsonl")
+    d = DatasetConfig(path=str(tmp_path / "train.jsonl"), eval_path=str(tmp_path / "test.jsonl"),
+                      prompt_field="q", answer_field="final", prompt_template="Q: {prompt}\nA:",
+                      num_samples=4, num_eval_samples=2)
+    train = load_prompts(d, split="train")
+    assert [e.prompt for e in train] == [f"Q: what is {i} + 1?\nA:" for i in range(4)]  # first num_samples rows
+    # The configured answer field is what the reward reads as row["answer"], even when the
+    # row has an "answer" field of its own.
+    assert [e.row["answer"] for e in train] == ["1", "2", "3", "4"]
+    assert len(load_prompts(d, split="eval")) == 2
+    bad = DatasetConfig(path=str(tmp_path / "train.jsonl"), prompt_field="question")
+    with pytest.raises(UserError, match="row 0 lacks field.*'question'.*prompt_field"):
+        load_prompts(bad, split="train")
+
+
 # --------------------------------------------------------------------------------------
 # The first update: ratio == 1, reference frozen
 # --------------------------------------------------------------------------------------
@@ -181,12 +203,12 @@ def test_separate_critic_trains_its_own_model(ppo_cfg):
 # --------------------------------------------------------------------------------------
 # Gradient accumulation: 1 minibatch of 8 == 8 minibatches of 1
 # --------------------------------------------------------------------------------------
-def test_gradient_accumulation_1x8_equals_8x1(ppo_cfg):
-    cfg_a = ppo_cfg("ppo.rollout_samples=8", "ppo.batch_size=8", "ppo.mini_batch_size=8",
-                    "ppo.gradient_accumulation_steps=1", "ppo.epochs=1", "ppo.entropy_coeff=0.01")
-    cfg_b = ppo_cfg("ppo.rollout_samples=8", "ppo.batch_size=8", "ppo.mini_batch_size=1",
-                    "ppo.gradient_accumulation_steps=8", "ppo.epochs=1", "ppo.entropy_coeff=0.01")
-    assert cfg_a.ppo.loss_aggregation == "token_mean"
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
+def test_gradient_accumulation_1x8_equals_8x1(ppo_cfg, aggregation):
+    common = ("ppo.rollout_samples=8", "ppo.batch_size=8", "ppo.epochs=1", "ppo.entropy_coeff=0.01",
+              f"ppo.loss_aggregation={aggregation}")
+    cfg_a = ppo_cfg(*common, "ppo.mini_batch_size=8", "ppo.gradient_accumulation_steps=1")
+    cfg_b = ppo_cfg(*common, "ppo.mini_batch_size=1", "ppo.gradient_accumulation_steps=8")
     models_a, roll, _, _ = _setup(cfg_a)
     # Responses of different lengths (1..8 tokens), so that a mean per minibatch would
     # weigh tokens unequally; only the group's token count as normalizer gives 1x8 == 8x1.
@@ -219,8 +241,9 @@ def test_gradient_accumulation_1x8_equals_8x1(ppo_cfg):
         torch.testing.assert_close(pa, pb, rtol=0, atol=1e-6)
     for key in ("loss/policy", "loss/value", "loss/total", "loss/entropy", "params/grad_norm"):
         assert m_a[key] == pytest.approx(m_b[key], rel=1e-4, abs=1e-7), key
-    # loss/entropy is the mean entropy per token: near log V for the untrained model (V=514,
-    # log 514 = 6.24), not 1/8 of it as when each minibatch's share was averaged.
+    # loss/entropy is the mean entropy (per token or per sequence): near log V for the
+    # untrained model (V=514, log 514 = 6.24), not 1/8 of it as when each minibatch's share
+    # of the group was averaged.
     vocab = models_a.actor_critic.policy.config.vocab_size
     assert 0.9 * math.log(vocab) < m_b["loss/entropy"] <= math.log(vocab)
 

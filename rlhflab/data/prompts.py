@@ -40,7 +40,7 @@ def load_prompts(dataset_cfg, tokenizer=None, split: str = "train") -> list[Prom
     out = []
     for row in rows:
         row = dict(row)
-        if d.answer_field in row and "answer" not in row:
+        if d.answer_field in row:  # the configured field wins over a row's own "answer"
             row["answer"] = row[d.answer_field]
         out.append(PromptExample(format_prompt(str(row[d.prompt_field]), d.prompt_template,
                                                tokenizer, d.use_chat_template), row))
