@@ -320,3 +320,9 @@ def test_lora_disabled_reference_equals_the_base_model(tiny_model_dir):
     torch.testing.assert_close(ref.response_logits(ids, am, p), full[:, p - 1 : p + t - 1], rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="peft"):
         Reference.lora_disabled(plain)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_without_a_device_is_a_user_error(tiny_model_dir):
+    with pytest.raises(UserError, match="no CUDA device.*training.device=cpu"):
+        load_model(str(tiny_model_dir), device="cuda")

@@ -243,3 +243,36 @@ def test_generate_invariants_on_the_tiny_model(tiny_model_dir):
         assert limit == (EOS not in ids[:n])                        # cut off iff no EOS kept
         if not limit:
             assert ids[n - 1] == EOS and EOS not in ids[: n - 1]    # the first EOS ends it
+
+
+def test_long_prompts_are_cut_from_the_left(tok):
+    seven = tok.convert_tokens_to_ids("7")
+    model = ScriptedLM([[seven, EOS]], EOS)
+    prompt = "Question: 1 + 2 + 3 + 4?\nAnswer:"
+    full = tok(prompt, add_special_tokens=False).input_ids
+    roll = generate(model, tok, [prompt], max_new_tokens=2, max_prompt_length=4)
+    assert roll.prompt_ids.tolist() == [full[-4:]]  # the end, where the question is, is kept
+
+
+def test_evaluate_policy_accuracy_and_reward(tok):
+    from rlhflab.data.prompts import PromptExample
+    from rlhflab.evaluate import evaluate_policy
+    from rlhflab.rewards import REGISTRY, RuleScorer
+
+    ids = lambda s: tok(s, add_special_tokens=False).input_ids  # noqa: E731
+    answers = [" #### 7", " #### 8", " 7"]  # right, wrong number, no '####'
+    width = max(len(ids(a)) for a in answers) + 1
+    rows = [ids(a) + [EOS] + [PAD] * (width - len(ids(a)) - 1) for a in answers]
+    model = ScriptedLM(rows, EOS)
+    examples = [PromptExample(f"Q{i}: 3 + 4?", {"answer": "3 + 4 = 7\n#### 7"}) for i in range(3)]
+    res = evaluate_policy(model, tok, examples, RuleScorer(REGISTRY["gsm8k"]), max_new_tokens=width)
+    assert model.calls[0]["do_sample"] is False  # greedy
+    assert [s["score"] for s in res.samples] == pytest.approx([1.0, 0.1, 0.0])
+    assert [s["correct"] for s in res.samples] == [True, False, False]
+    assert res.accuracy == pytest.approx(1 / 3) and res.reward_mean == pytest.approx(1.1 / 3)
+    assert res.metrics() == {"eval/reward_mean": res.reward_mean, "eval/accuracy": res.accuracy}
+    # Rows without answers: no accuracy, the reward still counts.
+    plain = [PromptExample("hi", {})]
+    res = evaluate_policy(ScriptedLM(rows[:1], EOS), tok, plain, RuleScorer(lambda p, r, e: len(r)),
+                          max_new_tokens=width)
+    assert res.accuracy is None and "eval/accuracy" not in res.metrics()
