@@ -300,3 +300,18 @@ def test_two_step_run(ppo_cfg, tiny_model_dir, tmp_path, monkeypatch):
     assert {"losses.png", "reward.png", "kl.png", "clipping.png"} <= plots
     assert (out / "eval" / "step_0.jsonl").exists() and (out / "eval" / "step_2.jsonl").exists()
     assert not list(out.glob("step_*"))  # save_interval=0
+
+
+def test_lr_schedule_warmup_then_cosine_to_the_floor():
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = make_scheduler(opt, total_steps=10, warmup_steps=2, schedule="cosine", min_lr=0.1)
+    lrs = []
+    for _ in range(11):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    # warmup: (0+1)/2, (1+1)/2; then 0.1 + 0.9 * 0.5 * (1 + cos(pi * (s - 2) / 8))
+    assert lrs[0] == pytest.approx(0.5) and lrs[1] == pytest.approx(1.0) and lrs[2] == pytest.approx(1.0)
+    assert lrs[6] == pytest.approx(0.1 + 0.9 * 0.5)  # halfway through the decay
+    assert lrs[10] == pytest.approx(0.1)             # the floor at the end
+    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))
