@@ -352,7 +352,8 @@ def test_check_errors_speak_to_the_user(tmp_path, capsys):
     (2, ["def value_loss(", "def compute_value_loss("]),
     (3, ["def entropy_from_logits(", "def entropy_loss(", "def compute_entropy_loss("]),
     (4, ["def gae(", "def masked_whiten(", "def compute_gae_advantages(", "def whiten_advantages("]),
-    (5, ["def ppo_minibatch_loss(", "def ppo_update(", "def minibatch_loss(", "def update_step("]),
+    (5, ["def ppo_minibatch_loss(", "def ppo_update_group(", "def ppo_update(", "def minibatch_loss(",
+         "def update_step("]),
 ])
 def test_solution_prints_the_library_code_with_commentary(capsys, number, functions):
     assert main(["learn", "solution", str(number)]) == 0
@@ -373,9 +374,30 @@ def test_plug_uses_the_library_where_an_exercise_is_still_the_stub(tmp_path):
         plugged = plug(ws, whiten=True)
     lib = PPOMath()
     assert plugged.math.policy_loss is lib.policy_loss and plugged.math.value_loss is lib.value_loss
-    assert plugged.math.minibatch_step is None
+    assert plugged.math.minibatch_step is None and plugged.math.update_group is None
     assert all("library" in plugged.used[f] for f in ("compute_policy_loss", "compute_gae_advantages",
-                                                      "minibatch_loss"))
+                                                      "minibatch_loss", "update_step"))
+
+
+def test_plug_runs_update_step_with_the_librarys_minibatch_loss_in_place_of_a_stub(tmp_path):
+    from rlhflab.learn.runner import plug
+    stub = ANSWERS["ex5_minibatch_update.py"].replace(
+        "    logits, values = model(mb)\n", "    raise NotImplementedError\n    logits, values = model(mb)\n")
+    with Workspace(write_workspace(tmp_path / "ws", {**ANSWERS, "ex5_minibatch_update.py": stub})) as ws:
+        plugged = plug(ws, whiten=True)
+    assert plugged.math.minibatch_step is None and plugged.math.update_group is not None
+    assert "library" in plugged.used["minibatch_loss"] and plugged.used["update_step"] == "yours"
+
+
+def test_plug_leaves_out_an_update_step_that_does_not_call_minibatch_loss(tmp_path):
+    """The run logs each minibatch's losses from the minibatch_loss calls update_step makes."""
+    from rlhflab.learn.runner import plug
+    # The reference's update_step calls the trainer's own group step, not minibatch_loss by name.
+    with Workspace(write_workspace(tmp_path / "ws", REFERENCE_ANSWERS)) as ws:
+        plugged = plug(ws, whiten=True)
+    assert plugged.math.update_group is None and plugged.math.minibatch_step is not None
+    assert plugged.used["update_step"].startswith("the library's: yours called minibatch_loss 0 time(s) "
+                                                  "for 2 minibatches")
 
 
 def test_plug_refuses_an_exercise_that_crashes(tmp_path):
@@ -407,17 +429,56 @@ def test_plugged_functions_reproduce_the_trainers_math_under_accumulation(tmp_pa
         assert torch.allclose(ret, want.returns, atol=1e-6)
 
 
+def test_plugged_update_step_is_the_trainers_group_step(tmp_path):
+    """The learner's update_step as PPOMath.update_group: same parameters, grad norm and
+    per-minibatch stats as the trainer's `ppo_update_group` on a group of 13 + 3 tokens."""
+    from rlhflab.learn.runner import plug
+    from rlhflab.trainers.ppo import PPOMath, ppo_update_group
+    settings, mbs = cases.toy_settings(), cases.toy_minibatches()
+    normalizer = 16.0  # 13 + 3 real tokens: the trainer's token count of the group
+    with Workspace(write_workspace(tmp_path / "ws", ANSWERS)) as ws:
+        math_ = plug(ws, whiten=True).math
+        runs = []
+        for math_i, update_group in ((math_, math_.update_group), (PPOMath(), ppo_update_group)):
+            ac = cases.ToyActorCritic()
+            params = list(ac.trainable_parameters())
+            opt = torch.optim.SGD(params, lr=1.0)
+            grad_norm, stats = update_group(ac, mbs, opt, params, settings, 1.0, math_i, normalizer)
+            runs.append((grad_norm, stats, torch.cat([p.detach().reshape(-1) for p in params])))
+    (mine_norm, mine_stats, mine_params), (lib_norm, lib_stats, lib_params) = runs
+    assert mine_norm == pytest.approx(lib_norm, rel=1e-5) and mine_norm > settings.max_grad_norm  # clipped
+    assert torch.allclose(mine_params, lib_params, atol=1e-6)
+    assert len(mine_stats) == len(lib_stats) == 2
+    for a, b in zip(mine_stats, lib_stats, strict=True):
+        for k in ("policy", "value", "entropy", "total", "policy_clip_frac", "value_clip_frac", "approx_kl"):
+            assert getattr(a, k) == pytest.approx(getattr(b, k), rel=1e-5, abs=1e-7), k
+
+
 @pytest.mark.slow
 def test_learn_run_trains_two_steps_and_matches_the_library(tmp_path, capsys):
-    """`learn run` with correct answers: exit 0, two PPO steps, and step 1 equal to the library's."""
+    """`learn run` with correct answers: exit 0, two PPO steps, the learner's update_step
+    steps the optimizer, and step 1 equals the library's."""
     from rlhflab.learn.runner import run_learner
-    ws = write_workspace(tmp_path / "ws", ANSWERS)
-    steps = ["training.total_ppo_steps=2", "training.eval_interval=0", "logging.plots=false"]
+    # The learner's update_step leaves a mark per call (its module is re-imported per run).
+    counted = ANSWERS["ex5_minibatch_update.py"].replace(
+        "    optimizer.step()\n",
+        "    optimizer.step()\n    with open(__file__ + '.calls', 'a') as f:\n"
+        "        f.write(','.join(str(len(mb['response_ids'])) for mb in minibatches) + '\\n')\n")
+    ws = write_workspace(tmp_path / "ws", {**ANSWERS, "ex5_minibatch_update.py": counted})
+    # Accumulation 2: 16 samples in minibatches of 8 make one group of 2 per epoch, so the
+    # learner's token weighting matters; 2 epochs x 2 steps = 4 calls of update_step, after
+    # the one on the toy group (3 and 2 rows) that checks it before the run.
+    steps = ["training.total_ppo_steps=2", "training.eval_interval=0", "logging.plots=false",
+             "ppo.gradient_accumulation_steps=2"]
     assert main(["learn", "run", "--dir", str(ws), "--quiet", *steps]) == 0
     metrics = (ws / "runs" / "001" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in metrics] == [1, 2]
+    calls = ws / "ex5_minibatch_update.py.calls"
+    assert calls.read_text().split() == ["3,2"] + ["8,8"] * 4
     # Same seed, same first rollout: the learner's functions give the library's numbers.
     res = run_learner(ws, steps, compare=True, quiet=True)
+    # The learner's run calls it again; the library's run does not.
+    assert calls.read_text().split() == (["3,2"] + ["8,8"] * 4) * 2
     mine, lib = res["yours"].history[0], res["library"].history[0]
     assert res["yours"].output_dir == ws / "runs" / "002"
     for key in ("loss/policy", "loss/value", "loss/entropy", "params/policy_clip_frac", "params/approx_kl",

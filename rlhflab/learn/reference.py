@@ -5,10 +5,8 @@ and only renames its inputs and outputs to the contract of an exercise. The grad
 compares the learner's functions with these; `rlhflab learn solution N` prints the
 library functions they call. There is deliberately no hand-written solution file.
 
-`update_step` is the one place that orders library calls itself: the trainer's
-accumulation loop sits inside `ppo_update`, which takes a whole rollout, so the group
-step is spelled out here in the same order (`ppo_minibatch_loss` per minibatch with the
-group's token count as normalizer, backward, clip the norm, step, zero the gradients).
+`update_step` is the trainer's `ppo_update_group` (the optimizer step over one
+accumulation group), given the group's token count as normalizer.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ import torch
 from torch import Tensor
 
 from rlhflab import ops
-from rlhflab.trainers.ppo import PPOMath, ppo_minibatch_loss
+from rlhflab.trainers.ppo import PPOMath, ppo_minibatch_loss, ppo_update_group
 
 
 class PolicyLoss(NamedTuple):
@@ -119,22 +117,14 @@ def minibatch_loss(model: ResponseModel, mb: dict, settings) -> MinibatchLoss:
 
 
 def update_step(model: ResponseModel, minibatches: list[dict], optimizer, settings) -> UpdateStats:
-    """One optimizer step over a gradient-accumulation group, in `ppo_update`'s order."""
-    params = model.parameters()
+    """The trainer's `ppo_update_group`: one optimizer step over a gradient-accumulation group."""
     # Every minibatch's loss is divided by the whole group's token count, so the
     # accumulated gradient is that of the group as one batch (docs/batching.md).
     group_tokens = sum(n_tokens(mb) for mb in minibatches)
-    total = 0.0
-    for mb in minibatches:
-        loss, _ = ppo_minibatch_loss(model.actor_critic, mb, settings, model.temperature,
-                                     PPOMath(), normalizer=group_tokens)
-        loss.backward()
-        total += float(loss.detach())
-    max_norm = settings.max_grad_norm if settings.max_grad_norm is not None else float("inf")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))  # the norm before clipping
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return UpdateStats(total, grad_norm)
+    grad_norm, stats = ppo_update_group(model.actor_critic, minibatches, optimizer, model.parameters(),
+                                        settings, model.temperature, PPOMath(), normalizer=group_tokens)
+    # Each minibatch's total is already its share of the group: their sum is the group's loss.
+    return UpdateStats(sum(st.total for st in stats), grad_norm)
 
 
 REFERENCE_FUNCTIONS = {

@@ -11,8 +11,10 @@ What is plugged in:
   whitening is switched off so it is not done twice)
 - exercise 5's minibatch_loss -> PPOMath.minibatch_step; it calls the learner's
   exercises 1-3 itself (exercise 3 takes logits, which only this step sees)
-- exercise 5's update_step is graded by `learn check` but not run here: the trainer's
-  accumulation loop (`ppo_update`) has no hook for it yet, so its own loop runs.
+- exercise 5's update_step -> PPOMath.update_group (one optimizer step per accumulation
+  group; the scheduler step stays in the trainer). It calls minibatch_loss by name, and
+  the adapter takes the logged per-minibatch losses from those calls, so an update_step
+  that does not call it once per minibatch is left out (the run says why).
 An exercise still left as the stub is replaced by the library's version, and the run
 says so. Inputs (the tiny model, the arithmetic task) are made in DIR/inputs/ when
 missing; each run writes DIR/runs/NNN/.
@@ -21,6 +23,7 @@ missing; each run writes DIR/runs/NNN/.
 from __future__ import annotations
 
 import dataclasses
+import math
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,25 +159,80 @@ def _advantages_adapter(gae_fn: Callable, whiten_fn: Callable | None) -> Callabl
     return advantages
 
 
-def _minibatch_adapter(fn: Callable) -> Callable:
+def _minibatch_stats(out: tuple, mb: dict, logits: torch.Tensor | None, normalizer: float):
+    """The trainer's MinibatchStats from the MinibatchLoss fields of one minibatch (token means)."""
     from rlhflab.trainers.ppo import MinibatchStats
+    scale = float(mb["response_mask"].sum().clamp(min=1)) / normalizer
+    approx_kl = 0.0
+    if logits is not None:
+        with torch.no_grad():
+            lp = ops.logprobs_from_logits(logits.detach(), mb["response_ids"])
+            approx_kl = float(ops.masked_mean(0.5 * (lp - mb["old_logprobs"]).square(), mb["response_mask"]))
+    # The trainer sums the minibatches' loss stats over an accumulation group, so
+    # each carries its share of the group, as the library's own step reports them.
+    return MinibatchStats(float(out[1]) * scale, float(out[2]) * scale, float(out[3]) * scale,
+                          float(out[0].detach()) * scale, float(out[4]), float(out[5]), approx_kl)
 
+
+def _minibatch_adapter(fn: Callable) -> Callable:
     def minibatch_step(ac, mb, p, temperature, math_, normalizer):
         model = reference.ResponseModel(ac, temperature)
         out = unpack(fn(model, mb, p), MB_FIELDS, fn.__name__, "MinibatchLoss")
-        total = out[0]
         scale = float(mb["response_mask"].sum().clamp(min=1)) / normalizer
-        approx_kl = 0.0
-        if model.last_logits is not None:
-            with torch.no_grad():
-                lp = ops.logprobs_from_logits(model.last_logits.detach(), mb["response_ids"])
-                approx_kl = float(ops.masked_mean(0.5 * (lp - mb["old_logprobs"]).square(), mb["response_mask"]))
-        # The trainer sums the minibatches' loss stats over an accumulation group, so
-        # each carries its share of the group, as the library's own step reports them.
-        stats = MinibatchStats(float(out[1]) * scale, float(out[2]) * scale, float(out[3]) * scale,
-                               float(total.detach()) * scale, float(out[4]), float(out[5]), approx_kl)
-        return total.reshape(()) * scale, stats
+        return out[0].reshape(()) * scale, _minibatch_stats(out, mb, model.last_logits, normalizer)
     return minibatch_step
+
+
+class _Watched:
+    """For one call of update_step: exercise 5's `minibatch_loss` replaced by a wrapper
+    that keeps each minibatch, its result and its logits. The learner's update_step
+    returns only the group's loss and grad norm; the trainer also logs each minibatch's
+    parts, which are these results."""
+
+    def __init__(self, module):
+        self.module = module
+        self.calls: list[tuple[dict, tuple, torch.Tensor | None]] = []
+
+    def __enter__(self) -> "_Watched":
+        self.original = original = self.module.minibatch_loss
+
+        def minibatch_loss(model, mb, settings):
+            res = original(model, mb, settings)
+            out = unpack(res, MB_FIELDS, getattr(original, "__name__", "minibatch_loss"), "MinibatchLoss")
+            self.calls.append((mb, out, getattr(model, "last_logits", None)))
+            return res
+        self.module.minibatch_loss = minibatch_loss
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.module.minibatch_loss = self.original
+        return False
+
+
+def _update_adapter(fn: Callable, module) -> Callable:
+    """The learner's update_step(model, minibatches, optimizer, settings) as PPOMath.update_group.
+
+    The learner's code does the backward passes, the clip and the optimizer step (the
+    trainer's `params` are `model.parameters()`); the per-minibatch stats come from the
+    minibatch_loss calls it makes, scaled to their share of the group as above."""
+
+    def update_group(ac, minibatches, optimizer, params, p, temperature, math_, normalizer):
+        model = reference.ResponseModel(ac, temperature)
+        with _Watched(module) as watched:
+            res = fn(model, minibatches, optimizer, p)
+        _, grad_norm = unpack(res, ("loss", "grad_norm"), fn.__name__, "UpdateStats")
+        if len(watched.calls) != len(minibatches):
+            raise UserError(f"exercise 5: update_step called minibatch_loss {len(watched.calls)} time(s) for "
+                            f"{len(minibatches)} minibatch(es); `learn run` needs one call per minibatch")
+        stats = []
+        for mb, out, logits in watched.calls:
+            st = _minibatch_stats(out, mb, logits, normalizer)
+            if not math.isfinite(st.total):  # as the library's step, so the trainer names the step
+                raise FloatingPointError(f"loss/total is {st.total}; policy={st.policy} "
+                                         f"value={st.value} entropy={st.entropy}")
+            stats.append(st)
+        return float(grad_norm), stats
+    return update_group
 
 
 @dataclass
@@ -227,9 +285,27 @@ def plug(ws: Workspace, whiten: bool) -> Plugged:
     mb, settings = cases.toy_minibatches()[0], cases.toy_settings()
     found["minibatch_loss"] = _probe(ws, 5, "minibatch_loss", lambda f: run(
         5, f, reference.ResponseModel(cases.ToyActorCritic()), mb, settings))
+    # update_step calls minibatch_loss by name: the library's stands in for a stub there too.
+    if found["minibatch_loss"] is None:
+        ws.modules[5].minibatch_loss = reference.minibatch_loss
+    toy_minibatches = cases.toy_minibatches()
+    update_calls: list[int] = []  # how often the probe's update_step called minibatch_loss
+
+    def probe_update(f):
+        model = reference.ResponseModel(cases.ToyActorCritic())
+        with _Watched(ws.modules[5]) as watched:
+            run(5, f, model, toy_minibatches, torch.optim.SGD(model.parameters(), lr=1.0), settings)
+        update_calls.append(len(watched.calls))
+    found["update_step"] = _probe(ws, 5, "update_step", probe_update)
 
     used = {name: ("yours" if fn is not None else "the library's (yours is still the stub)")
             for name, fn in found.items()}
+    if found["update_step"] and update_calls[0] != len(toy_minibatches):
+        # The trainer logs each minibatch's losses; the adapter takes them from these calls.
+        used["update_step"] = (f"the library's: yours called minibatch_loss {update_calls[0]} time(s) for "
+                               f"{len(toy_minibatches)} minibatches;\n{'':27}the run logs the losses it "
+                               "returns, so it needs one call per minibatch")
+        found["update_step"] = None
     math_ = PPOMath()
     if found["compute_policy_loss"]:
         math_.policy_loss = _policy_adapter(found["compute_policy_loss"])
@@ -243,10 +319,10 @@ def plug(ws: Workspace, whiten: bool) -> Plugged:
     elif found["compute_entropy_loss"]:
         used["compute_entropy_loss"] = ("not run: it takes logits, which only exercise 5's minibatch_loss\n"
                                         f"{'':27}sees; the library's step computes the entropy itself")
+    if found["update_step"]:
+        math_.update_group = _update_adapter(found["update_step"], ws.modules[5])
     if not whiten:
         used["whiten_advantages"] = "not run: ppo.whiten_advantages is false"
-    used["update_step"] = ("not run: the trainer's own loop steps the optimizer (no hook for it yet);\n"
-                           f"{'':27}`learn check 5` grades yours")
     return Plugged(math_, whiten, used)
 
 

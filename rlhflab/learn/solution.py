@@ -22,7 +22,7 @@ SOURCES = {
     2: (ops.value_loss,),
     3: (ops.entropy_from_logits, ops.entropy_loss),
     4: (ops.gae, ops.masked_whiten, ops.masked_mean, ops.masked_var),
-    5: (ppo.ppo_minibatch_loss, ppo.ppo_update),
+    5: (ppo.ppo_minibatch_loss, ppo.ppo_update_group, ppo.ppo_update),
 }
 
 ADAPTERS = {
@@ -75,8 +75,9 @@ The exercise is `entropy_from_logits` followed by `entropy_loss`.
   square root, and returns 0 on padding.""",
     5: """\
 Exercise 5 is phase 5 of the loop in trainers/ppo.py. `ppo_minibatch_loss` is its
-`minibatch_loss`; the inner loop of `ppo_update` (backward per minibatch, clip, step,
-zero_grad once per accumulation group) is its `update_step`.
+`minibatch_loss`; `ppo_update_group` (backward per minibatch, clip, step, zero_grad once
+per accumulation group) is its `update_step`. `ppo_update` around them makes the groups
+and their normalizer, and steps the learning-rate scheduler.
 - `forward_response` runs the actor-critic once over prompt+response and returns the
   response tokens' logprobs, values and entropy (your `model(mb)` wraps it).
 - Every loss of a minibatch is divided by `normalizer`, the real-token count of the whole
