@@ -39,7 +39,7 @@ def ppo_defaults(out: Path, threads: int | None) -> PPORunConfig:
         ppo=PPOSection(rollout_samples=64, batch_size=64, mini_batch_size=16, epochs=2,
                        learning_rate=5e-5, kl_coeff=0.02, vf_coeff=0.1, clip_eps=0.2,
                        value_clip=0.2, gamma=1.0, lam=0.95, max_grad_norm=1.0),
-        training=TrainingConfig(output_dir=str(out / "ppo"), device="cpu", seed=0, total_ppo_steps=30,
+        training=TrainingConfig(output_dir=str(out / "ppo"), device="cpu", seed=0, total_ppo_steps=20,
                                 save_interval=0, eval_interval=10, eval_batch_size=100,
                                 num_threads=threads),
         logging=LoggingConfig(report_to=[], progress_bar=True, plots=True, doctor=True),
@@ -149,14 +149,20 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                         help="dotted overrides: PPO keys (ppo.kl_coeff=0.05) or sft.* for the warm start")
 
 
+MARKER = ".rlhflab-quickstart"
+
+
 def run(args: argparse.Namespace) -> int:
+    from rlhflab.errors import UserError
+
     out = Path(args.out)
-    if out.exists() and (out / "ppo").exists():
+    if out.exists() and any(out.iterdir()):
+        if not (out / MARKER).exists():
+            raise UserError(f"{out} exists and was not made by `rlhflab quickstart`; "
+                            "choose another --out or remove it yourself")
         import shutil
-        # A fresh demo each time: the folder is ours, made by an earlier quickstart.
-        if not (out / "summary.json").exists() and not (out / "ppo" / "effective_config.yaml").exists():
-            from rlhflab.errors import UserError
-            raise UserError(f"{out} holds files that are not from a quickstart; choose another --out")
-        shutil.rmtree(out)
+        shutil.rmtree(out)  # ours (it holds the marker): a fresh demo each time
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("made by rlhflab quickstart; the next quickstart run replaces this folder\n")
     quickstart(out, args.overrides, args.threads)
     return 0

@@ -44,3 +44,25 @@ def test_quickstart_rejects_a_bad_override_before_any_work(tmp_path, capsys):
     rc = cli.main(["quickstart", "--out", str(tmp_path / "qs"), "ppo.kl_coef=0.1"])
     assert rc == 2 and "did you mean ppo.kl_coeff?" in capsys.readouterr().err
     assert not (tmp_path / "qs" / "tiny-model").exists()
+
+
+def test_quickstart_refuses_a_folder_it_did_not_make(tmp_path, capsys):
+    """`--out` pointing at someone's folder must not be wiped: exit 2, files intact."""
+    from rlhflab.cli import main
+
+    precious = tmp_path / "mine" / "ppo" / "effective_config.yaml"
+    precious.parent.mkdir(parents=True)
+    precious.write_text("keep me\n")
+    assert main(["quickstart", "--out", str(tmp_path / "mine")]) == 2
+    assert "not made by `rlhflab quickstart`" in capsys.readouterr().err
+    assert precious.read_text() == "keep me\n"
+
+
+def test_gsm8k_reward_without_answers_is_a_user_error():
+    import pytest as _pytest
+
+    from rlhflab.errors import UserError
+    from rlhflab.rewards import RuleScorer, resolve_rule
+
+    with _pytest.raises(UserError, match="dataset.answer_field"):
+        RuleScorer(resolve_rule("gsm8k")).score(["q"], ["#### 3"], [{"question": "q"}])

@@ -28,14 +28,21 @@ def register(name: str) -> Callable[[RewardFn], RewardFn]:
     return wrap
 
 
+def _answer(example: dict) -> str:
+    if "answer" not in example:
+        raise UserError(f"the gsm8k reward needs a reference answer, but a row has only {sorted(example)}; "
+                        "set dataset.answer_field to the field that holds it")
+    return str(example["answer"])
+
+
 @register("gsm8k")
 def _gsm8k(prompt: str, response: str, example: dict) -> float:
-    return gsm8k_reward(response, str(example["answer"]))
+    return gsm8k_reward(response, _answer(example))
 
 
 @register("gsm8k_lenient")
 def _gsm8k_lenient(prompt: str, response: str, example: dict) -> float:
-    return gsm8k_reward(response, str(example["answer"]), fallback_last_number=True)
+    return gsm8k_reward(response, _answer(example), fallback_last_number=True)
 
 
 class Scorer(Protocol):
