@@ -81,6 +81,7 @@ class DPOSection(OptimizerFields):
     append_eos: bool = f(True, "end every response with the EOS token (the export holds text without it)")
     precompute_ref_logprobs: bool = f(True, "compute every pair's reference log-probs before training; false: on first use (cached either way)")
     eval_fraction: float = f(0.1, "held-out fraction of the pairs when dataset.eval_path is null", ge=0, lt=1)
+    sft_coeff: float = f(0.0, "weight of an NLL term on the chosen responses (RPO, Pang et al. 2024; TRL's rpo_alpha); 0 is plain DPO", ge=0)
     task_eval_path: Optional[str] = f(None, "GSM8K-format file (question/answer) for greedy held-out accuracy; null skips it")
     task_reward: str = f("gsm8k", "rule reward used to score the greedy task answers")
 
@@ -111,7 +112,10 @@ class DPORunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def check(self) -> list[str]:
-        return check_reference(self.model, self.lora, 1.0, "dpo.beta")
+        if self.model.reference == "none":
+            return ["model.reference: none leaves DPO nothing to compare against; use copy "
+                    "(or lora_disabled with lora.enabled=true)"]
+        return check_reference(self.model, self.lora, 0.0, "dpo.beta")
 
 
 # --------------------------------------------------------------------------------------
@@ -119,7 +123,7 @@ class DPORunConfig:
 # --------------------------------------------------------------------------------------
 @dataclass
 class PreferencePair:
-    prompt: str    # as the model sees it (template applied)
+    prompt: str    # as the model sees it (template or chat template applied)
     chosen: str
     rejected: str
     pair_id: object = None
@@ -127,25 +131,31 @@ class PreferencePair:
 
 def read_preference_pairs(source: str, dataset_cfg: DatasetConfig, tokenizer=None,
                           limit: int | None = None, warn=print) -> list[PreferencePair]:
-    """Rows of a preference export as pairs; tie rows are left out (and counted)."""
+    """The export's rows as text pairs (`rlhflab.data.preferences` parses them: the
+    standard and the conversational forms); ties carry no preference and are left out.
+
+    A plain string prompt goes through `dataset.prompt_template` (keep "{prompt}" for the
+    app's export, whose prompts are already what the policy saw); conversational rows are
+    rendered with the chat template by `pair_texts`.
+    """
+    from rlhflab.data.preferences import pair_texts, parse_pairs
+
     d = dataset_cfg
     rows = read_rows(source, d.split, d.subset)
-    if not rows:
-        raise UserError(f"{source}: no rows; export some with `rlhflab label export`")
-    pairs, ties = [], 0
-    for i, row in enumerate(rows):
-        for key in (d.prompt_field, "chosen", "rejected"):
-            if not isinstance(row.get(key), str):
-                raise UserError(f"{source}: row {i} needs a string {key!r} (it has {sorted(row)}); "
-                                "DPO reads prompt/chosen/rejected rows (set dataset.prompt_field for the prompt)")
-        if row.get("tie"):
-            ties += 1
+    if d.prompt_field != "prompt":  # the export names it "prompt"; a file may call it otherwise
+        rows = [{**r, "prompt": r[d.prompt_field]} if isinstance(r, dict) and d.prompt_field in r else r
+                for r in rows]
+    report = parse_pairs(rows, source, warn=warn)
+    pairs = []
+    for p in report.pairs:
+        if p.tie:
             continue
-        pairs.append(PreferencePair(format_prompt(row[d.prompt_field], d.prompt_template, tokenizer,
-                                                  d.use_chat_template),
-                                    row["chosen"], row["rejected"], row.get("pair_id", i)))
-    if ties:
-        warn(f"{source}: {ties} tie rows left out (no preference to learn)")
+        prompt, chosen, rejected = pair_texts(p, tokenizer, d.use_chat_template)
+        if not p.conversational:
+            prompt = format_prompt(prompt, d.prompt_template, tokenizer, d.use_chat_template)
+        pairs.append(PreferencePair(prompt, chosen, rejected, p.pair_id if p.pair_id is not None else p.index))
+    if report.ties:
+        warn(f"{source}: {report.ties} tie rows left out (no preference to learn)")
     if not pairs:
         raise UserError(f"{source}: every row is a tie; DPO needs pairs with a preference")
     return pairs[:limit] if limit is not None else pairs
@@ -283,7 +293,8 @@ class ReferenceCache:
 # --------------------------------------------------------------------------------------
 @dataclass
 class DPOBatchStats:
-    loss: float
+    loss: float               # the preference loss (without the NLL term)
+    nll: float                # mean NLL per chosen response token
     chosen_rewards: Tensor    # (b,) β·(log π − log π_ref), chosen
     rejected_rewards: Tensor  # (b,)
     policy_chosen: Tensor     # (b,) sequence log-probs under the policy
@@ -293,13 +304,16 @@ class DPOBatchStats:
 def dpo_micro_batch_loss(actor: PolicyOnly, pairs: Sequence[TokenizedPair], ref_chosen: Tensor,
                          ref_rejected: Tensor, sec: DPOSection, pad_token_id: int,
                          device) -> tuple[Tensor, DPOBatchStats]:
-    """The DPO loss of b pairs (mean over them) from one forward pass over 2b rows."""
+    """The DPO loss of b pairs (mean over them) from one forward pass over 2b rows,
+    plus `sft_coeff` times the chosen responses' mean NLL per token."""
     batch = pair_batch(pairs, pad_token_id, device)
     lp = policy_sequence_logprobs(actor, batch)  # (2b,)
     b = len(pairs)
     out = ops.dpo_loss(lp[:b], lp[b:], ref_chosen, ref_rejected, sec.beta, sec.loss_kind, sec.label_smoothing)
-    return out.loss, DPOBatchStats(float(out.loss.detach()), out.chosen_rewards.cpu(), out.rejected_rewards.cpu(),
-                                   lp[:b].detach().cpu(), lp[b:].detach().cpu())
+    nll = -lp[:b].sum() / batch.response_mask[:b].sum().clamp(min=1)
+    loss = out.loss + sec.sft_coeff * nll if sec.sft_coeff > 0 else out.loss
+    return loss, DPOBatchStats(float(out.loss.detach()), float(nll.detach()), out.chosen_rewards.cpu(),
+                               out.rejected_rewards.cpu(), lp[:b].detach().cpu(), lp[b:].detach().cpu())
 
 
 def reward_metrics(chosen: Tensor, rejected: Tensor, prefix: str = "") -> dict[str, float]:
@@ -475,6 +489,7 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
             chosen = torch.cat([s.chosen_rewards for _, s in stats])
             rejected = torch.cat([s.rejected_rewards for _, s in stats])
             metrics = {"loss": sum(n * s.loss for n, s in stats) / len(idx), **reward_metrics(chosen, rejected),
+                       "nll/chosen": sum(n * s.nll for n, s in stats) / len(idx),
                        "logps/chosen": float(torch.cat([s.policy_chosen for _, s in stats]).mean()),
                        "logps/rejected": float(torch.cat([s.policy_rejected for _, s in stats]).mean()),
                        "params/grad_norm": grad_norm, "lr": optimizer.param_groups[0]["lr"], "epoch": epoch,
@@ -548,15 +563,25 @@ def run(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------
 # Demo pairs from the arithmetic task
 # --------------------------------------------------------------------------------------
-def arith_preference_pairs(rows: Sequence[dict], slip: int = 1) -> list[dict]:
+def arith_preference_pairs(rows: Sequence[dict], seed: int = 0) -> list[dict]:
     """Export-format rows from arithmetic-task rows: chosen is the right worked answer,
-    rejected the same line off by `slip` (the SFT demonstrator's systematic mistake)."""
+    rejected the same line off by one, up or down at random (down only when the result
+    is above 0).
+
+    Both directions, because a rejected answer that is always one too high teaches the
+    shortcut "smaller digits are better", which the implicit reward learns as readily
+    as "right is better" and which shifts every digit the policy writes, operands too.
+    """
+    import random
+
+    rng = random.Random(seed)
     out = []
     for i, row in enumerate(rows):
         a, op, b, result = row["a"], row["op"], row["b"], row["result"]
+        wrong = result + (1 if result == 0 or rng.random() < 0.5 else -1)
         out.append({"prompt": row["question"],
                     "chosen": f" {a} {op} {b} = {result}\n#### {result}",
-                    "rejected": f" {a} {op} {b} = {result + slip}\n#### {result + slip}",
+                    "rejected": f" {a} {op} {b} = {wrong}\n#### {wrong}",
                     "margin": 1.0, "pair_id": i, "n_labels": 1})
     return out
 
@@ -571,5 +596,6 @@ def write_arith_pairs(task_dir: str | Path) -> dict[str, Path]:
         src = task_dir / f"{split}.jsonl"
         if not src.is_file():
             raise UserError(f"{src} not found; make the task first with `rlhflab make-data --out {task_dir}`")
-        out[split] = write_jsonl(arith_preference_pairs(read_rows(str(src))), task_dir / f"pairs_{split}.jsonl")
+        rows = arith_preference_pairs(read_rows(str(src)), seed=0 if split == "train" else 1)
+        out[split] = write_jsonl(rows, task_dir / f"pairs_{split}.jsonl")
     return out

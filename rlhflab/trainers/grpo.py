@@ -93,7 +93,7 @@ def grpo_step(models: PolicyModels, examples, cfg: GRPORunConfig, scorer, optimi
     # 1. rollout: group_size responses per prompt, each group contiguous.
     with timer("generate"):
         roll = sample_groups(models, examples, g.group_size, cfg.generation,
-                             cfg.dataset.max_prompt_length, g.batch_size)
+                             cfg.dataset.max_prompt_length, g.batch_size, g.share_prompt)
     # 2. score: one float per response.
     with timer("score"):
         scores = score_responses(scorer, roll, cfg.reward, models.device)            # (B,)
@@ -101,10 +101,11 @@ def grpo_step(models: PolicyModels, examples, cfg: GRPORunConfig, scorer, optimi
     # 3. forward: reference log-probs for the KL term; old log-probs only when needed.
     with timer("forward"):
         micro = max(g.mini_batch_size, g.batch_size)
+        k = g.group_size if g.share_prompt else 1
         if g.optimizer_steps_per_rollout() > 1:
-            old_logprobs(models, roll, temp, micro)                                   # (B, T)
+            old_logprobs(models, roll, temp, micro, k)                                   # (B, T)
         if g.beta > 0:
-            roll.ref_logprobs = reference_logprobs(models.reference, roll, temp, micro)  # (B, T)
+            roll.ref_logprobs = reference_logprobs(models.reference, roll, temp, micro, k)  # (B, T)
     # 4. advantages: relative to the group, the same value on every token.
     seq_adv = ops.group_advantages(scores, g.group_size, g.advantage_scale)           # (B,)
     roll.advantages = broadcast_advantages(seq_adv, roll.response_mask)               # (B, T)

@@ -13,6 +13,17 @@ Each trainer keeps its own short loop; this module holds what they have in commo
   advantages, optionally plus a KL-to-reference term in the loss.
 - `save_policy_checkpoint`: an HF-loadable folder plus `trainer_state.pt`, atomically.
 
+Prompt sharing (`share_prompt`, on by default): the k responses to one prompt share
+it, so the prompt is run through the model once per group, not k times. Sampling
+prefills each prompt once and copies its KV cache to the k rows before `generate`
+continues; the teacher-forced passes (update, old and reference log-probs) run the
+prompt once with `use_cache`, repeat its keys and values k times (a differentiable
+`repeat_interleave`, so the prompt's gradient is the sum over its k responses, exactly
+as in the full pass) and run only the responses on top. Minibatches then hold whole
+groups. This removes (k−1)/k of the prompt compute; the results equal the plain pass
+up to float rounding. It falls back to the plain pass with gradient checkpointing, or
+when a minibatch size is not a multiple of k.
+
 Where this departs from a naive recipe: the "old" log-probs of the clipped ratio are
 those of the policy that sampled the responses. When a step makes exactly one
 optimizer step (one epoch, every minibatch in one accumulation group) the policy has
@@ -29,9 +40,10 @@ import json
 import math
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal, NamedTuple, Optional
+from typing import Callable, Iterator, Literal, NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
@@ -40,10 +52,12 @@ from rlhflab import ops
 from rlhflab.config.schema import f
 from rlhflab.errors import UserError
 from rlhflab.evaluate import evaluate_policy, save_samples
-from rlhflab.models.actor_critic import Reference, ResponseOutput, _response_hidden, decoder_and_head
+from rlhflab.models.actor_critic import (Reference, ResponseOutput, _response_hidden, decoder_and_head,
+                                         position_ids_from, unwrap)
 from rlhflab.models.checkpoint import STATE_FILE, rng_state, save_policy
 from rlhflab.models.load import add_lora, disable_dropout, load_model, resolve_device
-from rlhflab.rollout import Rollout, forward_response, generate, score_rollout
+from rlhflab.rollout import (ForwardOutput, Rollout, collate, eos_ids_of, forward_response, generate,
+                             response_mask_from, score_rollout)
 from rlhflab.config import save_effective_config
 from rlhflab.data.prompts import load_prompts, step_prompts
 from rlhflab.metrics import MetricsLogger, plot_metrics
@@ -94,6 +108,8 @@ class PolicyGradientSection(OptimizerFields):
     loss_aggregation: Literal["token_mean", "seq_mean"] = f(
         "token_mean", "token_mean: every token of the batch weighs the same; seq_mean: every response does")
     mask_truncated: bool = f(False, "leave out of the loss the responses that hit max_new_tokens without EOS")
+    share_prompt: bool = f(True, "compute each prompt once for its group of responses (KV cache reused in sampling, "
+                                 "the update and the reference pass); exact, off only to compare")
 
     @property
     def samples_per_prompt(self) -> int:  # overridden by GRPO (group_size) and RLOO (k)
@@ -149,6 +165,81 @@ class PolicyOnly(nn.Module):
         return [p for p in self.parameters() if p.requires_grad]
 
 
+def _checkpointing(model: nn.Module) -> bool:
+    """Whether activation (gradient) checkpointing is on; it rules out reusing a KV cache."""
+    base = unwrap(model)
+    flag = getattr(type(base), "is_activation_checkpointing", None) or getattr(type(base), "is_gradient_checkpointing", None)
+    return bool(flag.__get__(base)) if isinstance(flag, property) else False
+
+
+def groups_share_prompt(prompt_ids: Tensor, prompt_mask: Tensor, k: int) -> bool:
+    """True when rows [g·k, (g+1)·k) hold the same prompt for every g. (B, P) each."""
+    b = prompt_ids.shape[0]
+    if k < 2 or b % k:
+        return False
+    ids, mask = prompt_ids.view(b // k, k, -1), prompt_mask.view(b // k, k, -1)
+    return bool((ids == ids[:, :1]).all() and (mask == mask[:, :1]).all())
+
+
+def grouped_response_hidden(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+                            response_mask: Tensor, k: int) -> Tensor:
+    """Hidden states that predict each response token, each group's prompt run once.
+
+    prompt_ids, prompt_mask: (G, P), one left-padded row per group; response_ids,
+    response_mask: (B, T) with B = G·k, the k rows of group g at [g·k, (g+1)·k).
+    Returns (B, T, H), equal (up to rounding) to `_response_hidden` on the repeated
+    prompts; gradients reach the prompt's computation through `repeat_interleave`.
+    """
+    decoder, _ = decoder_and_head(model)
+    pos = position_ids_from(prompt_mask)                                             # (G, P)
+    out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos, use_cache=True)
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(k)                                                 # (B, heads, P, d)
+    first = out.last_hidden_state[:, -1:].repeat_interleave(k, dim=0)                # (B, 1, H): predicts token 0
+    t = response_ids.shape[1]
+    if t == 1:
+        return first
+    # Response tokens 0..T-2 as inputs, attending to the cached prompt: they predict 1..T-1.
+    mask = torch.cat([prompt_mask.repeat_interleave(k, dim=0), response_mask[:, :-1].to(prompt_mask.dtype)], 1)
+    rpos = pos[:, -1:].repeat_interleave(k, dim=0) + 1 + torch.arange(t - 1, device=pos.device)  # (B, T-1)
+    rest = decoder(input_ids=response_ids[:, :-1], attention_mask=mask, position_ids=rpos,
+                   past_key_values=cache, use_cache=True).last_hidden_state              # (B, T-1, H)
+    return torch.cat([first, rest], dim=1)                                           # (B, T, H)
+
+
+def grouped_response_logits(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+                            response_mask: Tensor, k: int) -> Tensor:
+    """(B, T, V) logits predicting each response token; see `grouped_response_hidden`."""
+    _, head = decoder_and_head(model)
+    return head(grouped_response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, k))
+
+
+@contextmanager
+def reference_model(reference: Reference) -> Iterator[nn.Module]:
+    """The reference as a model: the frozen copy, or the policy with its adapter off."""
+    if reference.model is not None:
+        yield reference.model
+    else:
+        with reference.policy.disable_adapter():
+            yield reference.policy
+
+
+def response_outputs(logits: Tensor, response_ids: Tensor, temperature: float = 1.0,
+                     with_entropy: bool = False, entropy_grad: bool = True) -> ForwardOutput:
+    """Log-probs (and entropy) at the sampling temperature from (B, T, V) logits."""
+    if temperature != 1.0:
+        logits = logits / temperature
+    logprobs = ops.logprobs_from_logits(logits, response_ids)                        # (B, T)
+    entropy = None
+    if with_entropy:
+        if entropy_grad:
+            entropy = ops.entropy_from_logits(logits)
+        else:
+            with torch.no_grad():
+                entropy = ops.entropy_from_logits(logits.detach())
+    return ForwardOutput(logprobs, None, entropy)
+
+
 @dataclass
 class PolicyModels:
     actor: PolicyOnly
@@ -193,9 +284,18 @@ def build_policy_models(model_cfg, lora_cfg, device: str, need_reference: bool,
 
 
 def make_optimization(params: list[nn.Parameter], sec, total_optimizer_steps: int):
-    """AdamW and its schedule from a section with the usual optimizer fields."""
-    optimizer = make_optimizer(params, sec.learning_rate, sec.weight_decay,
-                               (sec.adam_beta1, sec.adam_beta2), sec.adam_eps, sec.use_8bit_adam)
+    """AdamW and its schedule from a section with the usual optimizer fields.
+
+    The fused AdamW kernel (one pass over all parameters, CPU or CUDA; what the HF
+    Trainer uses by default) unless 8-bit Adam is asked for; the result is the same.
+    """
+    fusable = params and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    if sec.use_8bit_adam or not fusable:
+        optimizer = make_optimizer(params, sec.learning_rate, sec.weight_decay,
+                                   (sec.adam_beta1, sec.adam_beta2), sec.adam_eps, sec.use_8bit_adam)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=sec.learning_rate, weight_decay=sec.weight_decay,
+                                      betas=(sec.adam_beta1, sec.adam_beta2), eps=sec.adam_eps, fused=True)
     scheduler = make_scheduler(optimizer, total_optimizer_steps, sec.warmup_steps, sec.lr_schedule,
                                sec.min_learning_rate)
     return optimizer, scheduler
@@ -205,14 +305,62 @@ def make_optimization(params: list[nn.Parameter], sec, total_optimizer_steps: in
 # Rollout, scoring, log-probs
 # --------------------------------------------------------------------------------------
 def sample_groups(models: PolicyModels, examples, k: int, gen_cfg, max_prompt_length: int,
-                  batch_size: int) -> Rollout:
-    """`k` sampled responses per example; rows [i·k, (i+1)·k) answer example i. B = n·k."""
-    prompts = [e.prompt for e in examples for _ in range(k)]
-    rows = [e.row for e in examples for _ in range(k)]
-    return generate(models.policy, models.tokenizer, prompts, max_new_tokens=gen_cfg.max_new_tokens,
-                    min_new_tokens=gen_cfg.min_new_tokens, temperature=gen_cfg.temperature,
-                    top_k=gen_cfg.top_k, top_p=gen_cfg.top_p, max_prompt_length=max_prompt_length,
-                    batch_size=batch_size, examples=rows)
+                  batch_size: int, share_prompt: bool = True) -> Rollout:
+    """`k` sampled responses per example; rows [i·k, (i+1)·k) answer example i. B = n·k.
+
+    With `share_prompt`, each prompt is prefilled once (all but its last token) and its
+    KV cache repeated k times before `generate` continues from it; the sampling itself
+    is `generate`'s, with the same settings as `rlhflab.rollout.generate`.
+    """
+    if not share_prompt or k < 2 or _checkpointing(models.policy):
+        prompts = [e.prompt for e in examples for _ in range(k)]
+        rows = [e.row for e in examples for _ in range(k)]
+        return generate(models.policy, models.tokenizer, prompts, max_new_tokens=gen_cfg.max_new_tokens,
+                        min_new_tokens=gen_cfg.min_new_tokens, temperature=gen_cfg.temperature,
+                        top_k=gen_cfg.top_k, top_p=gen_cfg.top_p, max_prompt_length=max_prompt_length,
+                        batch_size=batch_size, examples=rows)
+    model, tok = models.policy, models.tokenizer
+    eos = eos_ids_of(model, tok)
+    tok.padding_side, tok.truncation_side = "left", "left"
+    was_training = model.training
+    model.eval()
+    parts = []
+    per_call = max(1, batch_size // k)  # prompts per generate call: batch_size responses
+    for start in range(0, len(examples), per_call):
+        chunk = examples[start : start + per_call]
+        enc = tok([e.prompt for e in chunk], return_tensors="pt", padding=True, add_special_tokens=False,
+                  truncation=True, max_length=max_prompt_length)
+        ids, am = enc["input_ids"].to(models.device), enc["attention_mask"].to(models.device)  # (G, P)
+        p = ids.shape[1]
+        kwargs = dict(max_new_tokens=gen_cfg.max_new_tokens, min_new_tokens=gen_cfg.min_new_tokens or None,
+                      pad_token_id=tok.pad_token_id, eos_token_id=eos, use_cache=True, do_sample=True,
+                      temperature=gen_cfg.temperature, top_k=gen_cfg.top_k or None,
+                      top_p=gen_cfg.top_p if gen_cfg.top_p < 1.0 else None)
+        with torch.no_grad():
+            if p > 1:  # prefill all but the last prompt token once per prompt, then copy the cache
+                decoder, _ = decoder_and_head(model)
+                cache = decoder(input_ids=ids[:, :-1], attention_mask=am[:, :-1],
+                                position_ids=position_ids_from(am[:, :-1]), use_cache=True).past_key_values
+                cache.batch_repeat_interleave(k)
+                kwargs["past_key_values"] = cache
+            ids_k, am_k = ids.repeat_interleave(k, dim=0), am.repeat_interleave(k, dim=0)  # (G·k, P)
+            out = model.generate(input_ids=ids_k, attention_mask=am_k, **kwargs)
+        response_ids = out[:, p:]                                                    # (G·k, T)
+        if response_ids.shape[1] == 0:
+            response_ids = torch.full((len(ids_k), 1), tok.pad_token_id, device=ids.device)
+        mask = response_mask_from(response_ids, eos)                                 # (G·k, T)
+        has_eos = torch.zeros(len(ids_k), dtype=torch.bool, device=ids.device)
+        for e in eos:
+            has_eos |= ((response_ids == e) & mask.bool()).any(-1)
+        response_ids = torch.where(mask.bool(), response_ids, torch.full_like(response_ids, tok.pad_token_id))
+        parts.append(Rollout(
+            prompt_ids=ids_k, prompt_mask=am_k, response_ids=response_ids, response_mask=mask,
+            hit_limit=~has_eos, prompts=[e.prompt for e in chunk for _ in range(k)],
+            responses=tok.batch_decode(response_ids, skip_special_tokens=True),
+            examples=[e.row for e in chunk for _ in range(k)]))
+    if was_training:
+        model.train()
+    return collate(parts, tok.pad_token_id)
 
 
 def score_responses(scorer, roll: Rollout, reward_cfg, device: torch.device) -> Tensor:
@@ -225,10 +373,32 @@ def score_responses(scorer, roll: Rollout, reward_cfg, device: torch.device) -> 
     return scores
 
 
+def _grouped_rows(roll: Rollout, k: int) -> bool:
+    return k > 1 and groups_share_prompt(roll.prompt_ids, roll.prompt_mask, k)
+
+
+@torch.no_grad()
+def _logprobs_pass(model: nn.Module, roll: Rollout, temperature: float, micro_batch: int, k: int) -> Tensor:
+    """(B, T) log-probs of the response tokens under `model`, each group's prompt run once."""
+    micro = max(k, micro_batch - micro_batch % k)  # whole groups per micro-batch
+    parts = []
+    for s in range(0, len(roll), micro):
+        rows = torch.arange(s, min(s + micro, len(roll)), device=roll.prompt_ids.device)
+        mb = _group_minibatch(rows, roll, k)
+        logits = grouped_response_logits(model, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"],
+                                         mb["response_mask"], k)
+        lp = response_outputs(logits, mb["response_ids"], temperature).logprobs      # (b, T')
+        parts.append(torch.nn.functional.pad(lp, (0, roll.response_ids.shape[1] - lp.shape[1])))
+    return torch.cat(parts) * roll.response_mask.float()
+
+
 @torch.no_grad()
 def reference_logprobs(reference: Reference, roll: Rollout, temperature: float = 1.0,
-                       micro_batch: int = 64) -> Tensor:
+                       micro_batch: int = 64, k: int = 1) -> Tensor:
     """(B, T) log-probs of the response tokens under the reference, 0 on padding."""
+    if _grouped_rows(roll, k):
+        with reference_model(reference) as model:
+            return _logprobs_pass(model, roll, temperature, micro_batch, k)
     ids, am, p = roll.input_ids(), roll.attention_mask(), roll.prompt_len
     parts = []
     for s in range(0, len(roll), micro_batch):
@@ -241,8 +411,14 @@ def reference_logprobs(reference: Reference, roll: Rollout, temperature: float =
 
 
 def old_logprobs(models: PolicyModels, roll: Rollout, temperature: float = 1.0,
-                 micro_batch: int = 64) -> Tensor:
+                 micro_batch: int = 64, k: int = 1) -> Tensor:
     """(B, T) log-probs under the policy as it is now (the sampling policy), no gradients."""
+    if _grouped_rows(roll, k) and not _checkpointing(models.policy):
+        was_training = models.actor.training
+        models.actor.eval()
+        roll.logprobs = _logprobs_pass(models.policy, roll, temperature, micro_batch, k)
+        models.actor.train(was_training)
+        return roll.logprobs
     score_rollout(models.actor, None, roll, temperature=temperature, micro_batch=micro_batch,
                   with_values=False)
     return roll.logprobs
@@ -288,6 +464,26 @@ def _minibatch(rows: Tensor, roll: Rollout, loss_mask: Tensor) -> dict:
         "advantages": roll.advantages[rows, resp],
         "old_logprobs": cut(roll.logprobs),
         "ref_logprobs": cut(roll.ref_logprobs),
+    }
+
+
+def _group_minibatch(rows: Tensor, roll: Rollout, k: int, loss_mask: Tensor | None = None) -> dict:
+    """Like `_minibatch` for rows made of whole groups: one prompt row per group."""
+    first = rows[::k]
+    pm = roll.prompt_mask[first]                                                      # (G, P)
+    rm = roll.response_mask[rows]                                                     # (b, T)
+    p_keep = int(pm.sum(0).nonzero().min()) if pm.any() else pm.shape[1] - 1
+    t_keep = int(rm.sum(0).nonzero().max()) + 1 if rm.any() else 1
+    resp = slice(0, t_keep)
+
+    def cut(x: Tensor | None) -> Tensor | None:
+        return None if x is None else x[rows, resp]
+
+    return {
+        "prompt_ids": roll.prompt_ids[first, p_keep:], "prompt_mask": pm[:, p_keep:],
+        "response_ids": roll.response_ids[rows, resp], "response_mask": rm[:, resp].float(),
+        "loss_mask": cut(loss_mask), "advantages": cut(roll.advantages),
+        "old_logprobs": cut(roll.logprobs), "ref_logprobs": cut(roll.ref_logprobs),
     }
 
 
@@ -373,8 +569,16 @@ def policy_update(models: PolicyModels, optimizer, scheduler, roll: Rollout, sec
     def add(key: str, value: float) -> None:
         sums[key] = sums.get(key, 0.0) + value
 
+    k = sec.samples_per_prompt
+    grouped = (sec.share_prompt and sec.mini_batch_size % k == 0 and _grouped_rows(roll, k)
+               and not _checkpointing(models.policy))
+    device = roll.prompt_ids.device
     for epoch in range(sec.epochs):
-        order = torch.randperm(n, generator=g).to(roll.prompt_ids.device)
+        if grouped:  # shuffle whole groups, so each minibatch runs its prompts once
+            groups = torch.randperm(n // k, generator=g).to(device)
+            order = (groups.unsqueeze(1) * k + torch.arange(k, device=device)).reshape(-1)
+        else:
+            order = torch.randperm(n, generator=g).to(device)
         minibatches = [order[i : i + sec.mini_batch_size] for i in range(0, n, sec.mini_batch_size)]
         for start in range(0, len(minibatches), sec.gradient_accumulation_steps):
             group = minibatches[start : start + sec.gradient_accumulation_steps]
@@ -385,10 +589,17 @@ def policy_update(models: PolicyModels, optimizer, scheduler, roll: Rollout, sec
             else:
                 normalizer = float((loss_mask[rows].sum(-1) > 0).sum().clamp(min=1))
             for mb_rows in group:
-                mb = _minibatch(mb_rows, roll, loss_mask)
-                out = forward_response(actor, mb["input_ids"], mb["attention_mask"], mb["response_ids"],
-                                       mb["prompt_len"], temperature, with_values=False,
-                                       with_entropy=True, entropy_grad=sec.entropy_coeff > 0)
+                if grouped:
+                    mb = _group_minibatch(mb_rows, roll, k, loss_mask)
+                    logits = grouped_response_logits(models.policy, mb["prompt_ids"], mb["prompt_mask"],
+                                                     mb["response_ids"], mb["response_mask"], k)
+                    out = response_outputs(logits, mb["response_ids"], temperature, with_entropy=True,
+                                           entropy_grad=sec.entropy_coeff > 0)
+                else:
+                    mb = _minibatch(mb_rows, roll, loss_mask)
+                    out = forward_response(actor, mb["input_ids"], mb["attention_mask"], mb["response_ids"],
+                                           mb["prompt_len"], temperature, with_values=False,
+                                           with_entropy=True, entropy_grad=sec.entropy_coeff > 0)
                 mask = mb["loss_mask"]
                 old = mb["old_logprobs"] if mb["old_logprobs"] is not None else out.logprobs.detach()
                 terms = policy_gradient_loss(
@@ -632,7 +843,8 @@ def report(res: TrainResult) -> None:
 
 
 __all__ = [
-    "OptimizerFields", "PolicyGradientSection", "check_reference", "PolicyOnly", "PolicyModels", "build_policy_models",
+    "OptimizerFields", "PolicyGradientSection", "groups_share_prompt", "grouped_response_hidden",
+    "grouped_response_logits", "reference_model", "response_outputs", "check_reference", "PolicyOnly", "PolicyModels", "build_policy_models",
     "make_optimization", "sample_groups", "score_responses", "reference_logprobs", "old_logprobs",
     "broadcast_advantages", "loss_mask_of", "PolicyLossTerms", "policy_gradient_loss", "policy_update", "clip_fractions", "rollout_metrics",
     "PLOT_GROUPS", "evaluate", "save_policy_checkpoint", "check_resume_dir", "make_doctor", "Timer",

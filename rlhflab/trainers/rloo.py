@@ -75,7 +75,8 @@ def rloo_step(models: PolicyModels, examples, cfg: RLOORunConfig, scorer, optimi
     r, temp = cfg.rloo, cfg.generation.temperature
     # 1. rollout: k responses per prompt, each prompt's responses contiguous.
     with timer("generate"):
-        roll = sample_groups(models, examples, r.k, cfg.generation, cfg.dataset.max_prompt_length, r.batch_size)
+        roll = sample_groups(models, examples, r.k, cfg.generation, cfg.dataset.max_prompt_length, r.batch_size,
+                             r.share_prompt)
     # 2. score.
     with timer("score"):
         scores = score_responses(scorer, roll, cfg.reward, models.device)                # (B,)
@@ -83,12 +84,13 @@ def rloo_step(models: PolicyModels, examples, cfg: RLOORunConfig, scorer, optimi
     # 3. forward: sampling-policy and reference log-probs; the sequence KL joins the reward.
     with timer("forward"):
         micro = max(r.mini_batch_size, r.batch_size)
+        k = r.k if r.share_prompt else 1
         mask = roll.response_mask.float()
         rewards = scores
         if r.kl_coeff > 0 or r.optimizer_steps_per_rollout() > 1:
-            old_logprobs(models, roll, temp, micro)                                       # (B, T)
+            old_logprobs(models, roll, temp, micro, k)                                       # (B, T)
         if r.kl_coeff > 0:
-            roll.ref_logprobs = reference_logprobs(models.reference, roll, temp, micro)  # (B, T)
+            roll.ref_logprobs = reference_logprobs(models.reference, roll, temp, micro, k)  # (B, T)
             kl_seq = (ops.kl_estimate(roll.logprobs, roll.ref_logprobs, r.kl_estimator) * mask).sum(-1)  # (B,)
             rewards = scores - r.kl_coeff * kl_seq
     # 4. advantages: leave-one-out baseline, the same value on every token.

@@ -1,0 +1,229 @@
+"""GRPO throughput and peak memory: rlhflab's GRPO and TRL's `GRPOTrainer`, side by side.
+
+    python bench/grpo_throughput.py [--steps 6] [--model DIR] [--beta 0.0] [--device cpu]
+
+Both run the same GRPO on the same model (a tiny Llama built locally unless --model is
+given), on the arithmetic task's prompts with the GSM8K checker as the reward: group
+size 8, 32 completions per step (4 prompts), responses of up to 16 new tokens,
+temperature 1, one optimizer step per generation batch (fully on-policy), the same
+learning rate, `beta` and clip. Each runs in a fresh subprocess, so its peak memory is
+its own: peak RSS of the process on CPU, `torch.cuda.max_memory_allocated` on CUDA.
+The first step of each is a warm-up and is not timed; completions/s is the
+completions of the other steps over their wall time, from the end of the first step
+to the end of the last (generation, reward, forward, backward, optimizer, logging;
+evaluation and saving off). On a shared machine wall time also counts other
+processes' load, so the runs alternate and the median is reported, and the
+completions per CPU-second of each process are shown beside it.
+
+The difference that matters: rlhflab computes each prompt once per group of 8 (prefill
+in sampling; one prompt pass whose KV cache the 8 responses attend to in the update),
+where TRL runs it 8 times; `--no-share-prompt` turns that off for comparison.
+
+TRL is not a dependency of rlhflab. Install it for this benchmark only:
+
+    pip install --no-deps --target .bench/trl-grpo trl requests charset_normalizer
+
+(TRL imports `requests` and `charset_normalizer`, which rlhflab's environment lacks.)
+
+The last line reads
+`grpo_throughput: rlhflab X completions/s, trl Y completions/s, speed ratio Z, memory ratio W`
+with Z = X / Y (higher is better for rlhflab) and W = rlhflab's peak / TRL's (lower is better).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRL_DIR = ROOT / ".bench" / "trl-grpo"  # its own folder: another benchmark may pin another TRL in .bench/trl
+GROUP_SIZE, COMPLETIONS, MAX_NEW_TOKENS = 8, 32, 16
+TEMPLATE = "Question: {prompt}\nAnswer:"
+INSTALL_HINT = f"pip install --no-deps --target {TRL_DIR} trl requests charset_normalizer"
+
+
+def _peak_memory_mb(device: str) -> float:
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+# --------------------------------------------------------------------------------------
+# Workers (each in its own process)
+# --------------------------------------------------------------------------------------
+def _rates(marks: list[tuple[float, float]]) -> dict:
+    """completions/s (wall) and completions per CPU-second from (wall, cpu) marks taken at
+    the end of each step; the first step is the warm-up, so timing starts at its end."""
+    (w0, c0), (w1, c1) = marks[0], marks[-1]
+    n = COMPLETIONS * (len(marks) - 1)
+    return {"completions_per_s": n / (w1 - w0), "completions_per_cpu_s": n / (c1 - c0), "steps_timed": len(marks) - 1}
+
+
+def run_rlhflab(a: argparse.Namespace) -> dict:
+    from rlhflab.config import load_config
+    from rlhflab.trainers import grpo
+    from rlhflab.trainers.policy_gradient import run_training
+
+    cfg, _ = load_config(ROOT / "configs" / "grpo_debug.yaml", grpo.GRPORunConfig, [
+        f"model.name_or_path={a.model}", f"dataset.path={a.data}/train.jsonl", "dataset.eval_path=null",
+        f"generation.max_new_tokens={MAX_NEW_TOKENS}", "generation.temperature=1.0", f"grpo.group_size={GROUP_SIZE}",
+        f"grpo.prompts_per_step={COMPLETIONS // GROUP_SIZE}", f"grpo.batch_size={COMPLETIONS}",
+        f"grpo.mini_batch_size={COMPLETIONS}", "grpo.gradient_accumulation_steps=1", "grpo.epochs=1",
+        f"grpo.learning_rate={a.lr}", f"grpo.beta={a.beta}", "grpo.clip_eps=0.2", "grpo.max_grad_norm=1.0",
+        f"grpo.share_prompt={str(not a.no_share_prompt).lower()}",
+        f"training.total_ppo_steps={a.steps}", "training.eval_interval=0", "training.save_interval=0",
+        f"training.output_dir={a.out}/rlhflab", f"training.device={a.device}", f"training.num_threads={a.threads}",
+        "logging.progress_bar=false", "logging.plots=false", "logging.doctor=false"])
+    marks: list[tuple[float, float]] = []
+
+    def timed_step(*args):  # grpo_step, with a mark at the end of each step (as TRL's on_step_end)
+        out = grpo.grpo_step(*args)
+        marks.append((time.perf_counter(), time.process_time()))
+        return out
+
+    res = run_training(cfg, cfg.grpo, timed_step, "grpo", need_reference=cfg.grpo.beta > 0, quiet=True)
+    timed = res.history[1:]
+    return {**_rates(marks), "peak_memory_mb": _peak_memory_mb(a.device),
+            "mean_response_length": sum(h["rollout/response_length"] for h in timed) / len(timed)}
+
+
+def run_trl(a: argparse.Namespace) -> dict:
+    sys.path.insert(0, str(TRL_DIR))
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlhflab.data.loading import read_rows
+    from rlhflab.rewards.gsm8k import gsm8k_reward
+
+    torch.set_num_threads(a.threads)
+    rows = read_rows(f"{a.data}/train.jsonl")
+    ds = Dataset.from_list([{"prompt": TEMPLATE.format(prompt=r["question"]), "answer": r["answer"]} for r in rows])
+
+    def reward(prompts, completions, answer, **kwargs):
+        return [gsm8k_reward(c, a_) for c, a_ in zip(completions, answer)]
+
+    class StepMarks(TrainerCallback):
+        def __init__(self):
+            self.marks, self.lengths = [], []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.marks.append((time.perf_counter(), time.process_time()))
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "completions/mean_length" in logs:
+                self.lengths.append(float(logs["completions/mean_length"]))
+
+    tok = AutoTokenizer.from_pretrained(a.model, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
+    args = GRPOConfig(
+        output_dir=f"{a.out}/trl", per_device_train_batch_size=COMPLETIONS, num_generations=GROUP_SIZE,
+        gradient_accumulation_steps=1, num_iterations=1, max_completion_length=MAX_NEW_TOKENS,
+        temperature=1.0, top_p=1.0, top_k=0, learning_rate=a.lr, lr_scheduler_type="constant",
+        beta=a.beta, epsilon=0.2, max_grad_norm=1.0, max_steps=a.steps, logging_steps=1,
+        gradient_checkpointing=False,  # rlhflab's run does not checkpoint either
+        save_strategy="no", report_to=[], use_cpu=a.device == "cpu", bf16=False, fp16=False,
+        dataloader_num_workers=0, seed=42, disable_tqdm=True)
+    cb = StepMarks()
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds,
+                          processing_class=tok, callbacks=[cb])
+    trainer.train()
+    return {**_rates(cb.marks), "peak_memory_mb": _peak_memory_mb(a.device),
+            "mean_response_length": sum(cb.lengths[1:]) / max(len(cb.lengths) - 1, 1)}
+
+
+# --------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------
+def _worker(which: str, a: argparse.Namespace) -> dict:
+    cmd = [sys.executable, __file__, "--worker", which, "--model", str(a.model), "--data", str(a.data),
+           "--out", str(a.out), "--steps", str(a.steps), "--beta", str(a.beta), "--lr", str(a.lr),
+           "--device", a.device, "--threads", str(a.threads)] + (["--no-share-prompt"] if a.no_share_prompt else [])
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"the {which} worker failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=6, help="GRPO steps per trainer (the first is not timed)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each trainer, alternating; the median is reported")
+    p.add_argument("--model", default=None, help="model folder; default: a tiny Llama built in a temp dir")
+    p.add_argument("--data", default=None, help="folder with train.jsonl; default: the arithmetic task")
+    p.add_argument("--out", default=None, help="scratch folder for the runs' outputs")
+    p.add_argument("--beta", type=float, default=0.0, help="KL weight for both trainers (TRL's default is 0)")
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads in each worker")
+    p.add_argument("--no-share-prompt", action="store_true",
+                   help="run rlhflab with grpo.share_prompt=false (each prompt computed k times, as TRL does)")
+    p.add_argument("--worker", choices=["rlhflab", "trl"], help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        out = run_rlhflab(a) if a.worker == "rlhflab" else run_trl(a)
+        print(json.dumps(out))
+        return 0
+
+    if not (TRL_DIR / "trl").is_dir():
+        print(f"TRL is not installed for the benchmark; install it with:\n  {INSTALL_HINT}")
+        return 1
+    scratch = Path(a.out or tempfile.mkdtemp(prefix="grpo_bench_"))
+    if a.model is None:
+        from rlhflab.models.tiny import make_tiny_model
+        a.model = scratch / "tiny-model"
+        if not (a.model / "config.json").exists():
+            make_tiny_model(a.model)
+    if a.data is None:
+        from rlhflab.data.arith import write_task
+        a.data = scratch / "arith"
+        if not (a.data / "train.jsonl").exists():
+            write_task(a.data, n_train=500, n_test=10)
+    a.out = scratch
+    sys.path.insert(0, str(TRL_DIR))
+    import trl  # noqa: E402  (only to report its version)
+
+    results: dict[str, list[dict]] = {"rlhflab": [], "trl": []}
+    for _ in range(a.repeats):  # alternate, so both see the same machine load on average
+        for which in ("rlhflab", "trl"):
+            results[which].append(_worker(which, a))
+
+    def median(name: str, key: str) -> float:
+        return statistics.median(r[key] for r in results[name])
+
+    ours, theirs = ({k: median(n, k) for k in results[n][0]} for n in ("rlhflab", "trl"))
+    speed = ours["completions_per_s"] / theirs["completions_per_s"]
+    cpu_speed = ours["completions_per_cpu_s"] / theirs["completions_per_cpu_s"]
+    memory = ours["peak_memory_mb"] / theirs["peak_memory_mb"]
+    mem_name = "peak CUDA MiB" if a.device == "cuda" else "peak RSS MiB"
+    print(f"model {a.model}; device {a.device}, {a.threads} thread(s); group {GROUP_SIZE}, {COMPLETIONS} "
+          f"completions/step, <= {MAX_NEW_TOKENS} new tokens, beta {a.beta}; {a.steps} steps (first untimed); "
+          f"median of {a.repeats} alternating runs; trl {trl.__version__}; rlhflab share_prompt "
+          f"{not a.no_share_prompt}")
+    print(f"| trainer | completions/s (wall) | completions per CPU-s | {mem_name} | mean response tokens "
+          f"| runs: completions/s (wall) |")
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
+    for name, r in (("rlhflab", ours), ("trl", theirs)):
+        runs = ", ".join(f"{x['completions_per_s']:.1f}" for x in results[name])
+        print(f"| {name} | {r['completions_per_s']:.1f} | {r['completions_per_cpu_s']:.1f} | "
+              f"{r['peak_memory_mb']:.0f} | {r['mean_response_length']:.1f} | {runs} |")
+    print(f"speed ratio by CPU time {cpu_speed:.2f} (less sensitive to other load on the machine)")
+    print(f"grpo_throughput: rlhflab {ours['completions_per_s']:.1f} completions/s, trl "
+          f"{theirs['completions_per_s']:.1f} completions/s, speed ratio {speed:.2f}, memory ratio {memory:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Helpers shared by the GRPO, RLOO and DPO tests (this module holds no tests).
+
+- `small_model`: a very small Llama (64 hidden, 2 layers) and its tokenizer, built once
+  per pytest session.
+- `easy_task`: the arithmetic task restricted to sums of 0-4 (25 facts), so that a
+  supervised warm start learns the format and most facts in seconds on a CPU. The
+  demonstrations are the sloppy ones of `rlhflab.data.arith` (60 % off by one).
+- `warm_model`: the small model after a short supervised loop on those demonstrations
+  (written here, so the tests depend on no other trainer).
+- `debug_config`: a trainer's debug YAML pointed at the small model and task.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from rlhflab.config import load_config
+from rlhflab.data import arith
+
+ROOT = Path(__file__).resolve().parents[1]
+TEMPLATE = "Question: {prompt}\nAnswer:"
+
+
+def _once(tmp_path_factory, name: str, build) -> Path:
+    """A folder under the session's base temp dir, built the first time it is asked for."""
+    path = tmp_path_factory.getbasetemp() / name
+    if not (path / ".done").exists():
+        path.mkdir(parents=True, exist_ok=True)
+        build(path)
+        (path / ".done").write_text("ok")
+    return path
+
+
+def small_model(tmp_path_factory) -> Path:
+    from rlhflab.models.tiny import make_tiny_model
+
+    return _once(tmp_path_factory, "small-model",
+                 lambda p: make_tiny_model(p, hidden_size=64, num_layers=2, num_heads=4, vocab_size=512))
+
+
+def write_easy_task(out: Path, max_operand: int = 4, n_train: int = 400, n_test: int = 100,
+                    wrong_rate: float = 0.6, seed: int = 0) -> None:
+    def keep(r: dict) -> bool:
+        return r["op"] == "+" and r["a"] <= max_operand and r["b"] <= max_operand
+
+    test = [r for r in arith.make_split(3000, seed + 1) if keep(r)][:n_test]
+    train = [r for r in arith.make_split(20000, seed, exclude={r["question"] for r in test}) if keep(r)][:n_train]
+    arith.write_jsonl(train, out / "train.jsonl")
+    arith.write_jsonl(test, out / "test.jsonl")
+    arith.write_jsonl(arith.noisy_demonstrations(train, wrong_rate, seed + 2), out / "sft.jsonl")
+
+
+def easy_task(tmp_path_factory) -> Path:
+    return _once(tmp_path_factory, "easy-task", write_easy_task)
+
+
+def supervised_warm_start(model_dir: Path, sft_path: Path, out_dir: Path, steps: int = 150,
+                          batch_size: int = 32, lr: float = 3e-3, seed: int = 0) -> None:
+    """Teacher-forced NLL on the response tokens of "Question: q\\nAnswer: completion<eos>"."""
+    from rlhflab.data.loading import read_rows
+    from rlhflab.models.load import disable_dropout, load_model
+    from rlhflab.trainers.dpo import collate_responses, sequence_logprobs
+    from rlhflab.trainers.policy_gradient import PolicyOnly
+
+    torch.manual_seed(seed)
+    model, tok = load_model(str(model_dir))
+    disable_dropout(model)
+    actor = PolicyOnly(model).train()
+    data = [(tok(TEMPLATE.format(prompt=r["prompt"]), add_special_tokens=False)["input_ids"],
+             tok(" " + r["completion"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
+            for r in read_rows(str(sft_path))]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    rng = random.Random(seed)
+    for _ in range(steps):
+        batch = rng.sample(data, batch_size)
+        rb = collate_responses([p for p, _ in batch], [r for _, r in batch], tok.pad_token_id)
+        out = actor.forward_response(rb.input_ids, rb.attention_mask, rb.prompt_len)
+        loss = -sequence_logprobs(out.logits, rb).sum() / rb.response_mask.sum()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+
+
+def warm_model(tmp_path_factory) -> Path:
+    model, task = small_model(tmp_path_factory), easy_task(tmp_path_factory)
+    return _once(tmp_path_factory, "warm-model",
+                 lambda p: supervised_warm_start(model, task / "sft.jsonl", p))
+
+
+def debug_config(schema, name: str, model: Path, task: Path, out: Path, *overrides: str):
+    """`configs/<name>` pointed at `model` and `task`, quiet, writing to `out`."""
+    cfg, _ = load_config(ROOT / "configs" / name, schema, [
+        f"model.name_or_path={model}", f"training.output_dir={out}", "training.num_threads=1",
+        "logging.progress_bar=false", "logging.plots=false", "logging.doctor=false",
+        *([f"dataset.path={task / 'train.jsonl'}", f"dataset.eval_path={task / 'test.jsonl'}"]
+          if "dpo" not in name else []),
+        *overrides])
+    return cfg
