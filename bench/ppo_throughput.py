@@ -1,0 +1,602 @@
+"""PPO throughput and peak memory: rlhflab beside TRL 1.12.0, same model and settings.
+
+    python bench/ppo_throughput.py                 # full run (see --help for the knobs)
+    python bench/ppo_throughput.py --sides rlhflab # rlhflab only, no TRL needed
+
+Prints a table (episodes/s, seconds and tokens/s per phase, peak memory) and, last, the
+line `ppo_throughput: rlhflab X eps/s, trl Y eps/s, speed ratio Z, memory ratio W`
+(ratios are rlhflab / TRL; a side that did not run reads nan).
+
+How it measures (bench/README.md says why):
+- Each side runs in a worker process of its own (spawned, so it shares no memory with
+  the others). The parent steps the workers in turn, one PPO step at a time, rotating
+  the order each round: the noise of a shared machine falls on every side alike. Only
+  one worker computes at a time. Times are medians over the measured steps, after
+  warm-up steps.
+- A PPO step is the same work on every side: generate 16 tokens for 32 prompts, score
+  them with the GSM8K rule, the no-grad forwards (old logprobs, values, reference
+  logprobs), KL-shaped rewards and GAE, then 4 epochs of one 32-episode minibatch.
+- Peak memory is the peak resident set of the worker (VmHWM) minus its resident set
+  with its libraries loaded and no models (taken after a priming build and step that
+  are thrown away): models, optimizer state and every activation count, the import
+  footprint of each library does not. Beside it: an exact count of tensor bytes (held
+  state plus the peak of one profiled step) and the whole-process ru_maxrss.
+
+TRL is never a project dependency: it lives in .bench/trl, installed with the command
+in `TRL_INSTALL`, and only the TRL worker puts that folder on sys.path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402  (the bench folder is not a package)
+
+TRL_VERSION = "1.12.0"
+TRL_DIR = _common.BENCH_DIR / "trl"
+TRL_INSTALL = (f"{_common.REPO / '.venv/bin/pip'} install --no-deps --target {TRL_DIR} "
+               f"trl=={TRL_VERSION}")
+SIDES = ("rlhflab", "rlhflab-critic", "trl")
+LABELS = {"rlhflab": "rlhflab (value head)", "rlhflab-critic": "rlhflab (separate critic)",
+          "trl": f"trl {TRL_VERSION} (experimental.ppo)"}
+PHASES = ("generate", "score", "forward", "update", "other")
+
+
+@dataclass
+class BenchSettings:
+    """The algorithm settings both sides share."""
+
+    model_dir: str
+    episodes: int = 32          # episodes per PPO step (prompts generated at once)
+    response_length: int = 16   # new tokens per response, fixed (min = max)
+    epochs: int = 4             # PPO epochs over the step's episodes
+    learning_rate: float = 1e-5
+    kl_coeff: float = 0.05      # KL penalty in the reward, k1 estimator, frozen-copy reference
+    vf_coeff: float = 0.1
+    clip_eps: float = 0.2
+    value_clip: float = 0.2
+    gamma: float = 1.0
+    lam: float = 0.95
+    temperature: float = 1.0
+    threads: int = 2
+    seed: int = 0
+
+
+# --------------------------------------------------------------------------------------
+# rlhflab: driven through its public PPO pieces, config set by code
+# --------------------------------------------------------------------------------------
+class RlhflabSide:
+    """rlhflab's PPO step: `collect_rollout` (phases 1-4) then `ppo_update` (phase 5)."""
+
+    def __init__(self, s: BenchSettings, critic: str = "value_head"):
+        import torch  # noqa: F401  (imported before the memory baseline)
+
+        from rlhflab.trainers import ppo  # noqa: F401
+        self.s, self.critic = s, critic
+
+    def config(self):
+        from rlhflab.config import PPORunConfig
+
+        s, cfg = self.s, PPORunConfig()
+        cfg.model.name_or_path, cfg.model.torch_dtype = s.model_dir, "float32"
+        cfg.model.gradient_checkpointing, cfg.model.critic, cfg.model.reference = False, self.critic, "copy"
+        cfg.lora.enabled = False
+        cfg.dataset.max_prompt_length = 128
+        g = cfg.generation
+        g.max_new_tokens = g.min_new_tokens = s.response_length
+        g.temperature, g.top_k, g.top_p = s.temperature, 0, 1.0
+        cfg.reward.missing_eos_penalty, cfg.reward.score_clip = None, None
+        p = cfg.ppo
+        p.rollout_samples = p.batch_size = p.mini_batch_size = s.episodes
+        p.gradient_accumulation_steps, p.epochs = 1, s.epochs
+        p.learning_rate, p.lr_schedule, p.warmup_steps, p.weight_decay = s.learning_rate, "constant", 0, 0.0
+        p.max_grad_norm = None  # TRL's PPO loop does not clip gradients
+        p.kl_coeff, p.kl_estimator, p.kl_in = s.kl_coeff, "k1", "reward"
+        p.vf_coeff, p.entropy_coeff, p.clip_eps, p.value_clip = s.vf_coeff, 0.0, s.clip_eps, s.value_clip
+        p.dual_clip, p.gamma, p.lam = None, s.gamma, s.lam
+        p.whiten_advantages, p.whiten_rewards, p.loss_aggregation = True, False, "token_mean"
+        cfg.training.device, cfg.training.seed, cfg.training.num_threads = "cpu", s.seed, s.threads
+        errors = cfg.check() + cfg.generation.check() + cfg.ppo.check()  # what the YAML loader would say
+        if errors:
+            raise ValueError("bench config: " + "; ".join(errors))
+        return cfg
+
+    def build(self) -> dict:
+        from rlhflab.data.prompts import PromptExample
+        from rlhflab.rewards import build_reward
+        from rlhflab.trainers import ppo
+        from rlhflab.trainers.common import make_optimizer, make_scheduler
+
+        self.release()
+        self.cfg = cfg = self.config()
+        self.models = ppo.build_models(cfg)
+        self.scorer = build_reward(cfg.reward, self.models.device)
+        p = cfg.ppo
+        params = self.models.actor_critic.trainable_parameters()
+        self.optimizer = make_optimizer(params, p.learning_rate, p.weight_decay,
+                                        (p.adam_beta1, p.adam_beta2), p.adam_eps)
+        self.scheduler = make_scheduler(self.optimizer, 10_000, 0, "constant")
+        self.math = ppo.PPOMath()
+        rows = _common.bench_rows(self.s.episodes, self.s.seed)
+        self.examples = [PromptExample(_common.format_bench_prompt(r["question"]), r) for r in rows]
+        self.step_idx = 0
+        return {"trainable_params": sum(x.numel() for x in params)}
+
+    def release(self) -> None:
+        self.models = self.optimizer = self.scheduler = None
+        _common.release_freed_memory()
+
+    def state_tensors(self) -> list:
+        """Every tensor held between steps: weights (policy, critic, reference) and optimizer state."""
+        mods = [self.models.actor_critic] + ([self.models.reference.model] if self.models.reference else [])
+        return _held_tensors(mods, self.optimizer)
+
+    def step(self) -> dict:
+        from rlhflab.trainers import ppo
+        from rlhflab.trainers.common import Timer
+
+        self.step_idx += 1
+        timer = Timer()
+        t0 = time.perf_counter()
+        roll = ppo.collect_rollout(self.models, self.examples, self.cfg, self.scorer, timer, self.math)
+        with timer("update"):
+            ppo.ppo_update(self.models, self.optimizer, self.scheduler, roll, self.cfg, self.step_idx, self.math)
+        total = time.perf_counter() - t0
+        phases = {k: timer.seconds.get(k, 0.0) for k in PHASES[:-1]}
+        phases["other"] = total - sum(phases.values())
+        return {"total": total, **phases, "episodes": len(roll),
+                "tokens": int(roll.response_mask.sum()), "response_width": roll.response_ids.shape[1]}
+
+
+# --------------------------------------------------------------------------------------
+# TRL 1.12.0 experimental PPO, with the rule reward wrapped as a reward "model"
+# --------------------------------------------------------------------------------------
+def _import_trl():
+    """trl from .bench/trl (never from the project environment); exits with the install command."""
+    if str(TRL_DIR) not in sys.path:
+        sys.path.insert(0, str(TRL_DIR))
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    try:
+        import trl
+        from trl.experimental.ppo import ppo_trainer
+    except ImportError as exc:
+        raise SystemExit(f"ppo_throughput: cannot import trl.experimental.ppo from {TRL_DIR} ({exc}); "
+                         f"install it with:\n  {TRL_INSTALL}") from None
+    if trl.__version__ != TRL_VERSION:
+        raise SystemExit(f"ppo_throughput: {TRL_DIR} holds trl {trl.__version__}, not {TRL_VERSION}; "
+                         f"reinstall with:\n  {TRL_INSTALL} --upgrade")
+    return ppo_trainer
+
+
+def trl_installed() -> str | None:
+    """The version of trl in .bench/trl, or None (read from its metadata; imports nothing)."""
+    from importlib import metadata
+    for dist in metadata.distributions(path=[str(TRL_DIR)]):
+        if dist.metadata["Name"] == "trl":
+            return dist.version
+    return None
+
+
+def make_rule_reward_module(tokenizer, answers: dict[str, str], separator: str = "\nAnswer:"):
+    """The GSM8K rule reward as the module TRL's `get_reward` expects.
+
+    `get_reward(model, ...)` runs ``getattr(model, model.base_model_prefix)`` on the
+    padded prompt+response ids and reads ``model.score(output.hidden_states[-1])`` at
+    each row's last real token. Here the "backbone" decodes each row's real tokens,
+    splits the prompt (ending at `separator`, as the template makes it) from the
+    response, applies rlhflab's `gsm8k` rule with the prompt's answer, and returns the
+    score at every position; `score` is the identity.
+    """
+    import torch
+    from torch import nn
+
+    from rlhflab.rewards import resolve_rule
+
+    rule = resolve_rule("gsm8k")
+
+    class _Output:
+        def __init__(self, hidden):
+            self.hidden_states = (hidden,)
+
+    class RuleBackbone(nn.Module):
+        def forward(self, input_ids, attention_mask, **_ignored):
+            rewards = []
+            for ids, keep in zip(input_ids.tolist(), attention_mask.tolist(), strict=True):
+                text = tokenizer.decode([t for t, k in zip(ids, keep, strict=True) if k],
+                                        skip_special_tokens=True)
+                head, sep, response = text.partition(separator)
+                prompt = head + sep
+                rewards.append(float(rule(prompt, response, {"answer": answers[prompt]})))
+            score = torch.tensor(rewards, dtype=torch.float32, device=input_ids.device)  # (B,)
+            return _Output(score[:, None, None].expand(*input_ids.shape, 1))                # (B, L, 1)
+
+    class RuleRewardModel(nn.Module):
+        base_model_prefix = "backbone"
+
+        def __init__(self):
+            super().__init__()
+            self.backbone = RuleBackbone()
+            self.score = nn.Identity()
+
+    return RuleRewardModel()
+
+
+class TrlSide:
+    """One call of `PPOTrainer.train()` per step (total_episodes = one batch).
+
+    Phase times come from wrapping the module-level functions TRL's loop calls
+    (`batch_generation`, `get_reward`, `forward`) and from callbacks; the step is timed
+    from `on_train_begin` to `on_train_end`, so per-run set-up is not counted.
+    """
+
+    def __init__(self, s: BenchSettings):
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+
+        from rlhflab.rewards import resolve_rule  # noqa: F401
+        self.trl_ppo = trl_ppo = _import_trl()
+        import datasets  # noqa: F401
+        self.s, self.trainer, self.reward = s, None, None
+        self.marks: dict = {}
+        marks, wrapper_type = self.marks, trl_ppo.PolicyAndValueWrapper
+        orig_gen, orig_reward, orig_forward = (trl_ppo.batch_generation, trl_ppo.get_reward, trl_ppo.forward)
+
+        def batch_generation(model, queries, *a, **k):
+            t = time.perf_counter()
+            out = orig_gen(model, queries, *a, **k)
+            marks["generate"] = marks.get("generate", 0.0) + time.perf_counter() - t
+            marks["generate_end"] = time.perf_counter()
+            marks["response_width"] = out[0].shape[1] - queries.shape[1]  # (query_responses, logits)
+            return out
+
+        def get_reward(model, *a, **k):
+            t = time.perf_counter()
+            out = orig_reward(model, *a, **k)
+            if model is self.reward:
+                marks["score"] = marks.get("score", 0.0) + time.perf_counter() - t
+            return out
+
+        def forward(model, *a, **k):
+            if isinstance(model, wrapper_type):  # the policy+value pass of the update
+                marks.setdefault("update_start", time.perf_counter())
+            return orig_forward(model, *a, **k)
+
+        trl_ppo.batch_generation, trl_ppo.get_reward, trl_ppo.forward = batch_generation, get_reward, forward
+
+    def build(self) -> dict:
+        import torch
+        from datasets import Dataset
+        from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                                  PrinterCallback, ProgressCallback, TrainerCallback)
+
+        s, trl_ppo = self.s, self.trl_ppo
+        self.release()
+        tok = AutoTokenizer.from_pretrained(s.model_dir)
+        tok.padding_side = "left"
+        policy = AutoModelForCausalLM.from_pretrained(s.model_dir, dtype=torch.float32)
+        value_model = AutoModelForSequenceClassification.from_pretrained(s.model_dir, num_labels=1,
+                                                                         dtype=torch.float32)
+        value_model.config.pad_token_id = tok.pad_token_id
+        rows = _common.bench_rows(s.episodes, s.seed)
+        prompts = [_common.format_bench_prompt(r["question"]) for r in rows]
+        answers = {p: r["answer"] for p, r in zip(prompts, rows, strict=True)}
+        self.reward = reward = make_rule_reward_module(tok, answers)
+        ds = Dataset.from_dict({"input_ids": [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]})
+        self._out = tempfile.TemporaryDirectory(prefix="ppo_throughput_trl_")  # TRL insists on one
+        out_dir = self._out.name
+        args = trl_ppo.PPOConfig(
+            output_dir=str(out_dir), per_device_train_batch_size=s.episodes, gradient_accumulation_steps=1,
+            num_mini_batches=1, num_ppo_epochs=s.epochs, total_episodes=s.episodes,
+            local_rollout_forward_batch_size=s.episodes, response_length=s.response_length,
+            temperature=s.temperature, stop_token=None, missing_eos_penalty=None,
+            learning_rate=s.learning_rate, lr_scheduler_type="constant", weight_decay=0.0,
+            kl_coef=s.kl_coeff, kl_estimator="k1", vf_coef=s.vf_coeff, cliprange=s.clip_eps,
+            cliprange_value=s.value_clip, gamma=s.gamma, lam=s.lam, whiten_rewards=False,
+            bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True,
+            num_sample_generations=0, report_to=[], save_strategy="no", logging_steps=1,
+            disable_tqdm=True, seed=s.seed, dataloader_num_workers=0)
+        self.trainer = trainer = trl_ppo.PPOTrainer(
+            args=args, processing_class=tok, model=policy, ref_model=None, reward_model=reward,
+            train_dataset=ds, value_model=value_model, eval_dataset=ds)
+        for cb in (PrinterCallback, ProgressCallback):
+            trainer.remove_callback(cb)
+        marks = self.marks
+
+        class Clock(TrainerCallback):
+            def on_train_begin(self, *a, **k):
+                marks["begin"] = time.perf_counter()
+
+            def on_step_end(self, *a, **k):
+                marks["update_end"] = time.perf_counter()
+
+            def on_train_end(self, *a, **k):
+                marks["end"] = time.perf_counter()
+
+        trainer.add_callback(Clock())
+        params = [x for x in trainer.model.parameters() if x.requires_grad]
+        return {"trainable_params": sum(x.numel() for x in params)}
+
+    def release(self) -> None:
+        self.trainer = self.reward = None
+        _common.release_freed_memory()
+
+    def state_tensors(self) -> list:
+        t = self.trainer
+        return _held_tensors([t.model, t.ref_model, t.reward_model], getattr(t.optimizer, "optimizer", t.optimizer))
+
+    def step(self) -> dict:
+        self.marks.clear()
+        t0 = time.perf_counter()
+        self.trainer.train()
+        call = time.perf_counter() - t0
+        m = self.marks
+        total = m["end"] - m["begin"]
+        phases = {"generate": m["generate"], "score": m["score"],
+                  "forward": m["update_start"] - m["generate_end"] - m["score"],
+                  "update": m["update_end"] - m["update_start"]}
+        phases["other"] = total - sum(phases.values())
+        n, width = self.s.episodes, m["response_width"]
+        # No stop token: every response runs to the full width (an EOS sampled mid-way is
+        # just another token), so all n x width response tokens are trained on.
+        return {"total": total, **phases, "episodes": n, "tokens": n * width,
+                "response_width": width, "call_overhead": call - total}
+
+
+def _held_tensors(modules, optimizer) -> list:
+    tensors = [t for m in modules if m is not None for t in (*m.parameters(), *m.buffers())]
+    return tensors + [v for st in optimizer.state.values() for v in st.values()]
+
+
+# --------------------------------------------------------------------------------------
+# Workers: one process per side, stepped by the parent
+# --------------------------------------------------------------------------------------
+def make_side(name: str, s: BenchSettings):
+    if name == "rlhflab":
+        return RlhflabSide(s, "value_head")
+    if name == "rlhflab-critic":
+        return RlhflabSide(s, "separate")
+    if name == "trl":
+        return TrlSide(s)
+    raise ValueError(f"unknown side {name!r}; choose from {', '.join(SIDES)}")
+
+
+def worker(name: str, settings: dict, conn, tensor_memory: bool = True) -> None:
+    """Build one side, then answer "step" with a timing dict and "finish" with memory.
+
+    A priming build and step come first and are thrown away: they load the modules that
+    transformers and torch import lazily, start the thread pools and warm the allocator,
+    so the memory baseline taken after them holds that footprint and no PPO state.
+    """
+    try:
+        # Library chatter goes to stderr; the parent's stdout holds only the report.
+        os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        import warnings
+        warnings.simplefilter("ignore", FutureWarning)
+        s = BenchSettings(**settings)
+        import torch
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+        torch.set_num_threads(s.threads)
+        side = make_side(name, s)
+        torch.manual_seed(s.seed)
+        side.build()
+        side.step()
+        side.release()
+        baseline = _common.rss_mb()        # libraries loaded, no models
+        resettable = _common.reset_peak_rss()
+        torch.manual_seed(s.seed)
+        info = side.build()
+        conn.send(("ready", {**info, "baseline_rss_mb": baseline,
+                             "models_mb": _common.rss_mb() - baseline}))
+        while True:
+            cmd = conn.recv()
+            if cmd == "step":
+                c0 = time.process_time()
+                out = side.step()
+                out["cpu"] = time.process_time() - c0
+                conn.send(("step", out))
+            elif cmd == "finish":
+                peak = _common.peak_rss_mb()  # read before the profiled step below adds its own
+                memory = {"baseline_rss_mb": baseline, "peak_rss_mb": peak,
+                          "ppo_peak_mb": peak - baseline if resettable else float("nan"),
+                          "process_peak_rss_mb": _common.lifetime_peak_rss_mb()}
+                if tensor_memory:  # exact cross-check: held state + one profiled step's own peak
+                    held = _common.tensor_bytes(side.state_tensors()) / 2**20
+                    step_peak = _common.profiled_tensor_peak_mb(side.step)
+                    memory.update(held_tensor_mb=held, step_tensor_peak_mb=step_peak,
+                                  tensor_peak_mb=held + step_peak)
+                conn.send(("memory", memory))
+                return
+    except BaseException:  # noqa: BLE001  (reported to the parent, which exits nonzero)
+        conn.send(("error", traceback.format_exc()))
+
+
+class Worker:
+    def __init__(self, ctx, name: str, s: BenchSettings, tensor_memory: bool = True):
+        self.name = name
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=worker, args=(name, asdict(s), child, tensor_memory), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def expect(self, kind: str):
+        try:
+            got, payload = self.conn.recv()
+        except EOFError:
+            raise SystemExit(f"ppo_throughput: the {self.name} worker died (exit code "
+                             f"{self.proc.exitcode}); run it alone with --sides {self.name}") from None
+        if got == "error":
+            raise SystemExit(f"ppo_throughput: the {self.name} worker failed:\n{payload}")
+        assert got == kind, (got, kind)
+        return payload
+
+    def call(self, cmd: str, kind: str):
+        self.conn.send(cmd)
+        return self.expect(kind)
+
+
+def run(sides: list[str], s: BenchSettings, repeats: int, warmup: int, tensor_memory: bool = True,
+        log=print) -> dict:
+    """Start one worker per side, warm each up, then step them in rotating order."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    workers = [Worker(ctx, name, s, tensor_memory) for name in sides]
+    info = {w.name: w.expect("ready") for w in workers}
+    steps: dict[str, list[dict]] = {w.name: [] for w in workers}
+    for _ in range(warmup):
+        for w in workers:
+            w.call("step", "step")
+    for r in range(repeats):
+        order = workers[r % len(workers):] + workers[: r % len(workers)]
+        for w in order:
+            steps[w.name].append(w.call("step", "step"))
+        log(f"  round {r + 1}/{repeats}: " + ", ".join(
+            f"{w.name} {steps[w.name][-1]['total']:.2f}s" for w in workers), file=sys.stderr)
+    memory = {w.name: w.call("finish", "memory") for w in workers}
+    for w in workers:
+        w.proc.join(timeout=60)
+    return {"settings": asdict(s), "repeats": repeats, "warmup": warmup, "info": info,
+            "steps": steps, "memory": memory}
+
+
+# --------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------
+def summarize(result: dict) -> dict[str, dict]:
+    """Per side: median step and phase seconds, episodes/s, tokens/s per phase, memory."""
+    out = {}
+    for name, steps in result["steps"].items():
+        total = [st["total"] for st in steps]
+        med = _common.median(total)
+        tokens = _common.median([st["tokens"] for st in steps])
+        phases = {k: _common.median([st[k] for st in steps]) for k in PHASES}
+        cpu = _common.median([st["cpu"] for st in steps])
+        out[name] = {
+            "step_s": med, "eps_per_s": steps[0]["episodes"] / med if med else float("nan"),
+            "cpu_s": cpu, "eps_per_cpu_s": steps[0]["episodes"] / cpu if cpu else float("nan"),
+            "spread": _common.spread(total), "phases_s": phases,
+            "tokens_per_s": {k: tokens / v if v > 0 else float("nan") for k, v in phases.items() if k != "other"},
+            "tokens": tokens, **result["memory"][name]}
+    return out
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b and b == b and a == a else float("nan")
+
+
+def final_line(summary: dict[str, dict]) -> str:
+    nan = {"eps_per_s": float("nan"), "ppo_peak_mb": float("nan")}
+    r, t = summary.get("rlhflab", nan), summary.get("trl", nan)
+    return (f"ppo_throughput: rlhflab {r['eps_per_s']:.2f} eps/s, trl {t['eps_per_s']:.2f} eps/s, "
+            f"speed ratio {ratio(r['eps_per_s'], t['eps_per_s']):.2f}, "
+            f"memory ratio {ratio(r['ppo_peak_mb'], t['ppo_peak_mb']):.2f}")
+
+
+def format_report(result: dict, summary: dict[str, dict]) -> str:
+    s, nan = result["settings"], float("nan")
+    lines = [
+        f"PPO step: {s['episodes']} episodes x {s['response_length']} new tokens, {s['epochs']} epochs of "
+        f"one {s['episodes']}-episode minibatch, KL {s['kl_coeff']} in the reward (k1, frozen-copy reference), "
+        f"lr {s['learning_rate']:g}, no grad clipping, float32, CPU, {s['threads']} threads "
+        f"(OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}); tiny model {s['model_dir']}",
+        f"medians of {result['repeats']} steps per side after {result['warmup']} warm-up steps, sides "
+        f"interleaved step by step",
+        "",
+        f"{'side':<34} {'eps/s':>6} {'step s':>7} {'noise':>6} {'cpu s':>6} {'eps/cpu-s':>9}"
+        f" {'peak MiB':>8} {'tensor MiB':>10} {'proc RSS':>8}",
+    ]
+    for name, m in summary.items():
+        lines.append(f"{LABELS[name]:<34} {m['eps_per_s']:>6.2f} {m['step_s']:>7.3f} {m['spread']:>6.0%} "
+                     f"{m['cpu_s']:>6.3f} {m['eps_per_cpu_s']:>9.2f} {m['ppo_peak_mb']:>8.1f} "
+                     f"{m.get('tensor_peak_mb', nan):>10.1f} {m['process_peak_rss_mb']:>8.1f}")
+    lines += ["", "per phase: median seconds (response tokens / phase seconds)",
+              f"{'side':<34} " + " ".join(f"{k:>16}" for k in PHASES)]
+    for name, m in summary.items():
+        cells = []
+        for k in PHASES:
+            tps = m["tokens_per_s"].get(k)
+            cells.append(f"{m['phases_s'][k]:>6.3f}" + (f" ({tps:>7.0f})" if tps is not None else " " * 10))
+        lines.append(f"{LABELS[name]:<34} " + " ".join(cells))
+    lines += [
+        "",
+        "eps/s     episodes per second: episodes / median wall seconds of a step",
+        "noise     (slowest - fastest) / median of the measured wall times",
+        "cpu s     median CPU seconds of a step, all threads (steadier than wall time on a shared machine)",
+        "peak MiB  peak resident set of the side's own process minus its resident set with libraries "
+        "loaded and no models",
+        "tensor MiB  exact cross-check: bytes of weights and optimizer state plus the peak of tensors "
+        "allocated in one profiled step",
+        "proc RSS  the process's ru_maxrss, library imports included",
+        "phases    generate: sampling; score: the reward; forward: no-grad passes, KL-shaped rewards, GAE; "
+        "update: the epochs; other: the rest of the step (TRL: its gc.collect calls, logging)",
+    ]
+    if "rlhflab" in summary and "trl" in summary:
+        r, t = summary["rlhflab"], summary["trl"]
+        lines += ["", f"targets: speed ratio >= 2.00: {ratio(r['eps_per_s'], t['eps_per_s']):.2f} "
+                  f"(on CPU seconds {ratio(r['eps_per_cpu_s'], t['eps_per_cpu_s']):.2f}); "
+                  f"memory ratio <= 0.70: {ratio(r['ppo_peak_mb'], t['ppo_peak_mb']):.2f} "
+                  f"(tensor count {ratio(r.get('tensor_peak_mb', nan), t.get('tensor_peak_mb', nan)):.2f})"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sides", default=",".join(SIDES),
+                    help=f"comma-separated, from {', '.join(SIDES)} (default: all)")
+    ap.add_argument("--repeats", type=int, default=7, help="measured steps per side (median taken)")
+    ap.add_argument("--warmup", type=int, default=2, help="unmeasured steps per side first")
+    ap.add_argument("--episodes", type=int, default=32)
+    ap.add_argument("--response-length", type=int, default=16)
+    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads in every worker")
+    ap.add_argument("--model-dir", default=str(_common.BENCH_DIR / "tiny-model"),
+                    help="tiny model folder, built there when missing")
+    ap.add_argument("--json", default=None, help="also write the raw timings and summary here")
+    ap.add_argument("--no-tensor-memory", action="store_true",
+                    help="skip the profiled step that counts tensor bytes exactly")
+    args = ap.parse_args(argv)
+
+    sides = [x.strip() for x in args.sides.split(",") if x.strip()]
+    unknown = [x for x in sides if x not in SIDES]
+    if unknown or not sides:
+        ap.error(f"--sides: unknown {unknown}; choose from {', '.join(SIDES)}")
+    if "trl" in sides:
+        version = trl_installed()
+        if version != TRL_VERSION:
+            found = f"found trl {version}" if version else "trl is not installed"
+            print(f"ppo_throughput: the TRL side needs trl {TRL_VERSION} in {TRL_DIR} ({found}); "
+                  f"install it for the benchmark only with:\n  {TRL_INSTALL}"
+                  + (" --upgrade" if version else "")
+                  + "\nor run without it: --sides rlhflab,rlhflab-critic", file=sys.stderr)
+            return 3
+    settings = BenchSettings(model_dir=str(_common.ensure_tiny_model(args.model_dir)),
+                             episodes=args.episodes, response_length=args.response_length,
+                             epochs=args.epochs, threads=args.threads)
+    print(f"ppo_throughput: {', '.join(sides)}; {args.warmup} warm-up + {args.repeats} measured steps each "
+          f"({_common.cpu_count()} CPUs visible)", file=sys.stderr)
+    # Idle OpenMP threads sleep instead of spinning: with more busy threads than cores
+    # (a shared machine), spinning makes 2-thread steps several times slower and erratic.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    result = run(sides, settings, args.repeats, args.warmup, tensor_memory=not args.no_tensor_memory)
+    summary = summarize(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps({**result, "summary": summary}, indent=1))
+    print(format_report(result, summary))
+    print(final_line(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Smoke tests of bench/ppo_throughput.py on its rlhflab side; TRL is never needed here.
+
+The benchmark's numbers are not asserted (it is a benchmark, not a timed test); what is
+checked is that it measures the work it claims: fixed-length responses, every phase
+timed, memory counted, the policy updated, and a last line a script can parse.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+FINAL = re.compile(r"ppo_throughput: rlhflab (\S+) eps/s, trl (\S+) eps/s, "
+                   r"speed ratio (\S+), memory ratio (\S+)")
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCH))  # spawned workers inherit sys.path and import it by name
+    try:
+        import ppo_throughput
+        yield ppo_throughput
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.fixture(scope="module")
+def tiny_model(bench, tmp_path_factory):
+    import _common
+    return _common.ensure_tiny_model(tmp_path_factory.mktemp("bench") / "tiny-model")
+
+
+def test_rlhflab_only_run_prints_table_and_parsable_final_line(bench, tiny_model, tmp_path, capsys):
+    raw = tmp_path / "raw.json"
+    rc = bench.main(["--sides", "rlhflab", "--repeats", "2", "--warmup", "0", "--episodes", "4",
+                     "--response-length", "4", "--epochs", "1", "--threads", "1",
+                     "--model-dir", str(tiny_model), "--json", str(raw)])
+    assert rc == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    m = FINAL.fullmatch(lines[-1])
+    assert m, lines[-1]
+    assert float(m.group(1)) > 0
+    assert all(math.isnan(float(m.group(i))) for i in (2, 3, 4))  # no TRL side: nan, still parsable
+    assert any(line.startswith("rlhflab (value head)") for line in lines)
+
+    result = json.loads(raw.read_text())
+    steps = result["steps"]["rlhflab"]
+    assert len(steps) == 2
+    for st in steps:
+        # min_new_tokens = max_new_tokens: every response is exactly 4 tokens, none cut by EOS
+        assert st["response_width"] == 4 and st["tokens"] == 4 * 4 and st["episodes"] == 4
+        for phase in ("generate", "forward", "update"):
+            assert st[phase] > 0, phase
+        assert st["total"] >= st["generate"] + st["forward"] + st["update"]
+    mem = result["memory"]["rlhflab"]
+    # The run holds at least the weights of policy + reference and the Adam state (2 x weights).
+    assert mem["held_tensor_mb"] > 0 and mem["step_tensor_peak_mb"] > 0
+    assert mem["ppo_peak_mb"] > 0 and mem["process_peak_rss_mb"] > mem["ppo_peak_mb"]
+
+
+def test_rlhflab_side_step_updates_the_policy(bench, tiny_model):
+    import torch
+
+    s = bench.BenchSettings(model_dir=str(tiny_model), episodes=4, response_length=4, epochs=2)
+    side = bench.RlhflabSide(s, "value_head")
+    torch.manual_seed(0)
+    side.build()
+    cfg = side.cfg
+    assert cfg.generation.min_new_tokens == cfg.generation.max_new_tokens == 4
+    assert cfg.ppo.mini_batch_size == cfg.ppo.rollout_samples == 4 and cfg.ppo.epochs == 2
+    assert side.models.reference is not None  # KL on: the reference forward is part of the step
+    before = [p.detach().clone() for p in side.models.actor_critic.trainable_parameters()]
+    out = side.step()
+    after = side.models.actor_critic.trainable_parameters()
+    assert any(not torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    assert all(torch.isfinite(p).all() for p in after)
+    assert out["tokens"] == 16 and out["update"] > 0
+
+
+def test_rule_reward_module_answers_trls_reward_protocol(bench, tiny_model):
+    """Called the way a reward model is read (backbone by prefix, `score`, value at the
+    last real token), the wrapper returns the GSM8K rule's score of each response."""
+    import torch
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    prompt = "Question: Ann has 3 pens and buys 4. How many pens?\nAnswer:"
+    answers = {prompt: "3 + 4 = 7\n#### 7"}
+    responses = [" 3 + 4 = 7\n#### 7", " #### 8", " no idea"]  # rule: 1.0, 0.1 (formatted, wrong), 0.0
+    model = bench.make_rule_reward_module(tok, answers)
+    rows = [tok(prompt + r, add_special_tokens=False)["input_ids"] for r in responses]
+    width, pad = max(map(len, rows)) + 2, tok.pad_token_id
+    right = [0, 1, 0]  # prompts are padded on the left; a response cut short, on the right
+    ids = torch.tensor([[pad] * (width - len(r) - k) + r + [pad] * k for r, k in zip(rows, right, strict=True)])
+    mask = ids != pad
+    ids = ids.masked_fill(~mask, 0)  # a reader fills padding with id 0 (EOS here): must be ignored
+    backbone = getattr(model, model.base_model_prefix)
+    out = backbone(input_ids=ids, attention_mask=mask, position_ids=mask.long().cumsum(1) - 1,
+                   return_dict=True, output_hidden_states=True, use_cache=False)
+    logits = model.score(out.hidden_states[-1])                         # (B, L, 1)
+    last = torch.tensor([int(m.nonzero().max()) for m in mask])
+    scores = logits[torch.arange(len(rows)), last].squeeze(-1)
+    assert scores.tolist() == pytest.approx([1.0, 0.1, 0.0])
+
+
+def test_trl_side_without_trl_says_how_to_install(bench, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "TRL_DIR", tmp_path / "no-trl-here")
+    assert bench.main(["--sides", "trl", "--repeats", "1"]) == 3
+    err = capsys.readouterr().err
+    assert "pip install --no-deps --target" in err and "trl==1.12.0" in err
+    assert "--sides rlhflab" in err
