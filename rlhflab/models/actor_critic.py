@@ -73,11 +73,12 @@ class ResponseOutput(NamedTuple):
 def _response_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
                      prompt_len: int) -> Tensor:
     decoder, _ = decoder_and_head(model)
-    out = decoder(input_ids=input_ids, attention_mask=attention_mask,
-                  position_ids=position_ids_from(attention_mask), use_cache=False)
-    hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state  # (B, L, H)
+    # The last token predicts nothing we use, and attention is causal: leave it out.
+    ids, am = input_ids[:, :-1], attention_mask[:, :-1]
+    out = decoder(input_ids=ids, attention_mask=am, position_ids=position_ids_from(am), use_cache=False)
+    hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state  # (B, L-1, H)
     # Position prompt_len-1+t holds the state that predicts response token t.
-    return hidden[:, prompt_len - 1 : input_ids.shape[1] - 1]            # (B, T, H)
+    return hidden[:, prompt_len - 1 :]                                   # (B, T, H)
 
 
 class ActorCritic(nn.Module):

@@ -44,7 +44,11 @@ def make_optimizer(params: list[torch.nn.Parameter], lr: float, weight_decay: fl
             return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
         why = "no CUDA device" if not on_cuda else "bitsandbytes is not installed (pip install 'rlhflab[bnb]')"
         warnings.warn(f"use_8bit_adam: {why}; using torch AdamW instead", stacklevel=2)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+    # The fused kernel updates every parameter in one pass (CPU and CUDA); same result as
+    # the per-tensor loop, several times faster for many small tensors.
+    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
+                             fused=fused or None)
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 0,
