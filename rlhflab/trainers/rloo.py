@@ -111,7 +111,7 @@ def rloo_step(models: PolicyModels, examples, cfg: RLOORunConfig, scorer, optimi
 
 
 def train(cfg: RLOORunConfig, resume: str | Path | None = None, effective=None,
-          quiet: bool = False):
+          quiet: bool = False) -> TrainResult:
     """Run RLOO as configured (the loop around `rloo_step` is `run_training`)."""
     return run_training(cfg, cfg.rloo, rloo_step, "rloo", need_reference=cfg.rloo.kl_coeff > 0,
                         resume=resume, effective=effective, quiet=quiet)
