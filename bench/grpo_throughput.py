@@ -6,7 +6,8 @@ Both run the same GRPO on the same model (a tiny Llama built locally unless --mo
 given), on the arithmetic task's prompts with the GSM8K checker as the reward: group
 size 8, 32 completions per step (4 prompts), responses of up to 16 new tokens,
 temperature 1, one optimizer step per generation batch (fully on-policy), the same
-learning rate, `beta` and clip. Each runs in a fresh subprocess, so its peak memory is
+learning rate, `beta` and clip, fused AdamW, no gradient checkpointing (TRL turns it on
+by default since 1.0; it is switched off here to match). Each runs in a fresh subprocess, so its peak memory is
 its own: peak RSS of the process on CPU, `torch.cuda.max_memory_allocated` on CUDA.
 The first step of each is a warm-up and is not timed; completions/s is the
 completions of the other steps over their wall time, from the end of the first step
