@@ -284,18 +284,10 @@ def build_policy_models(model_cfg, lora_cfg, device: str, need_reference: bool,
 
 
 def make_optimization(params: list[nn.Parameter], sec, total_optimizer_steps: int):
-    """AdamW and its schedule from a section with the usual optimizer fields.
-
-    The fused AdamW kernel (one pass over all parameters, CPU or CUDA; what the HF
-    Trainer uses by default) unless 8-bit Adam is asked for; the result is the same.
-    """
-    fusable = params and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
-    if sec.use_8bit_adam or not fusable:
-        optimizer = make_optimizer(params, sec.learning_rate, sec.weight_decay,
-                                   (sec.adam_beta1, sec.adam_beta2), sec.adam_eps, sec.use_8bit_adam)
-    else:
-        optimizer = torch.optim.AdamW(params, lr=sec.learning_rate, weight_decay=sec.weight_decay,
-                                      betas=(sec.adam_beta1, sec.adam_beta2), eps=sec.adam_eps, fused=True)
+    """AdamW (fused; 8-bit when asked for and possible) and its schedule from a section
+    with the usual optimizer fields."""
+    optimizer = make_optimizer(params, sec.learning_rate, sec.weight_decay,
+                               (sec.adam_beta1, sec.adam_beta2), sec.adam_eps, sec.use_8bit_adam)
     scheduler = make_scheduler(optimizer, total_optimizer_steps, sec.warmup_steps, sec.lr_schedule,
                                sec.min_learning_rate)
     return optimizer, scheduler
