@@ -100,6 +100,25 @@ def collate(parts: list[Rollout], pad_token_id: int) -> Rollout:
     )
 
 
+def finish_rollout(sequences: Tensor, prompt_ids: Tensor, prompt_mask: Tensor, tokenizer,
+                   eos: list[int], prompts: list[str], examples: list[dict]) -> Rollout:
+    """A Rollout from `generate`'s output (B, P+T'): response cut at the first EOS, the
+    rest replaced by padding, `hit_limit` for responses without EOS, decoded text."""
+    pad = tokenizer.pad_token_id
+    response_ids = sequences[:, prompt_ids.shape[1]:]                 # (B, T')
+    if response_ids.shape[1] == 0:  # nothing generated at all
+        response_ids = torch.full((len(prompt_ids), 1), pad, device=sequences.device)
+    mask = response_mask_from(response_ids, eos)                      # (B, T')
+    has_eos = torch.zeros(len(prompt_ids), dtype=torch.bool, device=sequences.device)
+    for e in eos:
+        has_eos |= ((response_ids == e) & mask.bool()).any(-1)
+    response_ids = torch.where(mask.bool(), response_ids, torch.full_like(response_ids, pad))
+    return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+                   response_mask=mask, hit_limit=~has_eos, prompts=list(prompts),
+                   responses=tokenizer.batch_decode(response_ids, skip_special_tokens=True),
+                   examples=list(examples))
+
+
 def eos_ids_of(model, tokenizer) -> list[int]:
     ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids = ids if ids is not None else tokenizer.eos_token_id
@@ -133,22 +152,8 @@ def generate(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: int,
             kwargs.update(do_sample=True, temperature=temperature, top_k=top_k or None,
                           top_p=top_p if top_p < 1.0 else None)
         out = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], **kwargs)
-        p = enc["input_ids"].shape[1]
-        response_ids = out[:, p:]                                     # (b, T')
-        if response_ids.shape[1] == 0:  # nothing generated at all
-            response_ids = torch.full((len(chunk), 1), tokenizer.pad_token_id, device=device)
-        mask = response_mask_from(response_ids, eos)                  # (b, T')
-        has_eos = torch.zeros(len(chunk), dtype=torch.bool, device=device)
-        for e in eos:
-            has_eos |= ((response_ids == e) & mask.bool()).any(-1)
-        response_ids = torch.where(mask.bool(), response_ids,
-                                   torch.full_like(response_ids, tokenizer.pad_token_id))
-        texts = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
-        parts.append(Rollout(
-            prompt_ids=enc["input_ids"], prompt_mask=enc["attention_mask"],
-            response_ids=response_ids, response_mask=mask,
-            hit_limit=~has_eos, prompts=chunk, responses=texts,
-            examples=examples[start : start + batch_size]))
+        parts.append(finish_rollout(out, enc["input_ids"], enc["attention_mask"], tokenizer, eos,
+                                    chunk, examples[start : start + batch_size]))
     if was_training:
         model.train()
     return collate(parts, tokenizer.pad_token_id)

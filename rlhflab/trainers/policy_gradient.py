@@ -56,8 +56,8 @@ from rlhflab.models.actor_critic import (Reference, ResponseOutput, _response_hi
                                          position_ids_from, unwrap)
 from rlhflab.models.checkpoint import STATE_FILE, rng_state, save_policy
 from rlhflab.models.load import add_lora, disable_dropout, load_model, resolve_device
-from rlhflab.rollout import (ForwardOutput, Rollout, collate, eos_ids_of, forward_response, generate,
-                             response_mask_from, score_rollout)
+from rlhflab.rollout import (ForwardOutput, Rollout, collate, eos_ids_of, finish_rollout, forward_response,
+                             generate, score_rollout)
 from rlhflab.config import save_effective_config
 from rlhflab.data.prompts import load_prompts, step_prompts
 from rlhflab.metrics import MetricsLogger, plot_metrics
@@ -323,13 +323,12 @@ def sample_groups(models: PolicyModels, examples, k: int, gen_cfg, max_prompt_le
         enc = tok([e.prompt for e in chunk], return_tensors="pt", padding=True, add_special_tokens=False,
                   truncation=True, max_length=max_prompt_length)
         ids, am = enc["input_ids"].to(models.device), enc["attention_mask"].to(models.device)  # (G, P)
-        p = ids.shape[1]
         kwargs = dict(max_new_tokens=gen_cfg.max_new_tokens, min_new_tokens=gen_cfg.min_new_tokens or None,
                       pad_token_id=tok.pad_token_id, eos_token_id=eos, use_cache=True, do_sample=True,
                       temperature=gen_cfg.temperature, top_k=gen_cfg.top_k or None,
                       top_p=gen_cfg.top_p if gen_cfg.top_p < 1.0 else None)
         with torch.no_grad():
-            if p > 1:  # prefill all but the last prompt token once per prompt, then copy the cache
+            if ids.shape[1] > 1:  # prefill all but the last prompt token once per prompt, then copy the cache
                 decoder, _ = decoder_and_head(model)
                 cache = decoder(input_ids=ids[:, :-1], attention_mask=am[:, :-1],
                                 position_ids=position_ids_from(am[:, :-1]), use_cache=True).past_key_values
@@ -337,19 +336,8 @@ def sample_groups(models: PolicyModels, examples, k: int, gen_cfg, max_prompt_le
                 kwargs["past_key_values"] = cache
             ids_k, am_k = ids.repeat_interleave(k, dim=0), am.repeat_interleave(k, dim=0)  # (G·k, P)
             out = model.generate(input_ids=ids_k, attention_mask=am_k, **kwargs)
-        response_ids = out[:, p:]                                                    # (G·k, T)
-        if response_ids.shape[1] == 0:
-            response_ids = torch.full((len(ids_k), 1), tok.pad_token_id, device=ids.device)
-        mask = response_mask_from(response_ids, eos)                                 # (G·k, T)
-        has_eos = torch.zeros(len(ids_k), dtype=torch.bool, device=ids.device)
-        for e in eos:
-            has_eos |= ((response_ids == e) & mask.bool()).any(-1)
-        response_ids = torch.where(mask.bool(), response_ids, torch.full_like(response_ids, tok.pad_token_id))
-        parts.append(Rollout(
-            prompt_ids=ids_k, prompt_mask=am_k, response_ids=response_ids, response_mask=mask,
-            hit_limit=~has_eos, prompts=[e.prompt for e in chunk for _ in range(k)],
-            responses=tok.batch_decode(response_ids, skip_special_tokens=True),
-            examples=[e.row for e in chunk for _ in range(k)]))
+        parts.append(finish_rollout(out, ids_k, am_k, tok, eos, [e.prompt for e in chunk for _ in range(k)],
+                                    [e.row for e in chunk for _ in range(k)]))
     if was_training:
         model.train()
     return collate(parts, tok.pad_token_id)
