@@ -96,7 +96,13 @@ def test_arith_pairs_prefer_the_correct_answer():
     for row, prob in zip(rows, problems):
         assert row["prompt"] == f"Question: {prob['question']}\nAnswer:"
         assert is_correct(row["chosen"], prob["answer"]) and row["chosen"].startswith(" ")
-        assert row["chosen"] != row["rejected"]
+        assert not is_correct(row["rejected"], prob["answer"])
+    # No "smaller is better" shortcut: wrong results above and below the right one, about equally.
+    def final(text: str) -> int:
+        return int(text.split("####")[1])
+    rows = prefdata.arith_pairs(arith.make_split(400, seed=2), seed=1)
+    above = sum(final(r["rejected"]) > final(r["chosen"]) for r in rows) / len(rows)
+    assert 0.4 < above < 0.6
 
 
 # --------------------------------------------------------------------------------------
@@ -200,7 +206,7 @@ def test_encode_appends_eos_and_cuts_from_the_left(seqcls):
 def test_shipped_configs_validate(name):
     from rlhflab.config import load_config
     cfg, _ = load_config(CONFIGS / name, RMRunConfig)
-    assert cfg.rm.head_init_std > 0
+    assert cfg.rm.head_init_std is None or cfg.rm.head_init_std > 0
 
 
 # --------------------------------------------------------------------------------------
@@ -217,36 +223,8 @@ def _rm_config(tiny, train: Path, test: Path, out: Path, *extra: str) -> RMRunCo
 @pytest.fixture(scope="module")
 def prefs(tmp_path_factory) -> tuple[Path, Path]:
     out = tmp_path_factory.mktemp("prefs")
-    paths = prefdata.write_arith_pairs(out, n_train=1200, n_test=200, seed=5)
+    paths = prefdata.write_arith_pairs(out, n_train=200, n_test=50, seed=5)
     return paths["train"], paths["test"]
-
-
-@pytest.mark.slow
-def test_reward_model_learns_which_answer_is_right(tiny, prefs, tmp_path):
-    from rlhflab.config.schema import RewardSource
-    from rlhflab.rewards import build_source
-    from rlhflab.trainers.rm import train_rm
-
-    cfg = _rm_config(tiny, *prefs, tmp_path / "rm", "rm.epochs=3", "rm.learning_rate=1e-3", "rm.batch_size=16",
-                     "training.eval_interval=0")
-    res = train_rm(cfg, quiet=True)
-    before, after = res.eval_before, res.eval_after
-    # Chance is 0.5; measured (2 cores, about 40 s): 0.52 -> 0.9.
-    assert before["eval/accuracy"] < 0.65 and after["eval/accuracy"] >= 0.75
-    assert after["eval/score_gap"] > 0.5
-    # Saved as a plain HF folder; loads as a reward source and scores chosen above rejected.
-    meta = json.loads((res.final_dir / "rlhflab_rm.json").read_text())
-    assert meta["append_eos"] is True and meta["score_std"] > 0
-    scorer = build_source(RewardSource(type="model", path=str(res.final_dir)))
-    rows = [json.loads(line) for line in prefs[1].read_text().splitlines()][:64]
-    sc = scorer.score([r["prompt"] for r in rows], [r["chosen"] for r in rows], [{}] * len(rows))
-    sr = scorer.score([r["prompt"] for r in rows], [r["rejected"] for r in rows], [{}] * len(rows))
-    assert sc.dtype == torch.float32 and sc.shape == (64,)
-    assert (sc > sr).float().mean() >= 0.75
-    # normalize: shifted and scaled by the held-out stats saved at the end of training.
-    norm = build_source(RewardSource(type="model", path=str(res.final_dir), normalize=True))
-    assert torch.allclose(norm.score([r["prompt"] for r in rows], [r["chosen"] for r in rows], [{}] * 64),
-                          (sc - meta["score_mean"]) / meta["score_std"], atol=1e-5)
 
 
 @pytest.mark.slow
@@ -284,3 +262,20 @@ def test_rm_cli_runs_and_reports_bad_input(tiny, prefs, tmp_path, capsys):
     assert main(["rm", "--config", str(CONFIGS / "rm_debug.yaml"), f"data.path={bad}",
                  f"training.output_dir={tmp_path / 'b'}", *common]) == 2
     assert "3 of 3 rows are not preference pairs" in capsys.readouterr().err
+
+
+def test_policy_pairs_label_the_policys_own_samples(tiny):
+    from transformers import AutoModelForCausalLM
+
+    from rlhflab.data import arith
+    from rlhflab.models.load import load_tokenizer
+
+    model, tok = AutoModelForCausalLM.from_pretrained(str(tiny)).eval(), load_tokenizer(str(tiny))
+    rows = arith.make_split(6, seed=0)
+    # A stand-in labeller: longer is better. Every pair's chosen outscores its rejected.
+    pairs = prefdata.policy_pairs(model, tok, rows, n=3, max_new_tokens=6, labeller=lambda r, row: len(r))
+    assert pairs and all(len(p["chosen"]) > len(p["rejected"]) for p in pairs)
+    assert set(pairs[0]) == {"prompt", "chosen", "rejected", "margin", "pair_id", "n_labels"}
+    assert all(p["prompt"] == f"Question: {rows[p['pair_id']]['question']}\nAnswer:" for p in pairs)
+    # The default labeller is the GSM8K checker: an untrained model is never right, so no pairs.
+    assert prefdata.policy_pairs(model, tok, rows, n=2, max_new_tokens=4) == []

@@ -169,10 +169,16 @@ ARITH_TEMPLATE = "Question: {prompt}\nAnswer:"
 def arith_pairs(rows: Sequence[dict], seed: int = 0, template: str = ARITH_TEMPLATE) -> list[dict]:
     """Preference rows in the labelling app's export format from arithmetic problems.
 
-    chosen is the correct worked answer; rejected is wrong: half the time off by one
-    (the sloppy demonstrator's slip), else off by 2-3 either way, or right in the
-    equation but wrong after ####. The preference is learnable: a reward model has to
-    check the arithmetic. `rows` are `rlhflab.data.arith` problems (a, b, op, result).
+    chosen is the correct worked answer; rejected is wrong in one of three ways:
+    - 60%: the result is off by 1-3, up or down with equal odds (both in the equation
+      and after ####), so "smaller (or larger) is better" is no shortcut;
+    - 20%: the equation is right but the number after #### is off by 1-2;
+    - 20%: a self-consistent equation on one wrong operand (``a' op b = a' op b``),
+      so checking the arithmetic alone is not enough: the operands must match the question.
+    Every rejected final answer is wrong. A reward model has to read the question and
+    check the sum to tell them apart;
+    a model that learns a shortcut is exploited by PPO (answers drift to the shortcut).
+    `rows` are `rlhflab.data.arith` problems (question, a, b, op, result).
     """
     import random as _random
 
@@ -181,16 +187,23 @@ def arith_pairs(rows: Sequence[dict], seed: int = 0, template: str = ARITH_TEMPL
     for i, row in enumerate(rows):
         a, b, op, res = row["a"], row["b"], row["op"], row["result"]
         kind = rng.random()
-        if kind < 0.5:
-            wrong_eq = wrong_final = res + 1
+        if kind < 0.6:
+            wrong = res + rng.choice([-3, -2, -1, 1, 2, 3])
+            rejected = f" {a} {op} {b} = {wrong}\n#### {wrong}"
         elif kind < 0.8:
-            wrong_eq = wrong_final = res + rng.choice([-3, -2, 2, 3])
+            rejected = f" {a} {op} {b} = {res}\n#### {res + rng.choice([-2, -1, 1, 2])}"
         else:
-            wrong_eq, wrong_final = res, res + rng.choice([-2, -1, 1, 2])
+            # One operand changed, the result right for the changed equation (never negative).
+            options = [(x, b) for x in range(10) if x != a and (op == "+" or x >= b)]
+            options += [(a, y) for y in range(10) if y != b and (op == "+" or y <= a)]
+            options = [(x, y) for x, y in options if (x + y if op == "+" else x - y) != res]
+            a2, b2 = rng.choice(options)
+            res2 = a2 + b2 if op == "+" else a2 - b2
+            rejected = f" {a2} {op} {b2} = {res2}\n#### {res2}"
         out.append({
             "prompt": template.replace("{prompt}", row["question"]),
             "chosen": f" {a} {op} {b} = {res}\n#### {res}",
-            "rejected": f" {a} {op} {b} = {wrong_eq}\n#### {wrong_final}",
+            "rejected": rejected,
             "margin": 1.0, "pair_id": i, "n_labels": 1,
         })
     return out
@@ -213,16 +226,81 @@ def write_arith_pairs(out_dir, n_train: int = 2000, n_test: int = 200, seed: int
             "test": arith.write_jsonl(arith_pairs(test, seed + 4, template), out / "test.jsonl")}
 
 
+def policy_pairs(model, tokenizer, rows: Sequence[dict], n: int = 4, seed: int = 0,
+                 template: str = ARITH_TEMPLATE, max_new_tokens: int = 16, temperature: float = 1.0,
+                 batch_size: int = 64, labeller=None) -> list[dict]:
+    """Preference rows from the policy's own samples, labelled by a rule (no humans).
+
+    The offline stand-in for `rlhflab label generate` + labelling + `label export`: `n`
+    responses are sampled per prompt; the `labeller(response, row) -> float` (default:
+    the GSM8K checker against row["answer"]) scores each; for each prompt, the best
+    distinct response is paired with the worst when their scores differ. The reward
+    model then learns on the distribution PPO starts from (the SFT policy's mistakes).
+    """
+    import torch
+
+    from rlhflab.rewards.gsm8k import gsm8k_reward
+    from rlhflab.rollout import generate
+
+    labeller = labeller or (lambda response, row: gsm8k_reward(response, str(row["answer"])))
+    prompts = [template.replace("{prompt}", r["question"]) for r in rows]
+    torch.manual_seed(seed)
+    roll = generate(model, tokenizer, [p for p in prompts for _ in range(n)], max_new_tokens=max_new_tokens,
+                    temperature=temperature, batch_size=batch_size)
+    out = []
+    for i, (row, prompt) in enumerate(zip(rows, prompts)):
+        samples = list(dict.fromkeys(roll.responses[i * n : (i + 1) * n]))  # distinct, in order
+        scored = sorted(((labeller(r, row), r) for r in samples), key=lambda x: -x[0])
+        if len(scored) < 2 or scored[0][0] == scored[-1][0]:
+            continue
+        out.append({"prompt": prompt, "chosen": scored[0][1], "rejected": scored[-1][1],
+                    "margin": 1.0, "pair_id": i, "n_labels": 1})
+    return out
+
+
+def write_policy_pairs(policy: str, data_dir, out_dir, n: int = 4, seed: int = 0,
+                       n_train: int | None = None, n_test: int | None = None, **kw) -> dict:
+    """Sample the policy on `data_dir`/train.jsonl and test.jsonl; write labelled pairs."""
+    from pathlib import Path
+
+    from rlhflab.data import arith
+    from rlhflab.data.loading import read_rows
+    from rlhflab.models.load import load_model
+
+    model, tok = load_model(policy)
+    out = Path(out_dir)
+    paths = {}
+    for split, limit in (("train", n_train), ("test", n_test)):
+        rows = read_rows(str(Path(data_dir) / f"{split}.jsonl"))[:limit]
+        pairs = policy_pairs(model, tok, rows, n, seed + (split == "test"), **kw)
+        if not pairs:
+            raise UserError(f"{policy}: no prompt of {split}.jsonl got both a right and a wrong sample; "
+                            "raise n or use a model that is sometimes right")
+        paths[split] = arith.write_jsonl(pairs, out / f"{split}.jsonl")
+    return paths
+
+
 def add_parser(parser) -> None:
     parser.add_argument("--out", default="outputs/prefs", help="output folder")
+    parser.add_argument("--policy", default=None,
+                        help="sample this model on --data's train/test questions and label its answers "
+                             "with the GSM8K checker; without it, write synthetic pairs")
+    parser.add_argument("--data", default="outputs/arith", help="folder with train.jsonl and test.jsonl (with --policy)")
+    parser.add_argument("--samples", type=int, default=4, help="responses sampled per prompt (with --policy)")
     parser.add_argument("--n-train", type=int, default=2000)
     parser.add_argument("--n-test", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
 
 
 def run(args) -> int:
-    for name, path in write_arith_pairs(args.out, args.n_train, args.n_test, args.seed).items():
-        print(f"{name:>5}: {path}")
+    if args.policy:
+        paths = write_policy_pairs(args.policy, args.data, args.out, args.samples, args.seed,
+                                   args.n_train, args.n_test)
+    else:
+        paths = write_arith_pairs(args.out, args.n_train, args.n_test, args.seed)
+    for name, path in paths.items():
+        n = sum(1 for _ in open(path))
+        print(f"{name:>5}: {path} ({n} pairs)")
     return 0
 
 

@@ -5,7 +5,7 @@ One visible loop:
     1. data        preference rows (the labelling app's export as it is, or the
                    conversational form), held-out split, texts ``prompt + response``
     2. model       the base LM as a ``*ForSequenceClassification`` with one output: a
-                   scalar head (initialised small) read at the last real token;
+                   scalar head (N(0, 1/(hidden+1)), bias 0) read at the last real token;
                    LoRA (peft, the head fully trained) or every weight trainable
     3. update      chosen and rejected of each pair in one forward; Bradley-Terry loss
                    −log σ(r_chosen − r_rejected − margin_coeff·margin), plus
@@ -101,7 +101,7 @@ class RMSection:
     max_grad_norm: Optional[float] = f(1.0, "clip the global gradient norm to this; null disables", gt=0)
     margin_coeff: float = f(0.0, "ask for a score gap of margin_coeff x the row's margin (Llama 2); 0 ignores margins", ge=0)
     center_coeff: float = f(0.0, "weight of mean((r_chosen + r_rejected)^2), keeping scores near 0", ge=0)
-    head_init_std: float = f(1e-2, "std of the normal init of the scalar head (bias 0)", gt=0)
+    head_init_std: Optional[float] = f(None, "std of the normal init of the scalar head (bias 0); null: 1/sqrt(hidden+1)", gt=0)
     logging_steps: int = f(10, "log the training loss every this many optimizer steps", gt=0)
     eval_before: bool = f(True, "evaluate the starting model too (step 0)")
 
@@ -251,7 +251,10 @@ def build_reward_model(cfg: RMRunConfig, device: torch.device):
         raise _load_error("model", m.name_or_path, exc) from None
     model.config.pad_token_id = tok.pad_token_id
     head = score_head(model)
-    torch.nn.init.normal_(head.weight, std=cfg.rm.head_init_std)
+    # N(0, 1/(hidden+1)) as in OpenAI's lm-human-preferences reward head: initial scores of
+    # order one, so the base gets a useful gradient from the first step (0.01 learned far slower).
+    std = cfg.rm.head_init_std or 1.0 / math.sqrt(head.weight.shape[-1] + 1)
+    torch.nn.init.normal_(head.weight, std=std)
     if getattr(head, "bias", None) is not None:
         torch.nn.init.zeros_(head.bias)
     disable_dropout(model)

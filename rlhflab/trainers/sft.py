@@ -373,9 +373,7 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
 
     # 1-2. data and model
     model, tok = build_model(cfg, device)
-    tok.padding_side = "right"
     data = load_sft_data(cfg.data, tok, t.seed, warn=say)
-    tok.padding_side = "left"
     groups_per_epoch = math.ceil(math.ceil(len(data.train) / s.batch_size) / s.gradient_accumulation_steps)
     total_steps = s.max_steps or max(1, math.ceil(groups_per_epoch * s.epochs))
     params = [p for p in model.parameters() if p.requires_grad]

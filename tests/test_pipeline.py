@@ -1,0 +1,173 @@
+"""The pipeline of issue 4 on a tiny model: SFT -> reward model -> PPO on the reward model,
+and the documented command sequence (scripts/pipeline_debug.sh) through the CLI.
+
+Two SFT runs from the same tiny model, shared by the tests of this module:
+- the policy imitates sloppy demonstrations (60% of answers off by one);
+- the judge, the reward model's base, reads the worked solutions. A reward model from
+  the sloppy policy itself learned shortcuts ("smaller answers are better") that PPO
+  exploited at once; one whose base has seen arithmetic checks the sum, and PPO on it
+  raises the checker's accuracy too.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch  # noqa: F401  (the fixtures load models)
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+pytestmark = pytest.mark.slow
+
+
+def _tiny(tmp_path_factory) -> Path:
+    from rlhflab.models.tiny import make_tiny_model
+
+    path = tmp_path_factory.getbasetemp() / "tiny-sft-rm"
+    if not (path / "config.json").exists():
+        make_tiny_model(path, hidden_size=64, num_layers=2, num_heads=4)
+    return path
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory) -> dict[str, Path]:
+    from rlhflab.data import arith
+    from rlhflab.data import preferences as prefdata
+
+    out = tmp_path_factory.mktemp("task")
+    paths = arith.write_task(out / "arith", n_train=600, n_test=100, seed=0)  # sft.jsonl: 60% off by one
+    prefs = prefdata.write_arith_pairs(out / "prefs", n_train=1200, n_test=200, seed=0)
+    return {**paths, "prefs_train": prefs["train"], "prefs_test": prefs["test"]}
+
+
+def _sft(tmp_path_factory, data: Path, task: dict, name: str) -> Path:
+    from rlhflab.config import load_config
+    from rlhflab.trainers.sft import SFTRunConfig, train_sft
+
+    out = tmp_path_factory.mktemp(name)
+    cfg, _ = load_config(CONFIGS / "sft_debug.yaml", SFTRunConfig, [
+        f"model.name_or_path={_tiny(tmp_path_factory)}", f"data.path={data}", f"data.eval_path={task['test']}",
+        f"training.output_dir={out}", "training.num_threads=1", "logging.progress_bar=false", "logging.plots=false",
+        "sft.epochs=10", "sft.batch_size=8", "sft.learning_rate=2e-3", "sft.eval_before=false",
+        "sft.num_eval_generate=0"])
+    return train_sft(cfg, quiet=True).final_dir
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory, task) -> Path:
+    """SFT on the sloppy demonstrations (60% off by one): right about a third of the time."""
+    return _sft(tmp_path_factory, task["sft"], task, "policy")
+
+
+@pytest.fixture(scope="module")
+def judge(tmp_path_factory, task) -> Path:
+    """SFT on the worked solutions: the reward model's base (a judge that has seen arithmetic)."""
+    return _sft(tmp_path_factory, task["train"], task, "judge")
+
+
+@pytest.fixture(scope="module")
+def reward_model(tmp_path_factory, task, judge):
+    from rlhflab.config import load_config
+    from rlhflab.trainers.rm import RMRunConfig, train_rm
+
+    out = tmp_path_factory.mktemp("rm")
+    cfg, _ = load_config(CONFIGS / "rm_debug.yaml", RMRunConfig, [
+        f"model.name_or_path={judge}", f"data.path={task['prefs_train']}",
+        f"data.eval_path={task['prefs_test']}", f"training.output_dir={out}", "training.num_threads=1",
+        "logging.progress_bar=false", "logging.plots=false", "rm.epochs=8", "rm.learning_rate=6e-4",
+        "training.eval_interval=0"])
+    return train_rm(cfg, quiet=True)
+
+
+def test_reward_model_reaches_heldout_accuracy_well_above_chance(reward_model):
+    before, after = reward_model.eval_before, reward_model.eval_after
+    print(f"reward model held-out accuracy {before['eval/accuracy']:.3f} -> {after['eval/accuracy']:.3f}, "
+          f"gap {after['eval/score_gap']:.3f}")
+    # Chance is 0.5. Measured (about 20 s): 0.50 -> 0.895 with this seed; 0.69-0.90 over seeds 0-2.
+    assert before["eval/accuracy"] < 0.65
+    assert after["eval/accuracy"] >= 0.8 and after["eval/score_gap"] > 0.5
+    meta = json.loads((reward_model.final_dir / "rlhflab_rm.json").read_text())
+    assert meta["score_std"] > 0 and meta["append_eos"] is True
+
+
+def test_saved_reward_model_is_a_reward_source(task, reward_model):
+    from rlhflab.config.schema import RewardSource
+    from rlhflab.rewards import build_source
+
+    scorer = build_source(RewardSource(type="model", path=str(reward_model.final_dir)))
+    rows = [json.loads(line) for line in task["prefs_test"].read_text().splitlines()][:64]
+    prompts = [r["prompt"] for r in rows]
+    chosen = scorer.score(prompts, [r["chosen"] for r in rows], [{}] * 64)
+    rejected = scorer.score(prompts, [r["rejected"] for r in rows], [{}] * 64)
+    assert chosen.dtype == torch.float32 and chosen.shape == (64,)
+    assert (chosen > rejected).float().mean() >= 0.7
+    # normalize: shifted and scaled by the held-out stats saved at the end of training.
+    meta = json.loads((reward_model.final_dir / "rlhflab_rm.json").read_text())
+    norm = build_source(RewardSource(type="model", path=str(reward_model.final_dir), normalize=True))
+    assert torch.allclose(norm.score(prompts, [r["chosen"] for r in rows], [{}] * 64),
+                          (chosen - meta["score_mean"]) / meta["score_std"], atol=1e-5)
+
+
+def test_ppo_on_the_reward_model_raises_its_score_and_accuracy(tmp_path, task, policy, reward_model):
+    from rlhflab.config import load_config
+    from rlhflab.config.schema import PPORunConfig
+    from rlhflab.trainers.ppo import train
+
+    cfg, _ = load_config(CONFIGS / "ppo_rm_debug.yaml", PPORunConfig, [
+        f"model.name_or_path={policy}", f"dataset.path={task['train']}", f"dataset.eval_path={task['test']}",
+        f"reward.sources=[{{type: model, path: {reward_model.final_dir}, normalize: true}}]",
+        f"training.output_dir={tmp_path / 'ppo'}", "training.num_threads=1", "logging.progress_bar=false",
+        "logging.plots=false", "dataset.num_eval_samples=100", "training.eval_interval=20"])
+    res = train(cfg, quiet=True)
+    before, after = res.eval_before, res.eval_after
+    print(f"PPO on the reward model: RM score {before['eval/reward_mean']:.3f} -> {after['eval/reward_mean']:.3f}; "
+          f"true accuracy {before['eval/accuracy']:.3f} -> {after['eval/accuracy']:.3f}")
+    # Measured (20 steps, about 15 s): RM score 0.04 -> 0.37, accuracy 0.36 -> 0.43 (seed 0);
+    # seed 1: 0.20 -> 0.42 and 0.33 -> 0.40.
+    # The reward model's (normalised) score of greedy held-out answers goes up ...
+    assert after["eval/reward_mean"] > before["eval/reward_mean"] + 0.15
+    # ... and so does the checker's accuracy, which PPO never sees.
+    assert after["eval/accuracy"] > before["eval/accuracy"]
+    assert (res.final_dir / "config.json").is_file()
+
+
+def test_documented_sequence_runs_offline_through_the_cli(tmp_path):
+    """scripts/pipeline_debug.sh's commands, each shortened with overrides."""
+    from rlhflab.cli import main
+
+    out = tmp_path
+    fast = ["training.num_threads=1", "logging.progress_bar=false", "logging.plots=false"]
+    assert main(["make-tiny", "--out", str(out / "tiny-model"), "--hidden-size", "32", "--layers", "1",
+                 "--heads", "2"]) == 0
+    assert main(["make-data", "--out", str(out / "arith"), "--n-train", "64", "--n-test", "16"]) == 0
+    assert main(["sft", "--config", str(CONFIGS / "sft_debug.yaml"), f"model.name_or_path={out / 'tiny-model'}",
+                 f"data.path={out / 'arith/sft.jsonl'}", f"data.eval_path={out / 'arith/test.jsonl'}",
+                 f"training.output_dir={out / 'sft_debug'}", "sft.max_steps=2", "sft.num_eval_generate=4", *fast]) == 0
+    subprocess.run([sys.executable, "-m", "rlhflab.data.preferences", "--out", str(out / "prefs"),
+                    "--n-train", "64", "--n-test", "16"], check=True, cwd=ROOT)
+    assert main(["rm", "--config", str(CONFIGS / "rm_debug.yaml"), f"model.name_or_path={out / 'sft_debug/final'}",
+                 f"data.path={out / 'prefs/train.jsonl'}", f"data.eval_path={out / 'prefs/test.jsonl'}",
+                 f"training.output_dir={out / 'rm_debug'}", "rm.max_steps=2", *fast]) == 0
+    assert main(["ppo", "--config", str(CONFIGS / "ppo_rm_debug.yaml"), f"model.name_or_path={out / 'sft_debug/final'}",
+                 f"dataset.path={out / 'arith/train.jsonl'}", f"dataset.eval_path={out / 'arith/test.jsonl'}",
+                 f"reward.sources=[{{type: model, path: {out / 'rm_debug/final'}, normalize: true}}]",
+                 f"training.output_dir={out / 'ppo_rm_debug'}", "training.total_ppo_steps=1", "training.eval_interval=1",
+                 "dataset.num_eval_samples=8", "ppo.rollout_samples=8", "ppo.batch_size=8", "ppo.mini_batch_size=8",
+                 *fast]) == 0
+    assert main(["generate", "--model", str(out / "sft_debug/final"), "--model", str(out / "ppo_rm_debug/final"),
+                 "--prompts", str(out / "arith/test.jsonl"), "--template", "Question: {prompt}\\nAnswer:",
+                 "--limit", "2", "--max-new-tokens", "8", "--device", "cpu"]) == 0
+    result = json.loads((out / "ppo_rm_debug" / "train_result.json").read_text())
+    assert set(result["eval_after"]) >= {"eval/reward_mean", "eval/accuracy"}
+
+
+def test_the_script_lists_the_same_stages():
+    script = (ROOT / "scripts" / "pipeline_debug.sh").read_text()
+    stages = ["make-tiny", "make-data", "sft --config configs/sft_debug.yaml", "rlhflab.data.preferences",
+              "rm --config configs/rm_debug.yaml", "ppo --config configs/ppo_rm_debug.yaml", "generate"]
+    positions = [script.index(s) for s in stages]
+    assert positions == sorted(positions)
