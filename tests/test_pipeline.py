@@ -3,10 +3,10 @@ and the documented command sequence (scripts/pipeline_debug.sh) through the CLI.
 
 Two SFT runs from the same tiny model, shared by the tests of this module:
 - the policy imitates sloppy demonstrations (60% of answers off by one);
-- the judge, the reward model's base, reads the worked solutions. A reward model from
-  the sloppy policy itself learned shortcuts ("smaller answers are better") that PPO
-  exploited at once; one whose base has seen arithmetic checks the sum, and PPO on it
-  raises the checker's accuracy too.
+- the judge, the reward model's base, reads the worked solutions. A reward model based
+  on the sloppy policy reached only 0.60 held-out accuracy on the same pairs (0.90 from
+  the judge), and pairs whose wrong answers were mostly too large taught it "smaller is
+  better", which PPO exploited at once (answers drifted to 0).
 """
 
 from __future__ import annotations
@@ -167,7 +167,10 @@ def test_documented_sequence_runs_offline_through_the_cli(tmp_path):
 
 def test_the_script_lists_the_same_stages():
     script = (ROOT / "scripts" / "pipeline_debug.sh").read_text()
-    stages = ["make-tiny", "make-data", "sft --config configs/sft_debug.yaml", "rlhflab.data.preferences",
-              "rm --config configs/rm_debug.yaml", "ppo --config configs/ppo_rm_debug.yaml", "generate"]
-    positions = [script.index(s) for s in stages]
-    assert positions == sorted(positions)
+    stages = ["make-tiny", "make-data", "sft --config configs/sft_debug.yaml", "arith/sft.jsonl",
+              "sft --config configs/sft_debug.yaml", "arith/train.jsonl", "rlhflab.data.preferences",
+              "rm --config configs/rm_debug.yaml", "sft_judge/final", "ppo --config configs/ppo_rm_debug.yaml",
+              "generate"]
+    at = 0
+    for stage in stages:  # each stage after the one before
+        at = script.index(stage, at) + len(stage)
