@@ -199,6 +199,24 @@ def test_encode_appends_eos_and_cuts_from_the_left(seqcls):
     assert b["attention_mask"][1].tolist() == [1, 1, 0, 0]  # "x" + EOS, right-padded
 
 
+def test_a_fresh_head_is_initialised_and_a_trained_one_kept(seqcls, tiny, tmp_path):
+    from rlhflab.config import load_config
+    from rlhflab.trainers.rm import build_reward_model
+
+    torch.manual_seed(0)
+    fresh, _ = build_reward_model(load_config(None, RMRunConfig, [f"model.name_or_path={tiny}"])[0],
+                                  torch.device("cpu"))
+    hidden = fresh.score.weight.shape[-1]
+    # N(0, 1/(H+1)): H = 64 gives std 0.124; 64 weights estimate it within about 20%.
+    assert abs(fresh.score.weight.std().item() - (hidden + 1) ** -0.5) < 0.03
+    model, tok = seqcls
+    model.save_pretrained(tmp_path / "rm")
+    tok.save_pretrained(tmp_path / "rm")
+    kept, _ = build_reward_model(load_config(None, RMRunConfig, [f"model.name_or_path={tmp_path / 'rm'}"])[0],
+                                 torch.device("cpu"))
+    assert torch.equal(kept.score.weight, model.score.weight)  # continuing from a reward model
+
+
 # --------------------------------------------------------------------------------------
 # Config
 # --------------------------------------------------------------------------------------

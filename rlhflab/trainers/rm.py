@@ -245,22 +245,25 @@ def build_reward_model(cfg: RMRunConfig, device: torch.device):
     m = cfg.model
     tok = load_tokenizer(m.tokenizer or m.name_or_path, m.trust_remote_code, padding_side="right")
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(
-            m.name_or_path, num_labels=1, dtype=resolve_dtype(m.torch_dtype), trust_remote_code=m.trust_remote_code)
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            m.name_or_path, num_labels=1, dtype=resolve_dtype(m.torch_dtype), trust_remote_code=m.trust_remote_code,
+            output_loading_info=True)
     except Exception as exc:
         raise _load_error("model", m.name_or_path, exc) from None
     model.config.pad_token_id = tok.pad_token_id
     head = score_head(model)
-    # N(0, 1/(hidden+1)) as in OpenAI's lm-human-preferences reward head: initial scores of
-    # order one, so the base gets a useful gradient from the first step (0.01 learned far slower).
-    std = cfg.rm.head_init_std or 1.0 / math.sqrt(head.weight.shape[-1] + 1)
-    torch.nn.init.normal_(head.weight, std=std)
-    if getattr(head, "bias", None) is not None:
-        torch.nn.init.zeros_(head.bias)
+    head_name = "score" if hasattr(model, "score") else "classifier"
+    if any(k.startswith(head_name) for k in info.get("missing_keys", [])):
+        # A fresh head (a causal LM as the base; an existing reward model keeps its own).
+        # N(0, 1/(hidden+1)) as in OpenAI's lm-human-preferences reward head: initial scores of
+        # order one, so the base gets a useful gradient from the first step (0.01 learned far slower).
+        std = cfg.rm.head_init_std or 1.0 / math.sqrt(head.weight.shape[-1] + 1)
+        torch.nn.init.normal_(head.weight, std=std)
+        if getattr(head, "bias", None) is not None:
+            torch.nn.init.zeros_(head.bias)
     disable_dropout(model)
     if cfg.lora.enabled:
         from peft import LoraConfig, get_peft_model
-        head_name = "score" if hasattr(model, "score") else "classifier"
         targets = cfg.lora.target_modules or default_lora_targets(model)
         lcfg = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                           target_modules=targets, task_type="SEQ_CLS", modules_to_save=[head_name], bias="none")
