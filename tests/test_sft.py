@@ -311,3 +311,31 @@ def test_sft_cli_runs_and_reports_bad_input(tiny, tmp_path, capsys):
     assert main(["sft", "--config", str(CONFIGS / "sft_debug.yaml"), f"data.path={bad}", *common,
                  f"training.output_dir={tmp_path / 'run2'}"]) == 2
     assert "3 of 3 rows fit no SFT layout" in capsys.readouterr().err
+
+
+def test_csv_and_parquet_files_and_a_hub_name(tmp_path, tok, monkeypatch):
+    import csv
+
+    from rlhflab.trainers import sft as sft_trainer
+    from rlhflab.trainers.sft import SFTDataConfig, load_sft_data
+
+    rows = [{"instruction": f"Say {i}", "context": "", "response": str(i)} for i in range(10)]
+    with (tmp_path / "d.csv").open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=["instruction", "context", "response"])
+        writer.writeheader()
+        writer.writerows(rows)
+    import datasets
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "d.parquet"))
+    for name in ("d.csv", "d.parquet"):
+        data = load_sft_data(SFTDataConfig(path=str(tmp_path / name), eval_fraction=0.2), tok, warn=lambda m: None)
+        assert len(data.train) == 8 and len(data.eval) == 2
+    # A hub name goes to `datasets` with its split and subset (faked here: no hub in tests).
+    calls = []
+
+    def fake_read_rows(source, split="train", subset=None):
+        calls.append((source, split, subset))
+        return rows
+    monkeypatch.setattr(sft_trainer, "read_rows", fake_read_rows)
+    load_sft_data(SFTDataConfig(path=None, name="databricks/databricks-dolly-15k", eval_split="test",
+                                subset="x"), tok, warn=lambda m: None)
+    assert calls == [("databricks/databricks-dolly-15k", "train", "x"), ("databricks/databricks-dolly-15k", "test", "x")]

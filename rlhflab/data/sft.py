@@ -60,7 +60,8 @@ class SFTExample:
 
 
 def _text(v: Any) -> bool:
-    return isinstance(v, str)
+    """A string, or a number (csv/parquet readers turn a response such as "12" into 12)."""
+    return isinstance(v, str) or (isinstance(v, (int, float)) and not isinstance(v, bool))
 
 
 def detect_layout(row: dict) -> str | None:
@@ -84,15 +85,16 @@ def row_to_example(row: dict, index: int, layout: str | None = None) -> SFTExamp
     """The row as an SFTExample, or None when it fits no layout (or has no assistant turn)."""
     layout = layout or detect_layout(row)
     if layout == "messages":
-        msgs = [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
+        msgs = [{"role": m["role"], "content": str(m["content"])} for m in row["messages"]]
         # The target is the last assistant turn; anything after it is dropped.
         last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
         if last is None or last == 0:
             return None
         return SFTExample(msgs[: last + 1], index)
     if layout == "instruction":
-        context = row.get("context") or row.get("input") or ""
-        prompt = row["instruction"] + (f"\n\n{context}" if isinstance(context, str) and context.strip() else "")
+        context = row.get("context") or row.get("input") or ""  # csv readers give None for empty cells
+        context = str(context) if _text(context) else ""
+        prompt = str(row["instruction"]) + (f"\n\n{context}" if context.strip() else "")
         response = row["response"] if _text(row.get("response")) else row["output"]
     elif layout == "prompt_completion":
         prompt, response = row["prompt"], row["completion"]
@@ -102,7 +104,8 @@ def row_to_example(row: dict, index: int, layout: str | None = None) -> SFTExamp
         prompt, response = row["question"], row["answer"]
     else:
         return None
-    return SFTExample([{"role": "user", "content": prompt}, {"role": "assistant", "content": response}], index)
+    return SFTExample([{"role": "user", "content": str(prompt)}, {"role": "assistant", "content": str(response)}],
+                      index)
 
 
 def parse_rows(rows: Sequence[dict], source: str, max_bad_fraction: float = 0.5,
