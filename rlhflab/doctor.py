@@ -55,6 +55,8 @@ class DoctorConfig:
     # grad_norm: the pre-clip global gradient norm; clipping hides spikes, but a norm
     # many times the clip for several steps in a row means the loss surface is steep.
     max_grad_norm: Optional[float] = 1.0   # the trainer's ppo.max_grad_norm; None: 1.0 is used
+    # The config key of the KL weight, named in advice: ppo.kl_coeff, grpo.beta, rloo.kl_coeff.
+    kl_knob: str = "ppo.kl_coeff"
     grad_norm_factor: float = 10.0
     grad_norm_patience: int = 3
     # value_loss: after `value_window` steps, the mean of the last `value_avg_steps`
@@ -226,7 +228,7 @@ def _rule_kl(history: History, latest: dict[str, float], cfg: DoctorConfig) -> O
         return ""
     return (f"KL to the reference rose from {w[0]:.3g} to {w[-1]:.3g} over the last "
             f"{len(w)} steps and keeps rising: the policy is drifting from the reference, "
-            f"often toward reward hacking. Raise ppo.kl_coeff (e.g. 2x) or lower the learning rate")
+            f"often toward reward hacking. Raise {cfg.kl_knob} (e.g. 2x) or lower the learning rate")
 
 
 def _rule_entropy(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
@@ -243,7 +245,7 @@ def _rule_entropy(history: History, latest: dict[str, float], cfg: DoctorConfig)
         return ""
     return (f"entropy collapsed to {recent:.3g} ({why}): the policy is nearly deterministic, "
             f"so rollouts stop exploring and samples within a prompt look alike. Raise "
-            f"ppo.kl_coeff or ppo.entropy_coeff, lower the learning rate, or check "
+            f"{cfg.kl_knob} or the entropy bonus, lower the learning rate, or check "
             f"generation.temperature")
 
 

@@ -55,6 +55,8 @@ from rlhflab.trainers.policy_gradient import (PolicyGradientSection, PolicyModel
 class GRPOSection(PolicyGradientSection):
     """GRPO settings (the rollout, optimizer and update fields are shared with RLOO)."""
 
+    KL_KNOB = "grpo.beta"  # named in the doctor's advice
+
     group_size: int = f(4, "responses sampled per prompt; advantages are relative to this group", gt=1)
     advantage_scale: Literal["group", "batch", "none"] = f(
         "group", "divide the centred reward by the group's std, the batch's std, or nothing")

@@ -700,14 +700,14 @@ def check_resume_dir(resume: str | Path | None) -> Path | None:
     return path
 
 
-def make_doctor(enabled: bool, max_grad_norm: float | None):
+def make_doctor(enabled: bool, max_grad_norm: float | None, kl_knob: str = "ppo.kl_coeff"):
     if not enabled:
         return None
     try:
         from rlhflab.doctor import Doctor
     except ImportError:
         return None
-    return Doctor(max_grad_norm=max_grad_norm)
+    return Doctor(max_grad_norm=max_grad_norm, kl_knob=kl_knob)
 
 
 # --------------------------------------------------------------------------------------
@@ -756,7 +756,7 @@ def run_training(cfg, sec: PolicyGradientSection, step_fn: StepFn, name: str, *,
         set_rng_state(state["rng"])
         start_step = int(state["step"])
 
-    doctor = make_doctor(cfg.logging.doctor, sec.max_grad_norm)
+    doctor = make_doctor(cfg.logging.doctor, sec.max_grad_norm, sec.KL_KNOB)
     logger = MetricsLogger(out_dir, cfg.logging.report_to, cfg.logging.run_name, cfg.logging.wandb_project,
                            config=dataclasses.asdict(cfg), resume=resume_dir is not None)
     result = TrainResult(out_dir, out_dir / "final", models=models)
