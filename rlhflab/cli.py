@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "quickstart": ("rlhflab.quickstart", "offline demo: tiny model, arithmetic task, SFT warm start, PPO, before/after table"),
     "make-tiny": ("rlhflab.models.tiny", "build a tiny causal LM and tokenizer locally (save_pretrained)"),
     "make-data": ("rlhflab.data.arith", "write a GSM8K-format arithmetic task (train/test jsonl)"),
+    "make-prefs": ("rlhflab.data.preferences", "write preference pairs for the arithmetic task (synthetic or policy-sampled)"),
     "generate": ("rlhflab.generate", "generate from one or more models on prompts, side by side"),
     "sft": ("rlhflab.trainers.sft", "supervised fine-tuning (LoRA or full) on instruction data"),
     "label": ("rlhflab.label.cli", "human preference collection: generate, serve, stats, export"),
