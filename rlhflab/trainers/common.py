@@ -1,7 +1,9 @@
-"""Pieces every trainer shares: seeding, optimizer and schedule, output folder, timing."""
+"""Pieces every trainer shares: seeding, optimizer and schedule, output folder, timing,
+and the end of a run (logger, plots, peak memory, train_result.json, before/after table)."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
@@ -14,6 +16,7 @@ import numpy as np
 import torch
 
 from rlhflab.errors import UserError
+from rlhflab.metrics import plot_metrics
 
 
 def seed_everything(seed: int) -> None:
@@ -113,3 +116,46 @@ def peak_memory_mb(device: torch.device) -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     except ImportError:  # pragma: no cover
         return float("nan")
+
+
+# --------------------------------------------------------------------------------------
+# The end of a run
+# --------------------------------------------------------------------------------------
+def format_metrics(metrics: dict[str, float]) -> str:
+    """`k=v, ...` with three decimals: the "step 0 (before training)" line."""
+    return ", ".join(f"{k}={v:.3f}" for k, v in metrics.items())
+
+
+def last_eval(history: list[dict]) -> dict[str, float] | None:
+    """The eval/* metrics of the last history row that has any; None when none has."""
+    evals = [h for h in history if any(k.startswith("eval/") for k in h)]
+    if not evals:
+        return None
+    return {k: v for k, v in evals[-1].items() if k.startswith("eval/")}
+
+
+def finish_run(logger, out_dir: Path, device: torch.device, plots: bool,
+               plot_groups: dict[str, list[str]] | None = None) -> None:
+    """Close the metrics logger, draw plots/ when asked, write peak_memory_mb.txt."""
+    logger.close()
+    if plots:
+        plot_metrics(logger.path, out_dir / "plots", plot_groups)
+    (out_dir / "peak_memory_mb.txt").write_text(f"{peak_memory_mb(device):.1f}\n")
+
+
+def write_train_result(out_dir: Path, **fields) -> None:
+    """train_result.json: the run's summary fields, in the order given."""
+    (out_dir / "train_result.json").write_text(json.dumps(fields, indent=2))
+
+
+def print_before_after(before: dict | None, after: dict | None, skip_missing: bool = False) -> None:
+    """`  key: before -> after` per final eval metric; nothing unless both are there.
+
+    A key the starting evaluation lacks prints as nan, or is skipped with `skip_missing`.
+    """
+    if not (before and after):
+        return
+    for k in after:
+        if skip_missing and k not in before:
+            continue
+        print(f"  {k}: {before.get(k, float('nan')):.3f} -> {after[k]:.3f}")

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -52,11 +51,12 @@ from rlhflab.data.loading import read_rows
 from rlhflab.data.prompts import format_prompt, load_prompts
 from rlhflab.errors import UserError
 from rlhflab.evaluate import evaluate_policy, save_samples
-from rlhflab.metrics import MetricsLogger, plot_metrics
+from rlhflab.metrics import MetricsLogger
 from rlhflab.models.actor_critic import Reference
 from rlhflab.models.checkpoint import load_trainer_state, prune_checkpoints, set_rng_state
 from rlhflab.rewards import RuleScorer, resolve_rule
-from rlhflab.trainers.common import Timer, peak_memory_mb, prepare_output_dir, seed_everything, set_threads
+from rlhflab.trainers.common import (Timer, finish_run, format_metrics, last_eval, prepare_output_dir,
+                                     print_before_after, seed_everything, set_threads, write_train_result)
 from rlhflab.trainers.policy_gradient import (OptimizerFields, PolicyModels, PolicyOnly, build_policy_models,
                                               check_reference, check_resume_dir, make_optimization,
                                               save_policy_checkpoint)
@@ -444,7 +444,7 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     if t.eval_interval and start_step == 0:
         result.eval_before = _evaluate(models, eval_tok, eval_cache, task_examples, task_scorer, cfg, out_dir, 0)
         logger.log(0, {**result.eval_before, **timer.metrics()})
-        say("step 0 (before training): " + ", ".join(f"{k}={v:.3f}" for k, v in result.eval_before.items()))
+        say("step 0 (before training): " + format_metrics(result.eval_before))
 
     from tqdm import tqdm
     bar = tqdm(total=total_steps, initial=start_step, disable=quiet or not cfg.logging.progress_bar,
@@ -507,14 +507,9 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     bar.close()
     save_policy_checkpoint(result.final_dir, models.policy, tok, optimizer=optimizer, scheduler=scheduler,
                            step=total_steps)
-    logger.close()
-    if cfg.logging.plots:
-        plot_metrics(logger.path, out_dir / "plots", PLOT_GROUPS)
-    evals = [h for h in result.history if any(k.startswith("eval/") for k in h)]
-    if evals:
-        result.eval_after = {k: v for k, v in evals[-1].items() if k.startswith("eval/")}
+    finish_run(logger, out_dir, models.device, cfg.logging.plots, PLOT_GROUPS)
+    result.eval_after = last_eval(result.history)
     result.pairs_per_s = total_pairs / total_seconds if total_seconds else 0.0
-    (out_dir / "peak_memory_mb.txt").write_text(f"{peak_memory_mb(models.device):.1f}\n")
     return result
 
 
@@ -550,13 +545,9 @@ def run(args: argparse.Namespace) -> int:
     cfg, effective = load_config(args.config, DPORunConfig, args.overrides)
     res = train(cfg, resume=args.resume, effective=effective)
     print(f"done: {res.output_dir} (final model in {res.final_dir}); {res.pairs_per_s:.2f} pairs/s")
-    if res.eval_before and res.eval_after:
-        for k in res.eval_after:
-            if k in res.eval_before:
-                print(f"  {k}: {res.eval_before[k]:.3f} -> {res.eval_after[k]:.3f}")
-    (res.output_dir / "train_result.json").write_text(json.dumps(
-        {"eval_before": res.eval_before, "eval_after": res.eval_after, "pairs_per_s": res.pairs_per_s},
-        indent=2))
+    print_before_after(res.eval_before, res.eval_after, skip_missing=True)
+    write_train_result(res.output_dir, eval_before=res.eval_before, eval_after=res.eval_after,
+                       pairs_per_s=res.pairs_per_s)
     return 0
 
 

@@ -60,11 +60,12 @@ from rlhflab.rollout import (ForwardOutput, Rollout, collate, eos_ids_of, finish
                              generate, score_rollout)
 from rlhflab.config import save_effective_config
 from rlhflab.data.prompts import load_prompts, step_prompts
-from rlhflab.metrics import MetricsLogger, plot_metrics
+from rlhflab.metrics import MetricsLogger
 from rlhflab.models.checkpoint import load_trainer_state, prune_checkpoints, set_rng_state
 from rlhflab.rewards import build_reward
-from rlhflab.trainers.common import (Timer, make_optimizer, make_scheduler, peak_memory_mb, prepare_output_dir,
-                                     seed_everything, set_threads)
+from rlhflab.trainers.common import (Timer, finish_run, format_metrics, last_eval, make_optimizer, make_scheduler,
+                                     prepare_output_dir, print_before_after, seed_everything, set_threads,
+                                     write_train_result)
 
 
 # --------------------------------------------------------------------------------------
@@ -764,7 +765,7 @@ def run_training(cfg, sec: PolicyGradientSection, step_fn: StepFn, name: str, *,
         result.eval_before = evaluate(models, eval_examples, scorer, cfg, out_dir, 0)
         logger.log(0, result.eval_before)
         if not quiet:
-            print("step 0 (before training): " + ", ".join(f"{k}={v:.3f}" for k, v in result.eval_before.items()))
+            print("step 0 (before training): " + format_metrics(result.eval_before))
 
     from tqdm import tqdm
     bar = tqdm(range(start_step, t.total_ppo_steps), initial=start_step, total=t.total_ppo_steps,
@@ -799,14 +800,9 @@ def run_training(cfg, sec: PolicyGradientSection, step_fn: StepFn, name: str, *,
     bar.close()
     save_policy_checkpoint(result.final_dir, models.policy, models.tokenizer, optimizer=optimizer,
                            scheduler=scheduler, step=t.total_ppo_steps)
-    logger.close()
-    if cfg.logging.plots:
-        plot_metrics(logger.path, out_dir / "plots", PLOT_GROUPS)
-    evals = [h for h in result.history if "eval/reward_mean" in h]
-    if evals:
-        result.eval_after = {k: v for k, v in evals[-1].items() if k.startswith("eval/")}
+    finish_run(logger, out_dir, models.device, cfg.logging.plots, PLOT_GROUPS)
+    result.eval_after = last_eval(result.history)
     result.completions_per_s = total_completions / total_seconds if total_seconds else 0.0
-    (out_dir / "peak_memory_mb.txt").write_text(f"{peak_memory_mb(models.device):.1f}\n")
     return result
 
 
@@ -814,12 +810,9 @@ def report(res: TrainResult) -> None:
     """Print the end-of-run summary and write train_result.json."""
     print(f"done: {res.output_dir} (final model in {res.final_dir}); "
           f"{res.completions_per_s:.2f} completions/s")
-    if res.eval_before and res.eval_after:
-        for k in res.eval_after:
-            print(f"  {k}: {res.eval_before.get(k, float('nan')):.3f} -> {res.eval_after[k]:.3f}")
-    (res.output_dir / "train_result.json").write_text(json.dumps(
-        {"eval_before": res.eval_before, "eval_after": res.eval_after,
-         "completions_per_s": res.completions_per_s}, indent=2))
+    print_before_after(res.eval_before, res.eval_after)
+    write_train_result(res.output_dir, eval_before=res.eval_before, eval_after=res.eval_after,
+                       completions_per_s=res.completions_per_s)
 
 
 __all__ = [

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,14 +37,15 @@ from rlhflab.config import PPORunConfig, load_config, save_effective_config
 from rlhflab.data.prompts import load_prompts, step_prompts
 from rlhflab.errors import UserError
 from rlhflab.evaluate import evaluate_policy, save_samples
-from rlhflab.metrics import MetricsLogger, plot_metrics
+from rlhflab.metrics import MetricsLogger
 from rlhflab.models.actor_critic import ActorCritic, Critic, Reference, ValueHead, hidden_size_of, load_value_head
 from rlhflab.models.checkpoint import load_trainer_state, prune_checkpoints, save_checkpoint, set_rng_state
 from rlhflab.models.load import add_lora, disable_dropout, load_model, resolve_device
 from rlhflab.rewards import build_reward
 from rlhflab.rollout import Rollout, forward_response, generate, score_rollout
-from rlhflab.trainers.common import (Timer, make_optimizer, make_scheduler, peak_memory_mb,
-                                     prepare_output_dir, seed_everything, set_threads)
+from rlhflab.trainers.common import (Timer, finish_run, format_metrics, last_eval, make_optimizer, make_scheduler,
+                                     prepare_output_dir, print_before_after, seed_everything, set_threads,
+                                     write_train_result)
 
 
 # --------------------------------------------------------------------------------------
@@ -368,7 +368,7 @@ def train(cfg: PPORunConfig, resume: str | Path | None = None, math_: PPOMath | 
         result.eval_before = _evaluate(models, eval_examples, scorer, cfg, out_dir, 0)
         logger.log(0, result.eval_before)
         if not quiet:
-            print(f"step 0 (before training): " + ", ".join(f"{k}={v:.3f}" for k, v in result.eval_before.items()))
+            print("step 0 (before training): " + format_metrics(result.eval_before))
 
     from tqdm import tqdm
     bar = tqdm(range(start_step, t.total_ppo_steps), initial=start_step, total=t.total_ppo_steps,
@@ -407,14 +407,9 @@ def train(cfg: PPORunConfig, resume: str | Path | None = None, math_: PPOMath | 
     bar.close()
     save_checkpoint(result.final_dir, models.actor_critic, models.tokenizer, optimizer=optimizer,
                     scheduler=scheduler, step=t.total_ppo_steps)
-    logger.close()
-    if cfg.logging.plots:
-        plot_metrics(logger.path, out_dir / "plots")
-    evals = [h for h in result.history if "eval/reward_mean" in h]
-    if evals:
-        result.eval_after = {k: v for k, v in evals[-1].items() if k.startswith("eval/")}
+    finish_run(logger, out_dir, models.device, cfg.logging.plots)
+    result.eval_after = last_eval(result.history)
     result.episodes_per_s = total_episodes / total_seconds if total_seconds else 0.0
-    (out_dir / "peak_memory_mb.txt").write_text(f"{peak_memory_mb(models.device):.1f}\n")
     return result
 
 
@@ -432,10 +427,7 @@ def run(args: argparse.Namespace) -> int:
     res = train(cfg, resume=args.resume, effective=effective)
     print(f"done: {res.output_dir} (final model in {res.final_dir}); "
           f"{res.episodes_per_s:.2f} episodes/s")
-    if res.eval_before and res.eval_after:
-        for k in res.eval_after:
-            print(f"  {k}: {res.eval_before.get(k, float('nan')):.3f} -> {res.eval_after[k]:.3f}")
-    (res.output_dir / "train_result.json").write_text(json.dumps(
-        {"eval_before": res.eval_before, "eval_after": res.eval_after,
-         "episodes_per_s": res.episodes_per_s}, indent=2))
+    print_before_after(res.eval_before, res.eval_after)
+    write_train_result(res.output_dir, eval_before=res.eval_before, eval_after=res.eval_after,
+                       episodes_per_s=res.episodes_per_s)
     return 0

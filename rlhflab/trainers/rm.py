@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import random
 import time
@@ -47,11 +46,12 @@ from rlhflab.config.schema import LoggingConfig, LoRAConfig, ModelConfig, Traini
 from rlhflab.data import preferences as prefdata
 from rlhflab.data.loading import read_rows
 from rlhflab.errors import UserError
-from rlhflab.metrics import MetricsLogger, plot_metrics
+from rlhflab.metrics import MetricsLogger
 from rlhflab.models.load import default_lora_targets, disable_dropout, load_tokenizer, resolve_device, resolve_dtype
 from rlhflab.rewards.model import META_FILE, RMMeta, encode, score_head, sequence_scores
-from rlhflab.trainers.common import (make_optimizer, make_scheduler, peak_memory_mb, prepare_output_dir,
-                                     seed_everything, set_threads)
+from rlhflab.trainers.common import (finish_run, format_metrics, make_optimizer, make_scheduler,
+                                     prepare_output_dir, print_before_after, seed_everything, set_threads,
+                                     write_train_result)
 
 
 # --------------------------------------------------------------------------------------
@@ -399,7 +399,7 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
     if r.eval_before and data.eval:
         result.eval_before = evaluate_rm(model, tok, data.eval, meta, t.eval_batch_size, device)
         logger.log(0, result.eval_before)
-        say("step 0 (before training): " + ", ".join(f"{k}={v:.3f}" for k, v in result.eval_before.items()))
+        say("step 0 (before training): " + format_metrics(result.eval_before))
 
     from tqdm import tqdm
     bar = tqdm(total=total_steps, disable=quiet or not cfg.logging.progress_bar, desc="rm", dynamic_ncols=True)
@@ -454,16 +454,12 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
         meta.extra = {"eval_accuracy": last_eval["eval/accuracy"]}
     model.eval()
     save_reward_model(model, tok, meta, result.final_dir)
-    logger.close()
-    if cfg.logging.plots:
-        plot_metrics(logger.path, out_dir / "plots", PLOT_GROUPS)
+    finish_run(logger, out_dir, device, cfg.logging.plots, PLOT_GROUPS)
     result.eval_after = last_eval or None
     result.steps = step
     result.seconds = time.perf_counter() - start
-    (out_dir / "peak_memory_mb.txt").write_text(f"{peak_memory_mb(device):.1f}\n")
-    (out_dir / "train_result.json").write_text(json.dumps(
-        {"eval_before": result.eval_before, "eval_after": result.eval_after, "steps": step,
-         "train_pairs": result.train_pairs, "seconds": result.seconds}, indent=2))
+    write_train_result(out_dir, eval_before=result.eval_before, eval_after=result.eval_after, steps=step,
+                       train_pairs=result.train_pairs, seconds=result.seconds)
     return result
 
 
@@ -480,7 +476,5 @@ def run(args: argparse.Namespace) -> int:
     res = train_rm(cfg, effective=effective)
     print(f"done in {res.seconds:.0f}s: reward model in {res.final_dir}"
           + (f" (adapter in {res.adapter_dir})" if res.adapter_dir else ""))
-    if res.eval_before and res.eval_after:
-        for k in res.eval_after:
-            print(f"  {k}: {res.eval_before.get(k, float('nan')):.3f} -> {res.eval_after[k]:.3f}")
+    print_before_after(res.eval_before, res.eval_after)
     return 0

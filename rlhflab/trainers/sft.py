@@ -44,11 +44,12 @@ from rlhflab.config.schema import LoggingConfig, LoRAConfig, ModelConfig, Traini
 from rlhflab.data import sft as sftdata
 from rlhflab.data.loading import read_rows
 from rlhflab.errors import UserError
-from rlhflab.metrics import MetricsLogger, plot_metrics
+from rlhflab.metrics import MetricsLogger
 from rlhflab.models.checkpoint import prune_checkpoints, save_policy
 from rlhflab.models.load import add_lora, load_model, resolve_device
-from rlhflab.trainers.common import (make_optimizer, make_scheduler, peak_memory_mb, prepare_output_dir,
-                                     seed_everything, set_threads)
+from rlhflab.trainers.common import (finish_run, format_metrics, make_optimizer, make_scheduler,
+                                     prepare_output_dir, print_before_after, seed_everything, set_threads,
+                                     write_train_result)
 
 
 # --------------------------------------------------------------------------------------
@@ -391,7 +392,7 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
     if s.eval_before:
         result.eval_before = evaluate_sft(model, tok, data, cfg, device, out_dir, 0)
         logger.log(0, result.eval_before)
-        say("step 0 (before training): " + ", ".join(f"{k}={v:.3f}" for k, v in result.eval_before.items()))
+        say("step 0 (before training): " + format_metrics(result.eval_before))
 
     from tqdm import tqdm
     bar = tqdm(total=total_steps, disable=quiet or not cfg.logging.progress_bar, desc="sft", dynamic_ncols=True)
@@ -440,16 +441,12 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
                 prune_checkpoints(out_dir, t.keep_last_checkpoints)
     bar.close()
     _save(model, tok, result.final_dir, merged=s.save_merged)
-    logger.close()
-    if cfg.logging.plots:
-        plot_metrics(logger.path, out_dir / "plots", PLOT_GROUPS)
+    finish_run(logger, out_dir, device, cfg.logging.plots, PLOT_GROUPS)
     result.eval_after = last_eval or None
     result.steps = step
     result.seconds = time.perf_counter() - start
-    (out_dir / "peak_memory_mb.txt").write_text(f"{peak_memory_mb(device):.1f}\n")
-    (out_dir / "train_result.json").write_text(json.dumps(
-        {"eval_before": result.eval_before, "eval_after": result.eval_after, "steps": step,
-         "train_rows": result.train_rows, "seconds": result.seconds}, indent=2))
+    write_train_result(out_dir, eval_before=result.eval_before, eval_after=result.eval_after, steps=step,
+                       train_rows=result.train_rows, seconds=result.seconds)
     return result
 
 
@@ -466,7 +463,5 @@ def run(args: argparse.Namespace) -> int:
     res = train_sft(cfg, effective=effective)
     print(f"done in {res.seconds:.0f}s: {res.output_dir} (model in {res.final_dir}"
           + (f", adapter in {res.adapter_dir})" if res.adapter_dir else ")"))
-    if res.eval_before and res.eval_after:
-        for k in res.eval_after:
-            print(f"  {k}: {res.eval_before.get(k, float('nan')):.3f} -> {res.eval_after[k]:.3f}")
+    print_before_after(res.eval_before, res.eval_after)
     return 0
