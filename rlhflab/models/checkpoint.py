@@ -104,6 +104,16 @@ def load_trainer_state(folder: str | Path) -> dict[str, Any]:
     return torch.load(Path(folder) / STATE_FILE, map_location="cpu", weights_only=False)
 
 
+def restore_trainer_state(folder: str | Path, optimizer, scheduler) -> int:
+    """Load a checkpoint's optimizer, scheduler and RNG states in place; returns its step."""
+    state = load_trainer_state(folder)
+    optimizer.load_state_dict(state["optimizer"])
+    if state.get("scheduler"):
+        scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])
+    return int(state["step"])
+
+
 def prune_checkpoints(run_dir: str | Path, keep: int | None) -> None:
     """Keep only the newest `keep` step_N/ folders."""
     if not keep:

@@ -53,7 +53,7 @@ from rlhflab.errors import UserError
 from rlhflab.evaluate import evaluate_policy, save_samples
 from rlhflab.metrics import MetricsLogger
 from rlhflab.models.actor_critic import Reference
-from rlhflab.models.checkpoint import load_trainer_state, prune_checkpoints, set_rng_state
+from rlhflab.models.checkpoint import prune_checkpoints, restore_trainer_state
 from rlhflab.rewards import RuleScorer, resolve_rule
 from rlhflab.trainers.common import (Timer, finish_run, format_metrics, last_eval, prepare_output_dir,
                                      print_before_after, seed_everything, set_threads, write_train_result)
@@ -429,14 +429,7 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     if sec.max_steps is not None:
         total_steps = min(total_steps, sec.max_steps)
     optimizer, scheduler = make_optimization(models.actor.trainable_parameters(), sec, total_steps)
-    start_step = 0
-    if resume_dir is not None:
-        state = load_trainer_state(resume_dir)
-        optimizer.load_state_dict(state["optimizer"])
-        if state.get("scheduler"):
-            scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
-        start_step = int(state["step"])
+    start_step = restore_trainer_state(resume_dir, optimizer, scheduler) if resume_dir is not None else 0
 
     logger = MetricsLogger(out_dir, cfg.logging.report_to, cfg.logging.run_name, cfg.logging.wandb_project,
                            config=dataclasses.asdict(cfg), resume=resume_dir is not None)

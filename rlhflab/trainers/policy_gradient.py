@@ -61,7 +61,7 @@ from rlhflab.rollout import (ForwardOutput, Rollout, collate, eos_ids_of, finish
 from rlhflab.config import save_effective_config
 from rlhflab.data.prompts import load_prompts, step_prompts
 from rlhflab.metrics import MetricsLogger
-from rlhflab.models.checkpoint import load_trainer_state, prune_checkpoints, set_rng_state
+from rlhflab.models.checkpoint import prune_checkpoints, restore_trainer_state
 from rlhflab.rewards import build_reward
 from rlhflab.trainers.common import (Timer, finish_run, format_metrics, last_eval, make_optimizer, make_scheduler,
                                      prepare_output_dir, print_before_after, seed_everything, set_threads,
@@ -748,14 +748,7 @@ def run_training(cfg, sec: PolicyGradientSection, step_fn: StepFn, name: str, *,
     scorer = build_reward(cfg.reward, models.device)
     optimizer, scheduler = make_optimization(models.actor.trainable_parameters(), sec,
                                              t.total_ppo_steps * sec.optimizer_steps_per_rollout())
-    start_step = 0
-    if resume_dir is not None:
-        state = load_trainer_state(resume_dir)
-        optimizer.load_state_dict(state["optimizer"])
-        if state.get("scheduler"):
-            scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
-        start_step = int(state["step"])
+    start_step = restore_trainer_state(resume_dir, optimizer, scheduler) if resume_dir is not None else 0
 
     doctor = make_doctor(cfg.logging.doctor, sec.max_grad_norm, sec.KL_KNOB)
     logger = MetricsLogger(out_dir, cfg.logging.report_to, cfg.logging.run_name, cfg.logging.wandb_project,

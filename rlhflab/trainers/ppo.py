@@ -39,7 +39,7 @@ from rlhflab.errors import UserError
 from rlhflab.evaluate import evaluate_policy, save_samples
 from rlhflab.metrics import MetricsLogger
 from rlhflab.models.actor_critic import ActorCritic, Critic, Reference, ValueHead, hidden_size_of, load_value_head
-from rlhflab.models.checkpoint import load_trainer_state, prune_checkpoints, save_checkpoint, set_rng_state
+from rlhflab.models.checkpoint import prune_checkpoints, restore_trainer_state, save_checkpoint
 from rlhflab.models.load import add_lora, disable_dropout, load_model, resolve_device
 from rlhflab.rewards import build_reward
 from rlhflab.rollout import Rollout, forward_response, generate, score_rollout
@@ -347,14 +347,7 @@ def train(cfg: PPORunConfig, resume: str | Path | None = None, math_: PPOMath | 
                                p.weight_decay, (p.adam_beta1, p.adam_beta2), p.adam_eps, p.use_8bit_adam)
     scheduler = make_scheduler(optimizer, t.total_ppo_steps * updates_per_step, p.warmup_steps,
                                p.lr_schedule, p.min_learning_rate)
-    start_step = 0
-    if resume_dir is not None:
-        state = load_trainer_state(resume_dir)
-        optimizer.load_state_dict(state["optimizer"])
-        if state.get("scheduler"):
-            scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
-        start_step = int(state["step"])
+    start_step = restore_trainer_state(resume_dir, optimizer, scheduler) if resume_dir is not None else 0
 
     doctor = None
     if cfg.logging.doctor:
