@@ -6,7 +6,8 @@ A checkpoint folder (``step_N/`` or ``final/``) holds:
   adapter is merged into a copy for this, and the adapter itself goes to ``adapter/``;
 - the tokenizer;
 - ``value_head.safetensors`` (shared-base layout) or ``critic/`` (separate critic), so a
-  resumed run does not start with a fresh critic;
+  resumed run does not start with a fresh critic; neither for a critic-free trainer
+  (GRPO, RLOO, DPO: a `PolicyOnly` with no critic and no value head);
 - ``trainer_state.pt`` when resumable: optimizer, scheduler, RNG states and step.
 
 It is written to a temporary sibling folder and renamed into place, so a crash mid-save
@@ -60,7 +61,11 @@ def save_policy(policy: torch.nn.Module, tokenizer, folder: Path) -> None:
 
 def save_checkpoint(folder: str | Path, actor_critic, tokenizer, *, optimizer=None,
                     scheduler=None, step: int | None = None, extra: dict | None = None) -> Path:
-    """Write a checkpoint atomically (temporary folder, then rename)."""
+    """Write a checkpoint atomically (temporary folder, then rename).
+
+    `actor_critic` needs `.policy`, `.critic` and `.value_head`; with both of the last two
+    None (a `PolicyOnly`) only the policy and the trainer state are written.
+    """
     folder = Path(folder)
     tmp = folder.with_name(folder.name + ".tmp")
     if tmp.exists():
@@ -91,7 +96,7 @@ def _write_checkpoint(tmp: Path, actor_critic, tokenizer, optimizer, scheduler, 
         if tokenizer is not None:  # critic/ loads on its own (load_model wants a tokenizer)
             tokenizer.save_pretrained(critic_dir)
         save_value_head(actor_critic.critic.value_head, critic_dir)
-    else:
+    elif actor_critic.value_head is not None:
         save_value_head(actor_critic.value_head, tmp)
     if optimizer is not None:
         torch.save({"step": step, "optimizer": optimizer.state_dict(),

@@ -53,13 +53,12 @@ from rlhflab.errors import UserError
 from rlhflab.evaluate import evaluate_policy, save_samples
 from rlhflab.metrics import MetricsLogger
 from rlhflab.models.actor_critic import Reference
-from rlhflab.models.checkpoint import prune_checkpoints, restore_trainer_state
+from rlhflab.models.checkpoint import prune_checkpoints, restore_trainer_state, save_checkpoint
 from rlhflab.rewards import RuleScorer, resolve_rule
 from rlhflab.trainers.common import (Timer, finish_run, format_metrics, last_eval, prepare_output_dir,
                                      print_before_after, seed_everything, set_threads, write_train_result)
 from rlhflab.trainers.policy_gradient import (OptimizerFields, PolicyModels, PolicyOnly, build_policy_models,
-                                              check_reference, check_resume_dir, make_optimization,
-                                              save_policy_checkpoint)
+                                              check_reference, check_resume_dir, make_optimization)
 
 
 # --------------------------------------------------------------------------------------
@@ -494,12 +493,12 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['rewards/accuracies']:.2f}")
             if t.save_interval and step % t.save_interval == 0 and step < total_steps:
-                save_policy_checkpoint(out_dir / f"step_{step}", models.policy, tok, optimizer=optimizer,
-                                       scheduler=scheduler, step=step)
+                save_checkpoint(out_dir / f"step_{step}", models.actor, tok, optimizer=optimizer,
+                                scheduler=scheduler, step=step)
                 prune_checkpoints(out_dir, t.keep_last_checkpoints)
     bar.close()
-    save_policy_checkpoint(result.final_dir, models.policy, tok, optimizer=optimizer, scheduler=scheduler,
-                           step=total_steps)
+    save_checkpoint(result.final_dir, models.actor, tok, optimizer=optimizer, scheduler=scheduler,
+                    step=total_steps)
     finish_run(logger, out_dir, models.device, cfg.logging.plots, PLOT_GROUPS)
     result.eval_after = last_eval(result.history)
     result.pairs_per_s = total_pairs / total_seconds if total_seconds else 0.0

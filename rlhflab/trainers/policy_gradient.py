@@ -11,7 +11,8 @@ Each trainer keeps its own short loop; this module holds what they have in commo
   is the layout `ops.group_advantages` and `ops.rloo_advantages` expect.
 - `policy_update`: epochs of minibatches of the clipped surrogate on per-token
   advantages, optionally plus a KL-to-reference term in the loss.
-- `save_policy_checkpoint`: an HF-loadable folder plus `trainer_state.pt`, atomically.
+- checkpoints are `rlhflab.models.checkpoint.save_checkpoint` of the `PolicyOnly` (an
+  HF-loadable folder plus `trainer_state.pt`, atomically, no value head).
 
 Prompt sharing (`share_prompt`, on by default): the k responses to one prompt share
 it, so the prompt is run through the model once per group, not k times. Sampling
@@ -36,9 +37,7 @@ optimizer step per rollout they are computed in a no-grad pass before the update
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -54,14 +53,14 @@ from rlhflab.errors import UserError
 from rlhflab.evaluate import evaluate_policy, save_samples
 from rlhflab.models.actor_critic import (Reference, ResponseOutput, _response_hidden, decoder_and_head,
                                          position_ids_from, unwrap)
-from rlhflab.models.checkpoint import STATE_FILE, rng_state, save_policy
+from rlhflab.models.checkpoint import STATE_FILE
 from rlhflab.models.load import add_lora, disable_dropout, load_model, resolve_device
 from rlhflab.rollout import (ForwardOutput, Rollout, collate, eos_ids_of, finish_rollout, forward_response,
                              generate, score_rollout)
 from rlhflab.config import save_effective_config
 from rlhflab.data.prompts import load_prompts, step_prompts
 from rlhflab.metrics import MetricsLogger
-from rlhflab.models.checkpoint import prune_checkpoints, restore_trainer_state
+from rlhflab.models.checkpoint import prune_checkpoints, restore_trainer_state, save_checkpoint
 from rlhflab.rewards import build_reward
 from rlhflab.trainers.common import (Timer, finish_run, format_metrics, last_eval, make_optimizer, make_scheduler,
                                      prepare_output_dir, print_before_after, seed_everything, set_threads,
@@ -667,31 +666,6 @@ def evaluate(models: PolicyModels, examples, scorer, cfg, out_dir: Path, step: i
     return res.metrics()
 
 
-def save_policy_checkpoint(folder: str | Path, policy: nn.Module, tokenizer, *, optimizer=None,
-                           scheduler=None, step: int | None = None, extra: dict | None = None) -> Path:
-    """`save_checkpoint` without a critic: HF folder (+adapter/), trainer_state.pt, atomically."""
-    folder = Path(folder)
-    tmp = folder.with_name(folder.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    save_policy(policy, tokenizer, tmp)
-    if optimizer is not None:
-        torch.save({"step": step, "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                    "rng": rng_state(), "extra": extra or {}}, tmp / STATE_FILE)
-    (tmp / "rlhflab.json").write_text(json.dumps({"step": step, **(extra or {})}, indent=2))
-    old = folder.with_name(folder.name + ".old")
-    if folder.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        folder.rename(old)
-    tmp.rename(folder)
-    if old.exists():
-        shutil.rmtree(old)
-    return folder
-
-
 def check_resume_dir(resume: str | Path | None) -> Path | None:
     if resume is None:
         return None
@@ -787,12 +761,12 @@ def run_training(cfg, sec: PolicyGradientSection, step_fn: StepFn, name: str, *,
             for finding in doctor.observe(step, metrics):
                 tqdm.write(str(finding))
         if t.save_interval and step % t.save_interval == 0 and step < t.total_ppo_steps:
-            save_policy_checkpoint(out_dir / f"step_{step}", models.policy, models.tokenizer,
-                                   optimizer=optimizer, scheduler=scheduler, step=step)
+            save_checkpoint(out_dir / f"step_{step}", models.actor, models.tokenizer,
+                            optimizer=optimizer, scheduler=scheduler, step=step)
             prune_checkpoints(out_dir, t.keep_last_checkpoints)
     bar.close()
-    save_policy_checkpoint(result.final_dir, models.policy, models.tokenizer, optimizer=optimizer,
-                           scheduler=scheduler, step=t.total_ppo_steps)
+    save_checkpoint(result.final_dir, models.actor, models.tokenizer, optimizer=optimizer,
+                    scheduler=scheduler, step=t.total_ppo_steps)
     finish_run(logger, out_dir, models.device, cfg.logging.plots, PLOT_GROUPS)
     result.eval_after = last_eval(result.history)
     result.completions_per_s = total_completions / total_seconds if total_seconds else 0.0
@@ -813,6 +787,6 @@ __all__ = [
     "grouped_response_logits", "reference_model", "response_outputs", "check_reference", "PolicyOnly", "PolicyModels", "build_policy_models",
     "make_optimization", "sample_groups", "score_responses", "reference_logprobs", "old_logprobs",
     "broadcast_advantages", "loss_mask_of", "PolicyLossTerms", "policy_gradient_loss", "policy_update", "clip_fractions", "rollout_metrics",
-    "PLOT_GROUPS", "evaluate", "save_policy_checkpoint", "check_resume_dir", "make_doctor", "Timer",
+    "PLOT_GROUPS", "evaluate", "check_resume_dir", "make_doctor", "Timer",
     "TrainResult", "run_training", "report",
 ]
