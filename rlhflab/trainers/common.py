@@ -76,6 +76,17 @@ def make_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, warmup_st
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def make_optimization(params: list[torch.nn.Parameter], sec, total_optimizer_steps: int):
+    """AdamW (fused; 8-bit when asked for and possible) and its schedule from a section
+    with the usual optimizer fields (learning_rate, weight_decay, adam_*, use_8bit_adam,
+    warmup_steps, lr_schedule, min_learning_rate): PPO, GRPO, RLOO and DPO sections."""
+    optimizer = make_optimizer(params, sec.learning_rate, sec.weight_decay,
+                               (sec.adam_beta1, sec.adam_beta2), sec.adam_eps, sec.use_8bit_adam)
+    scheduler = make_scheduler(optimizer, total_optimizer_steps, sec.warmup_steps, sec.lr_schedule,
+                               sec.min_learning_rate)
+    return optimizer, scheduler
+
+
 class Timer:
     """Accumulates wall time per phase: `with timer("generate"): ...`."""
 

@@ -62,7 +62,7 @@ from rlhflab.data.prompts import load_prompts, step_prompts
 from rlhflab.metrics import MetricsLogger
 from rlhflab.models.checkpoint import prune_checkpoints, restore_trainer_state, save_checkpoint
 from rlhflab.rewards import build_reward
-from rlhflab.trainers.common import (Timer, finish_run, format_metrics, last_eval, make_optimizer, make_scheduler,
+from rlhflab.trainers.common import (Timer, finish_run, format_metrics, last_eval, make_optimization,
                                      prepare_output_dir, print_before_after, seed_everything, set_threads,
                                      write_train_result)
 
@@ -281,16 +281,6 @@ def build_policy_models(model_cfg, lora_cfg, device: str, need_reference: bool,
     actor = PolicyOnly(policy)
     actor.train()
     return PolicyModels(actor, reference, tok, dev)
-
-
-def make_optimization(params: list[nn.Parameter], sec, total_optimizer_steps: int):
-    """AdamW (fused; 8-bit when asked for and possible) and its schedule from a section
-    with the usual optimizer fields."""
-    optimizer = make_optimizer(params, sec.learning_rate, sec.weight_decay,
-                               (sec.adam_beta1, sec.adam_beta2), sec.adam_eps, sec.use_8bit_adam)
-    scheduler = make_scheduler(optimizer, total_optimizer_steps, sec.warmup_steps, sec.lr_schedule,
-                               sec.min_learning_rate)
-    return optimizer, scheduler
 
 
 # --------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from rlhflab.models.checkpoint import prune_checkpoints, restore_trainer_state, 
 from rlhflab.models.load import add_lora, disable_dropout, load_model, resolve_device
 from rlhflab.rewards import build_reward
 from rlhflab.rollout import Rollout, forward_response, generate, score_rollout
-from rlhflab.trainers.common import (Timer, finish_run, format_metrics, last_eval, make_optimizer, make_scheduler,
+from rlhflab.trainers.common import (Timer, finish_run, format_metrics, last_eval, make_optimization,
                                      prepare_output_dir, print_before_after, seed_everything, set_threads,
                                      write_train_result)
 
@@ -343,10 +343,8 @@ def train(cfg: PPORunConfig, resume: str | Path | None = None, math_: PPOMath | 
 
     n_minibatches = math.ceil(p.rollout_samples / p.mini_batch_size)
     updates_per_step = p.epochs * math.ceil(n_minibatches / p.gradient_accumulation_steps)
-    optimizer = make_optimizer(models.actor_critic.trainable_parameters(), p.learning_rate,
-                               p.weight_decay, (p.adam_beta1, p.adam_beta2), p.adam_eps, p.use_8bit_adam)
-    scheduler = make_scheduler(optimizer, t.total_ppo_steps * updates_per_step, p.warmup_steps,
-                               p.lr_schedule, p.min_learning_rate)
+    optimizer, scheduler = make_optimization(models.actor_critic.trainable_parameters(), p,
+                                             t.total_ppo_steps * updates_per_step)
     start_step = restore_trainer_state(resume_dir, optimizer, scheduler) if resume_dir is not None else 0
 
     doctor = None
