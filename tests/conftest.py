@@ -3,6 +3,8 @@
 - `tiny_model_dir`: one very small Llama (64 hidden, 2 layers, 2 heads) and its tokenizer,
   built once per session with `rlhflab.models.tiny.make_tiny_model`.
 - `arith_dir`: the arithmetic task (200 train / 40 test rows), written once per session.
+- `tiny_sft_rm_dir`: the SFT/RM/generate/reward-source/pipeline tests' tiny Llama (64
+  hidden, 2 layers, 4 heads), built once per session in `<basetemp>/tiny-sft-rm`.
 - `ppo_cfg`: a factory for a `PPORunConfig` from `configs/ppo_debug.yaml` pointed at the
   two folders above, with small settings and extra dotted overrides.
 
@@ -39,6 +41,15 @@ def arith_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ppo-arith")
     write_task(out, n_train=200, n_test=40)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_sft_rm_dir(tmp_path_factory) -> Path:
+    from rlhflab.models.tiny import make_tiny_model
+
+    path = tmp_path_factory.getbasetemp() / "tiny-sft-rm"
+    make_tiny_model(path, hidden_size=64, num_layers=2, num_heads=4)
+    return path
 
 
 def small_overrides(model_dir: Path, data_dir: Path, out_dir: Path) -> list[str]:

@@ -24,15 +24,6 @@ CONFIGS = ROOT / "configs"
 pytestmark = pytest.mark.slow
 
 
-def _tiny(tmp_path_factory) -> Path:
-    from rlhflab.models.tiny import make_tiny_model
-
-    path = tmp_path_factory.getbasetemp() / "tiny-sft-rm"
-    if not (path / "config.json").exists():
-        make_tiny_model(path, hidden_size=64, num_layers=2, num_heads=4)
-    return path
-
-
 @pytest.fixture(scope="module")
 def task(tmp_path_factory) -> dict[str, Path]:
     from rlhflab.data import arith
@@ -44,13 +35,13 @@ def task(tmp_path_factory) -> dict[str, Path]:
     return {**paths, "prefs_train": prefs["train"], "prefs_test": prefs["test"]}
 
 
-def _sft(tmp_path_factory, data: Path, task: dict, name: str) -> Path:
+def _sft(tmp_path_factory, base: Path, data: Path, task: dict, name: str) -> Path:
     from rlhflab.config import load_config
     from rlhflab.trainers.sft import SFTRunConfig, train_sft
 
     out = tmp_path_factory.mktemp(name)
     cfg, _ = load_config(CONFIGS / "sft_debug.yaml", SFTRunConfig, [
-        f"model.name_or_path={_tiny(tmp_path_factory)}", f"data.path={data}", f"data.eval_path={task['test']}",
+        f"model.name_or_path={base}", f"data.path={data}", f"data.eval_path={task['test']}",
         f"training.output_dir={out}", "training.num_threads=1", "logging.progress_bar=false", "logging.plots=false",
         "sft.epochs=10", "sft.batch_size=8", "sft.learning_rate=2e-3", "sft.eval_before=false",
         "sft.num_eval_generate=0"])
@@ -58,15 +49,15 @@ def _sft(tmp_path_factory, data: Path, task: dict, name: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def policy(tmp_path_factory, task) -> Path:
+def policy(tmp_path_factory, tiny_sft_rm_dir, task) -> Path:
     """SFT on the sloppy demonstrations (60% off by one): right about a third of the time."""
-    return _sft(tmp_path_factory, task["sft"], task, "policy")
+    return _sft(tmp_path_factory, tiny_sft_rm_dir, task["sft"], task, "policy")
 
 
 @pytest.fixture(scope="module")
-def judge(tmp_path_factory, task) -> Path:
+def judge(tmp_path_factory, tiny_sft_rm_dir, task) -> Path:
     """SFT on the worked solutions: the reward model's base (a judge that has seen arithmetic)."""
-    return _sft(tmp_path_factory, task["train"], task, "judge")
+    return _sft(tmp_path_factory, tiny_sft_rm_dir, task["train"], task, "judge")
 
 
 @pytest.fixture(scope="module")

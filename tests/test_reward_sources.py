@@ -14,15 +14,10 @@ from rlhflab.errors import ConfigError, UserError
 from rlhflab.rewards import build_reward, build_source
 
 
-def _tokenizer(tmp_path_factory):
-    """The tiny tokenizer (built once per session, shared with test_sft/test_rm)."""
-    from rlhflab.models.tiny import make_tiny_model
-
-    path = tmp_path_factory.getbasetemp() / "tiny-sft-rm"
-    if not (path / "config.json").exists():
-        make_tiny_model(path, hidden_size=64, num_layers=2, num_heads=4)
+def _tokenizer(model_dir: Path):
+    """The tiny tokenizer (the session's `tiny_sft_rm_dir`, shared with test_sft/test_rm)."""
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(model_dir))
 
 
 def _seqcls(tok, out: Path, num_labels: int, id2label: dict | None, seed: int = 0) -> Path:
@@ -42,8 +37,8 @@ def _seqcls(tok, out: Path, num_labels: int, id2label: dict | None, seed: int = 
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return _tokenizer(tmp_path_factory)
+def tok(tiny_sft_rm_dir):
+    return _tokenizer(tiny_sft_rm_dir)
 
 
 @pytest.fixture(scope="module")

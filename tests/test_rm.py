@@ -17,19 +17,9 @@ from rlhflab.trainers.rm import RMRunConfig, pairwise_loss
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-def tiny_model(tmp_path_factory) -> Path:
-    """The small tiny model shared with test_sft.py (built once per session)."""
-    from rlhflab.models.tiny import make_tiny_model
-
-    path = tmp_path_factory.getbasetemp() / "tiny-sft-rm"
-    if not (path / "config.json").exists():
-        make_tiny_model(path, hidden_size=64, num_layers=2, num_heads=4)
-    return path
-
-
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return tiny_model(tmp_path_factory)
+def tiny(tiny_sft_rm_dir) -> Path:
+    return tiny_sft_rm_dir
 
 
 def _write(path: Path, rows: list[dict]) -> Path:

@@ -15,19 +15,9 @@ from rlhflab.trainers.sft import SFTRunConfig, accumulate_group, response_nll
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-def tiny_model(tmp_path_factory) -> Path:
-    """One small tiny model per test session, shared by every SFT/RM test module."""
-    from rlhflab.models.tiny import make_tiny_model
-
-    path = tmp_path_factory.getbasetemp() / "tiny-sft-rm"
-    if not (path / "config.json").exists():
-        make_tiny_model(path, hidden_size=64, num_layers=2, num_heads=4)
-    return path
-
-
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return tiny_model(tmp_path_factory)
+def tiny(tiny_sft_rm_dir) -> Path:
+    return tiny_sft_rm_dir
 
 
 @pytest.fixture(scope="module")

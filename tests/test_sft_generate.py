@@ -12,18 +12,9 @@ from rlhflab.errors import UserError
 from rlhflab.generate import compare, read_prompt_file, render
 
 
-def _tiny(tmp_path_factory) -> Path:
-    from rlhflab.models.tiny import make_tiny_model
-
-    path = tmp_path_factory.getbasetemp() / "tiny-sft-rm"
-    if not (path / "config.json").exists():
-        make_tiny_model(path, hidden_size=64, num_layers=2, num_heads=4)
-    return path
-
-
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return _tiny(tmp_path_factory)
+def tiny(tiny_sft_rm_dir) -> Path:
+    return tiny_sft_rm_dir
 
 
 @pytest.fixture(scope="module")
