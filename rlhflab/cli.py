@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from rlhflab.errors import UserError
@@ -61,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         hint = f"; did you mean {near[0]!r}?" if near else "; run `rlhflab --help` for the list"
         print(f"error: unknown command {name!r}{hint}", file=sys.stderr)
         return 2
+    # Hugging Face's per-file "Loading weights" bars drown our own progress output; a user
+    # who wants them back sets HF_HUB_DISABLE_PROGRESS_BARS=0.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     module = importlib.import_module(COMMANDS[name][0])
     parser = argparse.ArgumentParser(prog=f"rlhflab {name}", description=COMMANDS[name][1])
     module.add_parser(parser)
