@@ -73,31 +73,45 @@ def _split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
     return [s.replace("sft_", "", 1) if s.startswith("sft_") else s for s in sft], ppo
 
 
-def quickstart(out_dir: str | Path = "outputs/quickstart", overrides: list[str] | None = None,
-               threads: int | None = None, quiet: bool = False) -> dict:
-    """Run the five stages; returns the summary written to `summary.json`."""
+def prepare_warm_start(out: Path, sft_cfg=None, sft_eff=None, threads: int | None = None,
+                       quiet: bool = False):
+    """Stages 1-3: tiny model, arithmetic task, SFT on sloppy demonstrations.
+
+    Writes `out/tiny-model`, `out/data` and `out/sft/final`; returns the SFT result.
+    `rlhflab learn run` calls this too, so learners train a policy that can learn.
+    """
     from rlhflab.data.arith import write_task
     from rlhflab.models.tiny import make_tiny_model
-    from rlhflab.trainers.common import prepare_output_dir
-    from rlhflab.trainers.ppo import PPORunConfig as _PPO
-    from rlhflab.trainers.ppo import train
-    from rlhflab.trainers.sft import SFTRunConfig, train_sft
+    from rlhflab.trainers.sft import train_sft
 
-    out = Path(out_dir)
-    sft_over, ppo_over = _split_overrides(overrides or [])
-    # Validate every override before any work starts.
-    sft_cfg, sft_eff = load_config(None, SFTRunConfig, sft_over, base=dataclasses.asdict(sft_defaults(out, threads)))
-    ppo_cfg, ppo_eff = load_config(None, _PPO, ppo_over, base=dataclasses.asdict(ppo_defaults(out, threads)))
-    prepare_output_dir(ppo_cfg.training.output_dir)
-    start = time.perf_counter()
     say = (lambda *a: None) if quiet else print
-
+    if sft_cfg is None:
+        sft_cfg = sft_defaults(out, threads)
     say("[1/5] building a tiny causal LM and tokenizer ...")
     make_tiny_model(out / "tiny-model", seed=0)
     say("[2/5] generating the arithmetic task (GSM8K format) ...")
     write_task(out / "data", n_train=2000, n_test=200, seed=0, wrong_rate=0.6)
     say(f"[3/5] SFT warm start on sloppy demonstrations ({sft_cfg.sft.max_steps} steps) ...")
-    sft_res = train_sft(sft_cfg, effective=sft_eff, quiet=quiet)
+    return train_sft(sft_cfg, effective=sft_eff, quiet=quiet)
+
+
+def quickstart(out_dir: str | Path = "outputs/quickstart", overrides: list[str] | None = None,
+               threads: int | None = None, quiet: bool = False) -> dict:
+    """Run the five stages; returns the summary written to `summary.json`."""
+    from rlhflab.trainers.common import prepare_output_dir
+    from rlhflab.trainers.ppo import train
+    from rlhflab.trainers.sft import SFTRunConfig
+
+    out = Path(out_dir)
+    sft_over, ppo_over = _split_overrides(overrides or [])
+    # Validate every override before any work starts.
+    sft_cfg, sft_eff = load_config(None, SFTRunConfig, sft_over, base=dataclasses.asdict(sft_defaults(out, threads)))
+    ppo_cfg, ppo_eff = load_config(None, PPORunConfig, ppo_over, base=dataclasses.asdict(ppo_defaults(out, threads)))
+    prepare_output_dir(ppo_cfg.training.output_dir)
+    start = time.perf_counter()
+    say = (lambda *a: None) if quiet else print
+
+    sft_res = prepare_warm_start(out, sft_cfg, sft_eff, threads, quiet)
     say("[4/5] PPO with the GSM8K reward ...")
     ppo_res = train(ppo_cfg, effective=ppo_eff, quiet=quiet)
     seconds = time.perf_counter() - start

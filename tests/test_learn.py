@@ -470,13 +470,13 @@ def test_learn_run_trains_two_steps_and_matches_the_library(tmp_path, capsys):
     # the one on the toy group (3 and 2 rows) that checks it before the run.
     steps = ["training.total_ppo_steps=2", "training.eval_interval=0", "logging.plots=false",
              "ppo.gradient_accumulation_steps=2"]
-    assert main(["learn", "run", "--dir", str(ws), "--quiet", *steps]) == 0
+    assert main(["learn", "run", "--dir", str(ws), "--quiet", "--cold", *steps]) == 0
     metrics = (ws / "runs" / "001" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in metrics] == [1, 2]
     calls = ws / "ex5_minibatch_update.py.calls"
     assert calls.read_text().split() == ["3,2"] + ["8,8"] * 4
     # Same seed, same first rollout: the learner's functions give the library's numbers.
-    res = run_learner(ws, steps, compare=True, quiet=True)
+    res = run_learner(ws, steps, compare=True, quiet=True, warm=False)
     # The learner's run calls it again; the library's run does not.
     assert calls.read_text().split() == (["3,2"] + ["8,8"] * 4) * 2
     mine, lib = res["yours"].history[0], res["library"].history[0]
@@ -484,3 +484,29 @@ def test_learn_run_trains_two_steps_and_matches_the_library(tmp_path, capsys):
     for key in ("loss/policy", "loss/value", "loss/entropy", "params/policy_clip_frac", "params/approx_kl",
                 "params/grad_norm", "rollout/advantage_mean", "rollout/return_mean"):
         assert mine[key] == pytest.approx(lib[key], rel=1e-4, abs=1e-6), key
+
+
+def test_learn_run_warm_start_is_made_once_and_used(tmp_path, monkeypatch):
+    """By default `learn run` trains the quickstart's SFT'd policy (made once per workspace),
+    with the quickstart's PPO settings; --cold keeps the untrained tiny model."""
+    import rlhflab.quickstart as qs
+    from rlhflab.learn import runner
+
+    calls = []
+
+    def fake_warm_start(folder, quiet=False, **kw):
+        calls.append(folder)
+        (folder / "sft" / "final").mkdir(parents=True)
+        (folder / "sft" / "final" / "config.json").write_text("{}")
+        (folder / "data").mkdir()
+        for name in ("train.jsonl", "test.jsonl"):
+            (folder / "data" / name).write_text("")
+
+    monkeypatch.setattr(qs, "prepare_warm_start", fake_warm_start)
+    ws = tmp_path / "ws"
+    for _ in range(2):
+        cfg, _ = runner.load_run_config(ws, [], quiet=True, warm=True)
+    assert calls == [ws / "inputs"]  # made once, reused by the second run
+    assert cfg.model.name_or_path == str(ws / "inputs" / "sft" / "final")
+    assert cfg.dataset.eval_path == str(ws / "inputs" / "data" / "test.jsonl")
+    assert (cfg.ppo.rollout_samples, cfg.training.total_ppo_steps, cfg.training.eval_interval) == (64, 10, 5)

@@ -34,6 +34,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", action="store_true",
                    help="then train again with the library's functions and compare step 1")
     p.add_argument("--quiet", action="store_true", help="no progress bar or table")
+    p.add_argument("--cold", action="store_true",
+                   help="start from the untrained tiny model (fast, but its reward stays 0) instead of "
+                        "the quickstart's SFT warm start")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. training.total_ppo_steps=10")
 
     p = sub.add_parser("solution", help="print the library's implementation of exercise N, with comments")
@@ -64,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         return 0 if report.ok else 1
     if args.action == "run":
         from rlhflab.learn.runner import run_learner
-        run_learner(args.dir, args.overrides, compare=args.compare, quiet=args.quiet)
+        run_learner(args.dir, args.overrides, compare=args.compare, quiet=args.quiet, warm=not args.cold)
         return 0
     if args.action == "solution":
         _check_numbers([args.number])
