@@ -314,12 +314,20 @@ class TrainResult:
     episodes_per_s: float = 0.0
 
 
-def _evaluate(models: Models, eval_examples, scorer, cfg: PPORunConfig, out_dir: Path, step: int) -> dict:
+def _evaluate(models: Models, eval_examples, scorer, cfg: PPORunConfig, out_dir: Path, step: int,
+              quiet: bool = False, n_show: int = 2) -> dict:
+    """Greedy held-out evaluation; every sample saved, the first `n_show` printed."""
     res = evaluate_policy(models.actor_critic.policy, models.tokenizer, eval_examples, scorer,
                           max_new_tokens=cfg.generation.max_new_tokens,
                           max_prompt_length=cfg.dataset.max_prompt_length,
                           batch_size=cfg.training.eval_batch_size)
-    save_samples(res, out_dir / "eval" / f"step_{step}.jsonl")
+    path = save_samples(res, out_dir / "eval" / f"step_{step}.jsonl")
+    if not quiet:
+        from tqdm import tqdm
+        when = "step 0 (before training)" if step == 0 else f"step {step}"
+        lines = [f"eval at {when}: " + format_metrics(res.metrics()) + f" (all samples: {path})"]
+        lines += [f"  {s['prompt']!r}\n    -> {s['response']!r}  score {s['score']:.2f}" for s in res.samples[:n_show]]
+        tqdm.write("\n".join(lines))
     return res.metrics()
 
 
@@ -356,10 +364,8 @@ def train(cfg: PPORunConfig, resume: str | Path | None = None, math_: PPOMath | 
                            resume_step=start_step if resume_dir is not None else None)
     result = TrainResult(out_dir, out_dir / "final")
     if eval_examples and start_step == 0:
-        result.eval_before = _evaluate(models, eval_examples, scorer, cfg, out_dir, 0)
+        result.eval_before = _evaluate(models, eval_examples, scorer, cfg, out_dir, 0, quiet)
         logger.log(0, result.eval_before)
-        if not quiet:
-            print("step 0 (before training): " + format_metrics(result.eval_before))
 
     from tqdm import tqdm
     bar = tqdm(range(start_step, t.total_ppo_steps), initial=start_step, total=t.total_ppo_steps,
@@ -384,7 +390,7 @@ def train(cfg: PPORunConfig, resume: str | Path | None = None, math_: PPOMath | 
                    "perf/episodes_per_s": len(roll) / step_seconds,
                    "perf/tokens_per_s": float(roll.response_mask.sum()) / max(timer.seconds["generate"], 1e-9)}
         if eval_examples and t.eval_interval and (step % t.eval_interval == 0 or step == t.total_ppo_steps):
-            metrics.update(_evaluate(models, eval_examples, scorer, cfg, out_dir, step))
+            metrics.update(_evaluate(models, eval_examples, scorer, cfg, out_dir, step, quiet))
         logger.log(step, metrics)
         result.history.append({"step": step, **metrics})
         bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}", kl=f"{metrics['params/kl_to_ref']:.3f}")
