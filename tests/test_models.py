@@ -15,7 +15,6 @@ from rlhflab.models.actor_critic import (ActorCritic, Critic, Reference, ValueHe
                                          load_value_head, position_ids_from, save_value_head)
 from rlhflab.models.load import disable_dropout, load_model, load_tokenizer
 from rlhflab.rollout import forward_response
-from rlhflab.ops import logprobs_from_logits
 
 PROMPTS = ["Question: Ada has 3 apples and gets 4 more. How many apples does Ada have now?\nAnswer:",
            "Question: 2 + 5?\nAnswer:"]

@@ -170,3 +170,36 @@ def print_before_after(before: dict | None, after: dict | None, skip_missing: bo
         if skip_missing and k not in before:
             continue
         print(f"  {k}: {before.get(k, float('nan')):.3f} -> {after[k]:.3f}")
+
+
+def check_resume_dir(resume: str | Path | None) -> Path | None:
+    """The `--resume` folder as a Path (None when not resuming); it must hold trainer state."""
+    from rlhflab.models.checkpoint import STATE_FILE
+
+    if resume is None:
+        return None
+    path = Path(resume)
+    if not (path / STATE_FILE).is_file():
+        raise UserError(f"--resume {path}: no {STATE_FILE} there; point it at a step_N/ folder")
+    return path
+
+
+def make_doctor(enabled: bool, max_grad_norm: float | None, kl_knob: str = "ppo.kl_coeff"):
+    """The training doctor for an RL loop, or None when `logging.doctor` is off."""
+    if not enabled:
+        return None
+    from rlhflab.doctor import Doctor
+
+    return Doctor(max_grad_norm=max_grad_norm, kl_knob=kl_knob)
+
+
+def log_step(logger, history: list[dict], doctor, step: int, metrics: dict) -> None:
+    """Phase 6's bookkeeping: the step's metrics to every sink and to the history, and the
+    doctor's new findings printed above the progress bar."""
+    logger.log(step, metrics)
+    history.append({"step": step, **metrics})
+    if doctor is not None:
+        from tqdm import tqdm
+
+        for finding in doctor.observe(step, metrics):
+            tqdm.write(str(finding))

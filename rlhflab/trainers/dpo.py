@@ -55,10 +55,11 @@ from rlhflab.metrics import MetricsLogger
 from rlhflab.models.actor_critic import Reference
 from rlhflab.models.checkpoint import prune_checkpoints, restore_trainer_state, save_checkpoint
 from rlhflab.rewards import RuleScorer, resolve_rule
-from rlhflab.trainers.common import (Timer, finish_run, format_metrics, last_eval, prepare_output_dir,
-                                     print_before_after, seed_everything, set_threads, write_train_result)
+from rlhflab.trainers.common import (Timer, check_resume_dir, finish_run, format_metrics, last_eval,
+                                     make_optimization, prepare_output_dir, print_before_after, seed_everything,
+                                     set_threads, write_train_result)
 from rlhflab.trainers.policy_gradient import (OptimizerFields, PolicyModels, PolicyOnly, build_policy_models,
-                                              check_reference, check_resume_dir, make_optimization)
+                                              check_reference)
 
 
 # --------------------------------------------------------------------------------------

@@ -49,11 +49,9 @@ from torch import Tensor, nn
 
 from rlhflab import ops
 from rlhflab.config.schema import f
-from rlhflab.errors import UserError
 from rlhflab.evaluate import evaluate_policy, save_samples
 from rlhflab.models.actor_critic import (Reference, ResponseOutput, _response_hidden, decoder_and_head,
                                          position_ids_from, unwrap)
-from rlhflab.models.checkpoint import STATE_FILE
 from rlhflab.models.load import add_lora, disable_dropout, load_model, resolve_device
 from rlhflab.rollout import (ForwardOutput, Rollout, collate, eos_ids_of, finish_rollout, forward_response,
                              generate, score_rollout)
@@ -62,9 +60,9 @@ from rlhflab.data.prompts import load_prompts, step_prompts
 from rlhflab.metrics import MetricsLogger
 from rlhflab.models.checkpoint import prune_checkpoints, restore_trainer_state, save_checkpoint
 from rlhflab.rewards import build_reward
-from rlhflab.trainers.common import (Timer, finish_run, format_metrics, last_eval, make_optimization,
-                                     prepare_output_dir, print_before_after, seed_everything, set_threads,
-                                     write_train_result)
+from rlhflab.trainers.common import (Timer, check_resume_dir, finish_run, format_metrics, last_eval,
+                                     log_step, make_doctor, make_optimization, prepare_output_dir,
+                                     print_before_after, seed_everything, set_threads, write_train_result)
 
 
 # --------------------------------------------------------------------------------------
@@ -656,25 +654,6 @@ def evaluate(models: PolicyModels, examples, scorer, cfg, out_dir: Path, step: i
     return res.metrics()
 
 
-def check_resume_dir(resume: str | Path | None) -> Path | None:
-    if resume is None:
-        return None
-    path = Path(resume)
-    if not (path / STATE_FILE).is_file():
-        raise UserError(f"--resume {path}: no {STATE_FILE} there; point it at a step_N/ folder")
-    return path
-
-
-def make_doctor(enabled: bool, max_grad_norm: float | None, kl_knob: str = "ppo.kl_coeff"):
-    if not enabled:
-        return None
-    try:
-        from rlhflab.doctor import Doctor
-    except ImportError:
-        return None
-    return Doctor(max_grad_norm=max_grad_norm, kl_knob=kl_knob)
-
-
 # --------------------------------------------------------------------------------------
 # Step 6 and the loop around a trainer's step function
 # --------------------------------------------------------------------------------------
@@ -744,12 +723,8 @@ def run_training(cfg, sec: PolicyGradientSection, step_fn: StepFn, name: str, *,
         metrics["perf/completions_per_s"] = sec.rollout_size / seconds
         if eval_examples and (step % t.eval_interval == 0 or step == t.total_ppo_steps):
             metrics.update(evaluate(models, eval_examples, scorer, cfg, out_dir, step))
-        logger.log(step, metrics)
-        result.history.append({"step": step, **metrics})
+        log_step(logger, result.history, doctor, step, metrics)
         bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}")
-        if doctor is not None:
-            for finding in doctor.observe(step, metrics):
-                tqdm.write(str(finding))
         if t.save_interval and step % t.save_interval == 0 and step < t.total_ppo_steps:
             save_checkpoint(out_dir / f"step_{step}", models.actor, models.tokenizer,
                             optimizer=optimizer, scheduler=scheduler, step=step)
@@ -777,6 +752,6 @@ __all__ = [
     "grouped_response_logits", "reference_model", "response_outputs", "check_reference", "PolicyOnly", "PolicyModels", "build_policy_models",
     "make_optimization", "sample_groups", "score_responses", "reference_logprobs", "old_logprobs",
     "broadcast_advantages", "loss_mask_of", "PolicyLossTerms", "policy_gradient_loss", "policy_update", "clip_fractions", "rollout_metrics",
-    "PLOT_GROUPS", "evaluate", "check_resume_dir", "make_doctor", "Timer",
+    "PLOT_GROUPS", "evaluate", "Timer",
     "TrainResult", "run_training", "report",
 ]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -35,7 +36,6 @@ import torch
 from rlhflab import ops
 from rlhflab.config import PPORunConfig, load_config, save_effective_config
 from rlhflab.data.prompts import load_prompts, step_prompts
-from rlhflab.errors import UserError
 from rlhflab.evaluate import evaluate_policy, save_samples
 from rlhflab.metrics import MetricsLogger
 from rlhflab.models.actor_critic import ActorCritic, Critic, Reference, ValueHead, hidden_size_of, load_value_head
@@ -43,9 +43,9 @@ from rlhflab.models.checkpoint import prune_checkpoints, restore_trainer_state, 
 from rlhflab.models.load import add_lora, disable_dropout, load_model, resolve_device
 from rlhflab.rewards import build_reward
 from rlhflab.rollout import Rollout, forward_response, generate, score_rollout
-from rlhflab.trainers.common import (Timer, finish_run, format_metrics, last_eval, make_optimization,
-                                     prepare_output_dir, print_before_after, seed_everything, set_threads,
-                                     write_train_result)
+from rlhflab.trainers.common import (Timer, check_resume_dir, finish_run, format_metrics, last_eval,
+                                     log_step, make_doctor, make_optimization, prepare_output_dir,
+                                     print_before_after, seed_everything, set_threads, write_train_result)
 
 
 # --------------------------------------------------------------------------------------
@@ -337,9 +337,7 @@ def train(cfg: PPORunConfig, resume: str | Path | None = None, math_: PPOMath | 
     math_ = math_ or PPOMath()
     t, p = cfg.training, cfg.ppo
     set_threads(t.num_threads)
-    resume_dir = Path(resume) if resume else None
-    if resume_dir is not None and not (resume_dir / "trainer_state.pt").is_file():
-        raise UserError(f"--resume {resume_dir}: no trainer_state.pt there; point it at a step_N/ folder")
+    resume_dir = check_resume_dir(resume)
     out_dir = prepare_output_dir(t.output_dir, resume=resume_dir is not None)
     save_effective_config(effective if effective is not None else cfg, out_dir)
     seed_everything(t.seed)
@@ -355,10 +353,7 @@ def train(cfg: PPORunConfig, resume: str | Path | None = None, math_: PPOMath | 
                                              t.total_ppo_steps * updates_per_step)
     start_step = restore_trainer_state(resume_dir, optimizer, scheduler) if resume_dir is not None else 0
 
-    doctor = None
-    if cfg.logging.doctor:
-        from rlhflab.doctor import Doctor, DoctorConfig
-        doctor = Doctor(DoctorConfig(max_grad_norm=p.max_grad_norm))
+    doctor = make_doctor(cfg.logging.doctor, p.max_grad_norm, "ppo.kl_coeff")
     logger = MetricsLogger(out_dir, cfg.logging.report_to, cfg.logging.run_name, cfg.logging.wandb_project,
                            config=dataclasses.asdict(cfg), resume=resume_dir is not None,
                            resume_step=start_step if resume_dir is not None else None)
@@ -374,15 +369,14 @@ def train(cfg: PPORunConfig, resume: str | Path | None = None, math_: PPOMath | 
     for step_idx in bar:
         step = step_idx + 1
         timer = Timer()
-        import time as _time
-        t0 = _time.perf_counter()
+        t0 = time.perf_counter()
         # 1-4. rollout, score, KL-shaped rewards, advantages (no gradients).
         examples = step_prompts(train_examples, p.rollout_samples, t.seed, step)
         roll = collect_rollout(models, examples, cfg, scorer, timer, math_)
         # 5. update epochs over minibatches.
         with timer("update"):
             upd = ppo_update(models, optimizer, scheduler, roll, cfg, step, math_)
-        step_seconds = _time.perf_counter() - t0
+        step_seconds = time.perf_counter() - t0
         total_episodes += len(roll)
         total_seconds += step_seconds
         # 6. log, evaluate, save.
@@ -391,12 +385,8 @@ def train(cfg: PPORunConfig, resume: str | Path | None = None, math_: PPOMath | 
                    "perf/tokens_per_s": float(roll.response_mask.sum()) / max(timer.seconds["generate"], 1e-9)}
         if eval_examples and t.eval_interval and (step % t.eval_interval == 0 or step == t.total_ppo_steps):
             metrics.update(_evaluate(models, eval_examples, scorer, cfg, out_dir, step, quiet))
-        logger.log(step, metrics)
-        result.history.append({"step": step, **metrics})
+        log_step(logger, result.history, doctor, step, metrics)
         bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}", kl=f"{metrics['params/kl_to_ref']:.3f}")
-        if doctor is not None:
-            for finding in doctor.observe(step, metrics):
-                tqdm.write(str(finding))
         if t.save_interval and step % t.save_interval == 0 and step < t.total_ppo_steps:
             save_checkpoint(out_dir / f"step_{step}", models.actor_critic, models.tokenizer,
                             optimizer=optimizer, scheduler=scheduler, step=step)
