@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from rlhflab.config import load_config
-from rlhflab.config.schema import (DatasetConfig, GenerationConfig, LoggingConfig, ModelConfig,
+from rlhflab.config.schema import (DatasetConfig, GenerationConfig, LoggingConfig, LoRAConfig, ModelConfig,
                                    PPORunConfig, PPOSection, TrainingConfig)
 
 PROMPT_TEMPLATE = "Question: {prompt}\nAnswer:"
@@ -47,7 +47,6 @@ def ppo_defaults(out: Path, threads: int | None) -> PPORunConfig:
 
 
 def sft_defaults(out: Path, threads: int | None):
-    from rlhflab.config.schema import LoRAConfig
     from rlhflab.trainers.sft import SFTDataConfig, SFTRunConfig, SFTSection
 
     return SFTRunConfig(
@@ -67,10 +66,8 @@ def sft_defaults(out: Path, threads: int | None):
 
 def _split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
     """`sft.`-prefixed keys go to the warm start (as `sft.*` of its config), the rest to PPO."""
-    sft, ppo = [], []
-    for item in overrides:
-        (sft if item.startswith(("sft.", "sft_")) else ppo).append(item)
-    return [s.replace("sft_", "", 1) if s.startswith("sft_") else s for s in sft], ppo
+    sft = [o for o in overrides if o.startswith("sft.")]
+    return sft, [o for o in overrides if not o.startswith("sft.")]
 
 
 def prepare_warm_start(out: Path, sft_cfg=None, sft_eff=None, threads: int | None = None,
