@@ -236,6 +236,20 @@ def _allows_none(tp: Any) -> bool:
     )
 
 
+def fill_plugin_dirs(obj: Any, folder: Path) -> None:
+    """Set every section's `plugin_dir` left null to `folder` (the config file's own), so
+    ``module:function`` and ``file.py:function`` plug-ins named in a config are found next
+    to it from any working directory. A value set in the file or an override is kept."""
+    if not dataclasses.is_dataclass(obj):
+        return
+    for fl in dataclasses.fields(obj):
+        value = getattr(obj, fl.name)
+        if fl.name == "plugin_dir" and value is None:
+            setattr(obj, fl.name, str(folder))
+        elif dataclasses.is_dataclass(value):
+            fill_plugin_dirs(value, folder)
+
+
 def load_config(
     path: str | Path | None,
     schema: type[T],
@@ -248,8 +262,9 @@ def load_config(
     under the file and the overrides: how commands with built-in settings (the
     quickstart) still take dotted overrides with the same checks.
 
-    Returns the typed config (a `schema` instance) and the resolved OmegaConf tree
-    (for `effective_config.yaml`). Raises `ConfigError` listing every problem found,
+    Every section's `plugin_dir` left null becomes the config file's folder (see
+    `fill_plugin_dirs`). Returns the typed config (a `schema` instance) and the resolved
+    OmegaConf tree (for `effective_config.yaml`). Raises `ConfigError` listing every problem found,
     one line each, prefixed with the config file.
     """
     where = str(path) if path is not None else "<defaults>"
@@ -265,6 +280,8 @@ def load_config(
     obj = _build(schema, resolved or {}, "", errors)
     if errors:
         raise ConfigError("\n".join(f"{where}: {e}" for e in errors))
+    if path is not None:
+        fill_plugin_dirs(obj, Path(path).resolve().parent)
     effective = OmegaConf.create(dataclasses.asdict(obj))
     return obj, effective
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Optional
 
 
@@ -109,12 +110,17 @@ class GenerationConfig:
         return []
 
 
+PLUGIN_DIR_HELP = ("folder searched for module:function and file.py:function plug-ins after the current "
+                   "directory; null: the config file's folder (filled in when the config is loaded)")
+
+
 @dataclass
 class RewardSource:
     """One reward source; a run may sum several with weights."""
 
     type: Literal["rule", "model", "classifier"] = f("rule", "rule: a Python checker; model: a trained reward model; classifier: a label's probability")
-    name: str = f("gsm8k", "rule name in the registry (gsm8k, gsm8k_strict, ...) or a module:function path")
+    name: str = f("gsm8k", "a type rule's function: a registered rule (gsm8k, gsm8k_lenient), module:function or "
+                           "path/to/file.py:function (docs/rewards.md)")
     path: Optional[str] = f(None, "reward model or classifier folder/name (type model or classifier)")
     label: Optional[str] = f(None, "classifier label whose probability is the reward, e.g. POSITIVE")
     weight: float = f(1.0, "weight of this source in the sum")
@@ -137,6 +143,44 @@ class RewardConfig:
     sources: list[RewardSource] = f(factory=lambda: [RewardSource()], help="reward sources, summed with their weights")
     score_clip: Optional[float] = f(None, "clip sequence scores to [-score_clip, score_clip]; null disables", gt=0)
     missing_eos_penalty: Optional[float] = f(None, "subtract this from the score of responses that hit the length limit without EOS", ge=0)
+    plugin_dir: Optional[str] = f(None, PLUGIN_DIR_HELP)
+
+
+@dataclass
+class EvalRewardSource(RewardSource):
+    """A reward source that is measured on the held-out prompts and never optimised."""
+
+    metric: Optional[str] = f(None, "logged as eval/<metric>; null: the function's name (rule) or the folder's name")
+
+    def metric_name(self) -> str:
+        if self.metric:
+            return self.metric
+        if self.type == "rule":
+            return self.name.rpartition(":")[2] or self.name
+        return Path(str(self.path)).name or str(self.path)
+
+
+@dataclass
+class EvalConfig:
+    """Held-out checks: what eval/accuracy means, and rewards logged but not optimised."""
+
+    correct: Optional[str] = f(None, "module:function or file.py:function returning True when a response is right "
+                                     "(prompt, response, example); it is eval/accuracy. null: the GSM8K checker when "
+                                     "every held-out answer is a number, else no eval/accuracy")
+    rewards: list[EvalRewardSource] = f(factory=list, help="reward sources (as in reward.sources, plus metric) logged "
+                                                           "as eval/<metric> beside the optimised reward")
+    plugin_dir: Optional[str] = f(None, PLUGIN_DIR_HELP)
+
+    def check(self) -> list[str]:
+        errs, seen = [], set()
+        for i, source in enumerate(self.rewards):
+            name = source.metric_name()
+            if name in ("accuracy", "reward_mean"):
+                errs.append(f"rewards[{i}].metric: eval/{name} is taken; set metric to another name")
+            elif name in seen:
+                errs.append(f"rewards[{i}].metric: eval/{name} is logged twice; give each source its own metric")
+            seen.add(name)
+        return errs
 
 
 @dataclass
@@ -220,6 +264,7 @@ class PPORunConfig:
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     ppo: PPOSection = field(default_factory=PPOSection)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -1,7 +1,11 @@
 """Reward sources for RL: rule functions, reward models, classifiers, and weighted sums.
 
-A reward is either a function ``(prompt, response, example) -> float`` registered by
-name, or a batched scorer with ``score(prompts, responses, examples) -> Tensor (B,)``.
+A rule is a Python function named in the config: a registered name (``gsm8k``,
+``gsm8k_lenient``), ``module:function`` or ``path/to/file.py:function`` (see
+`rlhflab.rewards.plugins` and docs/rewards.md). It is called per example as
+``fn(prompt, response, example) -> float``, or, marked with `batched`, once per batch as
+``fn(prompts, responses, examples) -> list[float]``. Models and classifiers are batched
+scorers with ``score(prompts, responses, examples) -> Tensor (B,)``.
 `build_reward(cfg.reward, ...)` turns a config's ``reward.sources`` into one scorer.
 """
 
@@ -14,6 +18,7 @@ import torch
 
 from rlhflab.errors import UserError
 from rlhflab.rewards.gsm8k import gsm8k_reward
+from rlhflab.rewards.plugins import batched, call_plugin, is_plugin_spec, load_function  # noqa: F401 (batched: re-exported)
 
 RewardFn = Callable[[str, str, dict], float]
 
@@ -50,32 +55,31 @@ class Scorer(Protocol):
               examples: Sequence[dict]) -> torch.Tensor: ...
 
 
-def resolve_rule(name: str) -> RewardFn:
+def resolve_rule(name: str, plugin_dir: str | None = None) -> RewardFn:
+    """A registered rule, or the function a ``module:function`` / ``file.py:function`` names
+    (looked for in the current directory, then `plugin_dir`; see `rlhflab.rewards.plugins`)."""
     if name in REGISTRY:
         return REGISTRY[name]
-    if ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            return getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as exc:
-            raise UserError(f"reward rule {name!r}: cannot import it ({exc}); "
-                            "give module:function of an importable module") from None
+    if is_plugin_spec(name):
+        return load_function(name, plugin_dir)
     import difflib
     near = difflib.get_close_matches(name, list(REGISTRY), n=1)
     hint = f"did you mean {near[0]!r}? " if near else ""
     raise UserError(f"reward rule {name!r} is not registered; {hint}known: "
-                    f"{', '.join(sorted(REGISTRY))}, or give module:function")
+                    f"{', '.join(sorted(REGISTRY))}, or give module:function or path/to/file.py:function")
 
 
 class RuleScorer:
-    """A per-example Python function applied to each (prompt, response, example)."""
+    """A Python function applied per (prompt, response, example), or once per batch when
+    it is marked `batched`; its errors and bad return values are one-line `UserError`s."""
 
-    def __init__(self, fn: RewardFn):
+    def __init__(self, fn: RewardFn, name: str | None = None):
         self.fn = fn
+        self.name = name or getattr(fn, "__name__", "rule")
 
     def score(self, prompts, responses, examples) -> torch.Tensor:
-        return torch.tensor([float(self.fn(p, r, e)) for p, r, e in zip(prompts, responses, examples)],
-                            dtype=torch.float32)
+        values = call_plugin(self.fn, self.name, prompts, responses, examples, what="reward")
+        return torch.tensor(values, dtype=torch.float32)
 
 
 class WeightedSum:
@@ -91,10 +95,11 @@ class WeightedSum:
         return total
 
 
-def build_source(source, device: torch.device | str = "cpu") -> Scorer:
-    """One `RewardSource` config -> a scorer."""
+def build_source(source, device: torch.device | str = "cpu", plugin_dir: str | None = None) -> Scorer:
+    """One `RewardSource` config -> a scorer (`plugin_dir`: where rule files are looked for
+    after the current directory; the config file's folder)."""
     if source.type == "rule":
-        return RuleScorer(resolve_rule(source.name))
+        return RuleScorer(resolve_rule(source.name, plugin_dir), source.name)
     if source.type == "model":
         from rlhflab.rewards.model import RewardModelScorer
         return RewardModelScorer.from_config(source, device)
@@ -108,7 +113,7 @@ def build_reward(reward_cfg, device: torch.device | str = "cpu") -> Scorer:
     """The config's reward sources as one scorer (a weighted sum when there are several)."""
     if not reward_cfg.sources:
         raise UserError("reward.sources is empty; add at least one source (e.g. type: rule, name: gsm8k)")
-    parts = [(s.weight, build_source(s, device)) for s in reward_cfg.sources]
+    parts = [(s.weight, build_source(s, device, reward_cfg.plugin_dir)) for s in reward_cfg.sources]
     if len(parts) == 1 and parts[0][0] == 1.0:
         return parts[0][1]
     return WeightedSum(parts)

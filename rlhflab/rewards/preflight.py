@@ -1,0 +1,121 @@
+"""Preflight: import every reward and check plug-in and call it once, before any model loads.
+
+A typo in ``my_rewards:score``, a missing file, a function that reads a field the data
+does not have: each used to surface only after the policy, the reference and the data
+had loaded. `preflight(cfg)` runs first in every RL trainer and reports such a problem as
+one line naming the config key, the plug-in and the dataset row:
+
+    error: preflight of reward.sources[0] on row 0 of data/train.jsonl: plug-in
+    'my_rewards:score' raised KeyError: 'target' at my_rewards.py:7 on prompt 'cat'; ...
+
+Each rule plug-in is called once with the first row's formatted prompt, a stand-in
+response (the row's reference ``answer`` when it has one, else the empty string) and the
+row as the trainer passes it (`rlhflab.data.prompts.load_prompts`: every field of the
+row, plus ``answer`` copied from ``dataset.answer_field``). Reward sources use the first
+training row; ``eval.correct`` and ``eval.rewards`` the first held-out row. Model and
+classifier sources are not loaded here, only checked to exist when they are local paths.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from rlhflab.errors import UserError
+
+
+class PreflightCall(NamedTuple):
+    key: str       # the config key, e.g. reward.sources[0]
+    spec: str      # the plug-in, e.g. my_rewards:score
+    row: str       # which row it was called on
+    response: str  # the stand-in response it was given
+    value: float   # what it returned
+
+
+def _rows(dataset_cfg, split: str):
+    """(examples of the split, "row 0 of <source>")."""
+    from rlhflab.data.prompts import load_prompts
+
+    examples = load_prompts(dataset_cfg, None, split)
+    source = (dataset_cfg.path or dataset_cfg.name) if split == "train" else (dataset_cfg.eval_path or dataset_cfg.name)
+    return examples, f"row 0 of {source}"
+
+
+def _call_once(fn, key: str, spec: str, example, row: str, what: str) -> PreflightCall:
+    from rlhflab.rewards.plugins import call_plugin
+
+    response = str(example.row.get("answer", ""))
+    try:
+        (value,) = call_plugin(fn, spec, [example.prompt], [response], [example.row], what=what)
+    except UserError as exc:
+        raise UserError(f"preflight of {key} on {row}: {exc}") from None
+    return PreflightCall(key, spec, row, response, value)
+
+
+def _check_model_source(source, key: str) -> None:
+    from rlhflab.models.load import _check_local
+
+    try:
+        _check_local(str(source.path), f"{key} ({source.type})")
+    except UserError as exc:
+        raise UserError(f"preflight: {exc}") from None
+
+
+def _load(spec: str, key: str, plugin_dir):
+    from rlhflab.rewards import resolve_rule
+
+    try:
+        return resolve_rule(spec, plugin_dir)
+    except UserError as exc:
+        raise UserError(f"preflight of {key}: {exc}") from None
+
+
+def preflight(cfg, quiet: bool = False) -> list[PreflightCall]:
+    """Import and call once every plug-in of a run config (sections dataset, reward and,
+    when present, eval and training); raise a one-line `UserError` at the first problem.
+
+    Prints one line per call (and what eval/accuracy will mean) unless `quiet`.
+    """
+    from rlhflab.evaluate import EvalChecks, accuracy_rule
+
+    calls: list[PreflightCall] = []
+    train_example = train_row = None
+    for i, source in enumerate(cfg.reward.sources):
+        key = f"reward.sources[{i}]"
+        if source.type != "rule":
+            _check_model_source(source, key)
+            continue
+        fn = _load(source.name, key, cfg.reward.plugin_dir)
+        if train_example is None:
+            examples, train_row = _rows(cfg.dataset, "train")
+            train_example = examples[0]
+        calls.append(_call_once(fn, key, source.name, train_example, train_row, "reward"))
+
+    eval_cfg = getattr(cfg, "eval", None)
+    training = getattr(cfg, "training", None)
+    evaluates = training is None or training.eval_interval > 0
+    note = None
+    if eval_cfg is not None and evaluates and (cfg.dataset.eval_path or cfg.dataset.name):
+        examples, row = _rows(cfg.dataset, "eval")
+        example = examples[0]
+        checks = EvalChecks()
+        if eval_cfg.correct:
+            fn = _load(eval_cfg.correct, "eval.correct", eval_cfg.plugin_dir)
+            calls.append(_call_once(fn, "eval.correct", eval_cfg.correct, example, row, "check"))
+            checks = EvalChecks(fn, eval_cfg.correct)
+        for i, source in enumerate(eval_cfg.rewards):
+            key = f"eval.rewards[{i}]"
+            if source.type != "rule":
+                _check_model_source(source, key)
+                continue
+            fn = _load(source.name, key, eval_cfg.plugin_dir)
+            calls.append(_call_once(fn, key, source.name, example, row, "reward"))
+        rule = accuracy_rule(checks, [e.row for e in examples])
+        note = (f"eval/accuracy: {rule}" if rule else
+                "eval/accuracy: not logged (the held-out answers are not numbers); set eval.correct: "
+                "module:function to measure it")
+    if not quiet:
+        for c in calls:
+            print(f"preflight: {c.key} {c.spec} on {c.row} with response {c.response!r:.40} -> {c.value:g}")
+        if note:
+            print(note)
+    return calls
