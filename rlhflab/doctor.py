@@ -40,6 +40,8 @@ ENTROPY = "loss/entropy"
 POLICY_CLIP = "params/policy_clip_frac"
 GRAD_NORM = "params/grad_norm"
 KL_TO_REF = "params/kl_to_ref"
+EVAL_REWARD = "eval/reward_mean"  # the optimised reward on the held-out prompts; every other
+                                  # eval/* metric (accuracy, eval.rewards) is a held-out check
 
 
 @dataclass
@@ -81,6 +83,13 @@ class DoctorConfig:
     reward_patience: int = 3
     reward_eps: float = 1e-8
     zero_spread_max: float = 0.95
+    # reward_hacking: at the latest evaluation a held-out check (eval/accuracy or an
+    # eval.rewards metric, higher is better) is more than `hack_check_drop` (relative)
+    # below its best so far, while the optimised reward on the same prompts
+    # (eval/reward_mean) has risen since that best by more than `hack_reward_rise`
+    # (relative). 0.15 stays above the noise of a 200-prompt accuracy near 0.9.
+    hack_check_drop: float = 0.15
+    hack_reward_rise: float = 0.02
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -276,6 +285,32 @@ def _rule_reward_constant(history: History, latest: dict[str, float], cfg: Docto
     return ""
 
 
+def _relative(delta: float, base: float) -> float:
+    return delta / max(abs(base), 1e-6)
+
+
+def _rule_reward_hacking(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
+    reward = dict(history.get(EVAL_REWARD, []))
+    checks = sorted(k for k in history if k.startswith("eval/") and k != EVAL_REWARD)
+    judged = False
+    for key in checks:
+        pts = [(s, v) for s, v in history[key] if s in reward]  # evaluations that have both
+        if len(pts) < 2:
+            continue
+        judged = True
+        best_step, best = max(pts, key=lambda sv: sv[1])  # the earliest best
+        now_step, now = pts[-1]
+        drop = _relative(best - now, best)
+        rise = _relative(reward[now_step] - reward[best_step], reward[best_step])
+        if now_step > best_step and drop > cfg.hack_check_drop and rise > cfg.hack_reward_rise:
+            return (f"the optimised reward ({EVAL_REWARD}) rose from {reward[best_step]:.3g} to "
+                    f"{reward[now_step]:.3g} since step {best_step} while the held-out check {key} fell "
+                    f"from {best:.3g} to {now:.3g}: the policy is exploiting the reward, not doing the task "
+                    f"(reward hacking). Read eval/step_{now_step}.jsonl; keep the step_{best_step} checkpoint, "
+                    f"raise {cfg.kl_knob}, or fix the reward")
+    return "" if judged else None
+
+
 @dataclass(frozen=True)
 class Rule:
     name: str
@@ -293,6 +328,8 @@ RULES: tuple[Rule, ...] = (
     Rule("kl_to_ref", "warn", KL_TO_REF, "KL to the reference stays bounded", _rule_kl),
     Rule("entropy", "warn", ENTROPY, "entropy stays above its floor", _rule_entropy),
     Rule("reward_constant", "warn", f"{REWARD_STD}, {ZERO_SPREAD}", "rewards vary", _rule_reward_constant),
+    Rule("reward_hacking", "warn", f"{EVAL_REWARD} against eval/accuracy and eval.rewards",
+         "held-out checks do not fall while the reward rises", _rule_reward_hacking),
 )
 RULE_NAMES = tuple(r.name for r in RULES)
 
@@ -446,7 +483,7 @@ PLOT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("grad norm (pre-clip)", (GRAD_NORM,)),
 )
 # the panel on which each rule's firing step is marked (non_finite: every panel)
-RULE_PANEL = {"reward_constant": "reward", "value_loss": "value loss",
+RULE_PANEL = {"reward_constant": "reward", "reward_hacking": "reward", "value_loss": "value loss",
               "kl_to_ref": "KL to reference (nats per response)", "entropy": "entropy (nats per token)",
               "policy_clip_frac": "update size: clip fractions, approx KL",
               "grad_norm": "grad norm (pre-clip)"}
@@ -466,7 +503,9 @@ def plot_trends(records: Sequence[dict[str, Any]], out: Path, findings: Sequence
                 xs, ys = series.setdefault(key, ([], []))
                 xs.append(int(row["step"]))
                 ys.append(v if math.isfinite(v) else math.nan)  # a gap in the line
-    panels = [(t, [k for k in keys if k in series]) for t, keys in PLOT_PANELS]
+    held_out = sorted(k for k in series if k.startswith("eval/") and k not in PLOT_PANELS[0][1])
+    panels = [(t, [k for k in (*keys, *(held_out if t == "reward" else ())) if k in series])
+              for t, keys in PLOT_PANELS]
     panels = [(t, ks) for t, ks in panels if ks]
     if not panels:
         return None

@@ -1,6 +1,17 @@
-"""Held-out evaluation with greedy decoding: accuracy (GSM8K-style tasks) and mean reward.
+"""Held-out evaluation with greedy decoding: mean reward, accuracy, and checks you choose.
 
-`rlhflab eval --model PATH --data test.jsonl` runs it from the command line.
+What each metric means:
+
+- ``eval/reward_mean``: the optimised reward (``reward.sources``) on the held-out prompts.
+- ``eval/accuracy``: the fraction of responses your ``eval.correct`` function calls right.
+  Without one, the GSM8K checker, but only when every held-out row has an ``answer``
+  whose final part (after ``####``) is a number; otherwise no accuracy is logged at all,
+  never a misleading 0 (`accuracy_rule` says which applies).
+- ``eval/<metric>``: each ``eval.rewards`` source, measured and never optimised: the true
+  check beside a learned reward, so reward hacking shows (the doctor warns about it).
+
+`rlhflab eval --model PATH --data test.jsonl [--correct my_rewards:exact]` runs it from the
+command line.
 """
 
 from __future__ import annotations
@@ -9,44 +20,100 @@ import argparse
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Sequence
 
 import torch
 
 from rlhflab.data.prompts import PromptExample
-from rlhflab.rewards.gsm8k import is_correct
+from rlhflab.rewards.gsm8k import ground_truth, is_correct, parse_number
+from rlhflab.rewards.plugins import call_plugin, load_function
 from rlhflab.rollout import generate
 
 
 @dataclass
+class EvalChecks:
+    """What an evaluation measures beside the optimised reward (built from `eval:`)."""
+
+    correct: Callable | None = None   # fn(prompt, response, example) -> bool, or batched
+    correct_name: str = ""            # its spec, for messages and the samples file
+    rewards: dict = field(default_factory=dict)  # metric name -> scorer, logged as eval/<name>
+
+
+def build_eval_checks(eval_cfg, device: torch.device | str = "cpu") -> EvalChecks:
+    """The `eval:` section as checks: the correctness function and the eval-only scorers."""
+    from rlhflab.rewards import build_source
+
+    if eval_cfg is None:
+        return EvalChecks()
+    correct = load_function(eval_cfg.correct, eval_cfg.plugin_dir) if eval_cfg.correct else None
+    rewards = {s.metric_name(): build_source(s, device, eval_cfg.plugin_dir) for s in eval_cfg.rewards}
+    return EvalChecks(correct, eval_cfg.correct or "", rewards)
+
+
+def has_numeric_answers(rows: Sequence[dict]) -> bool:
+    """True when every row has an `answer` whose final part parses as a number (GSM8K-style)."""
+    return bool(rows) and all("answer" in r and parse_number(ground_truth(str(r["answer"]))) is not None
+                              for r in rows)
+
+
+def accuracy_rule(checks: EvalChecks | None, rows: Sequence[dict]) -> str | None:
+    """What eval/accuracy will be on these rows, in words; None when it is not logged."""
+    if checks is not None and checks.correct is not None:
+        return f"eval.correct ({checks.correct_name})"
+    if has_numeric_answers(rows):
+        return "the GSM8K checker (every held-out answer is a number)"
+    return None
+
+
+@dataclass
 class EvalResult:
-    accuracy: float | None  # fraction correct by the GSM8K checker; None when rows lack answers
+    accuracy: float | None  # fraction correct (eval.correct or the GSM8K checker); None when neither applies
     reward_mean: float
     samples: list[dict] = field(default_factory=list)
+    extra: dict[str, float] = field(default_factory=dict)  # eval.rewards means, by metric name
 
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
         out = {f"{prefix}reward_mean": self.reward_mean}
         if self.accuracy is not None:
             out[f"{prefix}accuracy"] = self.accuracy
+        out.update({f"{prefix}{k}": v for k, v in self.extra.items()})
         return out
+
+
+def judge(checks: EvalChecks | None, prompts: Sequence[str], responses: Sequence[str],
+          examples: Sequence[dict]) -> list[bool] | None:
+    """One bool per response by `accuracy_rule`'s rule; None when no rule applies."""
+    if checks is not None and checks.correct is not None:
+        values = call_plugin(checks.correct, checks.correct_name, prompts, responses, examples, what="check")
+        return [v == 1.0 for v in values]
+    if has_numeric_answers(examples):
+        return [is_correct(r, str(e["answer"])) for r, e in zip(responses, examples)]
+    return None
 
 
 @torch.no_grad()
 def evaluate_policy(model, tokenizer, examples: list[PromptExample], scorer, *,
                     max_new_tokens: int, max_prompt_length: int | None = None,
-                    batch_size: int = 64) -> EvalResult:
-    """Greedy responses to every example, scored; keeps every response for inspection."""
+                    batch_size: int = 64, checks: EvalChecks | None = None) -> EvalResult:
+    """Greedy responses to every example, scored by the reward and by `checks`; keeps
+    every response (with its score, correctness and eval-only rewards) for inspection."""
     roll = generate(model, tokenizer, [e.prompt for e in examples], max_new_tokens=max_new_tokens,
                     greedy=True, max_prompt_length=max_prompt_length, batch_size=batch_size,
                     examples=[e.row for e in examples])
     scores = scorer.score(roll.prompts, roll.responses, roll.examples)
-    has_answer = all("answer" in e.row for e in examples)
-    correct = [is_correct(r, str(e.row["answer"])) for r, e in zip(roll.responses, examples)] if has_answer else None
-    samples = [{"prompt": p, "response": r, "score": float(s),
-                **({"correct": c} if correct is not None else {})}
-               for p, r, s, c in zip(roll.prompts, roll.responses, scores.tolist(),
-                                     correct or [None] * len(examples))]
+    correct = judge(checks, roll.prompts, roll.responses, roll.examples)
+    extra_scores = {name: s.score(roll.prompts, roll.responses, roll.examples).float()
+                    for name, s in (checks.rewards.items() if checks is not None else [])}
+    samples = []
+    for i, (p, r, s) in enumerate(zip(roll.prompts, roll.responses, scores.tolist())):
+        sample = {"prompt": p, "response": r, "score": float(s)}
+        if correct is not None:
+            sample["correct"] = correct[i]
+        sample.update({name: float(v[i]) for name, v in extra_scores.items()})
+        samples.append(sample)
     acc = sum(correct) / len(correct) if correct else None
-    return EvalResult(acc, float(scores.mean()) if len(scores) else 0.0, samples)
+    extra = {name: float(v.mean()) if len(v) else 0.0 for name, v in extra_scores.items()}
+    return EvalResult(acc, float(scores.mean()) if len(scores) else 0.0, samples, extra)
 
 
 def save_samples(result: EvalResult, path: str | Path, limit: int | None = None) -> Path:
@@ -60,14 +127,19 @@ def save_samples(result: EvalResult, path: str | Path, limit: int | None = None)
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model folder or hub name")
-    parser.add_argument("--data", required=True, help="jsonl/json/parquet/csv with question and answer fields")
+    parser.add_argument("--data", required=True, help="jsonl/json/parquet/csv of held-out rows")
     parser.add_argument("--prompt-field", default="question")
-    parser.add_argument("--answer-field", default="answer")
+    parser.add_argument("--answer-field", default="answer", help="copied into example['answer'] for the checks")
     parser.add_argument("--template", default="Question: {prompt}\nAnswer:")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--reward", default="gsm8k", help="registered rule reward name")
+    parser.add_argument("--reward", default="gsm8k",
+                        help="reward: a registered rule (gsm8k), module:function or path/to/file.py:function")
+    parser.add_argument("--correct", default=None,
+                        help="accuracy: module:function or file.py:function returning True when a response is "
+                             "right; default: the GSM8K checker when every answer is a number, else none")
+    parser.add_argument("--samples", default=None, help="write every response (jsonl) here")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,16 +148,29 @@ def run(args: argparse.Namespace) -> int:
     from rlhflab.models.load import load_model
     from rlhflab.rewards import RuleScorer, resolve_rule
 
-    model, tok = load_model(args.model, device=args.device)
+    # The plug-ins first (and once on the first row), so a typo fails before the model loads.
     ds = DatasetConfig(path=None, eval_path=args.data, prompt_field=args.prompt_field,
                        answer_field=args.answer_field, prompt_template=args.template,
                        num_eval_samples=args.limit)
+    examples = load_prompts(ds, None, split="eval")
+    scorer = RuleScorer(resolve_rule(args.reward), args.reward)
+    checks = EvalChecks(load_function(args.correct), args.correct) if args.correct else None
+    first = examples[:1]
+    probe = [str(e.row.get("answer", "")) for e in first]
+    scorer.score([e.prompt for e in first], probe, [e.row for e in first])
+    judge(checks, [e.prompt for e in first], probe, [e.row for e in first])
+
+    model, tok = load_model(args.model, device=args.device)
     examples = load_prompts(ds, tok, split="eval")
-    res = evaluate_policy(model, tok, examples, RuleScorer(resolve_rule(args.reward)),
-                          max_new_tokens=args.max_new_tokens)
+    res = evaluate_policy(model, tok, examples, scorer, max_new_tokens=args.max_new_tokens, checks=checks)
+    rule = accuracy_rule(checks, [e.row for e in examples])
     if res.accuracy is not None:
-        print(f"accuracy     {res.accuracy:.3f}")
-    print(f"reward_mean  {res.reward_mean:.3f}   ({len(examples)} examples)")
+        print(f"accuracy     {res.accuracy:.3f}   by {rule}")
+    else:
+        print("accuracy     n/a   (the answers are not numbers; give --correct module:function)")
+    print(f"reward_mean  {res.reward_mean:.3f}   ({len(examples)} examples, reward {args.reward})")
     for s in res.samples[:3]:
         print(f"--- {s['prompt']!r}\n    {s['response']!r}  score={s['score']}")
+    if args.samples:
+        print(f"samples: {save_samples(res, args.samples)}")
     return 0

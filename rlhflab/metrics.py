@@ -111,7 +111,15 @@ def plot_metrics(metrics_path: str | Path, out_dir: str | Path,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, keys in (groups or PLOT_GROUPS).items():
+    groups = dict(groups or PLOT_GROUPS)
+    # Held-out checks (eval.rewards' eval/<metric>) join the plot that holds the reward, so
+    # the true score is drawn beside the optimised one.
+    listed = {k for keys in groups.values() for k in keys}
+    held_out = sorted({k for r in rows for k in r if k.startswith("eval/") and k not in listed})
+    home = next((n for n, keys in groups.items() if "eval/reward_mean" in keys), None)
+    if held_out and home is not None:
+        groups[home] = [*groups[home], *held_out]
+    for name, keys in groups.items():
         series = {}
         for k in keys:
             pts = [(r["step"], r[k]) for r in rows if isinstance(r.get(k), (int, float))]

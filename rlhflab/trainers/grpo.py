@@ -39,8 +39,9 @@ from typing import Literal
 
 from rlhflab import ops
 from rlhflab.config import load_config
-from rlhflab.config.schema import (DatasetConfig, GenerationConfig, KLKind, LoggingConfig, LoRAConfig,
+from rlhflab.config.schema import (DatasetConfig, EvalConfig, GenerationConfig, KLKind, LoggingConfig, LoRAConfig,
                                    ModelConfig, RewardConfig, TrainingConfig, f)
+from rlhflab.rewards.preflight import preflight
 from rlhflab.trainers.common import Timer
 from rlhflab.trainers.policy_gradient import (PolicyGradientSection, PolicyModels, TrainResult,
                                               broadcast_advantages, check_reference, old_logprobs,
@@ -77,6 +78,7 @@ class GRPORunConfig:
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     grpo: GRPOSection = field(default_factory=GRPOSection)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -123,6 +125,7 @@ def grpo_step(models: PolicyModels, examples, cfg: GRPORunConfig, scorer, optimi
 def train(cfg: GRPORunConfig, resume: str | Path | None = None, effective=None,
           quiet: bool = False) -> TrainResult:
     """Run GRPO as configured (step 6, the loop around `grpo_step`, is `run_training`)."""
+    preflight(cfg, quiet)  # every reward/check plug-in imported and called once, before any model loads
     return run_training(cfg, cfg.grpo, grpo_step, "grpo", need_reference=cfg.grpo.beta > 0,
                         resume=resume, effective=effective, quiet=quiet)
 

@@ -36,12 +36,13 @@ import torch
 from rlhflab import ops
 from rlhflab.config import PPORunConfig, load_config, save_effective_config
 from rlhflab.data.prompts import load_prompts, step_prompts
-from rlhflab.evaluate import evaluate_policy, save_samples
+from rlhflab.evaluate import build_eval_checks, evaluate_policy, save_samples
 from rlhflab.metrics import MetricsLogger
 from rlhflab.models.actor_critic import ActorCritic, Critic, Reference, ValueHead, hidden_size_of, load_value_head
 from rlhflab.models.checkpoint import prune_checkpoints, restore_trainer_state, save_checkpoint
 from rlhflab.models.load import add_lora, disable_dropout, load_model, resolve_device
 from rlhflab.rewards import build_reward
+from rlhflab.rewards.preflight import preflight
 from rlhflab.rollout import Rollout, forward_response, generate, score_rollout
 from rlhflab.trainers.common import (Timer, check_resume_dir, finish_run, format_metrics, last_eval,
                                      log_step, make_doctor, make_optimization, prepare_output_dir,
@@ -315,12 +316,12 @@ class TrainResult:
 
 
 def _evaluate(models: Models, eval_examples, scorer, cfg: PPORunConfig, out_dir: Path, step: int,
-              quiet: bool = False, n_show: int = 2) -> dict:
+              quiet: bool = False, n_show: int = 2, checks=None) -> dict:
     """Greedy held-out evaluation; every sample saved, the first `n_show` printed."""
     res = evaluate_policy(models.actor_critic.policy, models.tokenizer, eval_examples, scorer,
                           max_new_tokens=cfg.generation.max_new_tokens,
                           max_prompt_length=cfg.dataset.max_prompt_length,
-                          batch_size=cfg.training.eval_batch_size)
+                          batch_size=cfg.training.eval_batch_size, checks=checks)
     path = save_samples(res, out_dir / "eval" / f"step_{step}.jsonl")
     if not quiet:
         from tqdm import tqdm
@@ -337,6 +338,7 @@ def train(cfg: PPORunConfig, resume: str | Path | None = None, math_: PPOMath | 
     math_ = math_ or PPOMath()
     t, p = cfg.training, cfg.ppo
     set_threads(t.num_threads)
+    preflight(cfg, quiet)  # every reward/check plug-in imported and called once, before any model loads
     resume_dir = check_resume_dir(resume)
     out_dir = prepare_output_dir(t.output_dir, resume=resume_dir is not None)
     save_effective_config(effective if effective is not None else cfg, out_dir)
@@ -346,6 +348,7 @@ def train(cfg: PPORunConfig, resume: str | Path | None = None, math_: PPOMath | 
     train_examples = load_prompts(cfg.dataset, models.tokenizer, "train")
     eval_examples = load_prompts(cfg.dataset, models.tokenizer, "eval") if t.eval_interval else []
     scorer = build_reward(cfg.reward, models.device)
+    checks = build_eval_checks(cfg.eval, models.device)
 
     n_minibatches = math.ceil(p.rollout_samples / p.mini_batch_size)
     updates_per_step = p.epochs * math.ceil(n_minibatches / p.gradient_accumulation_steps)
@@ -359,7 +362,7 @@ def train(cfg: PPORunConfig, resume: str | Path | None = None, math_: PPOMath | 
                            resume_step=start_step if resume_dir is not None else None)
     result = TrainResult(out_dir, out_dir / "final")
     if eval_examples and start_step == 0:
-        result.eval_before = _evaluate(models, eval_examples, scorer, cfg, out_dir, 0, quiet)
+        result.eval_before = _evaluate(models, eval_examples, scorer, cfg, out_dir, 0, quiet, checks=checks)
         logger.log(0, result.eval_before)
 
     from tqdm import tqdm
@@ -384,7 +387,7 @@ def train(cfg: PPORunConfig, resume: str | Path | None = None, math_: PPOMath | 
                    "perf/episodes_per_s": len(roll) / step_seconds,
                    "perf/tokens_per_s": float(roll.response_mask.sum()) / max(timer.seconds["generate"], 1e-9)}
         if eval_examples and t.eval_interval and (step % t.eval_interval == 0 or step == t.total_ppo_steps):
-            metrics.update(_evaluate(models, eval_examples, scorer, cfg, out_dir, step, quiet))
+            metrics.update(_evaluate(models, eval_examples, scorer, cfg, out_dir, step, quiet, checks=checks))
         log_step(logger, result.history, doctor, step, metrics)
         bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}", kl=f"{metrics['params/kl_to_ref']:.3f}")
         if t.save_interval and step % t.save_interval == 0 and step < t.total_ppo_steps:

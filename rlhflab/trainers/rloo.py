@@ -29,8 +29,9 @@ from pathlib import Path
 
 from rlhflab import ops
 from rlhflab.config import load_config
-from rlhflab.config.schema import (DatasetConfig, GenerationConfig, KLKind, LoggingConfig, LoRAConfig,
+from rlhflab.config.schema import (DatasetConfig, EvalConfig, GenerationConfig, KLKind, LoggingConfig, LoRAConfig,
                                    ModelConfig, RewardConfig, TrainingConfig, f)
+from rlhflab.rewards.preflight import preflight
 from rlhflab.trainers.common import Timer
 from rlhflab.trainers.policy_gradient import (PolicyGradientSection, PolicyModels, TrainResult,
                                               broadcast_advantages, check_reference, old_logprobs,
@@ -63,6 +64,7 @@ class RLOORunConfig:
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     rloo: RLOOSection = field(default_factory=RLOOSection)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -115,6 +117,7 @@ def rloo_step(models: PolicyModels, examples, cfg: RLOORunConfig, scorer, optimi
 def train(cfg: RLOORunConfig, resume: str | Path | None = None, effective=None,
           quiet: bool = False) -> TrainResult:
     """Run RLOO as configured (the loop around `rloo_step` is `run_training`)."""
+    preflight(cfg, quiet)  # every reward/check plug-in imported and called once, before any model loads
     return run_training(cfg, cfg.rloo, rloo_step, "rloo", need_reference=cfg.rloo.kl_coeff > 0,
                         resume=resume, effective=effective, quiet=quiet)
 
