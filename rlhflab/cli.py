@@ -20,15 +20,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "make-tiny": ("rlhflab.models.tiny", "build a tiny causal LM and tokenizer locally (save_pretrained)"),
     "make-data": ("rlhflab.data.arith", "write a GSM8K-format arithmetic task (train/test jsonl)"),
     "make-prefs": ("rlhflab.data.preferences", "write preference pairs for the arithmetic task (synthetic or policy-sampled)"),
+    "make-reviews": ("rlhflab.data.reviews", "write the offline sentiment task: review openings, demonstrations, labelled sentences"),
     "generate": ("rlhflab.generate", "generate from one or more models on prompts, side by side"),
     "sft": ("rlhflab.trainers.sft", "supervised fine-tuning (LoRA or full) on instruction data"),
     "label": ("rlhflab.label.cli", "human preference collection: generate, serve, stats, export"),
     "rm": ("rlhflab.trainers.rm", "train a Bradley-Terry reward model on preference pairs"),
+    "classifier": ("rlhflab.trainers.classifier", "train a sequence classifier on labelled texts (for type: classifier rewards)"),
     "ppo": ("rlhflab.trainers.ppo", "PPO with a value head or separate critic, KL to a reference"),
     "grpo": ("rlhflab.trainers.grpo", "GRPO: group-relative advantages, no critic"),
     "rloo": ("rlhflab.trainers.rloo", "RLOO: leave-one-out baseline, no critic"),
     "dpo": ("rlhflab.trainers.dpo", "DPO/IPO/hinge on offline preference pairs"),
     "eval": ("rlhflab.evaluate", "greedy accuracy and mean reward of a model on a task split"),
+    "tpo": ("rlhflab.tpo", "test-time preference optimisation: resample with feedback from a reward, no training"),
     "learn": ("rlhflab.learn.cli", "learner mode: PPO exercises, grader, reference solutions"),
     "doctor": ("rlhflab.doctor", "health report of a run from its metrics.jsonl"),
     "config": ("rlhflab.config.cli", "show a command's config schema or a resolved config"),
@@ -36,7 +39,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def _top_parser() -> argparse.ArgumentParser:
-    lines = "\n".join(f"  {name:<11} {help_}" for name, (_, help_) in COMMANDS.items())
+    lines = "\n".join(f"  {name:<12} {help_}" for name, (_, help_) in COMMANDS.items())
     return argparse.ArgumentParser(
         prog="rlhflab",
         description="The RLHF pipeline for causal language models.",

@@ -1,0 +1,343 @@
+"""Sequence classifier: `rlhflab classifier --config configs/classifier_debug.yaml [key=value ...]`.
+
+Trains the model that a ``type: classifier`` reward source reads (the TRL sentiment
+notebook's reward is such a classifier's POSITIVE probability). One visible loop:
+
+    1. data       labelled rows ``{"text": ..., "label": ...}`` (field names configurable;
+                  labels are names such as POSITIVE or integers), a held-out split
+    2. model      the base as ``AutoModelForSequenceClassification`` with one output per
+                  label and ``id2label`` from the data (names sorted, so the ids do not
+                  depend on row order); the head is fresh, every weight trains
+    3. update     cross-entropy on shuffled batches, AdamW, warmup then cosine decay
+    4. evaluate   held-out accuracy and loss
+    5. save       final/: a plain HF folder (model + tokenizer) that
+                  ``reward.sources: [{type: classifier, path: .../final, label: POSITIVE}]`` loads
+
+`train_classifier(cfg)` is the Python entry point. The text is encoded exactly as the
+reward source encodes it (`rlhflab.rewards.classifier.ClassifierScorer`): no special
+tokens added, cut from the left to `data.max_length`, so training and scoring agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, NamedTuple, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from rlhflab.config import load_config, save_effective_config
+from rlhflab.config.schema import LoggingConfig, ModelConfig, TrainingConfig, f
+from rlhflab.data.loading import read_rows, require_fields
+from rlhflab.errors import UserError
+from rlhflab.metrics import MetricsLogger
+from rlhflab.models.load import disable_dropout, load_tokenizer, resolve_device, resolve_dtype
+from rlhflab.trainers.common import (finish_run, format_metrics, make_optimizer, make_scheduler,
+                                     prepare_output_dir, print_before_after, seed_everything, set_threads,
+                                     write_train_result)
+
+
+# --------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------
+@dataclass
+class ClassifierDataConfig:
+    """Labelled texts: where they come from and how they are read."""
+
+    path: str = f("outputs/classifier_data/train.jsonl", "local jsonl/json/parquet/csv of labelled rows")
+    eval_path: Optional[str] = f(None, "local held-out file; null splits off eval_fraction of `path`")
+    eval_fraction: float = f(0.1, "share of the rows held out when there is no eval_path", gt=0, lt=1)
+    text_field: str = f("text", "field holding the text")
+    label_field: str = f("label", "field holding the label: a name (POSITIVE) or an integer")
+    num_samples: Optional[int] = f(None, "use only the first N training rows; null uses all", gt=0)
+    num_eval_samples: Optional[int] = f(None, "held-out rows evaluated; null uses all", gt=0)
+    max_length: int = f(128, "longest text in tokens; longer texts are cut from the left (as the reward does)", gt=1)
+
+
+@dataclass
+class ClassifierSection:
+    """Optimisation settings of classifier training."""
+
+    epochs: float = f(3.0, "passes over the training rows (fractions allowed); ignored when max_steps is set", gt=0)
+    max_steps: Optional[int] = f(None, "optimizer steps in all; null derives them from epochs", gt=0)
+    batch_size: int = f(32, "rows per optimizer step", gt=0)
+    learning_rate: float = f(1e-3, "peak learning rate", gt=0)
+    min_learning_rate: float = f(0.0, "floor of the decay", ge=0)
+    warmup_ratio: float = f(0.05, "share of the optimizer steps spent in linear warmup", ge=0, lt=1)
+    lr_schedule: Literal["constant", "cosine", "linear"] = f("cosine", "learning-rate schedule after warmup")
+    weight_decay: float = f(0.0, "AdamW weight decay", ge=0)
+    max_grad_norm: Optional[float] = f(1.0, "clip the global gradient norm to this; null disables", gt=0)
+    logging_steps: int = f(10, "log the training loss every this many optimizer steps", gt=0)
+    eval_before: bool = f(True, "evaluate the untrained head too (step 0): chance level")
+
+    def check(self) -> list[str]:
+        if self.min_learning_rate > self.learning_rate:
+            return [f"min_learning_rate: {self.min_learning_rate} exceeds learning_rate {self.learning_rate}; lower it"]
+        return []
+
+
+def _classifier_training() -> TrainingConfig:
+    return TrainingConfig(output_dir="outputs/classifier", eval_interval=50, save_interval=0)
+
+
+@dataclass
+class ClassifierRunConfig:
+    """`rlhflab classifier`: every section of a classifier run (training.total_ppo_steps is not used)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: ClassifierDataConfig = field(default_factory=ClassifierDataConfig)
+    classifier: ClassifierSection = field(default_factory=ClassifierSection)
+    training: TrainingConfig = field(default_factory=_classifier_training)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# --------------------------------------------------------------------------------------
+# 1. data
+# --------------------------------------------------------------------------------------
+class LabelledText(NamedTuple):
+    text: str
+    label: int  # index into the run's sorted label names
+
+
+@dataclass
+class ClassifierData:
+    train: list[LabelledText]
+    eval: list[LabelledText]
+    labels: list[str]  # id -> name
+
+
+def _label_names(rows: Sequence[dict], field_name: str, source: str) -> list[str]:
+    bad = [r[field_name] for r in rows if not isinstance(r[field_name], (str, int)) or isinstance(r[field_name], bool)]
+    if bad:
+        raise UserError(f"{source}: label {bad[0]!r} is a {type(bad[0]).__name__}; labels must be names "
+                        f"(strings) or integers in data.label_field ({field_name!r})")
+    raw = {r[field_name] for r in rows}
+    if all(isinstance(v, int) for v in raw):
+        return [str(i) for i in range(max(raw) + 1)]  # 0..max, so the integer is the id
+    return sorted(str(v) for v in raw)
+
+
+def load_classifier_data(d: ClassifierDataConfig, seed: int = 0) -> ClassifierData:
+    """Training and held-out rows as (text, label id), with the label names."""
+    rows = read_rows(d.path)
+    require_fields(rows, [d.text_field, d.label_field], d.path)
+    if d.eval_path:
+        eval_rows = read_rows(d.eval_path)
+        require_fields(eval_rows, [d.text_field, d.label_field], d.eval_path)
+    else:
+        order = list(range(len(rows)))
+        random.Random(seed).shuffle(order)
+        n_eval = max(1, int(round(len(rows) * d.eval_fraction)))
+        eval_rows, rows = [rows[i] for i in order[:n_eval]], [rows[i] for i in order[n_eval:]]
+    rows = rows[: d.num_samples] if d.num_samples else rows
+    eval_rows = eval_rows[: d.num_eval_samples] if d.num_eval_samples else eval_rows
+    labels = _label_names(rows + eval_rows, d.label_field, d.path)
+    if len(labels) < 2:
+        raise UserError(f"{d.path}: every row has label {labels[0]!r}; a classifier needs at least two labels")
+    index = {name: i for i, name in enumerate(labels)}
+
+    def convert(rs: list[dict]) -> list[LabelledText]:
+        return [LabelledText(str(r[d.text_field]), index[str(r[d.label_field])]) for r in rs]
+
+    return ClassifierData(convert(rows), convert(eval_rows), labels)
+
+
+# --------------------------------------------------------------------------------------
+# 2. model
+# --------------------------------------------------------------------------------------
+def build_classifier(cfg: ClassifierRunConfig, labels: list[str], device: torch.device):
+    """(model, tokenizer): the base with a fresh `len(labels)`-way head."""
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhflab.models.load import _load_error
+
+    m = cfg.model
+    tok = load_tokenizer(m.tokenizer or m.name_or_path, m.trust_remote_code, padding_side="right")
+    tok.truncation_side = "left"
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            m.name_or_path, num_labels=len(labels), id2label=dict(enumerate(labels)),
+            label2id={n: i for i, n in enumerate(labels)}, dtype=resolve_dtype(m.torch_dtype),
+            trust_remote_code=m.trust_remote_code)
+    except Exception as exc:
+        raise _load_error("model", m.name_or_path, exc) from None
+    model.config.pad_token_id = tok.pad_token_id  # the head reads the last non-pad token
+    disable_dropout(model)
+    if m.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.to(device).train()
+    return model, tok
+
+
+def logits_of(model, tokenizer, texts: Sequence[str], max_length: int, device) -> Tensor:
+    """(B, num_labels) logits, the texts encoded as the classifier reward encodes them."""
+    enc = tokenizer(list(texts), return_tensors="pt", padding=True, truncation=True,
+                    max_length=max_length).to(device)
+    return model(**enc).logits.float()
+
+
+# --------------------------------------------------------------------------------------
+# 4. evaluate
+# --------------------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate_classifier(model, tokenizer, rows: Sequence[LabelledText], max_length: int, batch_size: int,
+                        device) -> dict[str, float]:
+    """Held-out accuracy (argmax) and mean cross-entropy."""
+    was_training = model.training
+    model.eval()
+    correct, loss_sum = 0, 0.0
+    for s in range(0, len(rows), batch_size):
+        batch = rows[s : s + batch_size]
+        logits = logits_of(model, tokenizer, [r.text for r in batch], max_length, device)
+        target = torch.tensor([r.label for r in batch], device=logits.device)
+        loss_sum += float(F.cross_entropy(logits, target, reduction="sum"))
+        correct += int((logits.argmax(-1) == target).sum())
+    if was_training:
+        model.train()
+    n = max(len(rows), 1)
+    return {"eval/accuracy": correct / n, "eval/loss": loss_sum / n}
+
+
+# --------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------
+PLOT_GROUPS = {"loss": ["train/loss", "eval/loss"], "accuracy": ["train/accuracy", "eval/accuracy"],
+               "grad_norm": ["params/grad_norm"], "lr": ["lr"]}
+
+
+@dataclass
+class ClassifierResult:
+    output_dir: Path
+    final_dir: Path
+    labels: list[str]
+    eval_before: dict | None = None
+    eval_after: dict | None = None
+    history: list[dict] = field(default_factory=list)
+    steps: int = 0
+    seconds: float = 0.0
+
+
+def save_classifier(model, tokenizer, folder: Path) -> None:
+    """A plain HF sequence-classification folder, written to a temporary name first."""
+    import shutil
+    tmp = folder.with_name(folder.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if folder.exists():
+        shutil.rmtree(folder)
+    tmp.rename(folder)
+
+
+def train_classifier(cfg: ClassifierRunConfig, effective=None, quiet: bool = False) -> ClassifierResult:
+    """Train a sequence classifier as configured; returns where it went and its held-out metrics."""
+    t, c, d = cfg.training, cfg.classifier, cfg.data
+    say = (lambda *a, **k: None) if quiet else print
+    set_threads(t.num_threads)
+    data = load_classifier_data(d, t.seed)  # 1. data first: a bad file fails before the model loads
+    out_dir = prepare_output_dir(t.output_dir)
+    save_effective_config(effective if effective is not None else cfg, out_dir)
+    seed_everything(t.seed)
+    device = resolve_device(t.device)
+    start = time.perf_counter()
+
+    model, tok = build_classifier(cfg, data.labels, device)  # 2. model
+    steps_per_epoch = math.ceil(len(data.train) / c.batch_size)
+    total_steps = c.max_steps or max(1, math.ceil(steps_per_epoch * c.epochs))
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(params, c.learning_rate, c.weight_decay)
+    scheduler = make_scheduler(optimizer, total_steps, int(c.warmup_ratio * total_steps), c.lr_schedule,
+                               c.min_learning_rate)
+    counts = [sum(r.label == i for r in data.train) for i in range(len(data.labels))]
+    say(f"classifier: {len(data.train)} training rows ({', '.join(f'{n} {name}' for n, name in zip(counts, data.labels))}), "
+        f"{len(data.eval)} held out; {total_steps} optimizer steps")
+
+    logger = MetricsLogger(out_dir, cfg.logging.report_to, cfg.logging.run_name, cfg.logging.wandb_project,
+                           config=dataclasses.asdict(cfg))
+    result = ClassifierResult(out_dir, out_dir / "final", data.labels)
+    evaluate = lambda: evaluate_classifier(model, tok, data.eval, d.max_length, t.eval_batch_size, device)  # noqa: E731
+    if c.eval_before:
+        result.eval_before = evaluate()
+        logger.log(0, result.eval_before)
+        say("step 0 (before training): " + format_metrics(result.eval_before))
+
+    from tqdm import tqdm
+    bar = tqdm(total=total_steps, disable=quiet or not cfg.logging.progress_bar, desc="classifier", dynamic_ncols=True)
+    step, epoch, last_eval = 0, 0, {}
+    win_loss, win_correct, win_n, win_norms = 0.0, 0, 0, []
+    while step < total_steps:
+        order = list(range(len(data.train)))
+        random.Random(t.seed * 1_000_003 + epoch).shuffle(order)  # a fresh shuffle per epoch
+        epoch += 1
+        for s in range(0, len(order), c.batch_size):
+            if step >= total_steps:
+                break
+            # 3. update: cross-entropy on one batch.
+            batch = [data.train[i] for i in order[s : s + c.batch_size]]
+            logits = logits_of(model, tok, [r.text for r in batch], d.max_length, device)  # (B, num_labels)
+            target = torch.tensor([r.label for r in batch], device=logits.device)       # (B,)
+            loss = F.cross_entropy(logits, target)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"classifier loss is {float(loss)} at step {step + 1}; "
+                                         "lower classifier.learning_rate")
+            loss.backward()
+            max_norm = c.max_grad_norm if c.max_grad_norm is not None else float("inf")
+            win_norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            bar.update(1)
+            win_loss += float(loss.detach()) * len(batch)
+            win_correct += int((logits.detach().argmax(-1) == target).sum())
+            win_n += len(batch)
+            # 4-5. log, evaluate
+            metrics: dict[str, float] = {}
+            if step % c.logging_steps == 0 or step == total_steps:
+                metrics.update({"train/loss": win_loss / win_n, "train/accuracy": win_correct / win_n,
+                                "params/grad_norm": sum(win_norms) / len(win_norms),
+                                "lr": optimizer.param_groups[0]["lr"], "epoch": step / steps_per_epoch})
+                win_loss, win_correct, win_n, win_norms = 0.0, 0, 0, []
+            if (t.eval_interval and step % t.eval_interval == 0) or step == total_steps:
+                last_eval = evaluate()
+                metrics.update(last_eval)
+            if metrics:
+                logger.log(step, metrics)
+                result.history.append({"step": step, **metrics})
+                if "train/loss" in metrics:
+                    bar.set_postfix(loss=f"{metrics['train/loss']:.3f}")
+    bar.close()
+    model.eval()
+    save_classifier(model, tok, result.final_dir)
+    finish_run(logger, out_dir, device, cfg.logging.plots, PLOT_GROUPS)
+    result.eval_after = last_eval or None
+    result.steps = step
+    result.seconds = time.perf_counter() - start
+    write_train_result(out_dir, eval_before=result.eval_before, eval_after=result.eval_after, steps=step,
+                       labels=data.labels, seconds=result.seconds)
+    return result
+
+
+# --------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="YAML config, e.g. configs/classifier_debug.yaml")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. classifier.learning_rate=1e-4")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg, effective = load_config(args.config, ClassifierRunConfig, args.overrides)
+    res = train_classifier(cfg, effective=effective)
+    print(f"done in {res.seconds:.0f}s: classifier in {res.final_dir} (labels {', '.join(res.labels)}); "
+          f"use it as reward.sources: [{{type: classifier, path: {res.final_dir}, label: {res.labels[-1]}}}]")
+    print_before_after(res.eval_before, res.eval_after)
+    return 0
