@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         print("accuracy     n/a   (the answers are not numbers; give --correct module:function)")
     print(f"reward_mean  {res.reward_mean:.3f}   ({len(examples)} examples, reward {args.reward})")
     for s in res.samples[:3]:
-        print(f"--- {s['prompt']!r}\n    {s['response']!r}  score={s['score']}")
+        print(f"--- {s['prompt']!r}\n    {s['response']!r}  score={s['score']:.3g}")
     if args.samples:
         print(f"samples: {save_samples(res, args.samples)}")
     return 0
