@@ -135,3 +135,16 @@ def test_the_sentiment_config_runs(tiny_model_dir, tmp_path):
         assert row["eval/accuracy"] == pytest.approx(sum(is_positive("", s["response"], {}) for s in samples) / 8)
         assert row["eval/lexicon"] == pytest.approx(sum(lexicon_score("", s["response"], {}) for s in samples) / 8)
         assert 0 <= row["eval/reward_mean"] <= 1  # a probability
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
+def test_every_shipped_config_loads_with_its_commands_schema(config):
+    """configs/<command>[_variant].yaml validates against `rlhflab <command>`'s schema."""
+    import importlib
+
+    from rlhflab.config import load_config
+    from rlhflab.config.cli import SCHEMAS
+
+    command = config.split("_")[0].removesuffix(".yaml")
+    module, _, attr = SCHEMAS[command].partition(":")
+    load_config(ROOT / "configs" / config, getattr(importlib.import_module(module), attr))

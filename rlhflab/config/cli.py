@@ -28,6 +28,8 @@ SCHEMAS: dict[str, str] = {
     "grpo": "rlhflab.trainers.grpo:GRPORunConfig",
     "rloo": "rlhflab.trainers.rloo:RLOORunConfig",
     "dpo": "rlhflab.trainers.dpo:DPORunConfig",
+    "classifier": "rlhflab.trainers.classifier:ClassifierRunConfig",
+    "tpo": "rlhflab.tpo:TPORunConfig",
 }
 
 

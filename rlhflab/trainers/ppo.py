@@ -348,7 +348,7 @@ def train(cfg: PPORunConfig, resume: str | Path | None = None, math_: PPOMath | 
     train_examples = load_prompts(cfg.dataset, models.tokenizer, "train")
     eval_examples = load_prompts(cfg.dataset, models.tokenizer, "eval") if t.eval_interval else []
     scorer = build_reward(cfg.reward, models.device)
-    checks = build_eval_checks(cfg.eval, models.device)
+    checks = build_eval_checks(cfg.eval, models.device) if eval_examples else None
 
     n_minibatches = math.ceil(p.rollout_samples / p.mini_batch_size)
     updates_per_step = p.epochs * math.ceil(n_minibatches / p.gradient_accumulation_steps)
