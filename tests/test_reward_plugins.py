@@ -289,3 +289,10 @@ def test_cli_prints_the_preflight_error_and_exits_2(task, tmp_path, monkeypatch,
     err = capsys.readouterr().err
     assert err.startswith("error: preflight of reward.sources[0]: plug-in 'missing_rewards.py:score': file "
                           "missing_rewards.py not found") and err.count("\n") == 1
+
+
+def test_an_error_inside_a_library_names_the_plugins_own_line(tmp_path, monkeypatch):
+    name = write_module(tmp_path, "import json\n\ndef score(p, r, e):\n    return json.loads(r)\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=rf"raised JSONDecodeError: .* at {name}\.py:4 on prompt 'cat'"):
+        score_one(f"{name}:score")

@@ -201,7 +201,7 @@ def call_plugin(fn: Callable, spec: str, prompts: Sequence[str], responses: Sequ
             out = fn(list(prompts), list(responses), list(examples))
         except Exception as exc:
             raise _call_failure(spec, exc, f"a batch of {len(prompts)} starting with {_describe_row(prompts[0])}"
-                                if prompts else "an empty batch") from None
+                                if prompts else "an empty batch", fn) from None
         if hasattr(out, "tolist") and getattr(out, "ndim", 1) == 1:
             out = out.tolist()
         if not isinstance(out, (list, tuple)):
@@ -217,7 +217,7 @@ def call_plugin(fn: Callable, spec: str, prompts: Sequence[str], responses: Sequ
             try:
                 values.append(fn(p, r, e))
             except Exception as exc:
-                raise _call_failure(spec, exc, _describe_row(p)) from None
+                raise _call_failure(spec, exc, _describe_row(p), fn) from None
     wanted = "True or False" if what == "check" else "a number"
     floats = []
     for i, v in enumerate(values):
@@ -234,9 +234,12 @@ def call_plugin(fn: Callable, spec: str, prompts: Sequence[str], responses: Sequ
     return floats
 
 
-def _call_failure(spec: str, exc: Exception, where: str) -> UserError:
+def _call_failure(spec: str, exc: Exception, where: str, fn: Callable) -> UserError:
     frames = traceback.extract_tb(exc.__traceback__)[1:]  # drop call_plugin's own frame
-    at = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+    # The plug-in's own line, even when the exception came from a library it called.
+    home = getattr(getattr(fn, "__code__", None), "co_filename", None)
+    own = [f for f in frames if f.filename == home] or frames
+    at = f" at {Path(own[-1].filename).name}:{own[-1].lineno}" if own else ""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return UserError(f"plug-in {spec!r} raised {type(exc).__name__}{': ' + first if first else ''}{at} "
                      f"on {where}; fix the function (or the data it reads)")
