@@ -21,7 +21,7 @@ $RLHFLAB classifier --config configs/classifier_debug.yaml model.name_or_path="$
   data.path="$OUT/reviews/labelled_train.jsonl" data.eval_path="$OUT/reviews/labelled_test.jsonl" \
   training.output_dir="$OUT/classifier" training.seed="$SEED" logging.progress_bar=false
 
-echo "== 3. the policy: SFT on review continuations (half positive, half negative)"
+echo "== 3. the policy: SFT on review continuations from a grumpy critic (mostly negative)"
 $RLHFLAB sft --config configs/sft_sentiment.yaml model.name_or_path="$OUT/tiny-model" \
   data.path="$OUT/reviews/sft.jsonl" training.output_dir="$OUT/sft" training.seed="$SEED" logging.progress_bar=false
 
@@ -36,11 +36,14 @@ $PYTHON - "$OUT/ppo/metrics.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 evals = [r for r in rows if "eval/reward_mean" in r]
+steps = [r for r in rows if "rollout/reward_mean" in r]
 first, last = evals[0], evals[-1]
-print(f"{'':36}{'after SFT':>10}{'after PPO':>11}")
-for key, name in [("eval/reward_mean", "classifier P(POSITIVE) (the reward)"),
-                  ("eval/accuracy", "positive-rate by the lexicon"),
-                  ("eval/lexicon", "lexicon score in [-1, 1]")]:
-    print(f"{name:36}{first[key]:>10.3f}{last[key]:>11.3f}")
-print(f"(steps {first['step']} and {last['step']}; every evaluation: {sys.argv[1]})")
+print(f"{'':52}{'after SFT':>10}{'after PPO':>11}")
+for key, name in [("eval/reward_mean", "classifier P(POSITIVE), greedy (the reward)"),
+                  ("eval/accuracy", "positive-rate by the lexicon, greedy"),
+                  ("eval/lexicon", "lexicon score in [-1, 1], greedy")]:
+    print(f"{name:52}{first[key]:>10.3f}{last[key]:>11.3f}")
+print(f"{'classifier P(POSITIVE), sampled (rollout, step 1/last)':52}"
+      f"{steps[0]['rollout/reward_mean']:>10.3f}{steps[-1]['rollout/reward_mean']:>11.3f}")
+print(f"(greedy: 200 held-out openings at steps {first['step']} and {last['step']}; every evaluation: {sys.argv[1]})")
 PY

@@ -7,8 +7,9 @@ from small word lists, so a 2M-parameter model and a CPU are enough:
 - review *openings* as prompts ("After seeing Night Harbor, I think"), with different
   film titles in the train and test splits;
 - *continuations* of one or two clauses ("the acting was truly wonderful but the plot felt
-  dull."), half of them leaning positive and half negative, as the demonstrations that
-  warm-start the policy;
+  dull."), as the demonstrations that warm-start the policy: a grumpy critic, whose
+  first clause is positive only 30% of the time, so the policy starts out negative and
+  PPO has a direction to move it in;
 - *labelled sentences* for the sentiment classifier (POSITIVE / NEGATIVE by the majority
   of their sentiment words; ties left out);
 - a *lexicon check*, `lexicon_score` and `is_positive`: count the positive and negative
@@ -107,12 +108,14 @@ def write_jsonl(rows: list[dict], path: Path) -> None:
 
 
 def write_reviews(out_dir: str | Path, n_prompts: int = 2000, n_test: int = 200, n_labelled: int = 4000,
-                  seed: int = 0) -> Path:
+                  seed: int = 0, positive_share: float = 0.3) -> Path:
     """Write, under `out_dir`:
 
     - ``prompts_train.jsonl``, ``prompts_test.jsonl``: ``{"prompt": opening}`` (test titles unseen);
-    - ``sft.jsonl``: ``{"prompt": opening, "completion": continuation}``, half positive-leaning;
-    - ``labelled_train.jsonl``, ``labelled_test.jsonl``: ``{"text": continuation, "label": POSITIVE|NEGATIVE}``.
+    - ``sft.jsonl``: ``{"prompt": opening, "completion": continuation}``, the first clause
+      positive with probability `positive_share`;
+    - ``labelled_train.jsonl``, ``labelled_test.jsonl``: ``{"text": continuation, "label": POSITIVE|NEGATIVE}``,
+      balanced.
     """
     rng = random.Random(seed)
     out = Path(out_dir)
@@ -122,8 +125,8 @@ def write_reviews(out_dir: str | Path, n_prompts: int = 2000, n_test: int = 200,
     test_prompts = [opening(rng, rng.choice(test_titles)) for _ in range(n_test)]
     write_jsonl([{"prompt": p} for p in train_prompts], out / "prompts_train.jsonl")
     write_jsonl([{"prompt": p} for p in test_prompts], out / "prompts_test.jsonl")
-    write_jsonl([{"prompt": p, "completion": continuation(rng, rng.random() < 0.5).strip()} for p in train_prompts],
-                out / "sft.jsonl")
+    write_jsonl([{"prompt": p, "completion": continuation(rng, rng.random() < positive_share).strip()}
+                 for p in train_prompts], out / "sft.jsonl")
     labelled = []
     while len(labelled) < n_labelled:
         text = continuation(rng, rng.random() < 0.5).strip()
@@ -140,10 +143,13 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="outputs/reviews", help="output folder")
     parser.add_argument("--prompts", type=int, default=2000, help="training prompts (and demonstrations)")
     parser.add_argument("--labelled", type=int, default=4000, help="labelled sentences for the classifier")
+    parser.add_argument("--positive-share", type=float, default=0.3,
+                        help="probability that a demonstration's first clause is positive")
     parser.add_argument("--seed", type=int, default=0)
 
 
 def run(args: argparse.Namespace) -> int:
-    out = write_reviews(args.out, n_prompts=args.prompts, n_labelled=args.labelled, seed=args.seed)
+    out = write_reviews(args.out, n_prompts=args.prompts, n_labelled=args.labelled, seed=args.seed,
+                        positive_share=args.positive_share)
     print(f"wrote review prompts, demonstrations and labelled sentences to {out}/")
     return 0
