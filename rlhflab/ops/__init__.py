@@ -5,6 +5,7 @@ response token. See each module's docstring for where it departs from common pra
 """
 
 from rlhflab.ops.advantages import GAEOutput, gae, group_advantages, rloo_advantages
+from rlhflab.ops.importance import logprob_gap, truncated_is_weights
 from rlhflab.ops.kl import KL_KINDS, kl_estimate, kl_shaped_rewards, last_token_index
 from rlhflab.ops.logprobs import entropy_from_logits, logprobs_from_logits
 from rlhflab.ops.losses import (
@@ -30,4 +31,5 @@ __all__ = [
     "aggregate", "ppo_policy_loss", "PolicyLossOutput", "value_loss", "ValueLossOutput",
     "entropy_loss", "EntropyLossOutput", "dpo_loss", "DPOLossOutput",
     "reward_model_loss", "RewardModelLossOutput",
+    "truncated_is_weights", "logprob_gap",
 ]

@@ -9,6 +9,7 @@ import random
 import time
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -132,6 +133,32 @@ def peak_memory_mb(device: torch.device) -> float:
 # --------------------------------------------------------------------------------------
 # The end of a run
 # --------------------------------------------------------------------------------------
+@dataclass
+class TrainResult:
+    """What a training run returns: where its outputs went and what it measured."""
+
+    output_dir: Path
+    final_dir: Path
+    history: list[dict] = field(default_factory=list)
+    eval_before: dict | None = None
+    eval_after: dict | None = None
+    samples_per_s: float = 0.0    # episodes (RL), pairs (DPO) or rows (SFT, RM) per second of training
+    unit: str = "episodes"
+    world_size: int = 1
+    extra: dict = field(default_factory=dict)  # method-specific facts for train_result.json
+    models: object | None = None               # the trained models, for callers in the same process
+    state: dict = field(default_factory=dict)  # other in-process objects (e.g. DPO's reference cache)
+
+    def report(self, skip_missing: bool = False) -> None:
+        """Print the end-of-run summary and write train_result.json."""
+        print(f"done: {self.output_dir} (final model in {self.final_dir}); "
+              f"{self.samples_per_s:.2f} {self.unit}/s")
+        print_before_after(self.eval_before, self.eval_after, skip_missing)
+        write_train_result(self.output_dir, eval_before=self.eval_before, eval_after=self.eval_after,
+                           **{f"{self.unit}_per_s": self.samples_per_s}, world_size=self.world_size,
+                           **self.extra)
+
+
 def format_metrics(metrics: dict[str, float]) -> str:
     """`k=v, ...` with three decimals: the "step 0 (before training)" line."""
     return ", ".join(f"{k}={v:.3f}" for k, v in metrics.items())

@@ -1,0 +1,241 @@
+"""The loop around every policy-optimisation method (PPO, GRPO, RLOO, REINFORCE++,
+Dr. GRPO, TRPO): set up once, then per step fresh prompts, the method's phases 1-5,
+then 6. log, evaluate, save.
+
+A method is its step function (`step(run, examples, step, timer) -> metrics`, the
+numbered phases in its own file) and a few facts: its config section, whether it has a
+critic, whether it needs the reference. Everything around it is here, once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from rlhflab import ops
+from rlhflab.config import save_effective_config
+from rlhflab.data.prompts import load_prompts, step_prompts
+from rlhflab.engine.update import PPOMath, policy_update
+from rlhflab.evaluate import evaluate_policy, save_samples
+from rlhflab.metrics import MetricsLogger
+from rlhflab.models.checkpoint import prune_checkpoints, restore_trainer_state, save_checkpoint
+from rlhflab.models.setup import CriticKind, PolicyModels, build_models
+from rlhflab.rewards import build_reward
+from rlhflab.rollout import Rollout, RolloutBackend, make_backend
+from rlhflab.trainers.common import (Timer, TrainResult, check_resume_dir, finish_run, format_metrics, last_eval,
+                                     log_step, make_doctor, make_optimization, prepare_output_dir, seed_everything,
+                                     set_threads)
+
+
+@dataclass
+class PolicyMethod:
+    """What the loop needs to know about a method."""
+
+    name: str                                   # the command and the config section, e.g. "grpo"
+    step: Callable[..., dict]                   # phases 1-5: (run, examples, step, timer) -> metrics
+    critic: CriticKind | None = None            # PPO: the configured model.critic; critic-free: None
+    need_reference: Callable[[object], bool] = lambda cfg: False
+    plot_groups: dict[str, list[str]] | None = None
+
+
+@dataclass
+class RLRun:
+    """Everything a step function works with."""
+
+    cfg: object                 # the method's run config
+    sec: object                 # its method section (a PolicySection)
+    models: PolicyModels
+    backend: RolloutBackend
+    scorer: object
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    math: PPOMath = field(default_factory=PPOMath)
+    ptx: object | None = None   # rlhflab.data.ptx.PtxData when sec.ptx_coeff > 0
+
+    def ptx_batches(self, step: int):
+        return self.ptx.batches(step) if self.ptx is not None else None
+
+
+def score_responses(scorer, roll: Rollout, reward_cfg, device: torch.device) -> torch.Tensor:
+    """Sequence scores (B,): the reward sources, minus the missing-EOS penalty, clipped."""
+    scores = scorer.score(roll.prompts, roll.responses, roll.examples).float().to(device)  # (B,)
+    if reward_cfg.missing_eos_penalty:
+        scores = scores - reward_cfg.missing_eos_penalty * roll.hit_limit.float().to(device)
+    if reward_cfg.score_clip is not None:
+        scores = scores.clamp(-reward_cfg.score_clip, reward_cfg.score_clip)
+    return scores
+
+
+def broadcast_advantages(seq_advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """The same advantage on every response token: (B,), (B, T) -> (B, T), 0 on padding."""
+    if seq_advantages.dim() != 1 or seq_advantages.shape[0] != response_mask.shape[0]:
+        raise ValueError(f"advantages must be (B,) = ({response_mask.shape[0]},), "
+                         f"got {tuple(seq_advantages.shape)}")
+    return seq_advantages.float().unsqueeze(1) * response_mask.float()  # (B, T)
+
+
+def rollout_metrics(roll: Rollout) -> dict[str, float]:
+    """Rewards, lengths and what the method put on the rollout (values, advantages, KL)."""
+    mask = roll.response_mask.float()
+    lengths = mask.sum(-1)                                                          # (B,)
+    scores = roll.scores.float()
+    out = {
+        "rollout/reward_mean": float(scores.mean()),
+        "rollout/reward_std": float(scores.std()) if len(roll) > 1 else 0.0,
+        "rollout/response_length": float(lengths.mean()),
+        "rollout/response_length_min": float(lengths.min()),
+        "rollout/response_length_max": float(lengths.max()),
+        "rollout/hit_limit_frac": float(roll.hit_limit.float().mean()),
+    }
+    if roll.group_size > 1:  # groups whose rewards are all equal teach nothing
+        groups = scores.view(-1, roll.group_size)
+        out["rollout/zero_spread_frac"] = float(((groups.max(1).values - groups.min(1).values) <= 1e-8)
+                                                .float().mean())
+    if roll.values is not None:
+        out["rollout/value_mean"] = float(ops.masked_mean(roll.values, mask))
+    if roll.advantages is not None:
+        out["rollout/advantage_mean"] = float(ops.masked_mean(roll.advantages, mask))
+        out["rollout/advantage_abs_mean"] = float(ops.masked_mean(roll.advantages.abs(), mask))
+    if roll.returns is not None:
+        out["rollout/return_mean"] = float(ops.masked_mean(roll.returns, mask))
+    if roll.kl is not None:  # the estimator that is penalised, summed over a response, averaged
+        out["params/kl_to_ref"] = float((roll.kl * mask).sum(-1).mean())
+    if getattr(roll, "sample_logprobs", None) is not None and roll.logprobs is not None:
+        out["rollout/logprob_gap"] = float(ops.logprob_gap(roll.logprobs, roll.sample_logprobs, mask))
+    return out
+
+
+PLOT_GROUPS: dict[str, list[str]] = {
+    "reward": ["rollout/reward_mean", "eval/reward_mean", "eval/accuracy"],
+    "losses": ["loss/policy", "loss/value", "loss/kl", "loss/ptx", "loss/total"],
+    "entropy": ["loss/entropy"],
+    "kl": ["params/approx_kl", "params/kl_to_ref"],
+    "clipping": ["params/policy_clip_frac", "params/clip_frac_low", "params/clip_frac_high",
+                 "params/value_clip_frac"],
+    "grad_norm": ["params/grad_norm"],
+    "length": ["rollout/response_length"],
+    "zero_spread": ["rollout/zero_spread_frac"],
+    "values": ["rollout/value_mean", "rollout/return_mean"],
+    "time": ["time/generate", "time/score", "time/forward", "time/update"],
+    "lr": ["lr"],
+}
+
+
+def build_run(cfg, method: PolicyMethod, *, resume_dir: Path | None = None, math_: PPOMath | None = None) -> RLRun:
+    """The models, sampler, reward, optimizer and schedule of a run (no disk writes)."""
+    t, sec = cfg.training, getattr(cfg, method.name)
+    models = build_models(cfg.model, cfg.lora, t.device, need_reference=method.need_reference(cfg),
+                          critic=method.critic, resume_dir=resume_dir)
+    scorer = build_reward(cfg.reward, models.device)
+    optimizer, scheduler = make_optimization(models.actor.trainable_parameters(), sec,
+                                             t.total_steps * sec.optimizer_steps_per_rollout())
+    backend = make_backend(cfg.generation, models.policy, models.tokenizer,
+                           max_prompt_length=cfg.dataset.max_prompt_length, batch_size=sec.batch_size)
+    ptx = None
+    if sec.ptx_coeff > 0:
+        from rlhflab.data.ptx import PtxData
+        ptx = PtxData.load(sec.ptx_data, models.tokenizer, prompt_template=cfg.dataset.prompt_template,
+                           use_chat_template=cfg.dataset.use_chat_template, batch_size=sec.ptx_batch_size,
+                           max_seq_length=cfg.dataset.max_prompt_length + cfg.generation.max_new_tokens,
+                           seed=t.seed, device=models.device)
+    return RLRun(cfg, sec, models, backend, scorer, optimizer, scheduler, math_ or PPOMath(), ptx)
+
+
+def run_update(run: RLRun, roll: Rollout, step: int) -> dict[str, float]:
+    """5. update: the shared engine on the rollout's advantages."""
+    cfg = run.cfg
+    return policy_update(run.models.actor, run.optimizer, run.scheduler, roll, run.sec,
+                         temperature=cfg.generation.temperature, step=step, seed=cfg.training.seed,
+                         max_new_tokens=cfg.generation.max_new_tokens, math_=run.math, ptx=run.ptx_batches(step))
+
+
+def evaluate(run: RLRun, examples, out_dir: Path, step: int, quiet: bool = False, n_show: int = 2) -> dict:
+    """Greedy held-out evaluation; every sample saved to eval/step_N.jsonl, the first
+    `n_show` printed."""
+    cfg = run.cfg
+    res = evaluate_policy(run.models.policy, run.models.tokenizer, examples, run.scorer,
+                          max_new_tokens=cfg.generation.max_new_tokens,
+                          max_prompt_length=cfg.dataset.max_prompt_length,
+                          batch_size=cfg.training.eval_batch_size)
+    path = save_samples(res, out_dir / "eval" / f"step_{step}.jsonl")
+    if not quiet:
+        from tqdm import tqdm
+        when = "step 0 (before training)" if step == 0 else f"step {step}"
+        lines = [f"eval at {when}: " + format_metrics(res.metrics()) + f" (all samples: {path})"]
+        lines += [f"  {s['prompt']!r}\n    -> {s['response']!r}  score {s['score']:.2f}" for s in res.samples[:n_show]]
+        tqdm.write("\n".join(lines))
+    return res.metrics()
+
+
+def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None = None, effective=None,
+                        quiet: bool = False, math_: PPOMath | None = None) -> TrainResult:
+    """Set up, then per step: fresh prompts, the method's phases 1-5, then 6. log,
+    evaluate, save. Returns where the outputs went and the metric history."""
+    t, sec = cfg.training, getattr(cfg, method.name)
+    set_threads(t.num_threads)
+    resume_dir = check_resume_dir(resume)
+    out_dir = prepare_output_dir(t.output_dir, resume=resume_dir is not None)
+    save_effective_config(effective if effective is not None else cfg, out_dir)
+    seed_everything(t.seed)
+
+    run = build_run(cfg, method, resume_dir=resume_dir, math_=math_)
+    models, optimizer, scheduler = run.models, run.optimizer, run.scheduler
+    train_examples = load_prompts(cfg.dataset, models.tokenizer, "train")
+    eval_examples = load_prompts(cfg.dataset, models.tokenizer, "eval") if t.eval_interval else []
+    start_step = restore_trainer_state(resume_dir, optimizer, scheduler) if resume_dir is not None else 0
+
+    doctor = make_doctor(cfg.logging.doctor, sec.max_grad_norm, f"{method.name}.{sec.KL_KNOB}")
+    logger = MetricsLogger(out_dir, cfg.logging.report_to, cfg.logging.run_name, cfg.logging.wandb_project,
+                           config=dataclasses.asdict(cfg), resume=resume_dir is not None,
+                           resume_step=start_step if resume_dir is not None else None)
+    result = TrainResult(out_dir, out_dir / "final", unit="episodes")
+    if eval_examples and start_step == 0:
+        result.eval_before = evaluate(run, eval_examples, out_dir, 0, quiet)
+        logger.log(0, result.eval_before)
+
+    from tqdm import tqdm
+    bar = tqdm(range(start_step, t.total_steps), initial=start_step, total=t.total_steps,
+               disable=quiet or not cfg.logging.progress_bar, desc=method.name, dynamic_ncols=True)
+    total_samples, total_seconds = 0, 0.0
+    for step_idx in bar:
+        step = step_idx + 1
+        timer = Timer()
+        t0 = time.perf_counter()
+        # Fresh prompts every step; the draw depends only on (seed, step), so a resume matches.
+        examples = step_prompts(train_examples, sec.rollout_size // sec.samples_per_prompt, t.seed, step)
+        # 1-5. the method's phases: rollout, score, forward, advantages, update.
+        metrics = method.step(run, examples, step, timer)
+        seconds = time.perf_counter() - t0
+        total_samples += sec.rollout_size
+        total_seconds += seconds
+        # 6. log, evaluate, save.
+        metrics.update(timer.metrics())
+        metrics["time/step"] = seconds
+        metrics["perf/episodes_per_s"] = sec.rollout_size / seconds
+        if "time/generate" in metrics and "rollout/response_length" in metrics:
+            metrics["perf/tokens_per_s"] = (metrics["rollout/response_length"] * sec.rollout_size
+                                            / max(metrics["time/generate"], 1e-9))
+        if eval_examples and (step % t.eval_interval == 0 or step == t.total_steps):
+            metrics.update(evaluate(run, eval_examples, out_dir, step, quiet))
+        log_step(logger, result.history, doctor, step, metrics)
+        postfix = {"reward": f"{metrics['rollout/reward_mean']:.3f}"}
+        if "params/kl_to_ref" in metrics:
+            postfix["kl"] = f"{metrics['params/kl_to_ref']:.3f}"
+        bar.set_postfix(**postfix)
+        if t.save_interval and step % t.save_interval == 0 and step < t.total_steps:
+            save_checkpoint(out_dir / f"step_{step}", models.actor, models.tokenizer,
+                            optimizer=optimizer, scheduler=scheduler, step=step)
+            prune_checkpoints(out_dir, t.keep_last_checkpoints)
+    bar.close()
+    save_checkpoint(result.final_dir, models.actor, models.tokenizer, optimizer=optimizer,
+                    scheduler=scheduler, step=t.total_steps)
+    finish_run(logger, out_dir, models.device, cfg.logging.plots, method.plot_groups or PLOT_GROUPS)
+    result.eval_after = last_eval(result.history)
+    result.samples_per_s = total_samples / total_seconds if total_seconds else 0.0
+    result.models = models
+    return result
