@@ -104,6 +104,8 @@ class GenerationConfig:
     temperature: float = f(1.0, "sampling temperature; logprobs are taken at the same temperature", gt=0)
     top_k: int = f(0, "sample only from the k likeliest tokens; 0 disables", ge=0)
     top_p: float = f(1.0, "nucleus sampling mass; 1.0 disables", gt=0, le=1)
+    seeded_sampling: bool = f(False, "sample with noise keyed by (seed, step, row), so the samples do not depend on "
+                                     "batch_size or the number of processes (hf backend)")
 
     def check(self) -> list[str]:
         if self.min_new_tokens > self.max_new_tokens:

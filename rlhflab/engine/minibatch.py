@@ -49,6 +49,8 @@ class MiniBatch:
     returns: Tensor | None = None
     old_values: Tensor | None = None
     sample_logprobs: Tensor | None = None  # the sampler's own log-probs (vLLM), for the mismatch correction
+    lm_batch: dict | None = None           # PPO-ptx: an LM batch whose loss joins this minibatch's
+    lm_weight: float = 0.0                 # ... with this weight (its share of the group's mean)
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]

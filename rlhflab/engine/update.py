@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from rlhflab import ops
+from rlhflab.engine.dist import Dist
 from rlhflab.engine.minibatch import MiniBatch, loss_mask_of, select
 from rlhflab.engine.scoring import shared_group_size
 from rlhflab.rollout import Rollout
@@ -143,67 +144,72 @@ def loss_terms(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_
                      torch.as_tensor(pg.approx_kl), low, high, value_clip, kl_seq_sum)
 
 
+def inner(module):
+    """The model under a data-parallel wrapper (DDP, DeepSpeed keep it in `.module`)."""
+    return getattr(module, "module", module)
+
+
 def minibatch_loss(actor, mb: MiniBatch, sec, temperature: float, math_: PPOMath,
                    normalizer: float) -> tuple[Tensor, MinibatchStats]:
-    """The loss of one minibatch (see the module docstring) and its stats."""
-    with_values = mb.returns is not None and getattr(actor, "has_values", False)
+    """The loss of one minibatch (see the module docstring) and its stats. `actor` may be
+    wrapped for data parallelism: its forward is called, so the wrapper sees it."""
+    with_values = mb.returns is not None and getattr(inner(actor), "has_values", False)
+    kw = {"lm_batch": mb.lm_batch} if mb.lm_batch is not None else {}
     out = actor(mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask, mb.group_size,
                 temperature=temperature, with_values=with_values, with_entropy=True,
-                entropy_grad=sec.entropy_coeff > 0)
+                entropy_grad=sec.entropy_coeff > 0, **kw)
     old = mb.old_logprobs if mb.old_logprobs is not None else out.logprobs.detach()
     t = loss_terms(out.logprobs, old, mb.advantages, mb.loss_mask, sec, normalizer=normalizer,
                    entropy=out.entropy, ref_logprobs=mb.ref_logprobs,
                    values=out.values if with_values else None, old_values=mb.old_values, returns=mb.returns,
                    sample_logprobs=mb.sample_logprobs, math_=math_)
-    stats = MinibatchStats(float(t.policy), float(t.value), float(t.entropy), float(t.total.detach()),
+    total, ptx = t.total, 0.0
+    if out.lm_loss is not None:  # PPO-ptx: this minibatch's share of the group's mean LM loss
+        total = total + sec.ptx_coeff * mb.lm_weight * out.lm_loss
+        ptx = float(out.lm_loss.detach()) * mb.lm_weight
+    stats = MinibatchStats(float(t.policy), float(t.value), float(t.entropy), float(total.detach()),
                            float(t.clip_frac), float(t.value_clip_frac), float(t.approx_kl),
-                           float(t.clip_frac_low), float(t.clip_frac_high), float(t.kl),
+                           float(t.clip_frac_low), float(t.clip_frac_high), float(t.kl), ptx=ptx,
                            kl_seq_sum=float(t.kl_seq_sum))
-    return t.total, stats
+    return total, stats
 
 
-def _check_finite(loss: Tensor, st: MinibatchStats) -> None:
-    if not torch.isfinite(loss):
+def _check_finite(loss: Tensor, st: MinibatchStats, dist: Dist) -> None:
+    bad = not bool(torch.isfinite(loss))
+    if dist.distributed:  # every rank stops together, or the others would wait forever
+        bad = dist.sum(float(bad)) > 0
+    if bad:
         raise FloatingPointError(f"loss/total is {float(loss)}; policy={st.policy} value={st.value} "
                                  f"entropy={st.entropy}")
 
 
 def update_group(actor, minibatches: list[MiniBatch], optimizer, params: list, sec, temperature: float,
-                 math_: PPOMath, normalizer: float, ptx=None) -> tuple[float, list[MinibatchStats]]:
+                 math_: PPOMath, normalizer: float, ptx=None, dist: Dist | None = None,
+                 ) -> tuple[float, list[MinibatchStats]]:
     """One optimizer step over an accumulation group: forward, loss and backward per
     minibatch, then clip the global grad norm and step. Returns (pre-clip grad norm, stats).
 
-    `ptx`, when given, is an iterator of LM batches: each minibatch adds
-    ptx_coeff · (LM loss of one batch) / len(minibatches), so the group adds one mean.
+    `normalizer` is the group's count over every rank; gradients are all-reduced once,
+    after the group's last minibatch. `ptx`, when given, is an iterator of LM batches:
+    each minibatch adds ptx_coeff · (LM loss of one batch) / len(minibatches), so the
+    group adds one mean (a mean over ranks too). It is computed in the same forward.
     """
+    dist = dist or Dist()
     step_fn = math_.minibatch_step or minibatch_loss
     stats = []
-    for mb in minibatches:
-        loss, st = step_fn(actor, mb, sec, temperature, math_, normalizer)
-        _check_finite(loss, st)
+    for i, mb in enumerate(minibatches):
         if ptx is not None:
-            lm = ptx_loss(actor, next(ptx)) / len(minibatches)
-            loss = loss + sec.ptx_coeff * lm
-            st.ptx = float(lm.detach())
-            st.total += sec.ptx_coeff * st.ptx
-        loss.backward()
+            mb.lm_batch, mb.lm_weight = next(ptx), 1.0 / (len(minibatches) * dist.world_size)
+        with dist.accumulating(actor, last=i == len(minibatches) - 1):
+            loss, st = step_fn(actor, mb, sec, temperature, math_, normalizer)
+            _check_finite(loss, st, dist)
+            dist.backward(loss * dist.scale)
         stats.append(st)
     max_norm = sec.max_grad_norm if sec.max_grad_norm is not None else float("inf")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))  # the norm before clipping
+    grad_norm = dist.clip_grad_norm_(params, max_norm)  # the norm before clipping
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, stats
-
-
-def ptx_loss(actor, batch: dict[str, Tensor]) -> Tensor:
-    """Token-mean next-token NLL of the policy on one LM batch (input_ids, attention_mask,
-    labels with -100 on positions that are not trained)."""
-    out = actor.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-    logits = out.logits[:, :-1]                                                     # (b, L-1, V)
-    labels = batch["labels"][:, 1:]                                                 # (b, L-1)
-    keep = labels != -100
-    lp = ops.logprobs_from_logits(logits, labels.clamp(min=0))
-    return -(lp * keep).sum() / keep.sum().clamp(min=1)
 
 
 def minibatch_order(roll: Rollout, k: int, generator: torch.Generator) -> Tensor:
@@ -217,24 +223,32 @@ def minibatch_order(roll: Rollout, k: int, generator: torch.Generator) -> Tensor
 
 def policy_update(actor, optimizer, scheduler, roll: Rollout, sec, *, temperature: float, step: int,
                   seed: int, max_new_tokens: int, math_: PPOMath | None = None,
-                  ptx: Iterator | None = None) -> dict[str, float]:
+                  ptx: Iterator | None = None, dist: Dist | None = None) -> dict[str, float]:
     """`sec.epochs` passes of shuffled minibatches over the rollout; one optimizer step per
     accumulation group. roll.advantages (B, T) must be set; roll.logprobs (the sampling
     policy's) may be None only when the update makes a single optimizer step.
 
+    Under several processes `roll` is this rank's share, `sec.mini_batch_size` is the
+    global minibatch (each rank takes its share of it) and `actor` the wrapped module.
     Returns the update's metrics: loss/* (mean over optimizer steps of each group's
-    loss), params/* fractions (mean over minibatches), params/grad_norm and lr.
+    loss), params/* fractions (mean over minibatches), params/grad_norm and lr; the same
+    on every rank.
     """
     math_ = math_ or PPOMath()
-    params = actor.trainable_parameters()
+    dist = dist or Dist()
+    if dist.distributed and (math_.update_group or math_.minibatch_step):
+        raise ValueError("policy_update: learner mode's own update runs in one process")
+    module = inner(actor)
+    params = module.trainable_parameters()
     if roll.logprobs is None and sec.optimizer_steps_per_rollout() > 1:
         raise ValueError("policy_update: roll.logprobs (old log-probs) are needed when a step makes "
                          "more than one optimizer step")
     if sec.kl_loss_coeff > 0 and roll.ref_logprobs is None:
         raise ValueError("policy_update: a KL term in the loss needs roll.ref_logprobs")
     loss_mask = loss_mask_of(roll, sec.mask_truncated)                                # (B, T)
-    k = shared_group_size(roll, actor.policy, sec.share_prompt)
-    if k > 1 and sec.mini_batch_size % k:
+    mini_batch_size = dist.local(sec.mini_batch_size, "mini_batch_size")
+    k = shared_group_size(roll, module.policy, sec.share_prompt)
+    if k > 1 and mini_batch_size % k:
         k = 1  # a minibatch would split a group: run the plain pass
     gen = torch.Generator().manual_seed(seed * 7_919 + step)
     update = math_.update_group or update_group
@@ -244,14 +258,19 @@ def policy_update(actor, optimizer, scheduler, roll: Rollout, sec, *, temperatur
     kl_seq_first_epoch = 0.0
     for epoch in range(sec.epochs):
         order = minibatch_order(roll, k, gen)
-        minibatches = [order[i : i + sec.mini_batch_size] for i in range(0, len(roll), sec.mini_batch_size)]
+        minibatches = [order[i : i + mini_batch_size] for i in range(0, len(roll), mini_batch_size)]
         for start in range(0, len(minibatches), sec.gradient_accumulation_steps):
             group = minibatches[start : start + sec.gradient_accumulation_steps]
-            normalizer = group_normalizer(loss_mask[torch.cat(group)], sec.loss_aggregation, max_new_tokens)
+            # The whole group's count, over every rank: accumulation 1x8 == 8x1 and N ranks == 1.
+            normalizer = dist.sum(group_normalizer(loss_mask[torch.cat(group)], sec.loss_aggregation,
+                                                   max_new_tokens))
             batches = [select(roll, rows, loss_mask, k) for rows in group]
+            extra = {"dist": dist} if dist.distributed else {}
+            if ptx is not None:
+                extra["ptx"] = ptx
             try:
                 grad_norm, stats = update(actor, batches, optimizer, params, sec, temperature, math_, normalizer,
-                                          **({"ptx": ptx} if ptx is not None else {}))
+                                          **extra)
             except FloatingPointError as exc:
                 raise FloatingPointError(f"step {step}: {exc}") from None
             scheduler.step()
@@ -263,20 +282,24 @@ def policy_update(actor, optimizer, scheduler, roll: Rollout, sec, *, temperatur
                     kl_seq_first_epoch += st.kl_seq_sum
                 n_mb += 1
     n_opt = len(grad_norms)
-    metrics = {f"loss/{key}": sums[key] / n_opt for key in ("policy", "entropy", "total")}
-    metrics["params/policy_clip_frac"] = sums["policy_clip_frac"] / n_mb
-    metrics["params/approx_kl"] = sums["approx_kl"] / n_mb
-    metrics["params/clip_frac_low"] = sums["clip_frac_low"] / n_mb
-    metrics["params/clip_frac_high"] = sums["clip_frac_high"] / n_mb
-    if roll.returns is not None and getattr(actor, "has_values", False):
-        metrics["loss/value"] = sums["value"] / n_opt
-        metrics["params/value_clip_frac"] = sums["value_clip_frac"] / n_mb
+    # Each rank's loss parts are its share of the global loss: summed over ranks. The
+    # fractions are this rank's means over equal shares: averaged over ranks.
+    loss = {key: dist.sum(sums[key]) / n_opt for key in LOSS_KEYS}
+    frac = {key: dist.mean(sums[key] / n_mb) for key in FRACTION_KEYS}
+    metrics = {f"loss/{key}": loss[key] for key in ("policy", "entropy", "total")}
+    metrics["params/policy_clip_frac"] = frac["policy_clip_frac"]
+    metrics["params/approx_kl"] = frac["approx_kl"]
+    metrics["params/clip_frac_low"] = frac["clip_frac_low"]
+    metrics["params/clip_frac_high"] = frac["clip_frac_high"]
+    if roll.returns is not None and getattr(module, "has_values", False):
+        metrics["loss/value"] = loss["value"]
+        metrics["params/value_clip_frac"] = frac["value_clip_frac"]
     if sec.kl_loss_coeff > 0:
-        metrics["loss/kl"] = sums["kl"] / n_opt
+        metrics["loss/kl"] = loss["kl"]
         if roll.kl is None:  # no sampling-time KL: the first epoch's, Σ_t per response, mean over responses
-            metrics["params/kl_to_ref"] = kl_seq_first_epoch / len(roll)
+            metrics["params/kl_to_ref"] = dist.mean(kl_seq_first_epoch / len(roll))
     if ptx is not None:
-        metrics["loss/ptx"] = sums["ptx"] / n_opt
+        metrics["loss/ptx"] = loss["ptx"]
     metrics["params/grad_norm"] = sum(grad_norms) / n_opt
     metrics["lr"] = optimizer.param_groups[0]["lr"]
     return metrics

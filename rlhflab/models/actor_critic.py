@@ -128,6 +128,18 @@ class ForwardOutput(NamedTuple):
     logprobs: Tensor          # (B, T) float32, at the sampling temperature
     values: Tensor | None     # (B, T) float32, or None
     entropy: Tensor | None    # (B, T) float32, or None
+    lm_loss: Tensor | None = None  # token-mean NLL of an extra LM batch (PPO-ptx), or None
+
+
+def lm_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    """Token-mean next-token NLL of `model` on an LM batch (input_ids, attention_mask, and
+    labels with -100 where nothing is trained)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   use_cache=False).logits[:, :-1]                                     # (b, L-1, V)
+    labels = batch["labels"][:, 1:]                                                    # (b, L-1)
+    keep = labels != -100
+    lp = ops.logprobs_from_logits(logits, labels.clamp(min=0))
+    return -(lp * keep).sum() / keep.sum().clamp(min=1)
 
 
 def token_stats(hidden: Tensor, head: nn.Module, response_ids: Tensor, temperature: float = 1.0,
@@ -179,8 +191,10 @@ class PolicyOnly(nn.Module):
 
     def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor,
                 group_size: int = 1, temperature: float = 1.0, with_values: bool = False,
-                with_entropy: bool = False, entropy_grad: bool = True) -> ForwardOutput:
-        """Log-probs (B, T) of the response tokens, and values and entropy when asked.
+                with_entropy: bool = False, entropy_grad: bool = True,
+                lm_batch: dict[str, Tensor] | None = None) -> ForwardOutput:
+        """Log-probs (B, T) of the response tokens, and values and entropy when asked;
+        with `lm_batch`, also the policy's LM loss on it (PPO-ptx).
 
         Shapes as in `response_hidden`. This is the module's `forward`, so a wrapper
         (DDP, FSDP) sees the whole pass.
@@ -191,7 +205,8 @@ class PolicyOnly(nn.Module):
         values = None
         if with_values:
             values = self._values(hidden, prompt_ids, prompt_mask, response_ids, response_mask, group_size)
-        return ForwardOutput(logprobs, values, entropy)
+        extra = lm_loss(self.policy, lm_batch) if lm_batch is not None else None
+        return ForwardOutput(logprobs, values, entropy, extra)
 
     def forward_response(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int,
                          with_values: bool = True) -> ResponseOutput:
@@ -231,9 +246,10 @@ class ActorCritic(PolicyOnly):
 
     def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor,
                 group_size: int = 1, temperature: float = 1.0, with_values: bool = True,
-                with_entropy: bool = False, entropy_grad: bool = True) -> ForwardOutput:
+                with_entropy: bool = False, entropy_grad: bool = True,
+                lm_batch: dict[str, Tensor] | None = None) -> ForwardOutput:
         return super().forward(prompt_ids, prompt_mask, response_ids, response_mask, group_size, temperature,
-                               with_values, with_entropy, entropy_grad)
+                               with_values, with_entropy, entropy_grad, lm_batch)
 
 
 class Critic(nn.Module):

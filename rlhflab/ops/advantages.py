@@ -51,14 +51,15 @@ def gae(rewards: Tensor, values: Tensor, response_mask: Tensor,
 
 def group_advantages(scores: Tensor, group_size: int,
                      scale: Literal["group", "batch", "none"] = "group",
-                     eps: float = 1e-4) -> Tensor:
+                     eps: float = 1e-4, batch_std: Tensor | float | None = None) -> Tensor:
     """GRPO advantages: each score minus its group's mean, scaled.
 
     scores: (B,) with B = n_groups · group_size, each group contiguous -> (B,).
     scale="group" divides by the group's std (Shao et al., 2024), "batch" by the
     std of the whole batch (less biased towards easy/hard prompts, Liu et al. 2025),
     "none" leaves the centred score. Std is the unbiased (n − 1) estimate. A group
-    whose scores are all equal gets advantage 0, never NaN.
+    whose scores are all equal gets advantage 0, never NaN. `batch_std` replaces the
+    batch's std (e.g. the std over every process's scores).
     """
     if scores.dim() != 1:
         raise ValueError(f"scores must be (B,), got {tuple(scores.shape)}")
@@ -70,7 +71,10 @@ def group_advantages(scores: Tensor, group_size: int,
         std = s.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(s[:, :1])
         out = centred / (std + eps)
     elif scale == "batch":
-        std = s.std() if s.numel() > 1 else s.new_zeros(())
+        if batch_std is not None:
+            std = torch.as_tensor(batch_std, dtype=s.dtype)
+        else:
+            std = s.std() if s.numel() > 1 else s.new_zeros(())
         out = centred / (std + eps)
     elif scale == "none":
         out = centred

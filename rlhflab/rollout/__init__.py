@@ -132,8 +132,9 @@ class RolloutBackend(Protocol):
     """What a trainer asks of a generation backend (`generation.backend`)."""
 
     def generate(self, prompts: Sequence[str], *, n: int = 1, examples: Sequence[dict] | None = None,
-                 greedy: bool = False, max_new_tokens: int | None = None) -> Rollout:
-        """`n` responses per prompt (rows [i·n, (i+1)·n) answer prompt i), as a Rollout."""
+                 greedy: bool = False, max_new_tokens: int | None = None, step: int = 0) -> Rollout:
+        """`n` responses per prompt (rows [i·n, (i+1)·n) answer prompt i), as a Rollout;
+        `step` keys seeded sampling."""
 
     def sync(self, policy: torch.nn.Module) -> None:
         """The policy's weights changed (an optimizer step): make sampling follow them."""
@@ -143,10 +144,11 @@ from rlhflab.rollout.hf import HFBackend, generate  # noqa: E402  (it builds on 
 
 
 def make_backend(gen_cfg, policy: torch.nn.Module, tokenizer, *, max_prompt_length: int | None,
-                 batch_size: int) -> RolloutBackend:
+                 batch_size: int, seed: int = 0, rank: int = 0) -> RolloutBackend:
     """The configured backend, built once per run: `hf` (the default) or `vllm`."""
     backend = getattr(gen_cfg, "backend", "hf")
     if backend == "hf":
-        return HFBackend(policy, tokenizer, gen_cfg, max_prompt_length=max_prompt_length, batch_size=batch_size)
+        return HFBackend(policy, tokenizer, gen_cfg, max_prompt_length=max_prompt_length, batch_size=batch_size,
+                         seed=seed, rank=rank)
     from rlhflab.errors import UserError
     raise UserError(f"generation.backend: {backend!r} is not available; use hf")

@@ -145,12 +145,15 @@ class TrainResult:
     samples_per_s: float = 0.0    # episodes (RL), pairs (DPO) or rows (SFT, RM) per second of training
     unit: str = "episodes"
     world_size: int = 1
+    is_main: bool = True                       # False on the other processes of a multi-process run
     extra: dict = field(default_factory=dict)  # method-specific facts for train_result.json
     models: object | None = None               # the trained models, for callers in the same process
     state: dict = field(default_factory=dict)  # other in-process objects (e.g. DPO's reference cache)
 
     def report(self, skip_missing: bool = False) -> None:
-        """Print the end-of-run summary and write train_result.json."""
+        """Print the end-of-run summary and write train_result.json (the main process only)."""
+        if not self.is_main:
+            return
         print(f"done: {self.output_dir} (final model in {self.final_dir}); "
               f"{self.samples_per_s:.2f} {self.unit}/s")
         print_before_after(self.eval_before, self.eval_after, skip_missing)
@@ -220,11 +223,10 @@ def make_doctor(enabled: bool, max_grad_norm: float | None, kl_knob: str = "ppo.
     return Doctor(max_grad_norm=max_grad_norm, kl_knob=kl_knob)
 
 
-def log_step(logger, history: list[dict], doctor, step: int, metrics: dict) -> None:
-    """Phase 6's bookkeeping: the step's metrics to every sink and to the history, and the
-    doctor's new findings printed above the progress bar."""
+def log_step(logger, doctor, step: int, metrics: dict) -> None:
+    """Phase 6's bookkeeping: the step's metrics to every sink, and the doctor's new
+    findings printed above the progress bar."""
     logger.log(step, metrics)
-    history.append({"step": step, **metrics})
     if doctor is not None:
         from tqdm import tqdm
 

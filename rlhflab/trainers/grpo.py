@@ -44,8 +44,8 @@ from rlhflab.config.schema import (DatasetConfig, GenerationConfig, GroupSection
                                    LoRAConfig, ModelConfig, RewardConfig, TrainingConfig, check_reference, f)
 from rlhflab.engine.scoring import score_rollout
 from rlhflab.trainers.common import Timer, TrainResult
-from rlhflab.trainers.loop import (PolicyMethod, RLRun, broadcast_advantages, rollout_metrics, run_policy_training,
-                                   run_update, score_responses)
+from rlhflab.trainers.loop import (PolicyMethod, RLRun, broadcast_advantages, group_advantages, rollout_metrics,
+                                   run_policy_training, run_update, score_responses)
 
 
 # --------------------------------------------------------------------------------------
@@ -92,7 +92,7 @@ class GRPORunConfig:
 # --------------------------------------------------------------------------------------
 # Phases 1-5 of one step
 # --------------------------------------------------------------------------------------
-def sample_and_score(run: RLRun, examples, timer: Timer, *, kl_in_reward: bool = False):
+def sample_and_score(run: RLRun, examples, timer: Timer, step: int = 0, *, kl_in_reward: bool = False):
     """Phases 1-3 shared by the group methods: `samples_per_prompt` responses per prompt
     (each group contiguous), their scores, and the log-probs the step needs: the
     reference's when a KL is used, the sampling policy's when the update makes more than
@@ -102,7 +102,7 @@ def sample_and_score(run: RLRun, examples, timer: Timer, *, kl_in_reward: bool =
     # 1. rollout: samples_per_prompt responses per prompt, each group contiguous.
     with timer("generate"):
         roll = run.backend.generate([e.prompt for e in examples], n=sec.samples_per_prompt,
-                                    examples=[e.row for e in examples])
+                                    examples=[e.row for e in examples], step=step)
     # 2. score: one float per response.
     with timer("score"):
         roll.scores = score_responses(run.scorer, roll, cfg.reward, models.device)     # (B,)
@@ -120,14 +120,15 @@ def sample_and_score(run: RLRun, examples, timer: Timer, *, kl_in_reward: bool =
 def grpo_step(run: RLRun, examples, step: int, timer: Timer) -> dict[str, float]:
     """Phases 1-5 of one GRPO step; returns its metrics."""
     g = run.sec
-    roll = sample_and_score(run, examples, timer)
-    # 4. advantages: relative to the group, the same value on every token.
-    seq_adv = ops.group_advantages(roll.scores, g.group_size, g.advantage_scale)     # (B,)
+    roll = sample_and_score(run, examples, timer, step)
+    # 4. advantages: relative to the group, the same value on every token (a group never
+    # straddles processes; the batch std of advantage_scale: batch is over every rank).
+    seq_adv = group_advantages(roll.scores, g.group_size, g.advantage_scale, run.dist)  # (B,)
     roll.advantages = broadcast_advantages(seq_adv, roll.response_mask)             # (B, T)
     # 5. update.
     with timer("update"):
         upd = run_update(run, roll, step)
-    return {**rollout_metrics(roll), **upd}
+    return {**rollout_metrics(roll, run.dist), **upd}
 
 
 def method(cfg: GRPORunConfig) -> PolicyMethod:

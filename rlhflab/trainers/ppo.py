@@ -39,7 +39,7 @@ from rlhflab.models.setup import PolicyModels
 from rlhflab.engine.update import MinibatchStats, PPOMath, minibatch_loss, update_group
 from rlhflab.trainers.common import Timer, TrainResult
 from rlhflab.trainers.loop import (PolicyMethod, RLRun, rollout_metrics, run_policy_training, run_update,
-                                   score_responses)
+                                   score_responses, whiten)
 
 # The names learner mode and older code use for the engine's pieces.
 ppo_minibatch_loss = minibatch_loss
@@ -99,13 +99,14 @@ class PPORunConfig:
 # --------------------------------------------------------------------------------------
 # Phases 1-5 of one step
 # --------------------------------------------------------------------------------------
-def collect_rollout(run: RLRun, examples, timer: Timer):
-    """Phases 1-4 for one PPO step; returns a rollout with advantages and returns set."""
+def collect_rollout(run: RLRun, examples, timer: Timer, step: int = 0):
+    """Phases 1-4 for one PPO step; returns a rollout with advantages and returns set.
+    Under several processes `examples` is this rank's share and whitening is global."""
     cfg, p, models = run.cfg, run.cfg.ppo, run.models
     temp = cfg.generation.temperature
     # 1. rollout: sample one response per prompt, batch_size responses at a time.
     with timer("generate"):
-        roll = run.backend.generate([e.prompt for e in examples], examples=[e.row for e in examples])
+        roll = run.backend.generate([e.prompt for e in examples], examples=[e.row for e in examples], step=step)
     # 2. score: one float per response, batched.
     with timer("score"):
         roll.scores = score_responses(run.scorer, roll, cfg.reward, models.device)      # (B,)
@@ -119,22 +120,23 @@ def collect_rollout(run: RLRun, examples, timer: Timer):
             roll.scores, roll.logprobs, ref_lp, roll.response_mask, coeff, p.kl_estimator)  # (B, T) each
         rewards = roll.rewards
         if p.whiten_rewards:
-            rewards = ops.masked_whiten(rewards, roll.response_mask, shift_mean=False)
-        # 4. advantages: GAE (reverse recursion), then whitening over real tokens only.
+            rewards = whiten(rewards, roll.response_mask, run.dist, shift_mean=False)
+        # 4. advantages: GAE (reverse recursion), then whitening over real tokens only
+        # (of every rank).
         adv, ret = run.math.advantages(rewards, roll.values, roll.response_mask, p.gamma, p.lam)
         if p.whiten_advantages:
-            adv = ops.masked_whiten(adv, roll.response_mask)
+            adv = whiten(adv, roll.response_mask, run.dist)
         roll.advantages, roll.returns = adv, ret
     return roll
 
 
 def ppo_step(run: RLRun, examples, step: int, timer: Timer) -> dict[str, float]:
     """Phases 1-5 of one PPO step; returns its metrics."""
-    roll = collect_rollout(run, examples, timer)
+    roll = collect_rollout(run, examples, timer, step)
     # 5. update epochs over minibatches (the shared engine).
     with timer("update"):
         upd = run_update(run, roll, step)
-    return {**rollout_metrics(roll), **upd}
+    return {**rollout_metrics(roll, run.dist), **upd}
 
 
 def method(cfg: PPORunConfig) -> PolicyMethod:

@@ -73,20 +73,24 @@ class RLOORunConfig:
 def rloo_step(run: RLRun, examples, step: int, timer: Timer) -> dict[str, float]:
     """Phases 1-5 of one RLOO step; returns its metrics."""
     r = run.sec
-    roll = sample_and_score(run, examples, timer, kl_in_reward=r.kl_coeff > 0)
+    roll = sample_and_score(run, examples, timer, step, kl_in_reward=r.kl_coeff > 0)
     # 3. (cont.) the sequence KL joins the reward.
     rewards = roll.scores
     if roll.kl is not None:
         rewards = roll.scores - r.kl_coeff * roll.kl.sum(-1)                           # (B,)
     # 4. advantages: leave-one-out baseline, the same value on every token.
     seq_adv = ops.rloo_advantages(rewards, r.k)                                      # (B,)
-    if r.normalize_advantages and len(seq_adv) > 1:
-        seq_adv = (seq_adv - seq_adv.mean()) / (seq_adv.std() + 1e-8)
+    if r.normalize_advantages:  # over the whole batch, every rank's (unbiased std, as before)
+        n = run.dist.sum(float(len(seq_adv)))
+        if n > 1:
+            mean = run.dist.sum(float(seq_adv.sum())) / n
+            var = run.dist.sum(float((seq_adv - mean).square().sum())) / (n - 1)
+            seq_adv = (seq_adv - mean) / (var ** 0.5 + 1e-8)
     roll.advantages = broadcast_advantages(seq_adv, roll.response_mask)              # (B, T)
     # 5. update: the KL is already in the reward, so none in the loss.
     with timer("update"):
-        metrics = {**rollout_metrics(roll), **run_update(run, roll, step)}
-    metrics["rollout/shaped_reward_mean"] = float(rewards.mean())
+        metrics = {**rollout_metrics(roll, run.dist), **run_update(run, roll, step)}
+    metrics["rollout/shaped_reward_mean"] = run.dist.mean(float(rewards.mean()))
     return metrics
 
 
