@@ -27,6 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ppo": ("rlhflab.trainers.ppo", "PPO with a value head or separate critic, KL to a reference"),
     "grpo": ("rlhflab.trainers.grpo", "GRPO: group-relative advantages, no critic"),
     "rloo": ("rlhflab.trainers.rloo", "RLOO: leave-one-out baseline, no critic"),
+    "reinforce-pp": ("rlhflab.trainers.reinforce_pp", "REINFORCE++: KL-shaped returns whitened over the batch, no critic"),
+    "dr-grpo": ("rlhflab.trainers.dr_grpo", "Dr. GRPO: GRPO without the std and length normalisations"),
     "dpo": ("rlhflab.trainers.dpo", "DPO/IPO/hinge on offline preference pairs"),
     "eval": ("rlhflab.evaluate", "greedy accuracy and mean reward of a model on a task split"),
     "learn": ("rlhflab.learn.cli", "learner mode: PPO exercises, grader, reference solutions"),

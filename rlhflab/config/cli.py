@@ -27,6 +27,8 @@ SCHEMAS: dict[str, str] = {
     "rm": "rlhflab.trainers.rm:RMRunConfig",
     "grpo": "rlhflab.trainers.grpo:GRPORunConfig",
     "rloo": "rlhflab.trainers.rloo:RLOORunConfig",
+    "reinforce-pp": "rlhflab.trainers.reinforce_pp:ReinforcePPRunConfig",
+    "dr-grpo": "rlhflab.trainers.dr_grpo:DrGRPORunConfig",
     "dpo": "rlhflab.trainers.dpo:DPORunConfig",
 }
 

@@ -40,7 +40,10 @@ class PtxData:
                 examples.append(sftdata.TokenizedExample(ids, list(ids), 0, False))
         rest = [r for r in rows if not (isinstance(r.get("text"), str) and sftdata.detect_layout(r) is None)]
         if rest:
-            parsed = sftdata.parse_rows(rest, path)
+            try:
+                parsed = sftdata.parse_rows(rest, path)
+            except UserError as exc:
+                raise UserError(f"ptx_data: {exc}; plain {{\"text\": ...}} rows work too") from None
             tpl = sftdata.Template(prompt_template, " {response}", use_chat_template)
             examples += sftdata.tokenize_examples(parsed, tokenizer, tpl, max_seq_length).examples
         if not examples:

@@ -1,4 +1,5 @@
-"""Advantages: GAE for PPO, group-relative for GRPO, leave-one-out for RLOO.
+"""Advantages: GAE for PPO, group-relative for GRPO and Dr. GRPO, leave-one-out for RLOO,
+discounted returns for REINFORCE++.
 
 Whitening is not done here: the trainer calls `masked_whiten` itself, so GAE alone
 can be tested (a fault of some libraries whose GAE always whitens).
@@ -81,6 +82,26 @@ def group_advantages(scores: Tensor, group_size: int,
     else:
         raise ValueError(f"unknown scale {scale!r}; choose group, batch or none")
     return out.reshape(-1)
+
+
+def discounted_returns(rewards: Tensor, response_mask: Tensor, gamma: float = 1.0) -> Tensor:
+    """G_t = r_t + γ·G_{t+1} over each response, computed in reverse; 0 on padding. (B, T) -> (B, T).
+
+    REINFORCE++ (Hu, 2025) uses these returns of the KL-shaped per-token rewards as
+    advantages (after whitening over the batch). It is GAE with no critic and λ = 1.
+    Worked example (γ = 0.5, r = [1, 0, 2]): G = [1 + 0.5·(0 + 0.5·2), 0 + 0.5·2, 2] = [1.5, 1, 2].
+    """
+    if rewards.shape != response_mask.shape or rewards.dim() != 2:
+        raise ValueError(f"discounted_returns expects rewards and response_mask both (B, T); got "
+                         f"{tuple(rewards.shape)} and {tuple(response_mask.shape)}")
+    mask = response_mask.to(rewards.dtype)
+    rewards = rewards * mask
+    out = torch.zeros_like(rewards)
+    running = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)  # G_{t+1}, (B,)
+    for i in reversed(range(rewards.shape[1])):
+        running = (rewards[:, i] + gamma * running) * mask[:, i]
+        out[:, i] = running
+    return out
 
 
 def rloo_advantages(scores: Tensor, k: int) -> Tensor:

@@ -39,13 +39,13 @@ from pathlib import Path
 from typing import Literal
 
 from rlhflab import ops
-from rlhflab.config import load_config
 from rlhflab.config.schema import (DatasetConfig, GenerationConfig, GroupSection, KLKind, LoggingConfig,
                                    LoRAConfig, ModelConfig, RewardConfig, TrainingConfig, check_reference, f)
 from rlhflab.engine.scoring import score_rollout
 from rlhflab.trainers.common import Timer, TrainResult
-from rlhflab.trainers.loop import (PolicyMethod, RLRun, broadcast_advantages, group_advantages, rollout_metrics,
-                                   run_policy_training, run_update, score_responses)
+from rlhflab.trainers.loop import (PolicyMethod, RLRun, add_policy_parser, broadcast_advantages, group_advantages,
+                                   rollout_metrics, run_policy_command, run_policy_training, run_update,
+                                   score_responses)
 
 
 # --------------------------------------------------------------------------------------
@@ -145,13 +145,8 @@ def train(cfg: GRPORunConfig, resume: str | Path | None = None, effective=None,
 # CLI
 # --------------------------------------------------------------------------------------
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="YAML config, e.g. configs/grpo_debug.yaml "
-                                                        "(every key: rlhflab config show grpo)")
-    parser.add_argument("--resume", default=None, help="continue from a step_N/ checkpoint folder")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.group_size=8")
+    add_policy_parser(parser, "grpo", "grpo.group_size=8")
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg, effective = load_config(args.config, GRPORunConfig, args.overrides)
-    train(cfg, resume=args.resume, effective=effective).report()
-    return 0
+    return run_policy_command(args, GRPORunConfig, train)

@@ -327,3 +327,24 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
     result.samples_per_s = total_samples / total_seconds if total_seconds else 0.0
     result.models = models
     return result
+
+
+# --------------------------------------------------------------------------------------
+# The command line of a policy method
+# --------------------------------------------------------------------------------------
+def add_policy_parser(parser, command: str, example: str) -> None:
+    """`rlhflab <command> --config FILE [--resume DIR] [key=value ...]`."""
+    stem = command.replace("-", "_")
+    parser.add_argument("--config", required=True, help=f"YAML config, e.g. configs/{stem}_debug.yaml "
+                                                        f"(every key: rlhflab config show {command})")
+    parser.add_argument("--resume", default=None, help="continue from a step_N/ checkpoint folder")
+    parser.add_argument("overrides", nargs="*", help=f"dotted overrides, e.g. {example}")
+
+
+def run_policy_command(args, schema, train) -> int:
+    """Load the config (file, then overrides), train, report."""
+    from rlhflab.config import load_config
+
+    cfg, effective = load_config(args.config, schema, args.overrides)
+    train(cfg, resume=args.resume, effective=effective).report()
+    return 0

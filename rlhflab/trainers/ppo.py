@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from rlhflab import ops
-from rlhflab.config import load_config
 from rlhflab.config.schema import (DatasetConfig, GenerationConfig, KLKind, LoggingConfig, LoRAConfig,
                                    ModelConfig, PolicySection, RewardConfig, TrainingConfig, check_reference, f)
 from rlhflab.engine.scoring import score_rollout
@@ -38,8 +37,8 @@ from rlhflab.models import setup
 from rlhflab.models.setup import PolicyModels
 from rlhflab.engine.update import MinibatchStats, PPOMath, minibatch_loss, update_group
 from rlhflab.trainers.common import Timer, TrainResult
-from rlhflab.trainers.loop import (PolicyMethod, RLRun, rollout_metrics, run_policy_training, run_update,
-                                   score_responses, whiten)
+from rlhflab.trainers.loop import (PolicyMethod, RLRun, add_policy_parser, rollout_metrics, run_policy_command,
+                                   run_policy_training, run_update, score_responses, whiten)
 
 # The names learner mode and older code use for the engine's pieces.
 ppo_minibatch_loss = minibatch_loss
@@ -161,16 +160,11 @@ def train(cfg: PPORunConfig, resume: str | Path | None = None, math_: PPOMath | 
 # CLI
 # --------------------------------------------------------------------------------------
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="YAML config, e.g. configs/ppo_debug.yaml "
-                                                        "(every key: rlhflab config show ppo)")
-    parser.add_argument("--resume", default=None, help="continue from a step_N/ checkpoint folder")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. ppo.kl_coeff=0.1")
+    add_policy_parser(parser, "ppo", "ppo.kl_coeff=0.1")
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg, effective = load_config(args.config, PPORunConfig, args.overrides)
-    train(cfg, resume=args.resume, effective=effective).report()
-    return 0
+    return run_policy_command(args, PPORunConfig, train)
 
 
 __all__ = ["PPOSection", "PPORunConfig", "PPOMath", "MinibatchStats", "collect_rollout", "ppo_step", "train",

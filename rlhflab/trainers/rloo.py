@@ -28,13 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlhflab import ops
-from rlhflab.config import load_config
 from rlhflab.config.schema import (DatasetConfig, GenerationConfig, GroupSection, KLKind, LoggingConfig,
                                    LoRAConfig, ModelConfig, RewardConfig, TrainingConfig, check_reference, f)
 from rlhflab.trainers.common import Timer, TrainResult
 from rlhflab.trainers.grpo import sample_and_score
-from rlhflab.trainers.loop import (PolicyMethod, RLRun, broadcast_advantages, rollout_metrics, run_policy_training,
-                                   run_update)
+from rlhflab.trainers.loop import (PolicyMethod, RLRun, add_policy_parser, broadcast_advantages, rollout_metrics,
+                                   run_policy_command, run_policy_training, run_update)
 
 
 @dataclass
@@ -105,13 +104,8 @@ def train(cfg: RLOORunConfig, resume: str | Path | None = None, effective=None,
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="YAML config, e.g. configs/rloo_debug.yaml "
-                                                        "(every key: rlhflab config show rloo)")
-    parser.add_argument("--resume", default=None, help="continue from a step_N/ checkpoint folder")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rloo.k=8")
+    add_policy_parser(parser, "rloo", "rloo.k=8")
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg, effective = load_config(args.config, RLOORunConfig, args.overrides)
-    train(cfg, resume=args.resume, effective=effective).report()
-    return 0
+    return run_policy_command(args, RLOORunConfig, train)
