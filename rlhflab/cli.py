@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rloo": ("rlhflab.trainers.rloo", "RLOO: leave-one-out baseline, no critic"),
     "reinforce-pp": ("rlhflab.trainers.reinforce_pp", "REINFORCE++: KL-shaped returns whitened over the batch, no critic"),
     "dr-grpo": ("rlhflab.trainers.dr_grpo", "Dr. GRPO: GRPO without the std and length normalisations"),
+    "trpo": ("rlhflab.trainers.trpo", "TRPO (teaching): natural-gradient step by conjugate gradient, KL line search"),
     "dpo": ("rlhflab.trainers.dpo", "DPO/IPO/hinge on offline preference pairs"),
     "eval": ("rlhflab.evaluate", "greedy accuracy and mean reward of a model on a task split"),
     "learn": ("rlhflab.learn.cli", "learner mode: PPO exercises, grader, reference solutions"),

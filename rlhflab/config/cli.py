@@ -29,6 +29,7 @@ SCHEMAS: dict[str, str] = {
     "rloo": "rlhflab.trainers.rloo:RLOORunConfig",
     "reinforce-pp": "rlhflab.trainers.reinforce_pp:ReinforcePPRunConfig",
     "dr-grpo": "rlhflab.trainers.dr_grpo:DrGRPORunConfig",
+    "trpo": "rlhflab.trainers.trpo:TRPORunConfig",
     "dpo": "rlhflab.trainers.dpo:DPORunConfig",
 }
 

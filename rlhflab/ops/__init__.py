@@ -21,6 +21,7 @@ from rlhflab.ops.losses import (
     reward_model_loss,
     value_loss,
 )
+from rlhflab.ops.natural_gradient import CGResult, categorical_kl, conjugate_gradient
 from rlhflab.ops.sampling import counter_uniform, gumbel_noise, row_keys
 from rlhflab.ops.stats import masked_mean, masked_sum, masked_var, masked_whiten
 
@@ -32,5 +33,5 @@ __all__ = [
     "aggregate", "ppo_policy_loss", "PolicyLossOutput", "value_loss", "ValueLossOutput",
     "entropy_loss", "EntropyLossOutput", "dpo_loss", "DPOLossOutput",
     "reward_model_loss", "RewardModelLossOutput",
-    "truncated_is_weights", "logprob_gap", "row_keys", "counter_uniform", "gumbel_noise",
+    "truncated_is_weights", "logprob_gap", "categorical_kl", "conjugate_gradient", "CGResult", "row_keys", "counter_uniform", "gumbel_noise",
 ]

@@ -42,6 +42,7 @@ class PolicyMethod:
     critic: CriticKind | None = None            # PPO: the configured model.critic; critic-free: None
     need_reference: Callable[[object], bool] = lambda cfg: False
     plot_groups: dict[str, list[str]] | None = None
+    optimizer_params: Callable[[object], list] | None = None  # what the optimizer trains (default: every trainable)
 
 
 @dataclass
@@ -176,8 +177,8 @@ def build_run(cfg, method: PolicyMethod, *, resume_dir: Path | None = None, math
     models = build_models(cfg.model, cfg.lora, t.device, need_reference=method.need_reference(cfg),
                           critic=method.critic, resume_dir=resume_dir)
     scorer = build_reward(cfg.reward, models.device)
-    optimizer, scheduler = make_optimization(models.actor.trainable_parameters(), sec,
-                                             t.total_steps * sec.optimizer_steps_per_rollout())
+    params = (method.optimizer_params or (lambda actor: actor.trainable_parameters()))(models.actor)
+    optimizer, scheduler = make_optimization(params, sec, t.total_steps * sec.optimizer_steps_per_rollout())
     train_model, optimizer = dist.prepare(models.actor, optimizer)
     backend = make_backend(cfg.generation, models.policy, models.tokenizer,
                            max_prompt_length=cfg.dataset.max_prompt_length, batch_size=sec.batch_size,
