@@ -72,6 +72,16 @@ class EvalResult:
     samples: list[dict] = field(default_factory=list)
     extra: dict[str, float] = field(default_factory=dict)  # eval.rewards means, by metric name
 
+    @classmethod
+    def from_samples(cls, samples: list[dict], extra: Sequence[str] = ()) -> "EvalResult":
+        """The result of samples decoded elsewhere (e.g. gathered from several processes);
+        `extra` names the eval-only rewards each sample carries."""
+        correct = [s["correct"] for s in samples if "correct" in s]
+        acc = sum(correct) / len(correct) if correct and len(correct) == len(samples) else None
+        reward = sum(s["score"] for s in samples) / len(samples) if samples else 0.0
+        means = {k: sum(s[k] for s in samples) / len(samples) for k in extra} if samples else {}
+        return cls(acc, reward, list(samples), means)
+
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
         out = {f"{prefix}reward_mean": self.reward_mean}
         if self.accuracy is not None:

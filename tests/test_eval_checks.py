@@ -108,7 +108,7 @@ def test_ppo_logs_the_chosen_accuracy_and_eval_only_rewards_without_optimising_t
 
     (tmp_path / "checks_ppo.py").write_text(CHECKS)
     monkeypatch.chdir(tmp_path)
-    common = ["training.total_ppo_steps=2", "training.eval_interval=1", "eval.correct=checks_ppo.py:even",
+    common = ["training.total_steps=2", "training.eval_interval=1", "eval.correct=checks_ppo.py:even",
               "reward.sources=[{type: rule, name: 'checks_ppo.py:vowels'}]"]
     plain = train(ppo_cfg(*common, out_dir=tmp_path / "plain"), quiet=True)
     extra = train(ppo_cfg(*common, "eval.rewards=[{type: rule, name: 'checks_ppo.py:code_mod7', metric: mod7}]",

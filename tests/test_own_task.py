@@ -54,7 +54,7 @@ def task_folder(tmp_path, tiny_model_dir) -> Path:
               "generation: {max_new_tokens: 6}\n"
               "reward:\n  sources: [{type: rule, name: my_rewards:score}]\n"
               "eval:\n  correct: my_rewards:exact\n"
-              "training: {device: cpu, total_ppo_steps: 2, eval_interval: 1, save_interval: 0, num_threads: 1}\n"
+              "training: {device: cpu, total_steps: 2, eval_interval: 1, save_interval: 0, num_threads: 1}\n"
               "logging: {progress_bar: false, plots: false}\n")
     (folder / "ppo.yaml").write_text(common + "ppo: {rollout_samples: 8, batch_size: 8, mini_batch_size: 4, "
                                               "epochs: 1, learning_rate: 1.0e-4}\n")
@@ -87,7 +87,7 @@ def test_ppo_from_the_task_folder_without_pythonpath(task_folder, monkeypatch):
     monkeypatch.chdir(elsewhere)
     monkeypatch.setattr(sys, "path", list(sys.path))
     assert main(["ppo", "--config", str(task_folder / "ppo.yaml"), "training.output_dir=out_ppo",
-                 "training.total_ppo_steps=1"]) == 0
+                 "training.total_steps=1"]) == 0
     assert sys.modules["my_rewards"].__file__ == str(task_folder / "my_rewards.py")
     monkeypatch.delitem(sys.modules, "my_rewards")
 
@@ -111,7 +111,8 @@ def test_the_sentiment_config_runs(tiny_model_dir, tmp_path):
     a few steps, the untrained tiny model as the policy, one PPO step."""
     from rlhflab.data.reviews import write_reviews
 
-    from rlhflab.config import PPORunConfig, load_config
+    from rlhflab.config import load_config
+    from rlhflab.trainers.ppo import PPORunConfig
     from rlhflab.trainers.classifier import ClassifierRunConfig, train_classifier
     from rlhflab.trainers.ppo import train
 
@@ -126,7 +127,7 @@ def test_the_sentiment_config_runs(tiny_model_dir, tmp_path):
         f"dataset.eval_path={reviews / 'prompts_test.jsonl'}",
         f"reward.sources=[{{type: classifier, path: {clf.final_dir}, label: POSITIVE, text: response}}]",
         "ppo.rollout_samples=8", "ppo.batch_size=8", "ppo.mini_batch_size=4", "generation.max_new_tokens=6",
-        "training.total_ppo_steps=1", "training.eval_interval=1", f"training.output_dir={tmp_path / 'ppo'}",
+        "training.total_steps=1", "training.eval_interval=1", f"training.output_dir={tmp_path / 'ppo'}",
         "logging.progress_bar=false", "logging.plots=false", "training.num_threads=1"])
     train(cfg, quiet=True)
     from rlhflab.data.reviews import is_positive, lexicon_score
@@ -145,6 +146,7 @@ def test_every_shipped_config_loads_with_its_commands_schema(config):
     from rlhflab.config import load_config
     from rlhflab.config.cli import SCHEMAS
 
-    command = config.split("_")[0].removesuffix(".yaml")
+    # the longest command whose name (with _ for -) starts the file name: dr_grpo_debug -> dr-grpo
+    command = max((c for c in SCHEMAS if config.removesuffix(".yaml").startswith(c.replace("-", "_"))), key=len)
     module, _, attr = SCHEMAS[command].partition(":")
     load_config(ROOT / "configs" / config, getattr(importlib.import_module(module), attr))

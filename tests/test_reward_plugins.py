@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhflab.config import PPORunConfig, load_config
+from rlhflab.config import load_config
 from rlhflab.config.schema import RewardConfig, RewardSource
 from rlhflab.errors import UserError
 from rlhflab.rewards import REGISTRY, RuleScorer, batched, build_reward, resolve_rule
+from rlhflab.trainers.ppo import PPORunConfig
 
 _ids = itertools.count()
 
@@ -239,25 +240,25 @@ def test_preflight_says_when_accuracy_is_not_logged(task, tmp_path, monkeypatch,
     assert "eval/accuracy: not logged (the held-out answers are not numbers); set eval.correct" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("trainer", ["ppo", "grpo", "rloo"])
-def test_a_broken_plugin_fails_before_any_model_loads(trainer, task, tmp_path, monkeypatch):
-    """The model loaders are replaced by a tripwire: the error must come first, as one
-    line naming the config key, the plug-in, the row and the fix, with no output folder made."""
+@pytest.mark.parametrize("command", ["ppo", "grpo", "rloo", "reinforce-pp", "dr-grpo", "trpo"])
+def test_a_broken_plugin_fails_before_any_model_loads(command, task, tmp_path, monkeypatch):
+    """The model builder of the RL loop is replaced by a tripwire: the error must come
+    first, as one line naming the config key, the plug-in, the row and the fix, with no
+    output folder made."""
     import importlib
 
-    from rlhflab.trainers import policy_gradient, ppo
+    from rlhflab.config.cli import SCHEMAS
+    from rlhflab.trainers import loop
 
     def tripwire(*a, **k):
         raise AssertionError("a model was loaded before the plug-in was checked")
-    monkeypatch.setattr(ppo, "build_models", tripwire)
-    monkeypatch.setattr(policy_gradient, "build_policy_models", tripwire)
+    monkeypatch.setattr(loop, "build_models", tripwire)
     name = write_module(task, "def score(prompt, response, example):\n    return example['target']\n")
     monkeypatch.chdir(task)
-    module = importlib.import_module(f"rlhflab.trainers.{trainer}")
-    schema = {"ppo": PPORunConfig, "grpo": module.__dict__.get("GRPORunConfig"),
-              "rloo": module.__dict__.get("RLOORunConfig")}[trainer]
+    module_name, _, schema_name = SCHEMAS[command].partition(":")
+    module = importlib.import_module(module_name)
     out = tmp_path / "out"
-    cfg, _ = load_config(None, schema, _task_overrides(task, tmp_path, out, f"{name}:score"))
+    cfg, _ = load_config(None, getattr(module, schema_name), _task_overrides(task, tmp_path, out, f"{name}:score"))
     with pytest.raises(UserError) as err:
         module.train(cfg, quiet=True)
     msg = str(err.value)

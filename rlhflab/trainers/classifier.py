@@ -89,7 +89,7 @@ def _classifier_training() -> TrainingConfig:
 
 @dataclass
 class ClassifierRunConfig:
-    """`rlhflab classifier`: every section of a classifier run (training.total_ppo_steps is not used)."""
+    """`rlhflab classifier`: every section of a classifier run (training.total_steps is not used)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: ClassifierDataConfig = field(default_factory=ClassifierDataConfig)
