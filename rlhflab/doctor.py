@@ -306,7 +306,7 @@ def _rule_reward_hacking(history: History, latest: dict[str, float], cfg: Doctor
             return (f"the optimised reward ({EVAL_REWARD}) rose from {reward[best_step]:.3g} to "
                     f"{reward[now_step]:.3g} since step {best_step} while the held-out check {key} fell "
                     f"from {best:.3g} to {now:.3g}: the policy is exploiting the reward, not doing the task "
-                    f"(reward hacking). Read eval/step_{now_step}.jsonl; keep the step_{best_step} checkpoint, "
+                    f"(reward hacking). Read eval/step_{now_step}.jsonl; prefer the model of step {best_step}, "
                     f"raise {cfg.kl_knob}, or fix the reward")
     return "" if judged else None
 

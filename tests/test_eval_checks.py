@@ -146,7 +146,7 @@ def test_reward_hacking_fires_when_the_reward_rises_and_the_check_falls():
     msg = doctor.active["reward_hacking"].message
     # best check 0.30 at step 10, reward 0.5 -> 0.8 since then
     assert "rose from 0.5 to 0.8 since step 10" in msg and "eval/accuracy fell from 0.3 to 0" in msg
-    assert "keep the step_10 checkpoint" in msg
+    assert "prefer the model of step 10" in msg
 
 
 @pytest.mark.parametrize("rewards, checks, why", [
@@ -207,3 +207,31 @@ def test_cli_eval_checks_the_plugins_before_loading_the_model(tmp_path, monkeypa
     err = capsys.readouterr().err
     assert err.startswith("error: plug-in 'cli_bad.py:right' raised KeyError: 'target' at cli_bad.py:2") \
         and err.count("\n") == 1
+
+
+HACKED = """
+CALLS = {"reward": 0, "check": 0}
+
+def rising(prompt, response, example):
+    CALLS["reward"] += 1
+    return CALLS["reward"] / 1000      # every later call scores higher: the reward "rises"
+
+def falling(prompt, response, example):
+    CALLS["check"] += 1
+    return CALLS["check"] <= 9         # right in the preflight and the first evaluation (8 prompts)
+"""
+
+
+def test_the_live_doctor_sees_step_0_and_warns_of_reward_hacking(ppo_cfg, tmp_path, monkeypatch, capsys):
+    """Two evaluations (steps 0 and 1): the reward rises and the check falls from 1.0 to 0.0.
+    The doctor can only fire at step 1 if the loop showed it step 0's evaluation."""
+    from rlhflab.trainers.ppo import train
+
+    (tmp_path / "hacked.py").write_text(HACKED)
+    monkeypatch.chdir(tmp_path)
+    train(ppo_cfg("training.total_steps=1", "training.eval_interval=1", "logging.doctor=true",
+                  "reward.sources=[{type: rule, name: 'hacked.py:rising'}]", "eval.correct=hacked.py:falling"),
+          quiet=False)
+    out = capsys.readouterr().out
+    assert "doctor [warn] step 1 reward_hacking: the optimised reward (eval/reward_mean) rose" in out
+    assert "the held-out check eval/accuracy fell from 1 to 0" in out

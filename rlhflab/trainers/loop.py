@@ -278,6 +278,8 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
         result.eval_before = evaluate(run, eval_examples, out_dir, 0, quiet)
         if logger is not None:
             logger.log(0, result.eval_before)
+        if doctor is not None:  # the held-out checks' starting point, for the reward_hacking rule
+            doctor.observe(0, result.eval_before)
 
     def save(folder: Path, step: int) -> None:
         rng = dist.gather(rng_state())  # every rank's random state, for an exact resume
