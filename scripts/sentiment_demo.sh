@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The TRL sentiment example, offline, on CPU (a few minutes on 2 cores):
 #   make-tiny -> make-reviews -> classifier (the reward) -> SFT (the policy) -> PPO toward positive
-#   -> before/after: the classifier's score and the lexicon's positive-rate (a held-out check).
+#   -> before/after: the classifier's score and the lexicon's positive-rate (a held-out check)
+#   -> the classifier on a few hand-written continuations.
 # Usage: scripts/sentiment_demo.sh [OUT] [SEED]     (OUT defaults to outputs/sentiment, where
 #        configs/ppo_sentiment.yaml looks; SEED to 0)
 set -euo pipefail
@@ -47,3 +48,6 @@ print(f"{'classifier P(POSITIVE), sampled (rollout, step 1/last)':52}"
       f"{steps[0]['rollout/reward_mean']:>10.3f}{steps[-1]['rollout/reward_mean']:>11.3f}")
 print(f"(greedy: 200 held-out openings at steps {first['step']} and {last['step']}; every evaluation: {sys.argv[1]})")
 PY
+
+echo "== 6. the classifier on hand-written continuations: what can it be fooled by?"
+$PYTHON scripts/probe_classifier.py "$OUT/classifier/final"

@@ -19,14 +19,14 @@ if [ ! -d "$OUT/warm/sft/final" ]; then
   $PYTHON -c "from pathlib import Path; from rlhflab.quickstart import prepare_warm_start; prepare_warm_start(Path('$OUT/warm'), quiet=True)"
 fi
 COMMON=(model.name_or_path="$OUT/warm/sft/final" dataset.eval_path="$OUT/warm/data/test.jsonl")
-CRITIQUE=$'{prompt} {worst}\nScore: {worst_score:.1f}\n{prompt} {best}\nScore: {best_score:.1f}\nWhy is the second answer better?'
+# Overrides are YAML: a template is quoted ("..."), and \n inside double quotes is a newline.
+CRITIQUE='tpo.critique_template="{prompt} {worst}\nScore: {worst_score:.1f}\n{prompt} {best}\nScore: {best_score:.1f}\nWhy is the second answer better?"'
 for seed in "${SEEDS[@]}"; do
   for mode in resample feedback critique; do
     case $mode in
-      resample) extra=("tpo.refine_template={prompt}") ;;
+      resample) extra=('tpo.refine_template="{prompt}"') ;;
       feedback) extra=() ;;
-      critique) extra=("tpo.critique_template=$CRITIQUE"
-                       $'tpo.refine_template={prompt} {best}\nCritique: {critique}\n{prompt}') ;;
+      critique) extra=("$CRITIQUE" 'tpo.refine_template="{prompt} {best}\nCritique: {critique}\n{prompt}"') ;;
     esac
     echo "== seed $seed, $mode"
     $RLHFLAB tpo --config configs/tpo_quickstart.yaml "${COMMON[@]}" run.seed="$seed" \
