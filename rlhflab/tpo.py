@@ -147,6 +147,8 @@ class RoundStats(NamedTuple):
     best_accuracy: float | None  # accuracy of the best candidate so far (None: no checker)
     bon_reward: float         # best-of-N·(round+1) plain samples: mean best reward
     bon_accuracy: float | None
+    copied_best: float | None = None   # share of this round's candidates equal to the best shown (rounds ≥ 1)
+    copied_worst: float | None = None  # ... equal to the worst shown: is the model copying, not improving?
 
 
 @dataclass
@@ -184,6 +186,7 @@ def tpo_search(sampler: Sampler, prompts: Sequence[str], rows: Sequence[dict], s
     plain_scores = [_score(scorer, [p] * len(c), c, [r] * len(c)) for p, r, c in zip(prompts, rows, plain)]
     stats, refine_prompts, critiques = [], [], []
     for t in range(T + 1):
+        copied_best = copied_worst = None
         if t == 0:
             new = [c[:n] for c in plain]  # round 0 is N plain samples: the baseline's first N
         else:
@@ -195,6 +198,9 @@ def tpo_search(sampler: Sampler, prompts: Sequence[str], rows: Sequence[dict], s
             new = sampler(refine, n, max_new_tokens)
             refine_prompts.append(refine)
             critiques.append(crit)
+            shown = [(pool.responses[pool.best].strip(), pool.responses[pool.worst].strip()) for pool in pools]
+            copied_best = sum(x.strip() == b for (b, _), c in zip(shown, new) for x in c) / (n * len(prompts))
+            copied_worst = sum(x.strip() == w for (_, w), c in zip(shown, new) for x in c) / (n * len(prompts))
         new_scores = [_score(scorer, [p] * len(c), c, [r] * len(c)) for p, r, c in zip(prompts, rows, new)]
         for pool, c, s in zip(pools, new, new_scores):
             pool.add(c, s)
@@ -203,7 +209,8 @@ def tpo_search(sampler: Sampler, prompts: Sequence[str], rows: Sequence[dict], s
         stats.append(RoundStats(
             t, k, sum(map(sum, new_scores)) / (n * len(prompts)),
             sum(p.scores[p.best] for p in pools) / len(pools), _best_accuracy(pools, prompts, rows, correct_fn),
-            sum(p.scores[p.best] for p in bon) / len(bon), _best_accuracy(bon, prompts, rows, correct_fn)))
+            sum(p.scores[p.best] for p in bon) / len(bon), _best_accuracy(bon, prompts, rows, correct_fn),
+            copied_best, copied_worst))
     return TPOResult(stats, pools, refine_prompts, critiques)
 
 
@@ -225,10 +232,12 @@ def format_rounds(rounds: Sequence[RoundStats]) -> str:
     def pct(v):
         return "   n/a" if v is None else f"{100 * v:5.1f}%"
 
-    lines = ["round  samples  new-sample reward  TPO best reward  TPO accuracy  best-of-N reward  best-of-N accuracy"]
+    lines = ["round  samples  new-sample reward  TPO best reward  TPO accuracy  best-of-N reward  best-of-N accuracy"
+             "  copies of best / worst"]
     for r in rounds:
         lines.append(f"{r.round:>5}  {r.samples_per_prompt:>7}  {r.round_reward:>17.3f}  {r.best_reward:>15.3f}  "
-                     f"{pct(r.best_accuracy):>12}  {r.bon_reward:>16.3f}  {pct(r.bon_accuracy):>18}")
+                     f"{pct(r.best_accuracy):>12}  {r.bon_reward:>16.3f}  {pct(r.bon_accuracy):>18}  "
+                     f"{pct(r.copied_best):>10} / {pct(r.copied_worst)}")
     return "\n".join(lines)
 
 

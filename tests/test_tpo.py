@@ -63,6 +63,29 @@ def test_feedback_that_helps_beats_best_of_n():
     assert len(pool.responses) == 12 and res.refine_prompts[0][0] == (
         f"BEST={first.responses[first.best].strip()}|WORST={first.responses[first.worst].strip()}|q1")
     assert all(r.best_accuracy is None for r in res.rounds)  # no checker given: no accuracy
+    # Each new candidate is the best plus an "a": never a verbatim copy of what was shown.
+    assert [(r.copied_best, r.copied_worst) for r in res.rounds] == [(None, None)] + [(0.0, 0.0)] * 3
+
+
+def test_a_model_that_copies_what_it_is_shown_gains_nothing():
+    """A sampler that, given a refine prompt, repeats the first answer in it (the worst, in
+    the default template): copies_worst is 1 and TPO's best never moves past round 0."""
+    rng = random.Random(1)
+
+    def sampler(prompts, n, max_new_tokens):
+        out = []
+        for p in prompts:
+            if "Score:" in p:  # the default refine template: worst first
+                first = p.split("\n")[1].removeprefix("Answer:")  # the worst answer, after the first question
+                out.append([" " + first.strip()] * n)
+            else:
+                out.append([" " + "a" * rng.randint(0, 3) for _ in range(n)])
+        return out
+
+    prompts = [f"Q{i}\nAnswer:" for i in range(5)]
+    res = tpo_search(sampler, prompts, [{}] * 5, RuleScorer(a_count), TPOSection(num_candidates=2, rounds=2), 8)
+    assert [r.copied_worst for r in res.rounds[1:]] == [1.0, 1.0]
+    assert res.rounds[2].best_reward == res.rounds[0].best_reward <= res.rounds[2].bon_reward
 
 
 def test_tpo_on_a_tiny_model_best_so_far_never_worse(tiny_model_dir):
