@@ -45,6 +45,7 @@ class Rollout:
     kl: Tensor | None = None           # (B, T) per-token KL estimate
     advantages: Tensor | None = None   # (B, T)
     returns: Tensor | None = None      # (B, T)
+    sample_logprobs: Tensor | None = None  # (B, T) the sampler's own log-probs (vLLM); None for hf
 
     @property
     def prompt_len(self) -> int:
