@@ -73,3 +73,16 @@ def test_weights_carry_no_gradient_and_bad_shapes_are_refused():
         rollout_correction(OLD, SAMPLE[:, :2], MASK)
     with pytest.raises(ValueError, match="cap must be > 0"):
         rollout_correction(OLD, SAMPLE, MASK, cap=0.0)
+
+
+def test_the_worked_example_in_the_docs():
+    """docs/rollout_backends.md quotes the hand-worked case above; its numbers are these."""
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "rollout_backends.md").read_text(encoding="utf-8")
+    out = rollout_correction(OLD, SAMPLE, MASK, cap=2.0)
+    w = out.weights
+    assert f"| row 0: w = min(e^Δ, 2) | {w[0, 0]:.0f} | {w[0, 1]:.3f} | {w[0, 2]:.0f} (e^1.5 = {math.exp(1.5):.3f}, truncated) |" in page
+    assert f"| row 1: w | {w[1, 0]:.3f} | {w[1, 1]:.3f} | {w[1, 2]:.0f} |" in page
+    assert f"gap = (0 + 0.5 + 1.5 + 0.1 + 2.0) / 5 = {out.gap.item():.2f}" in page
+    assert f"(`truncated_frac` = {out.truncated_frac.item():.1f})" in page
