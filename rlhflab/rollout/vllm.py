@@ -46,6 +46,7 @@ import math
 import os
 import random
 import sys
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -217,13 +218,15 @@ def _hide_unscannable_modules():
     Those modules hold no vLLM kernels; they are put back as soon as the engine is up.
     """
     hidden = {}
-    for name, module in list(sys.modules.items()):
-        for value in list((getattr(module, "__dict__", None) or {}).values()):
-            try:
-                hasattr(value, "__dict__")
-            except Exception:  # noqa: BLE001 - whatever the proxy raises, vLLM would too
-                hidden[name] = module
-                break
+    with warnings.catch_warnings():  # deprecated attributes warn when touched
+        warnings.simplefilter("ignore")
+        for name, module in list(sys.modules.items()):
+            for value in list((getattr(module, "__dict__", None) or {}).values()):
+                try:
+                    hasattr(value, "__dict__")
+                except Exception:  # noqa: BLE001 - whatever the proxy raises, vLLM would too
+                    hidden[name] = module
+                    break
     for name in hidden:
         del sys.modules[name]
     try:
