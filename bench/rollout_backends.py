@@ -122,7 +122,8 @@ def build_model(name: str) -> Path:
 class Side:
     """One model under both backends: the HF model and a VLLMEngine, in this process."""
 
-    def __init__(self, name: str, max_batch: int, max_length: int, threads: int):
+    def __init__(self, name: str, max_batch: int, max_length: int, threads: int,
+                 dtype: str = "float32", engine_dtype: str | None = None):
         import json
 
         from rlhflab.models.load import load_model
@@ -130,11 +131,11 @@ class Side:
 
         self.name, self.folder = name, build_model(name)
         self.config = json.loads((self.folder / "config.json").read_text())
-        self.model, self.tok = load_model(str(self.folder))
+        self.model, self.tok = load_model(str(self.folder), torch_dtype=dtype)
         self.model.eval()
         self.params = sum(p.numel() for p in self.model.parameters())
         t0 = time.perf_counter()
-        self.engine = VLLMEngine.create(str(self.folder), self.tok, dtype="float32",
+        self.engine = VLLMEngine.create(str(self.folder), self.tok, dtype=engine_dtype or dtype,
                                         max_model_len=MAX_PROMPT + max_length, seed=0,
                                         max_num_seqs=max_batch)
         self.startup = time.perf_counter() - t0
@@ -170,7 +171,8 @@ class Side:
 
 
 def measure(models: list[str], lengths: list[int], batches: list[int], repeats: int,
-            threads: int, say=print) -> tuple[list[Cell], dict]:
+            threads: int, dtype: str = "float32", engine_dtype: str | None = None,
+            say=print) -> tuple[list[Cell], dict]:
     import torch
 
     torch.manual_seed(0)
@@ -178,7 +180,7 @@ def measure(models: list[str], lengths: list[int], batches: list[int], repeats: 
     prompts_all = [_common.format_bench_prompt(r["question"]) for r in rows]
     cells, info = [], {}
     for name in models:
-        side = Side(name, max(batches), max(lengths), threads)
+        side = Side(name, max(batches), max(lengths), threads, dtype, engine_dtype)
         info[name] = {"params": side.params, "startup": side.startup, "sync": side.sync}
         say(f"{name}: {side.params / 1e6:.2f}M parameters, vllm engine started in {side.startup:.1f} s, "
             f"weight sync {1000 * side.sync:.0f} ms")
@@ -278,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", nargs="+", type=int, default=[32, 128])
     ap.add_argument("--repeats", type=int, default=3, help="measured rounds per cell (after a warm-up)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="weights and compute of both backends (the peak stays float32)")
+    ap.add_argument("--engine-dtype", default=None, choices=["float32", "bfloat16"],
+                    help="the vllm engine's dtype when it differs from --dtype")
     ap.add_argument("--peak-sizes", nargs="+", type=int, default=[2048, 4096],
                     help="square float32 matmuls that measure the peak")
     ap.add_argument("--ppo", action="store_true", help="also PPO episodes/s end to end with each backend")
@@ -285,7 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads sleep (bench/README.md)
 
     peak = matmul_peak(args.threads, tuple(args.peak_sizes))
-    cells, info = measure(args.models, args.lengths, args.batches, args.repeats, args.threads)
+    cells, info = measure(args.models, args.lengths, args.batches, args.repeats, args.threads,
+                          args.dtype, args.engine_dtype)
+    if args.dtype != "float32" or args.engine_dtype:
+        print(f"dtype: hf {args.dtype}, vllm {args.engine_dtype or args.dtype} (MFU is against the float32 peak)")
     print()
     print(report(cells, info, peak, args.threads))
     print(targets(cells, peak))
