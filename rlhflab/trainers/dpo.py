@@ -17,8 +17,9 @@ The loop, in order:
     4. log, evaluate (held-out implicit-reward accuracy; greedy task accuracy), save
 
 A sequence log-prob is the sum of the log-probs of the response tokens only (EOS
-included, prompt and padding excluded). The LM head runs only on the response
-positions (`PolicyOnly.forward_response`).
+included, prompt and padding excluded). The LM head runs only on the real response
+positions, a chunk of rows at a time (`ops.chunked_logprobs`), so the policy's
+(B, T, V) logits are never held, in the forward or the backward pass.
 
 Where we depart from common practice:
 - With `precompute_ref_logprobs` and a frozen-copy reference, the copy is freed once
@@ -52,7 +53,8 @@ from rlhflab.data.prompts import format_prompt, load_prompts
 from rlhflab.errors import UserError
 from rlhflab.evaluate import evaluate_policy, save_samples
 from rlhflab.metrics import MetricsLogger
-from rlhflab.models.actor_critic import Reference
+from rlhflab.models.actor_critic import Reference, _response_hidden
+from rlhflab.models.head import linear_lm_head
 from rlhflab.models.checkpoint import prune_checkpoints, restore_trainer_state, save_checkpoint
 from rlhflab.rewards import RuleScorer, resolve_rule
 from rlhflab.trainers.common import (Timer, check_resume_dir, finish_run, format_metrics, last_eval,
@@ -231,8 +233,22 @@ def sequence_logprobs(logits: Tensor, batch: ResponseBatch) -> Tensor:
 
 
 def policy_sequence_logprobs(actor: PolicyOnly, batch: ResponseBatch) -> Tensor:
-    out = actor.forward_response(batch.input_ids, batch.attention_mask, batch.prompt_len)
-    return sequence_logprobs(out.logits, batch)
+    """Σ_t log p(response token t) under the policy, (B,), never holding (B, T, V) logits.
+
+    When the LM head is a plain linear map, the hidden states of the real response tokens
+    (padding left out) and the head's weight go to `ops.chunked_logprobs`, one chunk of
+    rows at a time in forward and backward; otherwise the policy's own logits are used.
+    """
+    head = linear_lm_head(getattr(actor, "policy", None))
+    if head is None:
+        out = actor.forward_response(batch.input_ids, batch.attention_mask, batch.prompt_len)
+        return sequence_logprobs(out.logits, batch)
+    hidden = _response_hidden(actor.policy, batch.input_ids, batch.attention_mask, batch.prompt_len)  # (B, T, H)
+    real = batch.response_mask.bool()                                                            # (B, T)
+    logprobs = torch.zeros(real.shape, dtype=torch.float32, device=hidden.device)                # (B, T)
+    logprobs[real] = ops.chunked_logprobs(hidden[real], head.weight, head.bias,
+                                          batch.response_ids[real]).logprobs.float()
+    return logprobs.sum(-1)
 
 
 # --------------------------------------------------------------------------------------
