@@ -48,6 +48,7 @@ from rlhflab import ops
 from rlhflab.config import load_config, save_effective_config
 from rlhflab.config.schema import (DatasetConfig, GenerationConfig, LoggingConfig, LoRAConfig,
                                    ModelConfig, TrainingConfig, f)
+from rlhflab.data.chat import resolve_use_chat_template, response_end_id
 from rlhflab.data.loading import read_rows
 from rlhflab.data.prompts import format_prompt, load_prompts
 from rlhflab.errors import UserError
@@ -147,14 +148,15 @@ def read_preference_pairs(source: str, dataset_cfg: DatasetConfig, tokenizer=Non
     if d.prompt_field != "prompt":  # the export names it "prompt"; a file may call it otherwise
         rows = [{**r, "prompt": r[d.prompt_field]} if isinstance(r, dict) and d.prompt_field in r else r
                 for r in rows]
+    use_chat = resolve_use_chat_template(d.use_chat_template, tokenizer) if tokenizer is not None else False
     report = parse_pairs(rows, source, warn=warn)
     pairs = []
     for p in report.pairs:
         if p.tie:
             continue
-        prompt, chosen, rejected = pair_texts(p, tokenizer, d.use_chat_template)
+        prompt, chosen, rejected = pair_texts(p, tokenizer, use_chat)
         if not p.conversational:
-            prompt = format_prompt(prompt, d.prompt_template, tokenizer, d.use_chat_template)
+            prompt = format_prompt(prompt, d.prompt_template, tokenizer, use_chat)
         pairs.append(PreferencePair(prompt, chosen, rejected, p.pair_id if p.pair_id is not None else p.index))
     if report.ties:
         warn(f"{source}: {report.ties} tie rows left out (no preference to learn)")
@@ -171,9 +173,15 @@ class TokenizedPair:
 
 
 def tokenize_pairs(pairs: Sequence[PreferencePair], tokenizer, max_prompt_length: int,
-                   max_response_length: int, append_eos: bool = True) -> list[TokenizedPair]:
-    """Prompt and responses tokenized separately (as at generation time) and truncated."""
-    eos = tokenizer.eos_token_id
+                   max_response_length: int, append_eos: bool = True,
+                   end_token_id: int | None = None) -> list[TokenizedPair]:
+    """Prompt and responses tokenized separately (as at generation time) and truncated.
+
+    With `append_eos`, a response that does not already end with it gets `end_token_id`
+    (default the tokenizer's EOS; under a chat template the end-of-turn token, which is
+    where the policy's own responses end).
+    """
+    eos = end_token_id if end_token_id is not None else tokenizer.eos_token_id
 
     def response(text: str) -> list[int]:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -420,7 +428,8 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     else:
         train_pairs, eval_pairs = _split(train_pairs, sec.eval_fraction, t.seed)
         eval_pairs = eval_pairs[: d.num_eval_samples] if d.num_eval_samples else eval_pairs
-    tok_args = (tok, d.max_prompt_length, sec.max_response_length, sec.append_eos)
+    tok_args = (tok, d.max_prompt_length, sec.max_response_length, sec.append_eos,
+                response_end_id(tok, resolve_use_chat_template(d.use_chat_template, tok)))
     train_tok, eval_tok = tokenize_pairs(train_pairs, *tok_args), tokenize_pairs(eval_pairs, *tok_args)
     task_examples, task_scorer = [], None
     if sec.task_eval_path and t.eval_interval:

@@ -43,8 +43,10 @@ import torch.nn.functional as F
 
 from rlhflab import ops
 from rlhflab.config import load_config, save_effective_config
-from rlhflab.config.schema import LoggingConfig, LoRAConfig, ModelConfig, TrainingConfig, f
+from rlhflab.config.schema import (CHAT_TEMPLATE_HELP, ChatTemplateUse, LoggingConfig, LoRAConfig, ModelConfig,
+                                   TrainingConfig, f)
 from rlhflab.data import sft as sftdata
+from rlhflab.data.chat import resolve_use_chat_template
 from rlhflab.data.loading import read_rows
 from rlhflab.errors import UserError
 from rlhflab.metrics import MetricsLogger
@@ -75,7 +77,7 @@ class SFTDataConfig:
     num_eval_samples: Optional[int] = f(200, "held-out rows for loss/perplexity; null uses all", gt=0)
     prompt_template: str = f("User: {prompt}\n\nAssistant:", "prompt text without a chat template; {prompt} is replaced")
     response_template: str = f(" {response}", "response text without a chat template; {response} is replaced, EOS follows")
-    use_chat_template: bool = f(True, "use the tokenizer's chat template when it has one")
+    use_chat_template: ChatTemplateUse = f("auto", CHAT_TEMPLATE_HELP)
     max_seq_length: int = f(512, "longest prompt+response in tokens; longer rows are cut from the right", gt=1)
     max_bad_fraction: float = f(0.5, "stop when more than this share of rows fit no layout", ge=0, le=1)
 
@@ -242,7 +244,8 @@ def load_sft_data(d: SFTDataConfig, tokenizer, seed: int = 0, warn=print) -> SFT
         held = []
     if d.num_eval_samples is not None:
         held = held[: d.num_eval_samples]
-    tpl = sftdata.Template(d.prompt_template, d.response_template, d.use_chat_template)
+    use_chat = resolve_use_chat_template(d.use_chat_template, tokenizer, "data.use_chat_template")
+    tpl = sftdata.Template(d.prompt_template, d.response_template, use_chat)
     tr = sftdata.tokenize_examples(train, tokenizer, tpl, d.max_seq_length)
     ev = sftdata.tokenize_examples(held, tokenizer, tpl, d.max_seq_length)
     for rep, name in ((tr, str(source)), (ev, str(d.eval_path or source) + " (held out)")):
