@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhflab.data.chat import resolve_use_chat_template
+from rlhflab.data.chat import has_chat_template, resolve_use_chat_template
 from rlhflab.data.loading import read_rows, require_fields
 from rlhflab.errors import UserError
 
@@ -17,13 +17,15 @@ class PromptExample:
     row: dict    # the raw dataset row (the reward reads e.g. row["answer"])
 
 
-def format_prompt(text: str, template: str, tokenizer=None, use_chat_template: bool | str = False,
-                  key: str = "dataset.use_chat_template") -> str:
-    """`template` with {prompt} replaced, then wrapped by the chat template (with the
-    generation prompt) when `use_chat_template` resolves to yes (see `rlhflab.data.chat`)."""
+def format_prompt(text: str, template: str, tokenizer=None, use_chat_template: bool | str = False) -> str:
+    """`template` with {prompt} replaced, then wrapped by the tokenizer's chat template
+    (with the generation prompt) when asked for (true or "auto") and the tokenizer has one.
+
+    Per-row and forgiving; a config's setting is checked once, before the rows, with
+    `rlhflab.data.chat.resolve_use_chat_template` (true without a template is an error).
+    """
     body = template.replace("{prompt}", text)
-    if tokenizer is not None and use_chat_template is not False and resolve_use_chat_template(
-            use_chat_template, tokenizer, key):
+    if use_chat_template and tokenizer is not None and has_chat_template(tokenizer):
         return tokenizer.apply_chat_template([{"role": "user", "content": body}],
                                              tokenize=False, add_generation_prompt=True)
     return body
