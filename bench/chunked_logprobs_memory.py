@@ -21,10 +21,13 @@ Each way runs in a fresh process (spawn), so no allocator state is shared. Colum
   519 MiB here) is in it on both sides: it is the result, not overhead.
 - `peak RSS MiB`: the process's peak resident set during the call above its resident set
   just before (VmHWM reset through /proc/self/clear_refs).
-- `logits MiB`: one float32 (N, V) copy, for scale; `s`: wall seconds of one call.
+- `above grad`: `tensor MiB` less the weight's gradient: what the way itself costs.
+- `s`, `cpu s`: wall and CPU seconds of one forward+backward (timed without the
+  profiler). On a machine shared with other jobs the wall time swings by 3x between
+  runs; the CPU time is steadier.
 
-The last line is for scripts:
-`chunked_logprobs_memory: V 151936 N 1024 unchunked_tensor_mib X chunked_tensor_mib Y ratio Z`.
+The last line is for scripts: `chunked_logprobs_memory: V 151936 N 1024
+unchunked_tensor_mib X chunked_tensor_mib Y ratio Z, above the weight gradient Wx less`.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def _work(kind: str, rows: int, hidden_size: int, vocab: int, chunk: int, threads: int):
-    """One forward+backward; returns (tensor MiB, peak RSS MiB above start, seconds)."""
+    """One forward+backward; returns (tensor MiB, peak RSS MiB above start, wall s, CPU s)."""
     import torch
 
     from _common import peak_rss_mb, profiled_tensor_peak_mb, release_freed_memory, reset_peak_rss, rss_mb
@@ -70,10 +73,10 @@ def _work(kind: str, rows: int, hidden_size: int, vocab: int, chunk: int, thread
     release_freed_memory()
     base = rss_mb()
     reset_peak_rss()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     step()
-    seconds = time.perf_counter() - t0
-    return tensor_mib, peak_rss_mb() - base, seconds
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+    return tensor_mib, peak_rss_mb() - base, seconds, cpu_seconds
 
 
 def _child(conn, *args):
@@ -107,17 +110,19 @@ def main(argv=None) -> int:
     logits_mib = n * v * 4 / 2**20
     print(f"N={n} rows, H={h}, V={v}: one float32 (N, V) logits copy = {logits_mib:.0f} MiB; "
           f"weight and its gradient {v * h * 4 / 2**20:.0f} MiB each; default chunk {default_chunk_size(v)} rows")
-    print(f"{'way':<22}{'tensor MiB':>12}{'peak RSS MiB':>14}{'s':>8}")
+    grad_mib = v * h * 4 / 2**20
+    print(f"{'way':<22}{'tensor MiB':>12}{'above grad':>12}{'peak RSS MiB':>14}{'s':>8}{'cpu s':>8}")
     results = {}
     ways = [("unchunked", 0)] + [("chunked", int(c)) for c in args.chunks.split(",")]
     for kind, chunk in ways:
         name = kind if kind == "unchunked" else f"chunked ({chunk or default_chunk_size(v)} rows)"
-        tensor_mib, rss, seconds = measure(kind, n, h, v, chunk, args.threads)
+        tensor_mib, rss, seconds, cpu_seconds = measure(kind, n, h, v, chunk, args.threads)
         results[(kind, chunk)] = tensor_mib
-        print(f"{name:<22}{tensor_mib:>12.0f}{rss:>14.0f}{seconds:>8.2f}", flush=True)
+        print(f"{name:<22}{tensor_mib:>12.0f}{tensor_mib - grad_mib:>12.0f}{rss:>14.0f}{seconds:>8.2f}"
+              f"{cpu_seconds:>8.2f}", flush=True)
     un, ch = results[("unchunked", 0)], results[("chunked", int(args.chunks.split(",")[0]))]
     print(f"chunked_logprobs_memory: V {v} N {n} unchunked_tensor_mib {un:.0f} chunked_tensor_mib {ch:.0f} "
-          f"ratio {ch / un:.2f}")
+          f"ratio {ch / un:.2f}, above the weight gradient {(un - grad_mib) / (ch - grad_mib):.1f}x less")
     return 0
 
 
