@@ -48,7 +48,7 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 COMMON = ["training.num_threads=1", "logging.progress_bar=false", "logging.plots=false", "training.device=cpu"]
-RL = ["training.total_ppo_steps=1", "training.eval_interval=0", "training.save_interval=0",
+RL = ["training.total_steps=1", "training.eval_interval=0", "training.save_interval=0",
       "generation.max_new_tokens=6", "reward.sources=[{type: rule, name: test_arch_length_mod3}]",
       "logging.doctor=false"]
 

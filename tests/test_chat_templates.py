@@ -20,7 +20,7 @@ from rlhflab.data.prompts import load_prompts
 from rlhflab.errors import UserError
 from rlhflab.models.load import load_model
 from rlhflab.models.tiny import make_tiny_model
-from rlhflab.rollout import eos_ids_of, forward_response, generate
+from rlhflab.rollout import eos_ids_of, generate
 
 STYLES = {
     "chatml": {"eot": "<|im_end|>",
@@ -120,9 +120,8 @@ def test_generation_stops_at_end_of_turn_scores_it_and_rewards_see_clean_text(ch
     assert not roll.hit_limit.any()
     assert roll.responses == ["44", "44"]                          # what rewards read: no template tokens
     # Its log-prob is a real response token's: finite and part of the sequence sum.
-    from rlhflab.trainers.policy_gradient import PolicyOnly
-    out = forward_response(PolicyOnly(model), roll.input_ids(), roll.attention_mask(), roll.response_ids,
-                           roll.prompt_len, with_values=False)
+    from rlhflab.models.actor_critic import PolicyOnly
+    out = PolicyOnly(model)(roll.prompt_ids, roll.prompt_mask, roll.response_ids, roll.response_mask)
     assert torch.isfinite(out.logprobs).all() and (out.logprobs[:, 2] < 0).all()
 
 
@@ -171,18 +170,20 @@ def test_the_rule_auto_true_false(chat_dirs, tiny_model_dir):
 
 
 def test_every_command_defaults_to_auto():
-    from rlhflab.config import load_config
-    from rlhflab.trainers.dpo import DPORunConfig
-    from rlhflab.trainers.grpo import GRPORunConfig
-    from rlhflab.trainers.rloo import RLOORunConfig
-    from rlhflab.trainers.rm import RMRunConfig
-    from rlhflab.trainers.sft import SFTRunConfig
-    from rlhflab.config import PPORunConfig
+    import importlib
+    import inspect
 
     root = Path(__file__).resolve().parents[1] / "configs"
-    for schema, section in ((SFTRunConfig, "data"), (RMRunConfig, "data"), (PPORunConfig, "dataset"),
-                            (GRPORunConfig, "dataset"), (RLOORunConfig, "dataset"), (DPORunConfig, "dataset")):
-        assert getattr(schema(), section).use_chat_template == "auto", schema.__name__
+    schemas = []
+    for name in ("sft", "rm", "dpo", "ppo", "grpo", "rloo", "dr_grpo", "reinforce_pp", "trpo"):
+        module = importlib.import_module(f"rlhflab.trainers.{name}")
+        schemas += [c for n, c in inspect.getmembers(module, inspect.isclass)
+                    if n.endswith("RunConfig") and c.__module__ == module.__name__]
+    assert len(schemas) == 9
+    for schema in schemas:
+        cfg = schema()
+        section = cfg.data if hasattr(cfg, "data") else cfg.dataset
+        assert section.use_chat_template == "auto", schema.__name__
     for path in sorted(root.glob("*.yaml")):  # and every shipped config says auto
         text = path.read_text()
         if "use_chat_template" in text:

@@ -19,7 +19,7 @@ from rlhflab.models.load import load_model
 from rlhflab.trainers import dpo
 from rlhflab.trainers.dpo import (DPORunConfig, DPOSection, TokenizedPair, dpo_micro_batch_loss, pair_batch,
                                   policy_sequence_logprobs, read_preference_pairs, tokenize_pairs)
-from rlhflab.trainers.policy_gradient import PolicyOnly
+from rlhflab.models.actor_critic import PolicyOnly
 
 from test_grpo_helpers import ROOT, TEMPLATE, debug_config, easy_task, small_model, warm_model
 
@@ -210,7 +210,7 @@ def test_reference_logprobs_are_computed_once_per_pair(model_dir, pairs_dir, tmp
     res = dpo.train(cfg, quiet=True)
     assert len(res.history) == 6  # 2 epochs x 12/4 steps, each pair seen twice, evaluated 3 times
     assert sum(rows) == 2 * (12 + 4)  # each pair's chosen and rejected rows went through once
-    assert res.ref_cache.complete and res.ref_cache.n_computed == 12
+    assert res.state["ref_cache"].complete and res.state["ref_cache"].n_computed == 12
     if precompute:  # the frozen copy is released once everything is cached
         assert res.models.reference is None
     for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",

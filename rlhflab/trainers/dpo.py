@@ -46,23 +46,21 @@ from torch import Tensor
 
 from rlhflab import ops
 from rlhflab.config import load_config, save_effective_config
-from rlhflab.config.schema import (DatasetConfig, GenerationConfig, LoggingConfig, LoRAConfig,
-                                   ModelConfig, TrainingConfig, f)
+from rlhflab.config.schema import (DatasetConfig, GenerationConfig, LoggingConfig, LoRAConfig, ModelConfig,
+                                   OptimizerFields, TrainingConfig, check_reference, f)
 from rlhflab.data.chat import resolve_use_chat_template, response_end_id
 from rlhflab.data.loading import read_rows
 from rlhflab.data.prompts import format_prompt, load_prompts
 from rlhflab.errors import UserError
 from rlhflab.evaluate import evaluate_policy, save_samples
 from rlhflab.metrics import MetricsLogger
-from rlhflab.models.actor_critic import Reference, _response_hidden
+from rlhflab.models.actor_critic import PolicyOnly, Reference, response_hidden
 from rlhflab.models.head import linear_lm_head
 from rlhflab.models.checkpoint import prune_checkpoints, restore_trainer_state, save_checkpoint
 from rlhflab.rewards import RuleScorer, resolve_rule
-from rlhflab.trainers.common import (Timer, check_resume_dir, finish_run, format_metrics, last_eval,
-                                     make_optimization, prepare_output_dir, print_before_after, seed_everything,
-                                     set_threads, write_train_result)
-from rlhflab.trainers.policy_gradient import (OptimizerFields, PolicyModels, PolicyOnly, build_policy_models,
-                                              check_reference)
+from rlhflab.models.setup import PolicyModels, build_models
+from rlhflab.trainers.common import (Timer, TrainResult, check_resume_dir, finish_run, format_metrics, last_eval,
+                                     make_optimization, prepare_output_dir, seed_everything, set_threads)
 
 
 # --------------------------------------------------------------------------------------
@@ -104,7 +102,7 @@ def _dpo_dataset() -> DatasetConfig:
 
 @dataclass
 class DPORunConfig:
-    """`rlhflab dpo`: every section of a DPO run. `training.total_ppo_steps` is not used."""
+    """`rlhflab dpo`: every section of a DPO run. Its length is `dpo.epochs` (and `dpo.max_steps`), not `training.total_steps`."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
@@ -251,7 +249,9 @@ def policy_sequence_logprobs(actor: PolicyOnly, batch: ResponseBatch) -> Tensor:
     if head is None:
         out = actor.forward_response(batch.input_ids, batch.attention_mask, batch.prompt_len)
         return sequence_logprobs(out.logits, batch)
-    hidden = _response_hidden(actor.policy, batch.input_ids, batch.attention_mask, batch.prompt_len)  # (B, T, H)
+    p = batch.prompt_len
+    hidden = response_hidden(actor.policy, batch.input_ids[:, :p], batch.attention_mask[:, :p],
+                             batch.response_ids, batch.response_mask)                            # (B, T, H)
     real = batch.response_mask.bool()                                                            # (B, T)
     logprobs = torch.zeros(real.shape, dtype=torch.float32, device=hidden.device)                # (B, T)
     logprobs[real] = ops.chunked_logprobs(hidden[real], head.weight, head.bias,
@@ -372,18 +372,6 @@ def evaluate_pairs(actor: PolicyOnly, pairs: Sequence[TokenizedPair], cache: Ref
 # --------------------------------------------------------------------------------------
 # The loop
 # --------------------------------------------------------------------------------------
-@dataclass
-class TrainResult:
-    output_dir: Path
-    final_dir: Path
-    history: list[dict] = field(default_factory=list)
-    eval_before: dict | None = None
-    eval_after: dict | None = None
-    pairs_per_s: float = 0.0
-    models: PolicyModels | None = None
-    ref_cache: ReferenceCache | None = None
-
-
 def _split(pairs: list[PreferencePair], fraction: float, seed: int) -> tuple[list, list]:
     g = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(pairs), generator=g).tolist()
@@ -416,7 +404,7 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     out_dir = prepare_output_dir(t.output_dir, resume=resume_dir is not None)
     save_effective_config(effective if effective is not None else cfg, out_dir)
     seed_everything(t.seed)
-    models = build_policy_models(cfg.model, cfg.lora, t.device, need_reference=True, resume_dir=resume_dir)
+    models = build_models(cfg.model, cfg.lora, t.device, need_reference=True, resume_dir=resume_dir)
     tok, pad = models.tokenizer, models.tokenizer.pad_token_id
 
     # 1. data: the export rows as they are; held-out pairs from eval_path or a split.
@@ -458,7 +446,7 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
 
     logger = MetricsLogger(out_dir, cfg.logging.report_to, cfg.logging.run_name, cfg.logging.wandb_project,
                            config=dataclasses.asdict(cfg), resume=resume_dir is not None)
-    result = TrainResult(out_dir, out_dir / "final", models=models, ref_cache=train_cache)
+    result = TrainResult(out_dir, out_dir / "final", unit="pairs", models=models, state={"ref_cache": train_cache})
     if t.eval_interval and start_step == 0:
         result.eval_before = _evaluate(models, eval_tok, eval_cache, task_examples, task_scorer, cfg, out_dir, 0)
         logger.log(0, {**result.eval_before, **timer.metrics()})
@@ -527,7 +515,7 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
                     step=total_steps)
     finish_run(logger, out_dir, models.device, cfg.logging.plots, PLOT_GROUPS)
     result.eval_after = last_eval(result.history)
-    result.pairs_per_s = total_pairs / total_seconds if total_seconds else 0.0
+    result.samples_per_s = total_pairs / total_seconds if total_seconds else 0.0
     return result
 
 
@@ -561,11 +549,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.config:
         raise UserError("give --config (e.g. configs/dpo_debug.yaml) or --make-arith-pairs TASK_DIR")
     cfg, effective = load_config(args.config, DPORunConfig, args.overrides)
-    res = train(cfg, resume=args.resume, effective=effective)
-    print(f"done: {res.output_dir} (final model in {res.final_dir}); {res.pairs_per_s:.2f} pairs/s")
-    print_before_after(res.eval_before, res.eval_after, skip_missing=True)
-    write_train_result(res.output_dir, eval_before=res.eval_before, eval_after=res.eval_after,
-                       pairs_per_s=res.pairs_per_s)
+    train(cfg, resume=args.resume, effective=effective).report(skip_missing=True)
     return 0
 
 

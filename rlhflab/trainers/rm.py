@@ -123,7 +123,7 @@ def _rm_model() -> ModelConfig:
 
 @dataclass
 class RMRunConfig:
-    """`rlhflab rm`: every section of a reward-model run (training.total_ppo_steps is not used)."""
+    """`rlhflab rm`: every section of a reward-model run (training.total_steps is not used)."""
 
     model: ModelConfig = field(default_factory=_rm_model)
     lora: LoRAConfig = field(default_factory=LoRAConfig)

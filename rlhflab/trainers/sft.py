@@ -127,7 +127,7 @@ def _sft_training() -> TrainingConfig:
 
 @dataclass
 class SFTRunConfig:
-    """`rlhflab sft`: every section of an SFT run (training.total_ppo_steps is not used)."""
+    """`rlhflab sft`: every section of an SFT run (training.total_steps is not used)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
