@@ -197,3 +197,24 @@ def test_a_dtype_without_kernels_is_a_user_error(monkeypatch, tiny_model_dir):
 def test_saved_config_names_the_architecture(arch_dirs):
     for arch, folder in arch_dirs.items():
         assert json.loads((folder / "config.json").read_text())["model_type"] == arch
+
+
+def test_linear_lm_head_only_when_logits_are_hidden_times_weight(arch_dirs):
+    # The chunked log-prob path needs logits = hidden @ W^T + b exactly: true for the four
+    # architectures, false for Gemma 2's soft-capped logits and for a LoRA-adapted head.
+    from peft import LoraConfig, get_peft_model
+    from transformers import Gemma2Config
+
+    from rlhflab.models.head import linear_lm_head
+
+    for arch, folder in arch_dirs.items():
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        head = linear_lm_head(model)
+        assert head is not None and head.weight is model.get_output_embeddings().weight, arch
+    capped = AutoModelForCausalLM.from_config(Gemma2Config(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, final_logit_softcapping=30.0))
+    assert linear_lm_head(capped) is None
+    llama = AutoModelForCausalLM.from_pretrained(arch_dirs["llama"])
+    adapted = get_peft_model(llama, LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))
+    assert linear_lm_head(adapted) is None
