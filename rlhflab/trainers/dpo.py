@@ -289,8 +289,12 @@ class ReferenceCache:
         for s in range(0, len(indices), self.batch_size):
             idx = indices[s : s + self.batch_size]
             batch = pair_batch([self.pairs[i] for i in idx], self.pad_token_id, self.device)
-            logits = self.reference.response_logits(batch.input_ids, batch.attention_mask, batch.prompt_len)
-            lp = sequence_logprobs(logits, batch).cpu()  # (2b,)
+            p = batch.prompt_len
+            # The reference's token log-probs from its hidden states (`Reference.logprobs`,
+            # the engine's path), summed over the real response tokens.
+            token_lp = self.reference.logprobs(batch.input_ids[:, :p], batch.attention_mask[:, :p],
+                                               batch.response_ids, batch.response_mask)   # (2b, T)
+            lp = ops.masked_sum(token_lp, batch.response_mask, dim=-1).cpu()               # (2b,)
             b = len(idx)
             self.chosen[idx], self.rejected[idx] = lp[:b], lp[b:]
             self.done[idx] = True
