@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 
 def f(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = None,
@@ -44,6 +44,11 @@ def f(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = None
 
 
 Dtype = Literal["float32", "bfloat16", "float16", "auto"]
+# The one rule for chat templates in every command (rlhflab.data.chat): auto uses the
+# tokenizer's template when it has one; true insists on one; false never uses one.
+ChatTemplateUse = Union[bool, Literal["auto"]]
+CHAT_TEMPLATE_HELP = ("auto: use the tokenizer's chat template when it has one (the default in every command); "
+                      "true: require one (error without); false: plain templates")
 Device = Literal["cpu", "cuda", "auto"]
 KLKind = Literal["k1", "k2", "k3", "abs", "mse"]
 
@@ -88,7 +93,7 @@ class DatasetConfig:
     prompt_field: str = f("question", "field holding the prompt text")
     answer_field: str = f("answer", "field holding the reference answer (for rule rewards)")
     prompt_template: str = f("{prompt}", "how a prompt is shown to the model; {prompt} is replaced")
-    use_chat_template: bool = f(False, "wrap prompts with the tokenizer's chat template when it has one")
+    use_chat_template: ChatTemplateUse = f("auto", CHAT_TEMPLATE_HELP)
     num_samples: Optional[int] = f(None, "use only the first N training rows; null uses all", gt=0)
     num_eval_samples: Optional[int] = f(200, "held-out rows used for evaluation; null uses all", gt=0)
     max_prompt_length: int = f(256, "prompts longer than this (in tokens) are cut from the left", gt=0)

@@ -121,9 +121,20 @@ def finish_rollout(sequences: Tensor, prompt_ids: Tensor, prompt_mask: Tensor, t
 
 
 def eos_ids_of(model, tokenizer) -> list[int]:
+    """Token ids that end a response: the generation_config's EOS ids (else the tokenizer's
+    EOS), plus the chat template's end-of-turn token (``<|im_end|>``, ``<|eot_id|>``)
+    when the tokenizer has a template and the list lacks it, as some hub models'
+    generation_config does. Stopping there is right whether or not the prompt was
+    templated: a chat model closes its turn with it."""
+    from rlhflab.data.chat import end_of_turn_id
+
     ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids = ids if ids is not None else tokenizer.eos_token_id
-    return [ids] if isinstance(ids, int) else list(ids)
+    ids = [ids] if isinstance(ids, int) else list(ids)
+    eot = end_of_turn_id(tokenizer)
+    if eot is not None and eot not in ids:
+        ids.append(eot)
+    return ids
 
 
 
