@@ -21,6 +21,7 @@ from rlhflab import ops
 from rlhflab.config import save_effective_config
 from rlhflab.data.prompts import load_prompts, step_prompts
 from rlhflab.engine.dist import Dist, default_threads, init_dist
+from rlhflab.errors import UserError
 from rlhflab.engine.update import PPOMath, policy_update
 from rlhflab.evaluate import EvalResult, evaluate_policy, save_samples
 from rlhflab.metrics import MetricsLogger
@@ -160,6 +161,17 @@ PLOT_GROUPS: dict[str, list[str]] = {
 }
 
 
+def check_resume_world_size(folder: Path, world_size: int) -> None:
+    """A checkpoint resumes at the world size it was saved at (its random states and data
+    shards are per rank); another is refused before anything is touched."""
+    import json
+    meta = folder / "rlhflab.json"
+    saved = json.loads(meta.read_text()).get("world_size", 1) if meta.is_file() else 1
+    if saved != world_size:
+        raise UserError(f"--resume {folder}: saved by {saved} process(es), resumed by {world_size}; resume "
+                        f"with the same world size ({saved}), or start a new run from {folder} as the model")
+
+
 def check_world_size(sec, dist: Dist, key: str) -> None:
     """Every global count a method's section sets must divide among the processes; a
     one-line error before anything loads."""
@@ -245,6 +257,8 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
     check_world_size(sec, dist, method.name)
     set_threads(train_cfg.num_threads or default_threads(dist, train_cfg.device))
     resume_dir = check_resume_dir(resume)
+    if resume_dir is not None:
+        check_resume_world_size(resume_dir, dist.world_size)
     out_dir = dist.on_main(lambda: prepare_output_dir(train_cfg.output_dir, resume=resume_dir is not None),
                            Path(train_cfg.output_dir))
     if dist.is_main:
