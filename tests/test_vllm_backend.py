@@ -154,8 +154,7 @@ def test_min_new_tokens_postpones_eos_as_in_hf(engine, hf, prompts):
 
 @engine_test
 def test_sample_logprobs_are_the_trainers_logprobs_at_the_temperature(engine, hf, prompts):
-    from rlhflab.ops import logprobs_from_logits
-    from rlhflab.ops.rollout_correction import rollout_correction
+    from rlhflab.ops import logprob_gap, logprobs_from_logits
 
     model, tok = hf
     temperature = 0.7
@@ -166,7 +165,7 @@ def test_sample_logprobs_are_the_trainers_logprobs_at_the_temperature(engine, hf
         logits = model(input_ids=ids, attention_mask=am, position_ids=position_ids_from(am)).logits
     old = logprobs_from_logits(logits[:, p - 1:-1] / temperature, roll.response_ids) * roll.response_mask
     # Same float32 weights, other kernels: the gap is rounding, far below any real mismatch.
-    gap = rollout_correction(old, roll.sample_logprobs, roll.response_mask).gap.item()
+    gap = logprob_gap(old, roll.sample_logprobs, roll.response_mask).item()
     print(f"mean |old_logprobs - sample_logprobs| = {gap:.2e}")
     assert gap < 1e-4
     torch.testing.assert_close(roll.sample_logprobs, old, rtol=0, atol=1e-3)
@@ -242,6 +241,55 @@ def test_lora_policy_is_merged_for_the_sync_and_left_untouched(engine, hf, promp
     assert agreement(got, want) >= 0.95
     after = peft_model.state_dict()  # nothing merged into the training model, nothing lost
     assert after.keys() == state.keys() and all(torch.equal(after[k], v) for k, v in state.items())
+
+
+@engine_test
+def test_make_backend_vllm_pushes_after_sync_interval_updates(sft_dir, prompts):
+    """generation.backend=vllm through the trainers' interface: counted syncs, lazy pushes."""
+    from rlhflab.config.schema import GenerationConfig
+    from rlhflab.models.load import load_model
+    from rlhflab.rollout import make_backend
+
+    policy, tok = load_model(str(sft_dir))
+    gen = GenerationConfig(max_new_tokens=16, backend="vllm", sync_interval=2)
+    backend = make_backend(gen, policy, tok, max_prompt_length=64, batch_size=64, seed=0)
+    roll = backend.generate(prompts[:4], n=3, examples=[{}] * 4)
+    assert len(roll) == 12 and roll.group_size == 3 and roll.sample_logprobs is not None
+
+    def step():  # one optimizer update that changes the greedy answers
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        backend.sync(policy)
+
+    torch.manual_seed(0)
+    step()                                   # 1 update < sync_interval 2: no push yet
+    g1 = backend.generate(prompts, greedy=True)
+    assert backend.pushes == 0
+    step()                                   # 2 updates: pushed before this rollout
+    g2 = backend.generate(prompts, greedy=True)
+    want = generate(policy.eval(), tok, prompts, max_new_tokens=16, max_prompt_length=64, greedy=True)
+    assert backend.pushes == 1 and agreement(g2, want) >= 0.95 and agreement(g1, want) < 0.5
+
+
+@engine_test
+def test_a_trainer_that_never_calls_sync_still_samples_the_current_policy(sft_dir, prompts):
+    from rlhflab.config.schema import GenerationConfig
+    from rlhflab.models.load import load_model
+    from rlhflab.rollout import make_backend
+
+    policy, tok = load_model(str(sft_dir))
+    backend = make_backend(GenerationConfig(max_new_tokens=16, backend="vllm"), policy, tok,
+                           max_prompt_length=64, batch_size=64)
+    backend.generate(prompts[:2])             # right after the start: nothing to push
+    assert backend.pushes == 0
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    got = backend.generate(prompts, greedy=True)
+    want = generate(policy.eval(), tok, prompts, max_new_tokens=16, max_prompt_length=64, greedy=True)
+    assert backend.pushes == 1 and agreement(got, want) >= 0.95
 
 
 def test_policy_weights_of_a_lora_model_equal_peft_merge_and_unload(tiny_model_dir):

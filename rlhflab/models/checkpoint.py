@@ -60,7 +60,8 @@ def save_policy(policy: torch.nn.Module, tokenizer, folder: Path) -> None:
 
 
 def save_checkpoint(folder: str | Path, actor_critic, tokenizer, *, optimizer=None,
-                    scheduler=None, step: int | None = None, extra: dict | None = None) -> Path:
+                    scheduler=None, step: int | None = None, extra: dict | None = None,
+                    rank_rng: list | None = None) -> Path:
     """Write a checkpoint atomically (temporary folder, then rename).
 
     `actor_critic` needs `.policy`, `.critic` and `.value_head`; with both of the last two
@@ -72,7 +73,7 @@ def save_checkpoint(folder: str | Path, actor_critic, tokenizer, *, optimizer=No
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
-        _write_checkpoint(tmp, actor_critic, tokenizer, optimizer, scheduler, step, extra)
+        _write_checkpoint(tmp, actor_critic, tokenizer, optimizer, scheduler, step, extra, rank_rng)
     except BaseException:  # a failed save (disk full, Ctrl-C) leaves no half-written folder
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -87,7 +88,7 @@ def save_checkpoint(folder: str | Path, actor_critic, tokenizer, *, optimizer=No
     return folder
 
 
-def _write_checkpoint(tmp: Path, actor_critic, tokenizer, optimizer, scheduler, step, extra) -> None:
+def _write_checkpoint(tmp: Path, actor_critic, tokenizer, optimizer, scheduler, step, extra, rank_rng=None) -> None:
     save_policy(actor_critic.policy, tokenizer, tmp)
     if actor_critic.critic is not None:
         critic_dir = tmp / "critic"
@@ -99,9 +100,12 @@ def _write_checkpoint(tmp: Path, actor_critic, tokenizer, optimizer, scheduler, 
     elif actor_critic.value_head is not None:
         save_value_head(actor_critic.value_head, tmp)
     if optimizer is not None:
-        torch.save({"step": step, "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                    "rng": rng_state(), "extra": extra or {}}, tmp / STATE_FILE)
+        state = {"step": step, "optimizer": optimizer.state_dict(),
+                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                 "rng": rng_state(), "extra": extra or {}}
+        if rank_rng is not None:  # several processes: every rank's random state, in rank order
+            state["rank_rng"] = rank_rng
+        torch.save(state, tmp / STATE_FILE)
     (tmp / "rlhflab.json").write_text(json.dumps({"step": step, **(extra or {})}, indent=2))
 
 
@@ -109,13 +113,15 @@ def load_trainer_state(folder: str | Path) -> dict[str, Any]:
     return torch.load(Path(folder) / STATE_FILE, map_location="cpu", weights_only=False)
 
 
-def restore_trainer_state(folder: str | Path, optimizer, scheduler) -> int:
-    """Load a checkpoint's optimizer, scheduler and RNG states in place; returns its step."""
+def restore_trainer_state(folder: str | Path, optimizer, scheduler, rank: int = 0) -> int:
+    """Load a checkpoint's optimizer, scheduler and RNG states in place; returns its step.
+    Under several processes rank r takes its own saved random state."""
     state = load_trainer_state(folder)
     optimizer.load_state_dict(state["optimizer"])
     if state.get("scheduler"):
         scheduler.load_state_dict(state["scheduler"])
-    set_rng_state(state["rng"])
+    ranks = state.get("rank_rng")
+    set_rng_state(ranks[rank] if ranks and rank < len(ranks) else state["rng"])
     return int(state["step"])
 
 

