@@ -148,8 +148,8 @@ class RolloutBackend(Protocol):
         """`n` responses per prompt (rows [i·n, (i+1)·n) answer prompt i), as a Rollout;
         `step` keys seeded sampling."""
 
-    def sync(self, policy: torch.nn.Module) -> None:
-        """The policy's weights changed (an optimizer step): make sampling follow them."""
+    def sync(self, policy: torch.nn.Module, updates: int = 1) -> None:
+        """The policy's weights changed (`updates` optimizer steps): make sampling follow them."""
 
 
 from rlhflab.rollout.hf import HFBackend, generate  # noqa: E402  (it builds on the definitions above)

@@ -439,10 +439,10 @@ class VLLMBackend:
         self.fresh = True                 # nothing can have changed since the push above
         self.pushes = 0
 
-    def sync(self, policy) -> None:
-        """The policy took an optimizer step; the push waits for the next `generate`."""
+    def sync(self, policy, updates: int = 1) -> None:
+        """The policy took `updates` optimizer steps; the push waits for the next `generate`."""
         self.policy = policy
-        self.updates += 1
+        self.updates += updates
         self.counting = True
 
     def generate(self, prompts: Sequence[str], *, n: int = 1, examples: Sequence[dict] | None = None,

@@ -311,6 +311,7 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
         examples = dist.shard(prompts, f"{method.name}: prompts per step")
         # 1-5. the method's phases: rollout, score, forward, advantages, update.
         metrics = method.step(run, examples, step, timer)
+        run.backend.sync(models.policy, updates=sec.optimizer_steps_per_rollout())  # the sampler follows the update
         seconds = time.perf_counter() - t0
         total_samples += sec.rollout_size
         total_seconds += seconds
