@@ -114,6 +114,7 @@ def test_unknown_key_suggests_the_nearest():
     ("ppo.learning_rate=fast", "ppo.learning_rate: expected a number, got 'fast'"),
     ("lora.enabled=maybe", "lora.enabled: expected true or false, got 'maybe'"),
     ("ppo.kl_estimator=k4", "ppo.kl_estimator: expected one of 'k1', 'k2', 'k3', 'abs', 'mse', got 'k4'"),
+    ("generation.backend=vLLM", "generation.backend: expected one of 'hf', 'vllm', got 'vLLM'"),
     ("ppo.loss_aggregation=token_man", "did you mean 'token_mean'?"),
     ("ppo=3", "ppo: expected a section (mapping of keys), got 3"),
     ("dataset.num_samples=lots", "dataset.num_samples: expected int or null, got 'lots'"),
@@ -130,6 +131,12 @@ def test_bad_type(override, expected):
     (["ppo.clip_eps=0"], "ppo.clip_eps: must be > 0, got 0.0"),
     (["ppo.mini_batch_size=64"], "ppo.mini_batch_size: 64 is larger than a step's responses (8)"),
     (["generation.min_new_tokens=100"], "generation.min_new_tokens: 100 exceeds max_new_tokens 16"),
+    (["generation.sync_interval=3"], "generation.sync_interval: 3 applies only to backend=vllm"),
+    (["generation.kv_cache_gb=2"], "generation.kv_cache_gb: applies only to backend=vllm"),
+    (["generation.backend=vllm", "generation.sync_interval=0"], "generation.sync_interval: must be >= 1, got 0"),
+    (["generation.backend=vllm", "generation.kv_cache_gb=0"], "generation.kv_cache_gb: must be > 0, got 0"),
+    (["generation.backend=vllm", "generation.gpu_memory_utilization=1.5"],
+     "generation.gpu_memory_utilization: must be <= 1, got 1.5"),
     (["model.reference=none"], "model.reference: none leaves no policy to measure KL against"),
 ])
 def test_bad_range(overrides, expected):

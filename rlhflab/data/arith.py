@@ -101,12 +101,14 @@ def write_task(out_dir: str | Path, n_train: int = 2000, n_test: int = 200, seed
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="outputs/arith", help="output folder")
-    parser.add_argument("--n-train", type=int, default=2000)
-    parser.add_argument("--n-test", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="outputs/arith",
+                        help="output folder for train.jsonl, test.jsonl and sft.jsonl (default: %(default)s)")
+    parser.add_argument("--n-train", type=int, default=2000, help="training problems (default: %(default)s)")
+    parser.add_argument("--n-test", type=int, default=200,
+                        help="held-out problems, none also in training (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the problems (default: %(default)s)")
     parser.add_argument("--wrong-rate", type=float, default=0.6,
-                        help="fraction of SFT demonstrations whose answer is off by one")
+                        help="fraction of SFT demonstrations whose answer is off by one (default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ from typing import Iterator
 import torch
 
 from rlhflab.data import sft as sftdata
+from rlhflab.data.chat import resolve_use_chat_template
 from rlhflab.data.loading import read_rows
 from rlhflab.errors import UserError
 
@@ -29,7 +30,7 @@ class PtxData:
             examples, pad_token_id, batch_size, seed, device)
 
     @classmethod
-    def load(cls, path: str, tokenizer, *, prompt_template: str, use_chat_template: bool, batch_size: int,
+    def load(cls, path: str, tokenizer, *, prompt_template: str, use_chat_template: bool | str, batch_size: int,
              max_seq_length: int, seed: int, device) -> "PtxData":
         rows = read_rows(path)
         text_rows = [r for r in rows if isinstance(r.get("text"), str) and sftdata.detect_layout(r) is None]
@@ -44,7 +45,8 @@ class PtxData:
                 parsed = sftdata.parse_rows(rest, path)
             except UserError as exc:
                 raise UserError(f"ptx_data: {exc}; plain {{\"text\": ...}} rows work too") from None
-            tpl = sftdata.Template(prompt_template, " {response}", use_chat_template)
+            tpl = sftdata.Template(prompt_template, " {response}",
+                                   resolve_use_chat_template(use_chat_template, tokenizer))
             examples += sftdata.tokenize_examples(parsed, tokenizer, tpl, max_seq_length).examples
         if not examples:
             raise UserError(f"ptx_data {path}: no usable rows (give {{\"text\": ...}} rows or SFT rows "

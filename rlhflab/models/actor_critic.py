@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhflab import ops
+from rlhflab.models.head import linear_lm_head
 
 
 class ValueHead(nn.Module):
@@ -133,21 +134,40 @@ class ForwardOutput(NamedTuple):
 
 def lm_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
     """Token-mean next-token NLL of `model` on an LM batch (input_ids, attention_mask, and
-    labels with -100 where nothing is trained)."""
+    labels with -100 where nothing is trained); chunked over the vocabulary when the head
+    is a plain linear map."""
+    labels = batch["labels"][:, 1:]                                                    # (b, L-1)
+    n = (labels != -100).sum().clamp(min=1)
+    lin = linear_lm_head(model)
+    if lin is not None:
+        decoder, _ = decoder_and_head(model)
+        hidden = _last_hidden(decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                      use_cache=False))[:, :-1]                        # (b, L-1, H)
+        return ops.chunked_cross_entropy(hidden, lin.weight, lin.bias, labels) / n
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                    use_cache=False).logits[:, :-1]                                     # (b, L-1, V)
-    labels = batch["labels"][:, 1:]                                                    # (b, L-1)
     keep = labels != -100
     lp = ops.logprobs_from_logits(logits, labels.clamp(min=0))
-    return -(lp * keep).sum() / keep.sum().clamp(min=1)
+    return -(lp * keep).sum() / n
 
 
 def token_stats(hidden: Tensor, head: nn.Module, response_ids: Tensor, temperature: float = 1.0,
-                with_entropy: bool = False, entropy_grad: bool = True) -> tuple[Tensor, Tensor | None]:
+                with_entropy: bool = False, entropy_grad: bool = True,
+                model: nn.Module | None = None) -> tuple[Tensor, Tensor | None]:
     """Log-probs (B, T) of `response_ids` and, when asked, the entropy (B, T) from hidden (B, T, H).
 
-    `entropy_grad=False` computes the entropy for logging only, with no autograd graph.
+    When `model`'s head is a plain linear map (`models.head.linear_lm_head`), the chunked
+    op computes them without ever holding more than one chunk of (B, T, V) logits, in the
+    forward pass and in backward; otherwise (soft-capped or scaled logits, LoRA on the
+    head) from the head's full logits. `entropy_grad=False` computes the entropy for
+    logging only, with no autograd graph.
     """
+    lin = linear_lm_head(model) if model is not None else None
+    if lin is not None:
+        out = ops.chunked_logprobs(hidden, lin.weight, lin.bias, response_ids, temperature=temperature,
+                                   with_entropy=with_entropy)
+        entropy = out.entropy if (out.entropy is None or entropy_grad) else out.entropy.detach()
+        return out.logprobs, entropy
     logits = head(hidden)                                                              # (B, T, V)
     if temperature != 1.0:
         logits = logits / temperature
@@ -201,7 +221,8 @@ class PolicyOnly(nn.Module):
         """
         hidden = response_hidden(self.policy, prompt_ids, prompt_mask, response_ids, response_mask, group_size)
         _, head = decoder_and_head(self.policy)
-        logprobs, entropy = token_stats(hidden, head, response_ids, temperature, with_entropy, entropy_grad)
+        logprobs, entropy = token_stats(hidden, head, response_ids, temperature, with_entropy, entropy_grad,
+                                        model=self.policy)
         values = None
         if with_values:
             values = self._values(hidden, prompt_ids, prompt_mask, response_ids, response_mask, group_size)
@@ -312,7 +333,7 @@ class Reference:
         with self.active() as model:
             hidden = response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, group_size)
             _, head = decoder_and_head(model)
-            return token_stats(hidden, head, response_ids, temperature)[0]
+            return token_stats(hidden, head, response_ids, temperature, model=model)[0]
 
     @torch.no_grad()
     def response_logits(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> Tensor:

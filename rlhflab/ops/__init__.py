@@ -5,6 +5,7 @@ response token. See each module's docstring for where it departs from common pra
 """
 
 from rlhflab.ops.advantages import GAEOutput, discounted_returns, gae, group_advantages, rloo_advantages
+from rlhflab.ops.chunked import TokenLogprobs, chunked_cross_entropy, chunked_logprobs
 from rlhflab.ops.importance import logprob_gap, truncated_is_weights
 from rlhflab.ops.kl import KL_KINDS, kl_estimate, kl_shaped_rewards, last_token_index
 from rlhflab.ops.logprobs import entropy_from_logits, logprobs_from_logits
@@ -28,6 +29,7 @@ from rlhflab.ops.stats import masked_mean, masked_sum, masked_var, masked_whiten
 __all__ = [
     "masked_sum", "masked_mean", "masked_var", "masked_whiten",
     "logprobs_from_logits", "entropy_from_logits",
+    "chunked_logprobs", "chunked_cross_entropy", "TokenLogprobs",
     "KL_KINDS", "kl_estimate", "kl_shaped_rewards", "last_token_index",
     "GAEOutput", "gae", "group_advantages", "rloo_advantages", "discounted_returns",
     "aggregate", "ppo_policy_loss", "PolicyLossOutput", "value_loss", "ValueLossOutput",

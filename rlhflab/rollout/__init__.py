@@ -45,6 +45,7 @@ class Rollout:
     advantages: Tensor | None = None   # (B, T)
     returns: Tensor | None = None      # (B, T)
     group_size: int = 1                # rows [i·k, (i+1)·k) answer the same prompt (GRPO, RLOO)
+    sample_logprobs: Tensor | None = None  # (B, T) the sampler's own log-probs (vLLM); None for hf
 
     @property
     def prompt_len(self) -> int:
@@ -121,9 +122,20 @@ def finish_rollout(sequences: Tensor, prompt_ids: Tensor, prompt_mask: Tensor, t
 
 
 def eos_ids_of(model, tokenizer) -> list[int]:
+    """Token ids that end a response: the generation_config's EOS ids (else the tokenizer's
+    EOS), plus the chat template's end-of-turn token (``<|im_end|>``, ``<|eot_id|>``)
+    when the tokenizer has a template and the list lacks it, as some hub models'
+    generation_config does. Stopping there is right whether or not the prompt was
+    templated: a chat model closes its turn with it."""
+    from rlhflab.data.chat import end_of_turn_id
+
     ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids = ids if ids is not None else tokenizer.eos_token_id
-    return [ids] if isinstance(ids, int) else list(ids)
+    ids = [ids] if isinstance(ids, int) else list(ids)
+    eot = end_of_turn_id(tokenizer)
+    if eot is not None and eot not in ids:
+        ids.append(eot)
+    return ids
 
 
 
@@ -136,8 +148,8 @@ class RolloutBackend(Protocol):
         """`n` responses per prompt (rows [i·n, (i+1)·n) answer prompt i), as a Rollout;
         `step` keys seeded sampling."""
 
-    def sync(self, policy: torch.nn.Module) -> None:
-        """The policy's weights changed (an optimizer step): make sampling follow them."""
+    def sync(self, policy: torch.nn.Module, updates: int = 1) -> None:
+        """The policy's weights changed (`updates` optimizer steps): make sampling follow them."""
 
 
 from rlhflab.rollout.hf import HFBackend, generate  # noqa: E402  (it builds on the definitions above)
@@ -150,5 +162,9 @@ def make_backend(gen_cfg, policy: torch.nn.Module, tokenizer, *, max_prompt_leng
     if backend == "hf":
         return HFBackend(policy, tokenizer, gen_cfg, max_prompt_length=max_prompt_length, batch_size=batch_size,
                          seed=seed, rank=rank)
+    if backend == "vllm":
+        from rlhflab.rollout.vllm import VLLMBackend
+        return VLLMBackend(policy, tokenizer, gen_cfg, max_prompt_length=max_prompt_length,
+                           batch_size=batch_size, seed=seed, rank=rank)
     from rlhflab.errors import UserError
-    raise UserError(f"generation.backend: {backend!r} is not available; use hf")
+    raise UserError(f"generation.backend: {backend!r} is not available; use hf or vllm")

@@ -128,5 +128,5 @@ class HFBackend:
                         examples=examples, share_prompt=share_prompt, seed=self.seed, step=step,
                         row_offset=self.rank * len(prompts) * n)
 
-    def sync(self, policy) -> None:
+    def sync(self, policy, updates: int = 1) -> None:
         return None

@@ -17,8 +17,9 @@ The loop, in order:
     4. log, evaluate (held-out implicit-reward accuracy; greedy task accuracy), save
 
 A sequence log-prob is the sum of the log-probs of the response tokens only (EOS
-included, prompt and padding excluded). The LM head runs only on the response
-positions (`PolicyOnly.forward_response`).
+included, prompt and padding excluded). The LM head runs only on the real response
+positions, a chunk of rows at a time (`ops.chunked_logprobs`), so the policy's
+(B, T, V) logits are never held, in the forward or the backward pass.
 
 Where we depart from common practice:
 - With `precompute_ref_logprobs` and a frozen-copy reference, the copy is freed once
@@ -47,12 +48,14 @@ from rlhflab import ops
 from rlhflab.config import load_config, save_effective_config
 from rlhflab.config.schema import (DatasetConfig, GenerationConfig, LoggingConfig, LoRAConfig, ModelConfig,
                                    OptimizerFields, TrainingConfig, check_reference, f)
+from rlhflab.data.chat import resolve_use_chat_template, response_end_id
 from rlhflab.data.loading import read_rows
 from rlhflab.data.prompts import format_prompt, load_prompts
 from rlhflab.errors import UserError
 from rlhflab.evaluate import evaluate_policy, save_samples
 from rlhflab.metrics import MetricsLogger
-from rlhflab.models.actor_critic import PolicyOnly, Reference
+from rlhflab.models.actor_critic import PolicyOnly, Reference, response_hidden
+from rlhflab.models.head import linear_lm_head
 from rlhflab.models.checkpoint import prune_checkpoints, restore_trainer_state, save_checkpoint
 from rlhflab.rewards import RuleScorer, resolve_rule
 from rlhflab.models.setup import PolicyModels, build_models
@@ -143,14 +146,15 @@ def read_preference_pairs(source: str, dataset_cfg: DatasetConfig, tokenizer=Non
     if d.prompt_field != "prompt":  # the export names it "prompt"; a file may call it otherwise
         rows = [{**r, "prompt": r[d.prompt_field]} if isinstance(r, dict) and d.prompt_field in r else r
                 for r in rows]
+    use_chat = resolve_use_chat_template(d.use_chat_template, tokenizer) if tokenizer is not None else False
     report = parse_pairs(rows, source, warn=warn)
     pairs = []
     for p in report.pairs:
         if p.tie:
             continue
-        prompt, chosen, rejected = pair_texts(p, tokenizer, d.use_chat_template)
+        prompt, chosen, rejected = pair_texts(p, tokenizer, use_chat)
         if not p.conversational:
-            prompt = format_prompt(prompt, d.prompt_template, tokenizer, d.use_chat_template)
+            prompt = format_prompt(prompt, d.prompt_template, tokenizer, use_chat)
         pairs.append(PreferencePair(prompt, chosen, rejected, p.pair_id if p.pair_id is not None else p.index))
     if report.ties:
         warn(f"{source}: {report.ties} tie rows left out (no preference to learn)")
@@ -167,9 +171,15 @@ class TokenizedPair:
 
 
 def tokenize_pairs(pairs: Sequence[PreferencePair], tokenizer, max_prompt_length: int,
-                   max_response_length: int, append_eos: bool = True) -> list[TokenizedPair]:
-    """Prompt and responses tokenized separately (as at generation time) and truncated."""
-    eos = tokenizer.eos_token_id
+                   max_response_length: int, append_eos: bool = True,
+                   end_token_id: int | None = None) -> list[TokenizedPair]:
+    """Prompt and responses tokenized separately (as at generation time) and truncated.
+
+    With `append_eos`, a response that does not already end with it gets `end_token_id`
+    (default the tokenizer's EOS; under a chat template the end-of-turn token, which is
+    where the policy's own responses end).
+    """
+    eos = end_token_id if end_token_id is not None else tokenizer.eos_token_id
 
     def response(text: str) -> list[int]:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -229,8 +239,24 @@ def sequence_logprobs(logits: Tensor, batch: ResponseBatch) -> Tensor:
 
 
 def policy_sequence_logprobs(actor: PolicyOnly, batch: ResponseBatch) -> Tensor:
-    out = actor.forward_response(batch.input_ids, batch.attention_mask, batch.prompt_len)
-    return sequence_logprobs(out.logits, batch)
+    """Σ_t log p(response token t) under the policy, (B,), never holding (B, T, V) logits.
+
+    When the LM head is a plain linear map, the hidden states of the real response tokens
+    (padding left out) and the head's weight go to `ops.chunked_logprobs`, one chunk of
+    rows at a time in forward and backward; otherwise the policy's own logits are used.
+    """
+    head = linear_lm_head(getattr(actor, "policy", None))
+    if head is None:
+        out = actor.forward_response(batch.input_ids, batch.attention_mask, batch.prompt_len)
+        return sequence_logprobs(out.logits, batch)
+    p = batch.prompt_len
+    hidden = response_hidden(actor.policy, batch.input_ids[:, :p], batch.attention_mask[:, :p],
+                             batch.response_ids, batch.response_mask)                            # (B, T, H)
+    real = batch.response_mask.bool()                                                            # (B, T)
+    logprobs = torch.zeros(real.shape, dtype=torch.float32, device=hidden.device)                # (B, T)
+    logprobs[real] = ops.chunked_logprobs(hidden[real], head.weight, head.bias,
+                                          batch.response_ids[real]).logprobs.float()
+    return logprobs.sum(-1)
 
 
 # --------------------------------------------------------------------------------------
@@ -263,8 +289,12 @@ class ReferenceCache:
         for s in range(0, len(indices), self.batch_size):
             idx = indices[s : s + self.batch_size]
             batch = pair_batch([self.pairs[i] for i in idx], self.pad_token_id, self.device)
-            logits = self.reference.response_logits(batch.input_ids, batch.attention_mask, batch.prompt_len)
-            lp = sequence_logprobs(logits, batch).cpu()  # (2b,)
+            p = batch.prompt_len
+            # The reference's token log-probs from its hidden states (`Reference.logprobs`,
+            # the engine's path), summed over the real response tokens.
+            token_lp = self.reference.logprobs(batch.input_ids[:, :p], batch.attention_mask[:, :p],
+                                               batch.response_ids, batch.response_mask)   # (2b, T)
+            lp = ops.masked_sum(token_lp, batch.response_mask, dim=-1).cpu()               # (2b,)
             b = len(idx)
             self.chosen[idx], self.rejected[idx] = lp[:b], lp[b:]
             self.done[idx] = True
@@ -390,7 +420,8 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     else:
         train_pairs, eval_pairs = _split(train_pairs, sec.eval_fraction, t.seed)
         eval_pairs = eval_pairs[: d.num_eval_samples] if d.num_eval_samples else eval_pairs
-    tok_args = (tok, d.max_prompt_length, sec.max_response_length, sec.append_eos)
+    tok_args = (tok, d.max_prompt_length, sec.max_response_length, sec.append_eos,
+                response_end_id(tok, resolve_use_chat_template(d.use_chat_template, tok)))
     train_tok, eval_tok = tokenize_pairs(train_pairs, *tok_args), tokenize_pairs(eval_pairs, *tok_args)
     task_examples, task_scorer = [], None
     if sec.task_eval_path and t.eval_interval:

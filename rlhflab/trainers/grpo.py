@@ -120,11 +120,11 @@ def sample_and_score(run: RLRun, examples, timer: Timer, step: int = 0, *, kl_in
 
 def grpo_step(run: RLRun, examples, step: int, timer: Timer) -> dict[str, float]:
     """Phases 1-5 of one GRPO step; returns its metrics."""
-    g = run.sec
+    sec = run.sec
     roll = sample_and_score(run, examples, timer, step)
     # 4. advantages: relative to the group, the same value on every token (a group never
     # straddles processes; the batch std of advantage_scale: batch is over every rank).
-    seq_adv = group_advantages(roll.scores, g.group_size, g.advantage_scale, run.dist)  # (B,)
+    seq_adv = group_advantages(roll.scores, sec.group_size, sec.advantage_scale, run.dist)  # (B,)
     roll.advantages = broadcast_advantages(seq_adv, roll.response_mask)             # (B, T)
     # 5. update.
     with timer("update"):

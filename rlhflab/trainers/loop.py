@@ -21,6 +21,7 @@ from rlhflab import ops
 from rlhflab.config import save_effective_config
 from rlhflab.data.prompts import load_prompts, step_prompts
 from rlhflab.engine.dist import Dist, default_threads, init_dist
+from rlhflab.errors import UserError
 from rlhflab.engine.update import PPOMath, policy_update
 from rlhflab.evaluate import EvalChecks, EvalResult, build_eval_checks, evaluate_policy, save_samples
 from rlhflab.metrics import MetricsLogger
@@ -162,6 +163,17 @@ PLOT_GROUPS: dict[str, list[str]] = {
 }
 
 
+def check_resume_world_size(folder: Path, world_size: int) -> None:
+    """A checkpoint resumes at the world size it was saved at (its random states and data
+    shards are per rank); another is refused before anything is touched."""
+    import json
+    meta = folder / "rlhflab.json"
+    saved = json.loads(meta.read_text()).get("world_size", 1) if meta.is_file() else 1
+    if saved != world_size:
+        raise UserError(f"--resume {folder}: saved by {saved} process(es), resumed by {world_size}; resume "
+                        f"with the same world size ({saved}), or start a new run from {folder} as the model")
+
+
 def check_world_size(sec, dist: Dist, key: str) -> None:
     """Every global count a method's section sets must divide among the processes; a
     one-line error before anything loads."""
@@ -175,24 +187,24 @@ def build_run(cfg, method: PolicyMethod, *, resume_dir: Path | None = None, math
               dist: Dist | None = None) -> RLRun:
     """The models, sampler, reward, optimizer and schedule of a run (no disk writes);
     under several processes the trained module is wrapped for the launcher's strategy."""
-    t, sec, dist = cfg.training, getattr(cfg, method.name), dist or Dist()
-    models = build_models(cfg.model, cfg.lora, t.device, need_reference=method.need_reference(cfg),
+    train_cfg, sec, dist = cfg.training, getattr(cfg, method.name), dist or Dist()
+    models = build_models(cfg.model, cfg.lora, train_cfg.device, need_reference=method.need_reference(cfg),
                           critic=method.critic, resume_dir=resume_dir)
     scorer = build_reward(cfg.reward, models.device)
-    checks = build_eval_checks(cfg.eval, models.device) if t.eval_interval else None
+    checks = build_eval_checks(cfg.eval, models.device) if train_cfg.eval_interval else None
     params = (method.optimizer_params or (lambda actor: actor.trainable_parameters()))(models.actor)
-    optimizer, scheduler = make_optimization(params, sec, t.total_steps * sec.optimizer_steps_per_rollout())
+    optimizer, scheduler = make_optimization(params, sec, train_cfg.total_steps * sec.optimizer_steps_per_rollout())
     train_model, optimizer = dist.prepare(models.actor, optimizer)
     backend = make_backend(cfg.generation, models.policy, models.tokenizer,
                            max_prompt_length=cfg.dataset.max_prompt_length, batch_size=sec.batch_size,
-                           seed=t.seed, rank=dist.rank)
+                           seed=train_cfg.seed, rank=dist.rank)
     ptx = None
     if sec.ptx_coeff > 0:
         from rlhflab.data.ptx import PtxData
         ptx = PtxData.load(sec.ptx_data, models.tokenizer, prompt_template=cfg.dataset.prompt_template,
                            use_chat_template=cfg.dataset.use_chat_template, batch_size=sec.ptx_batch_size,
                            max_seq_length=cfg.dataset.max_prompt_length + cfg.generation.max_new_tokens,
-                           seed=t.seed * 1_009 + dist.rank, device=models.device)
+                           seed=train_cfg.seed * 1_009 + dist.rank, device=models.device)
     return RLRun(cfg, sec, models, backend, scorer, optimizer, scheduler, math_ or PPOMath(), ptx, dist,
                  train_model, checks)
 
@@ -244,27 +256,29 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
     of the step's prompts and the engine reduces what must be global; the main process
     alone writes (config, metrics, plots, eval samples, checkpoints).
     """
-    t, sec = cfg.training, getattr(cfg, method.name)
-    dist = init_dist(t.device)
+    train_cfg, sec = cfg.training, getattr(cfg, method.name)
+    dist = init_dist(train_cfg.device)
     check_world_size(sec, dist, method.name)
-    set_threads(t.num_threads or default_threads(dist, t.device))
+    set_threads(train_cfg.num_threads or default_threads(dist, train_cfg.device))
     preflight(cfg, quiet or not dist.is_main)  # every reward/check plug-in imported and called once, before any model loads
     resume_dir = check_resume_dir(resume)
-    out_dir = dist.on_main(lambda: prepare_output_dir(t.output_dir, resume=resume_dir is not None),
-                           Path(t.output_dir))
+    if resume_dir is not None:
+        check_resume_world_size(resume_dir, dist.world_size)
+    out_dir = dist.on_main(lambda: prepare_output_dir(train_cfg.output_dir, resume=resume_dir is not None),
+                           Path(train_cfg.output_dir))
     if dist.is_main:
         save_effective_config(effective if effective is not None else cfg, out_dir)
-    seed_everything(t.seed)
+    seed_everything(train_cfg.seed)
 
     run = build_run(cfg, method, resume_dir=resume_dir, math_=math_, dist=dist)
     models, optimizer, scheduler = run.models, run.optimizer, run.scheduler
     train_examples = load_prompts(cfg.dataset, models.tokenizer, "train")
-    eval_examples = load_prompts(cfg.dataset, models.tokenizer, "eval") if t.eval_interval else []
+    eval_examples = load_prompts(cfg.dataset, models.tokenizer, "eval") if train_cfg.eval_interval else []
     start_step = 0
     if resume_dir is not None:
         start_step = restore_trainer_state(resume_dir, optimizer, scheduler, rank=dist.rank)
     elif dist.distributed:  # each rank its own random stream (the seeded sampler does not use it)
-        torch.manual_seed(t.seed * 1_000_003 + dist.rank)
+        torch.manual_seed(train_cfg.seed * 1_000_003 + dist.rank)
 
     doctor = make_doctor(cfg.logging.doctor, sec.max_grad_norm, f"{method.name}.{sec.KL_KNOB}") if dist.is_main else None
     logger = None
@@ -290,7 +304,7 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
         dist.barrier()
 
     from tqdm import tqdm
-    bar = tqdm(range(start_step, t.total_steps), initial=start_step, total=t.total_steps,
+    bar = tqdm(range(start_step, train_cfg.total_steps), initial=start_step, total=train_cfg.total_steps,
                disable=quiet or not cfg.logging.progress_bar or not dist.is_main, desc=method.name,
                dynamic_ncols=True)
     total_samples, total_seconds = 0, 0.0
@@ -300,10 +314,11 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
         t0 = time.perf_counter()
         # Fresh prompts every step; the draw depends only on (seed, step), so a resume
         # matches; each rank takes its contiguous share of them.
-        prompts = step_prompts(train_examples, sec.rollout_size // sec.samples_per_prompt, t.seed, step)
+        prompts = step_prompts(train_examples, sec.rollout_size // sec.samples_per_prompt, train_cfg.seed, step)
         examples = dist.shard(prompts, f"{method.name}: prompts per step")
         # 1-5. the method's phases: rollout, score, forward, advantages, update.
         metrics = method.step(run, examples, step, timer)
+        run.backend.sync(models.policy, updates=sec.optimizer_steps_per_rollout())  # the sampler follows the update
         seconds = time.perf_counter() - t0
         total_samples += sec.rollout_size
         total_seconds += seconds
@@ -314,7 +329,7 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
         if "time/generate" in metrics and "rollout/response_length" in metrics:
             metrics["perf/tokens_per_s"] = (metrics["rollout/response_length"] * sec.rollout_size
                                             / max(metrics["time/generate"], 1e-9))
-        if eval_examples and (step % t.eval_interval == 0 or step == t.total_steps):
+        if eval_examples and (step % train_cfg.eval_interval == 0 or step == train_cfg.total_steps):
             metrics.update(evaluate(run, eval_examples, out_dir, step, quiet))
         result.history.append({"step": step, **metrics})
         if logger is not None:
@@ -323,12 +338,12 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
         if "params/kl_to_ref" in metrics:
             postfix["kl"] = f"{metrics['params/kl_to_ref']:.3f}"
         bar.set_postfix(**postfix)
-        if t.save_interval and step % t.save_interval == 0 and step < t.total_steps:
+        if train_cfg.save_interval and step % train_cfg.save_interval == 0 and step < train_cfg.total_steps:
             save(out_dir / f"step_{step}", step)
             if dist.is_main:
-                prune_checkpoints(out_dir, t.keep_last_checkpoints)
+                prune_checkpoints(out_dir, train_cfg.keep_last_checkpoints)
     bar.close()
-    save(result.final_dir, t.total_steps)
+    save(result.final_dir, train_cfg.total_steps)
     if dist.is_main:
         finish_run(logger, out_dir, models.device, cfg.logging.plots, method.plot_groups or PLOT_GROUPS)
     result.eval_after = last_eval(result.history)

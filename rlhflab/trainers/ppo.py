@@ -102,7 +102,7 @@ class PPORunConfig:
 def collect_rollout(run: RLRun, examples, timer: Timer, step: int = 0):
     """Phases 1-4 for one PPO step; returns a rollout with advantages and returns set.
     Under several processes `examples` is this rank's share and whitening is global."""
-    cfg, p, models = run.cfg, run.cfg.ppo, run.models
+    cfg, sec, models = run.cfg, run.sec, run.models
     temp = cfg.generation.temperature
     # 1. rollout: sample one response per prompt, batch_size responses at a time.
     with timer("generate"):
@@ -113,18 +113,18 @@ def collect_rollout(run: RLRun, examples, timer: Timer, step: int = 0):
     # 3. forward: old logprobs and values (one pass), reference logprobs (one pass).
     with timer("forward"):
         score_rollout(models.actor, models.reference, roll, temperature=temp,
-                      micro_batch=max(p.mini_batch_size, p.batch_size), with_values=True)
+                      micro_batch=max(sec.mini_batch_size, sec.batch_size), with_values=True)
         ref_lp = roll.ref_logprobs if roll.ref_logprobs is not None else roll.logprobs
-        coeff = p.kl_coeff if p.kl_in == "reward" else 0.0
+        coeff = sec.kl_coeff if sec.kl_in == "reward" else 0.0
         roll.rewards, roll.kl = ops.kl_shaped_rewards(
-            roll.scores, roll.logprobs, ref_lp, roll.response_mask, coeff, p.kl_estimator)  # (B, T) each
+            roll.scores, roll.logprobs, ref_lp, roll.response_mask, coeff, sec.kl_estimator)  # (B, T) each
         rewards = roll.rewards
-        if p.whiten_rewards:
+        if sec.whiten_rewards:
             rewards = whiten(rewards, roll.response_mask, run.dist, shift_mean=False)
         # 4. advantages: GAE (reverse recursion), then whitening over real tokens only
         # (of every rank).
-        adv, ret = run.math.advantages(rewards, roll.values, roll.response_mask, p.gamma, p.lam)
-        if p.whiten_advantages:
+        adv, ret = run.math.advantages(rewards, roll.values, roll.response_mask, sec.gamma, sec.lam)
+        if sec.whiten_advantages:
             adv = whiten(adv, roll.response_mask, run.dist)
         roll.advantages, roll.returns = adv, ret
     return roll

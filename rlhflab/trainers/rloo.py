@@ -72,15 +72,15 @@ class RLOORunConfig:
 
 def rloo_step(run: RLRun, examples, step: int, timer: Timer) -> dict[str, float]:
     """Phases 1-5 of one RLOO step; returns its metrics."""
-    r = run.sec
-    roll = sample_and_score(run, examples, timer, step, kl_in_reward=r.kl_coeff > 0)
+    sec = run.sec
+    roll = sample_and_score(run, examples, timer, step, kl_in_reward=sec.kl_coeff > 0)
     # 3. (cont.) the sequence KL joins the reward.
     rewards = roll.scores
     if roll.kl is not None:
-        rewards = roll.scores - r.kl_coeff * roll.kl.sum(-1)                           # (B,)
+        rewards = roll.scores - sec.kl_coeff * roll.kl.sum(-1)                           # (B,)
     # 4. advantages: leave-one-out baseline, the same value on every token.
-    seq_adv = ops.rloo_advantages(rewards, r.k)                                      # (B,)
-    if r.normalize_advantages:  # over the whole batch, every rank's (unbiased std, as before)
+    seq_adv = ops.rloo_advantages(rewards, sec.k)                                      # (B,)
+    if sec.normalize_advantages:  # over the whole batch, every rank's (unbiased std, as before)
         n = run.dist.sum(float(len(seq_adv)))
         if n > 1:
             mean = run.dist.sum(float(seq_adv.sum())) / n
