@@ -237,7 +237,7 @@ def test_preflight_says_when_accuracy_is_not_logged(task, tmp_path, monkeypatch,
     monkeypatch.chdir(task)
     cfg, _ = load_config(None, PPORunConfig, _task_overrides(task, tmp_path, tmp_path / "o", f"{name}:score"))
     preflight(cfg)
-    assert "eval/accuracy: not logged (the held-out answers are not numbers); set eval.correct" in capsys.readouterr().out
+    assert "eval/accuracy: not logged (the held-out rows have no numeric answers for the GSM8K checker); set eval.correct" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("command", ["ppo", "grpo", "rloo", "reinforce-pp", "dr-grpo", "trpo"])

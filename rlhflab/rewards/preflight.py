@@ -69,6 +69,21 @@ def _load(spec: str, key: str, plugin_dir):
         raise UserError(f"preflight of {key}: {exc}") from None
 
 
+def _check_sources(sources, prefix: str, plugin_dir, first_row) -> list[PreflightCall]:
+    """Model and classifier sources: the path exists; rules: imported and called once on
+    `first_row()` (example, "row 0 of FILE"), read only when a rule needs it."""
+    calls, row = [], None
+    for i, source in enumerate(sources):
+        key = f"{prefix}[{i}]"
+        if source.type != "rule":
+            _check_model_source(source, key)
+            continue
+        fn = _load(source.name, key, plugin_dir)
+        row = row or first_row()
+        calls.append(_call_once(fn, key, source.name, *row, "reward"))
+    return calls
+
+
 def preflight(cfg, quiet: bool = False) -> list[PreflightCall]:
     """Import and call once every plug-in of a run config (sections dataset, reward and,
     when present, eval and training); raise a one-line `UserError` at the first problem.
@@ -77,42 +92,27 @@ def preflight(cfg, quiet: bool = False) -> list[PreflightCall]:
     """
     from rlhflab.evaluate import EvalChecks, accuracy_rule
 
-    calls: list[PreflightCall] = []
-    train_example = train_row = None
-    for i, source in enumerate(cfg.reward.sources):
-        key = f"reward.sources[{i}]"
-        if source.type != "rule":
-            _check_model_source(source, key)
-            continue
-        fn = _load(source.name, key, cfg.reward.plugin_dir)
-        if train_example is None:
-            examples, train_row = _rows(cfg.dataset, "train")
-            train_example = examples[0]
-        calls.append(_call_once(fn, key, source.name, train_example, train_row, "reward"))
+    def first(split: str):
+        examples, row = _rows(cfg.dataset, split)
+        return examples[0], row
 
+    calls = _check_sources(cfg.reward.sources, "reward.sources", cfg.reward.plugin_dir, lambda: first("train"))
     eval_cfg = getattr(cfg, "eval", None)
     training = getattr(cfg, "training", None)
     evaluates = training is None or training.eval_interval > 0
     note = None
     if eval_cfg is not None and evaluates and (cfg.dataset.eval_path or cfg.dataset.name):
         examples, row = _rows(cfg.dataset, "eval")
-        example = examples[0]
         checks = EvalChecks()
         if eval_cfg.correct:
             fn = _load(eval_cfg.correct, "eval.correct", eval_cfg.plugin_dir)
-            calls.append(_call_once(fn, "eval.correct", eval_cfg.correct, example, row, "check"))
+            calls.append(_call_once(fn, "eval.correct", eval_cfg.correct, examples[0], row, "check"))
             checks = EvalChecks(fn, eval_cfg.correct)
-        for i, source in enumerate(eval_cfg.rewards):
-            key = f"eval.rewards[{i}]"
-            if source.type != "rule":
-                _check_model_source(source, key)
-                continue
-            fn = _load(source.name, key, eval_cfg.plugin_dir)
-            calls.append(_call_once(fn, key, source.name, example, row, "reward"))
+        calls += _check_sources(eval_cfg.rewards, "eval.rewards", eval_cfg.plugin_dir, lambda: (examples[0], row))
         rule = accuracy_rule(checks, [e.row for e in examples])
         note = (f"eval/accuracy: {rule}" if rule else
-                "eval/accuracy: not logged (the held-out answers are not numbers); set eval.correct: "
-                "module:function to measure it")
+                "eval/accuracy: not logged (the held-out rows have no numeric answers for the GSM8K checker); "
+                "set eval.correct: module:function to measure it")
     if not quiet:
         for c in calls:
             print(f"preflight: {c.key} {c.spec} on {c.row} with response {c.response!r:.40} -> {c.value:g}")
