@@ -86,8 +86,10 @@ class DoctorConfig:
     # reward_hacking: at the latest evaluation a held-out check (eval/accuracy or an
     # eval.rewards metric, higher is better) is more than `hack_check_drop` (relative)
     # below its best so far, while the optimised reward on the same prompts
-    # (eval/reward_mean) has risen since that best by more than `hack_reward_rise`
-    # (relative). 0.15 stays above the noise of a 200-prompt accuracy near 0.9.
+    # (eval/reward_mean) is more than `hack_reward_rise` (relative) above its first value
+    # and has not fallen by more than that since the check's best. "Has not fallen"
+    # rather than "rose": a learned reward is often already saturated when the policy
+    # starts to game it. 0.15 stays above the noise of a 200-prompt accuracy near 0.9.
     hack_check_drop: float = 0.15
     hack_reward_rise: float = 0.02
 
@@ -299,15 +301,17 @@ def _rule_reward_hacking(history: History, latest: dict[str, float], cfg: Doctor
             continue
         judged = True
         best_step, best = max(pts, key=lambda sv: sv[1])  # the earliest best
-        now_step, now = pts[-1]
-        drop = _relative(best - now, best)
-        rise = _relative(reward[now_step] - reward[best_step], reward[best_step])
-        if now_step > best_step and drop > cfg.hack_check_drop and rise > cfg.hack_reward_rise:
-            return (f"the optimised reward ({EVAL_REWARD}) rose from {reward[best_step]:.3g} to "
-                    f"{reward[now_step]:.3g} since step {best_step} while the held-out check {key} fell "
-                    f"from {best:.3g} to {now:.3g}: the policy is exploiting the reward, not doing the task "
-                    f"(reward hacking). Read eval/step_{now_step}.jsonl; prefer the model of step {best_step}, "
-                    f"raise {cfg.kl_knob}, or fix the reward")
+        (first_step, _), (now_step, now) = pts[0], pts[-1]
+        r_first, r_best, r_now = reward[first_step], reward[best_step], reward[now_step]
+        fell = _relative(best - now, best) > cfg.hack_check_drop
+        reward_up = _relative(r_now - r_first, r_first) > cfg.hack_reward_rise
+        reward_held = _relative(r_best - r_now, r_best) <= cfg.hack_reward_rise
+        if now_step > best_step and fell and reward_up and reward_held:
+            return (f"the held-out check {key} fell from {best:.3g} at step {best_step} to {now:.3g} while the "
+                    f"optimised reward ({EVAL_REWARD}) stayed up ({r_first:.3g} at step {first_step}, "
+                    f"{r_best:.3g} at step {best_step}, {r_now:.3g} now): the policy is exploiting the reward, "
+                    f"not doing the task (reward hacking). Read eval/step_{now_step}.jsonl; prefer the model "
+                    f"of step {best_step}, raise {cfg.kl_knob}, or fix the reward")
     return "" if judged else None
 
 
@@ -329,7 +333,7 @@ RULES: tuple[Rule, ...] = (
     Rule("entropy", "warn", ENTROPY, "entropy stays above its floor", _rule_entropy),
     Rule("reward_constant", "warn", f"{REWARD_STD}, {ZERO_SPREAD}", "rewards vary", _rule_reward_constant),
     Rule("reward_hacking", "warn", f"{EVAL_REWARD} against eval/accuracy and eval.rewards",
-         "held-out checks do not fall while the reward rises", _rule_reward_hacking),
+         "held-out checks do not fall while the reward stays up", _rule_reward_hacking),
 )
 RULE_NAMES = tuple(r.name for r in RULES)
 

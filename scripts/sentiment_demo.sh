@@ -5,6 +5,8 @@
 #   -> the classifier on a few hand-written continuations.
 # Usage: scripts/sentiment_demo.sh [OUT] [SEED]     (OUT defaults to outputs/sentiment, where
 #        configs/ppo_sentiment.yaml looks; SEED to 0)
+#        HACK=1 scripts/sentiment_demo.sh [OUT] [SEED]   adds stage 7: PPO without the KL penalty for
+#        40 steps, then `rlhflab doctor` on it: the policy learns to game the classifier.
 set -euo pipefail
 OUT="${1:-outputs/sentiment}"
 SEED="${2:-0}"
@@ -51,3 +53,13 @@ PY
 
 echo "== 6. the classifier on hand-written continuations: what can it be fooled by?"
 $PYTHON scripts/probe_classifier.py "$OUT/classifier/final"
+
+if [ "${HACK:-0}" = 1 ]; then
+  echo "== 7. no KL penalty, 40 steps: does the policy game the classifier? (the lexicon and the doctor say)"
+  $RLHFLAB ppo --config configs/ppo_sentiment.yaml model.name_or_path="$OUT/sft/final" \
+    dataset.path="$OUT/reviews/prompts_train.jsonl" dataset.eval_path="$OUT/reviews/prompts_test.jsonl" \
+    "reward.sources=[{type: classifier, path: $OUT/classifier/final, label: POSITIVE, text: response}]" \
+    training.output_dir="$OUT/ppo_kl0" training.seed="$SEED" ppo.kl_coeff=0 training.total_steps=40 \
+    training.eval_interval=10 logging.progress_bar=false | grep -E "^eval at|^    -> |doctor"
+  $RLHFLAB doctor "$OUT/ppo_kl0" --no-plot || true   # exits 1 when a rule fired
+fi

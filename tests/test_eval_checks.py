@@ -144,16 +144,27 @@ def test_reward_hacking_fires_when_the_reward_rises_and_the_check_falls():
     doctor = diagnose(_eval_rows([0.20, 0.50, 0.80], [0.235, 0.30, 0.00]))
     assert doctor.first_fired == {"reward_hacking": 20}
     msg = doctor.active["reward_hacking"].message
-    # best check 0.30 at step 10, reward 0.5 -> 0.8 since then
-    assert "rose from 0.5 to 0.8 since step 10" in msg and "eval/accuracy fell from 0.3 to 0" in msg
-    assert "prefer the model of step 10" in msg
+    # best check 0.30 at step 10; the reward 0.2 at the start, 0.5 then, 0.8 now
+    assert "eval/accuracy fell from 0.3 at step 10 to 0 while" in msg
+    assert "(0.2 at step 0, 0.5 at step 10, 0.8 now)" in msg and "prefer the model of step 10" in msg
+
+
+def test_reward_hacking_with_a_saturated_reward():
+    """The sentiment run with ppo.kl_coeff=0 (docs/sentiment.md): the classifier reward is at
+    its ceiling from step 10 on while the lexicon's positive-rate collapses; the reward did
+    not rise after the check's best, it stayed up."""
+    rows = _eval_rows([0.002, 0.999, 0.999, 0.995, 0.999], [0.0, 0.995, 0.0, 0.080, 0.030])
+    doctor = diagnose(rows)
+    assert doctor.first_fired == {"reward_hacking": 20}
+    assert "fell from 0.995 at step 10 to 0 while" in doctor.findings[0].message
 
 
 @pytest.mark.parametrize("rewards, checks, why", [
     ([0.2, 0.5, 0.8], [0.2, 0.5, 0.8], "both rise"),
     ([0.8, 0.5, 0.3], [0.8, 0.5, 0.3], "both fall: a bad run, not hacking"),
     ([0.2, 0.5, 0.8], [0.80, 0.90, 0.80], "a drop of 11% of the best (0.1 / 0.9) is within the 15% threshold"),
-    ([0.5, 0.5, 0.5], [0.9, 0.9, 0.1], "the check falls but the reward is flat"),
+    ([0.5, 0.5, 0.5], [0.9, 0.9, 0.1], "the check falls but the reward never rose"),
+    ([0.2, 0.9, 0.6], [0.2, 0.9, 0.5], "the reward falls with the check (by a third): a bad run, not hacking"),
 ])
 def test_reward_hacking_stays_quiet(rewards, checks, why):
     assert "reward_hacking" not in diagnose(_eval_rows(rewards, checks)).first_fired, why
@@ -163,7 +174,7 @@ def test_reward_hacking_reads_eval_rewards_and_needs_two_evaluations():
     # An eval.rewards metric (a lexicon check beside a learned classifier): 0.6 -> 0.4 is a
     # 33% drop while the reward rose 0.5 -> 0.9 (80%).
     doctor = diagnose(_eval_rows([0.5, 0.9], [0.6, 0.4], key="eval/lexicon"))
-    assert "eval/lexicon fell from 0.6 to 0.4" in doctor.active["reward_hacking"].message
+    assert "eval/lexicon fell from 0.6 at step 0 to 0.4" in doctor.active["reward_hacking"].message
     single = Doctor()
     single.observe(10, {"eval/reward_mean": 0.9, "eval/accuracy": 0.0, "rollout/reward_mean": 0.9})
     assert single.state["reward_hacking"] is None  # one evaluation: not enough to judge
@@ -233,5 +244,4 @@ def test_the_live_doctor_sees_step_0_and_warns_of_reward_hacking(ppo_cfg, tmp_pa
                   "reward.sources=[{type: rule, name: 'hacked.py:rising'}]", "eval.correct=hacked.py:falling"),
           quiet=False)
     out = capsys.readouterr().out
-    assert "doctor [warn] step 1 reward_hacking: the optimised reward (eval/reward_mean) rose" in out
-    assert "the held-out check eval/accuracy fell from 1 to 0" in out
+    assert "doctor [warn] step 1 reward_hacking: the held-out check eval/accuracy fell from 1 at step 0 to 0" in out
