@@ -265,7 +265,6 @@ def run(args: argparse.Namespace) -> int:
     cfg, effective = load_config(args.config, TPORunConfig, args.overrides)
     set_threads(cfg.run.num_threads)
     preflight(_as_eval_run(cfg))  # the plug-ins, on the held-out rows, before the model loads
-    examples = load_prompts(cfg.dataset, None, "eval")
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_effective_config(effective, out)
@@ -273,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
     model, tok = load_model(cfg.model.name_or_path, cfg.model.torch_dtype, cfg.run.device,
                             cfg.model.trust_remote_code, cfg.model.tokenizer)
     device = next(model.parameters()).device
+    examples = load_prompts(cfg.dataset, tok, "eval")  # with the tokenizer: its chat template, if used
     scorer = build_reward(cfg.reward, device)
     checks = build_eval_checks(cfg.eval, device)
     rows = [e.row for e in examples]
