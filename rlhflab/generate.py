@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from rlhflab.errors import UserError
+from rlhflab.files import iter_lines, read_json
 
 
 def read_prompt_file(path: str | Path, field: str | None = None) -> list[str]:
@@ -29,7 +30,7 @@ def read_prompt_file(path: str | Path, field: str | None = None) -> list[str]:
     if path.suffix == ".txt":
         if not path.is_file():
             raise UserError(f"--prompts {path}: no such file")
-        return [line for line in path.read_text().splitlines() if line.strip()]
+        return [line for _, line in iter_lines(path) if line.strip()]
     rows = read_rows(str(path))
     prompts = []
     for i, row in enumerate(rows):
@@ -57,7 +58,7 @@ def load_any(name_or_path: str, device: str = "cpu", torch_dtype: str = "float32
     path = Path(name_or_path)
     if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
         from peft import PeftModel
-        base_name = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        base_name = read_json(path / "adapter_config.json").get("base_model_name_or_path")
         if not base_name:
             raise UserError(f"{path}/adapter_config.json names no base_model_name_or_path; "
                             "give the merged model folder instead")

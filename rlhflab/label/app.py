@@ -98,11 +98,12 @@ def _check_keys(body: dict, allowed: set[str]) -> None:
 def load_annotator_tokens(path: str | Path) -> dict[str, str]:
     """Read {"name": "token", ...}; returns token -> name."""
     from rlhflab.errors import UserError
+    from rlhflab.files import read_json
 
     path = Path(path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
+        data = read_json(path)
+    except (OSError, UserError) as exc:
         raise UserError(f"--annotator-tokens {path}: cannot read a JSON object ({exc}); "
                         'write {"alice": "token-for-alice", ...}') from None
     if not isinstance(data, dict) or not data:

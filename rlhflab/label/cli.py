@@ -103,9 +103,17 @@ def _generate(args: argparse.Namespace) -> int:
 def _import(args: argparse.Namespace) -> int:
     from rlhflab.label import db as labeldb
 
-    conn = labeldb.connect(args.db, create=True)
+    db = Path(args.db)
+    created = not db.exists()
+    conn = labeldb.connect(db, create=True)
     try:
         result = labeldb.import_jsonl(conn, args.file)
+    except UserError:
+        conn.close()
+        if created:  # a failed import into a new database leaves no empty database behind
+            for path in (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
+                path.unlink(missing_ok=True)
+        raise
     finally:
         conn.close()
     print(f"{args.db}: {result.summary()}")
