@@ -110,8 +110,9 @@ def load_reward_model(path: str, device: torch.device | str = "cpu", torch_dtype
     """(model, tokenizer, meta) of a reward model folder or hub name."""
     from transformers import AutoModelForSequenceClassification
 
-    from rlhflab.models.load import _load_error, load_tokenizer, resolve_dtype
+    from rlhflab.models.load import _load_error, load_tokenizer, reject_adapter, resolve_dtype
 
+    reject_adapter(path, "reward model")
     tok = load_tokenizer(path, padding_side="right", kind="reward model")
     try:
         model = AutoModelForSequenceClassification.from_pretrained(path, dtype=resolve_dtype(torch_dtype))
