@@ -74,6 +74,16 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        from rlhflab.files import is_disk_error
+
+        if not is_disk_error(exc):
+            raise
+        # A full disk or a folder we may not write: the machine, not a bug; no traceback.
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"error: {where}{exc.strerror}; free some disk space or fix the folder's permissions, "
+              "then run again", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
