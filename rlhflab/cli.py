@@ -68,6 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[name][0])
     parser = argparse.ArgumentParser(prog=f"rlhflab {name}", description=COMMANDS[name][1])
     module.add_parser(parser)
+    from rlhflab.config.cli import SCHEMAS  # names only: imports nothing heavy
+
+    if name in SCHEMAS:  # a command with a config: say where its keys are listed
+        keys = (f"config keys: `rlhflab config show {name}` lists every key of the config with its type, "
+                f"default and help; `rlhflab config resolve {name} --config FILE` prints the merged config.")
+        parser.epilog = f"{parser.epilog}\n\n{keys}" if parser.epilog else keys
     args = parser.parse_args(argv[1:])
     try:
         rc = module.run(args)

@@ -24,8 +24,7 @@ from pathlib import Path
 from rlhflab.config import load_config
 from rlhflab.config.schema import (DatasetConfig, GenerationConfig, LoggingConfig, LoRAConfig, ModelConfig,
                                    PPORunConfig, PPOSection, TrainingConfig)
-
-PROMPT_TEMPLATE = "Question: {prompt}\nAnswer:"
+from rlhflab.data.arith import PROMPT_TEMPLATE  # the task's template; eval and generate default to it
 
 
 def ppo_defaults(out: Path, threads: int | None) -> PPORunConfig:
@@ -155,9 +154,12 @@ def format_table(s: dict) -> str:
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="outputs/quickstart", help="output folder")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    from rlhflab.cliargs import count
+
+    parser.add_argument("--threads", type=count(), default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("overrides", nargs="*",
-                        help="dotted overrides: PPO keys (ppo.kl_coeff=0.05) or sft.* for the warm start")
+                        help="dotted overrides: PPO keys (ppo.kl_coeff=0.05) or sft.* for the warm start; "
+                             "`rlhflab config show ppo` and `rlhflab config show sft` list the keys")
 
 
 MARKER = ".rlhflab-quickstart"

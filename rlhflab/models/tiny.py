@@ -87,13 +87,20 @@ def make_tiny_model(out_dir: str | Path, hidden_size: int = 192, num_layers: int
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="outputs/tiny-model", help="output folder")
-    parser.add_argument("--hidden-size", type=int, default=192)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=6)
-    parser.add_argument("--vocab-size", type=int, default=512)
-    parser.add_argument("--arch", choices=["llama", "qwen2"], default="llama")
-    parser.add_argument("--seed", type=int, default=0)
+    from rlhflab.cliargs import count, seed
+
+    parser.add_argument("--out", default="outputs/tiny-model", help="output folder (default: %(default)s)")
+    parser.add_argument("--hidden-size", type=count(), default=192,
+                        help="width of the decoder; a multiple of --heads (default: %(default)s)")
+    parser.add_argument("--layers", type=count(), default=4, help="decoder layers (default: %(default)s)")
+    parser.add_argument("--heads", type=count(), default=6, help="attention heads (default: %(default)s)")
+    parser.add_argument("--vocab-size", type=count(), default=512,
+                        help="BPE vocabulary size to train, at least the 256 bytes plus the specials "
+                             "(default: %(default)s)")
+    parser.add_argument("--arch", choices=["llama", "qwen2"], default="llama",
+                        help="architecture of the config (default: %(default)s)")
+    parser.add_argument("--seed", type=seed(), default=0, help="seed of the weights and the tokenizer "
+                                                              "corpus (default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
