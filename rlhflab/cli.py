@@ -65,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     # Hugging Face's per-file "Loading weights" bars drown our own progress output; a user
     # who wants them back sets HF_HUB_DISABLE_PROGRESS_BARS=0.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # Idle OpenMP threads sleep instead of spinning (set before torch loads; an explicit
+    # OMP_WAIT_POLICY wins). On a shared CPU the spinning threads take the cores the working
+    # ones need: bench/omp_wait_policy.py measured SFT steps 3.6x slower without it on this
+    # project's busy 2-core machine (see docs/quickstart.md).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     module = importlib.import_module(COMMANDS[name][0])
     parser = argparse.ArgumentParser(prog=f"rlhflab {name}", description=COMMANDS[name][1])
     module.add_parser(parser)
@@ -79,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         rc = module.run(args)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except FloatingPointError as exc:  # a loop that checks finiteness itself (older RL loops)
+        print(f"error: training diverged: {exc}; lower {name}.learning_rate, or clip harder with a "
+              f"smaller {name}.max_grad_norm", file=sys.stderr)
         return 2
     except OSError as exc:
         from rlhflab.files import is_disk_error

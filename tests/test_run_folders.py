@@ -263,3 +263,24 @@ def test_resumed_logger_without_resume_step_drops_the_steps_it_redoes(tmp_path):
     again = MetricsLogger(tmp_path, resume=True, resume_step=2)
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2]
     again.close()
+
+
+@pytest.mark.slow
+def test_ppo_with_learning_rate_1e9_is_one_line(tiny_model_dir, arith_dir, tmp_path, capsys):
+    # Today: a FloatingPointError traceback. The CLI prints it as one line naming the step;
+    # the loop's own check_finite_* calls (see the report to the lead) make it name the knob.
+    out = tmp_path / "ppo"
+    rc = cli.main(["ppo", "--config", str(ROOT / "configs" / "ppo_debug.yaml"), f"model.name_or_path={tiny_model_dir}",
+                   f"dataset.path={arith_dir / 'train.jsonl'}", f"dataset.eval_path={arith_dir / 'test.jsonl'}",
+                   f"training.output_dir={out}", "generation.max_new_tokens=8", "ppo.rollout_samples=8",
+                   "ppo.batch_size=8", "ppo.mini_batch_size=4", "ppo.learning_rate=1e9", "training.eval_interval=0",
+                   "training.save_interval=1", "logging.progress_bar=false", "logging.plots=false",
+                   "training.num_threads=1"])
+    err = capsys.readouterr().err
+    line = last_line(err)
+    assert rc == 2 and "Traceback" not in err
+    # (FloatingPointError caught by the CLI today; TrainingDiverged once the loop calls check_finite_*)
+    assert line.startswith("error: ") and "training diverged" in line and "step 1" in line
+    assert "lower ppo.learning_rate" in line
+    for folder in checkpoint_steps(out):
+        assert _finite_forward(folder), folder
