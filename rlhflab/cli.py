@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     # Idle OpenMP threads sleep instead of spinning (set before torch loads; an explicit
     # OMP_WAIT_POLICY wins). On a shared CPU the spinning threads take the cores the working
-    # ones need: bench/omp_wait_policy.py measured SFT steps 3.6x slower without it on this
-    # project's busy 2-core machine (see docs/quickstart.md).
+    # ones need: bench/omp_wait_policy.py measured SFT steps 3.6-17x slower without it on this
+    # project's busy 2-core machine, and never faster (docs/quickstart.md).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     module = importlib.import_module(COMMANDS[name][0])
     parser = argparse.ArgumentParser(prog=f"rlhflab {name}", description=COMMANDS[name][1])

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole pipeline on a tiny local model, offline, on CPU (about 2-3 minutes on 2 cores):
+# The whole pipeline on a tiny local model, offline, on CPU (195-250 s on this project's shared
+# 2-core machine; scripts/measure_readme.py measures it):
 #   make-tiny -> make-data -> SFT (policy, sloppy demonstrations) -> SFT (judge, worked solutions)
 #   -> preference pairs -> reward model on the judge -> PPO of the policy on the reward model
 #   -> base / SFT / PPO answers side by side.
