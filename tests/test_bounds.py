@@ -33,10 +33,11 @@ def test_any_integer_pair_id_is_a_400_or_404(tmp_path, pair_id):
 # --------------------------------------------------------------------------------------
 # Command-line numbers
 # --------------------------------------------------------------------------------------
-# Numeric options whose range run() checks itself, with a message of its own (tests/test_label_cli.py).
+# Numeric options whose range run() or the command's config checks, with a message of its own
+# (tests/test_label_cli.py, tests/test_learn.py, tests/test_label_generate.py).
 CHECKED_IN_RUN = {("label serve", "--port"), ("label serve", "--labels-per-pair"),
                   ("label serve", "--max-comment"), ("label export", "--min-labels"),
-                  ("learn check", "numbers"), ("learn solution", "number")}
+                  ("learn check", "numbers"), ("learn solution", "number"), ("label generate", "--n")}
 
 
 def _parsers() -> list[tuple[str, argparse.ArgumentParser]]:
@@ -78,7 +79,6 @@ def test_every_numeric_option_is_range_checked():
     (["generate", "--model", "m", "--prompt", "p", "--temperature", "0"], "argument --temperature: must be > 0"),
     (["generate", "--model", "m", "--prompt", "p", "--top-p", "nan"], "expected a finite number, got 'nan'"),
     (["quickstart", "--threads", "-2"], "argument --threads: must be >= 1, got -2"),
-    (["label", "generate", "--prompts", "p", "--out", "o", "--n", "1"], "argument --n: must be >= 2, got 1"),
 ])
 def test_bad_numbers_stop_before_any_work(argv, fragment, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -4,8 +4,8 @@ time ends bit-identical to an uninterrupted run, with each metrics row once.
 The CLI runs in a subprocess (`python -m rlhflab ppo|grpo ...`), as a user's run would.
 Kills fall at random moments once the first checkpoint exists: during a step, during a
 save (leaving a `step_N.tmp/`), during the final save or the metrics write. (A kill before
-the first checkpoint leaves nothing to resume; tests/test_run_folders.py covers the
-restart that needs.)
+the first checkpoint leaves nothing to resume: that restart is `training.overwrite=true`,
+tests/test_run_folders.py.)
 """
 
 from __future__ import annotations
@@ -54,23 +54,35 @@ def _run_to_end(args: list[str], log: Path) -> None:
     assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
 
 
+def _newest_step(out: Path) -> int:
+    newest = latest_checkpoint(out)
+    return int(newest.name[5:]) if newest is not None else 0
+
+
 def _run_with_kills(args: list[str], out: Path, log: Path, seed: int, max_kills: int = 3) -> int:
-    """Run, SIGKILL at random moments after the first checkpoint, resume; returns the kills."""
+    """Run, SIGKILL at a random moment, resume from the newest checkpoint; returns the kills.
+
+    Each attempt picks a later point to die at: a little after a random next checkpoint
+    appears (in the step after it, or the save of the next one), or while final.tmp/ is
+    being written. The first target is a step checkpoint, so at least one kill lands, and
+    each resume starts from a newer checkpoint, so the loop ends.
+    """
     rng = random.Random(seed)
     kills, resume = 0, []
     while True:
         proc = _start([*args[:3], *resume, *args[3:]], log)
-        if kills < max_kills:
-            while proc.poll() is None and latest_checkpoint(out) is None:
-                time.sleep(0.05)
-            time.sleep(rng.uniform(0.0, 3.0))
+        done = _newest_step(out)
+        later = [f"step_{k}" for k in range(done + 1, STEPS)] + ([] if kills == 0 else ["final.tmp"])
+        if kills < max_kills and later:
+            target = out / rng.choice(later)
+            while proc.poll() is None and not target.exists():
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.0, 0.6) if target.name != "final.tmp" else 0.0)
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
                 kills += 1
-                newest = latest_checkpoint(out)
-                assert newest is not None
-                resume = ["--resume", str(newest)]
+                resume = ["--resume", str(latest_checkpoint(out))]
                 continue
         assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
         return kills

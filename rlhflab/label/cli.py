@@ -22,8 +22,8 @@ from rlhflab.label import CRITERIA
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    from rlhflab.cliargs import count  # --port, --labels-per-pair, --max-comment, --min-labels: checked in run()
-
+    # The numbers of these subcommands are range-checked where they are used: --n by the
+    # `label generate` config, --port, --labels-per-pair, --max-comment, --min-labels in run().
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
 
     p = sub.add_parser("generate", help="sample N responses per prompt from a model, store pairs",
@@ -31,7 +31,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                                    "every pair of distinct responses in an SQLite file.")
     p.add_argument("--model", help="local folder or hub name of a causal LM (sets model.name_or_path)")
     p.add_argument("--prompts", required=True, help='jsonl file, one {"prompt": ...} per line')
-    p.add_argument("--n", type=count(2), help="responses per prompt, at least 2 (sets n; default 4)")
+    p.add_argument("--n", type=int, help="responses per prompt, at least 2 (sets n, which the config checks; default 4)")
     p.add_argument("--out", required=True, help="SQLite file to create or add to")
     p.add_argument("--config", help="YAML with generation: (temperature, top_p, max_new_tokens...) "
                                     "and other keys of `label generate`")
