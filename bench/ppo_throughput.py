@@ -84,7 +84,7 @@ class RlhflabSide:
         self.s, self.critic = s, critic
 
     def config(self):
-        from rlhflab.config import PPORunConfig
+        from rlhflab.trainers.ppo import PPORunConfig
 
         s, cfg = self.s, PPORunConfig()
         cfg.model.name_or_path, cfg.model.torch_dtype = s.model_dir, "float32"
@@ -112,44 +112,44 @@ class RlhflabSide:
 
     def build(self) -> dict:
         from rlhflab.data.prompts import PromptExample
-        from rlhflab.rewards import build_reward
         from rlhflab.trainers import ppo
         from rlhflab.trainers.common import make_optimizer, make_scheduler
+        from rlhflab.trainers.loop import build_run
 
         self.release()
         self.cfg = cfg = self.config()
-        self.models = ppo.build_models(cfg)
-        self.scorer = build_reward(cfg.reward, self.models.device)
+        self.run = build_run(cfg, ppo.method(cfg))
+        self.models = self.run.models
         p = cfg.ppo
-        params = self.models.actor_critic.trainable_parameters()
-        self.optimizer = make_optimizer(params, p.learning_rate, p.weight_decay,
-                                        (p.adam_beta1, p.adam_beta2), p.adam_eps)
-        self.scheduler = make_scheduler(self.optimizer, 10_000, 0, "constant")
-        self.math = ppo.PPOMath()
+        params = self.models.actor.trainable_parameters()
+        self.optimizer = self.run.optimizer = make_optimizer(params, p.learning_rate, p.weight_decay,
+                                                             (p.adam_beta1, p.adam_beta2), p.adam_eps)
+        self.scheduler = self.run.scheduler = make_scheduler(self.optimizer, 10_000, 0, "constant")
         rows = _common.bench_rows(self.s.episodes, self.s.seed)
         self.examples = [PromptExample(_common.format_bench_prompt(r["question"]), r) for r in rows]
         self.step_idx = 0
         return {"trainable_params": sum(x.numel() for x in params)}
 
     def release(self) -> None:
-        self.models = self.optimizer = self.scheduler = None
+        self.run = self.models = self.optimizer = self.scheduler = None
         _common.release_freed_memory()
 
     def state_tensors(self) -> list:
         """Every tensor held between steps: weights (policy, critic, reference) and optimizer state."""
-        mods = [self.models.actor_critic] + ([self.models.reference.model] if self.models.reference else [])
+        mods = [self.models.actor] + ([self.models.reference.model] if self.models.reference else [])
         return _held_tensors(mods, self.optimizer)
 
     def step(self) -> dict:
         from rlhflab.trainers import ppo
         from rlhflab.trainers.common import Timer
+        from rlhflab.trainers.loop import run_update
 
         self.step_idx += 1
         timer = Timer()
         t0 = time.perf_counter()
-        roll = ppo.collect_rollout(self.models, self.examples, self.cfg, self.scorer, timer, self.math)
+        roll = ppo.collect_rollout(self.run, self.examples, timer)
         with timer("update"):
-            ppo.ppo_update(self.models, self.optimizer, self.scheduler, roll, self.cfg, self.step_idx, self.math)
+            run_update(self.run, roll, self.step_idx)
         total = time.perf_counter() - t0
         phases = {k: timer.seconds.get(k, 0.0) for k in PHASES[:-1]}
         phases["other"] = total - sum(phases.values())

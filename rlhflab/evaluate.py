@@ -23,6 +23,14 @@ class EvalResult:
     reward_mean: float
     samples: list[dict] = field(default_factory=list)
 
+    @classmethod
+    def from_samples(cls, samples: list[dict]) -> "EvalResult":
+        """The result of samples decoded elsewhere (e.g. gathered from several processes)."""
+        correct = [s["correct"] for s in samples if "correct" in s]
+        acc = sum(correct) / len(correct) if correct and len(correct) == len(samples) else None
+        reward = sum(s["score"] for s in samples) / len(samples) if samples else 0.0
+        return cls(acc, reward, list(samples))
+
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
         out = {f"{prefix}reward_mean": self.reward_mean}
         if self.accuracy is not None:

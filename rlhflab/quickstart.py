@@ -9,7 +9,7 @@
    plots, and write `summary.json`.
 
 Every PPO setting can be overridden on the command line (`ppo.kl_coeff=0.05`,
-`training.total_ppo_steps=20`); keys under `sft.` set the warm start
+`training.total_steps=20`); keys under `sft.` set the warm start
 (`sft.max_steps=200`).
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from rlhflab.config import load_config
 from rlhflab.config.schema import (DatasetConfig, GenerationConfig, LoggingConfig, LoRAConfig, ModelConfig,
-                                   PPORunConfig, PPOSection, TrainingConfig)
+                                   TrainingConfig)
 from rlhflab.data.arith import PROMPT_TEMPLATE  # the task's template; eval and generate default to it
 
 # torch threads of every stage. Fixed, not the machine's core count (nor OMP_NUM_THREADS): a
@@ -33,8 +33,10 @@ from rlhflab.data.arith import PROMPT_TEMPLATE  # the task's template; eval and 
 THREADS = 2
 
 
-def ppo_defaults(out: Path, threads: int | None) -> PPORunConfig:
+def ppo_defaults(out: Path, threads: int | None):
     """The quickstart's PPO settings (tuned on a 2-core CPU; see docs/quickstart.md)."""
+    from rlhflab.trainers.ppo import PPORunConfig, PPOSection
+
     return PPORunConfig(
         model=ModelConfig(name_or_path=str(out / "sft" / "final"), torch_dtype="float32", reference="copy"),
         dataset=DatasetConfig(path=str(out / "data" / "train.jsonl"), eval_path=str(out / "data" / "test.jsonl"),
@@ -44,7 +46,7 @@ def ppo_defaults(out: Path, threads: int | None) -> PPORunConfig:
         ppo=PPOSection(rollout_samples=64, batch_size=64, mini_batch_size=16, epochs=2,
                        learning_rate=5e-5, kl_coeff=0.02, vf_coeff=0.1, clip_eps=0.2,
                        value_clip=0.2, gamma=1.0, lam=0.95, max_grad_norm=1.0),
-        training=TrainingConfig(output_dir=str(out / "ppo"), device="cpu", seed=0, total_ppo_steps=20,
+        training=TrainingConfig(output_dir=str(out / "ppo"), device="cpu", seed=0, total_steps=20,
                                 save_interval=0, eval_interval=10, eval_batch_size=100,
                                 num_threads=threads),
         logging=LoggingConfig(report_to=[], progress_bar=True, plots=True, doctor=True),
@@ -103,7 +105,7 @@ def quickstart(out_dir: str | Path = "outputs/quickstart", overrides: list[str] 
                threads: int | None = THREADS, quiet: bool = False) -> dict:
     """Run the five stages; returns the summary written to `summary.json`."""
     from rlhflab.trainers.common import prepare_output_dir
-    from rlhflab.trainers.ppo import train
+    from rlhflab.trainers.ppo import PPORunConfig, train
     from rlhflab.trainers.sft import SFTRunConfig
 
     out = Path(out_dir)
@@ -127,10 +129,10 @@ def quickstart(out_dir: str | Path = "outputs/quickstart", overrides: list[str] 
         "reward_before": before.get("eval/reward_mean"),
         "reward_after": after.get("eval/reward_mean"),
         "seconds": round(seconds, 1),
-        "ppo_episodes_per_s": round(ppo_res.episodes_per_s, 3),
+        "ppo_episodes_per_s": round(ppo_res.samples_per_s, 3),
         "sft_seconds": round(sft_res.seconds, 1),
-        "ppo_steps": ppo_cfg.training.total_ppo_steps,
-        "ppo_episodes": ppo_cfg.training.total_ppo_steps * ppo_cfg.ppo.rollout_samples,
+        "ppo_steps": ppo_cfg.training.total_steps,
+        "ppo_episodes": ppo_cfg.training.total_steps * ppo_cfg.ppo.rollout_samples,
         "final_model": str(ppo_res.final_dir),
         "plots": str(ppo_res.output_dir / "plots"),
     }

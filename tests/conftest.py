@@ -65,7 +65,8 @@ def small_overrides(model_dir: Path, data_dir: Path, out_dir: Path) -> list[str]
 @pytest.fixture
 def ppo_cfg(tiny_model_dir, arith_dir, tmp_path):
     """`ppo_cfg(*overrides)` -> PPORunConfig of the debug config on the tiny model and task."""
-    from rlhflab.config import PPORunConfig, load_config
+    from rlhflab.config import load_config
+    from rlhflab.trainers.ppo import PPORunConfig
 
     def make(*overrides: str, out_dir: Path | None = None):
         over = small_overrides(tiny_model_dir, arith_dir, out_dir or tmp_path / "run") + list(overrides)

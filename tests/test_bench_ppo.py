@@ -77,9 +77,9 @@ def test_rlhflab_side_step_updates_the_policy(bench, tiny_model):
     assert cfg.generation.min_new_tokens == cfg.generation.max_new_tokens == 4
     assert cfg.ppo.mini_batch_size == cfg.ppo.rollout_samples == 4 and cfg.ppo.epochs == 2
     assert side.models.reference is not None  # KL on: the reference forward is part of the step
-    before = [p.detach().clone() for p in side.models.actor_critic.trainable_parameters()]
+    before = [p.detach().clone() for p in side.models.actor.trainable_parameters()]
     out = side.step()
-    after = side.models.actor_critic.trainable_parameters()
+    after = side.models.actor.trainable_parameters()
     assert any(not torch.equal(a, b) for a, b in zip(after, before, strict=True))
     assert all(torch.isfinite(p).all() for p in after)
     assert out["tokens"] == 16 and out["update"] > 0

@@ -33,7 +33,7 @@ def _batch(models):
 
 def test_checkpoint_contents_and_overwrite(ppo_cfg, tmp_path):
     models = ppo.build_models(ppo_cfg())
-    ac = models.actor_critic
+    ac = models.actor
     opt = make_optimizer(ac.trainable_parameters(), 1e-3)
     ac.forward_response(*_batch(models)).values.sum().backward()
     opt.step()
@@ -65,7 +65,7 @@ def test_failed_save_leaves_no_broken_folder(ppo_cfg, tmp_path, monkeypatch, exi
     models = ppo.build_models(ppo_cfg())
     target = tmp_path / "step_2"
     if existed:
-        save_checkpoint(target, models.actor_critic, models.tokenizer, step=2)
+        save_checkpoint(target, models.actor, models.tokenizer, step=2)
         before = _tree(target)
 
     def crash(*args, **kwargs):
@@ -73,7 +73,7 @@ def test_failed_save_leaves_no_broken_folder(ppo_cfg, tmp_path, monkeypatch, exi
 
     monkeypatch.setattr(checkpoint, "save_value_head", crash)  # after the policy was written
     with pytest.raises(OSError, match="disk full"):
-        save_checkpoint(target, models.actor_critic, models.tokenizer, step=4)
+        save_checkpoint(target, models.actor, models.tokenizer, step=4)
     if existed:
         assert _tree(target) == before  # the old checkpoint is intact
         assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2"]
@@ -94,19 +94,19 @@ def test_prune_checkpoints(tmp_path):
 def test_separate_critic_checkpoint_reloads(ppo_cfg, tmp_path):
     cfg = ppo_cfg("model.critic=separate")
     models = ppo.build_models(cfg)
-    critic = models.actor_critic.critic
+    critic = models.actor.critic
     with torch.no_grad():  # make the critic differ from a fresh one
         for p in critic.parameters():
             p.add_(0.01 * torch.randn_like(p))
-    save_checkpoint(tmp_path / "step_1", models.actor_critic, models.tokenizer,
-                    optimizer=make_optimizer(models.actor_critic.trainable_parameters(), 1e-3), step=1)
+    save_checkpoint(tmp_path / "step_1", models.actor, models.tokenizer,
+                    optimizer=make_optimizer(models.actor.trainable_parameters(), 1e-3), step=1)
     assert (tmp_path / "step_1" / "critic" / "value_head.safetensors").exists()
     AutoModelForCausalLM.from_pretrained(tmp_path / "step_1" / "critic")  # a plain HF folder
     resumed = ppo.build_models(cfg, tmp_path / "step_1")
     ids, am, p = _batch(models)
     with torch.no_grad():
-        want = models.actor_critic.forward_response(ids, am, p)
-        got = resumed.actor_critic.forward_response(ids, am, p)
+        want = models.actor.forward_response(ids, am, p)
+        got = resumed.actor.forward_response(ids, am, p)
     assert torch.equal(got.values, want.values) and torch.equal(got.logits, want.logits)
 
 
@@ -114,15 +114,15 @@ def test_lora_checkpoint_reloads(ppo_cfg, tmp_path):
     cfg = ppo_cfg("lora.enabled=true", "lora.r=4", "model.reference=lora_disabled")
     models = ppo.build_models(cfg)
     with torch.no_grad():
-        for n, p in models.actor_critic.policy.named_parameters():
+        for n, p in models.actor.policy.named_parameters():
             if "lora_B" in n:
                 p.normal_(std=0.05)
-    save_checkpoint(tmp_path / "step_1", models.actor_critic, models.tokenizer,
-                    optimizer=make_optimizer(models.actor_critic.trainable_parameters(), 1e-3), step=1)
+    save_checkpoint(tmp_path / "step_1", models.actor, models.tokenizer,
+                    optimizer=make_optimizer(models.actor.trainable_parameters(), 1e-3), step=1)
     assert (tmp_path / "step_1" / "adapter" / "adapter_config.json").exists()
     ids, am, p = _batch(models)
     with torch.no_grad():
-        want = models.actor_critic.forward_response(ids, am, p)
+        want = models.actor.forward_response(ids, am, p)
     # The merged folder is a plain model with the adapter folded in.
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "step_1")
     from rlhflab.models.actor_critic import position_ids_from
@@ -132,10 +132,10 @@ def test_lora_checkpoint_reloads(ppo_cfg, tmp_path):
     # A resume loads the adapter onto the base and keeps it trainable.
     resumed = ppo.build_models(cfg, tmp_path / "step_1")
     with torch.no_grad():
-        got = resumed.actor_critic.forward_response(ids, am, p)
+        got = resumed.actor.forward_response(ids, am, p)
     torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=1e-6)
     assert torch.equal(got.values, want.values)
-    assert any(p.requires_grad for n, p in resumed.actor_critic.policy.named_parameters() if "lora_" in n)
+    assert any(p.requires_grad for n, p in resumed.actor.policy.named_parameters() if "lora_" in n)
 
 
 def test_metrics_logger_resume_drops_rows_after_the_checkpoint(tmp_path):
@@ -158,7 +158,7 @@ def test_metrics_logger_resume_drops_rows_after_the_checkpoint(tmp_path):
 # --------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_resume_continues_like_the_uninterrupted_run(ppo_cfg, tmp_path, monkeypatch):
-    settings = ("training.total_ppo_steps=4", "training.save_interval=2", "ppo.rollout_samples=8",
+    settings = ("training.total_steps=4", "training.save_interval=2", "ppo.rollout_samples=8",
                 "ppo.batch_size=8", "ppo.mini_batch_size=4", "ppo.epochs=1")
     # A: four steps without a stop.
     ppo.train(ppo_cfg(*settings, out_dir=tmp_path / "a"), quiet=True)
@@ -184,13 +184,13 @@ def test_resume_continues_like_the_uninterrupted_run(ppo_cfg, tmp_path, monkeypa
 
     # Resume B from step_2/, capturing the optimizer as the first update finds it.
     seen = []
-    real_update = ppo.ppo_update
+    real_update = ppo.run_update
 
-    def spy_update(models, optimizer, scheduler, roll, cfg, step, math_):
-        seen.append((step, copy.deepcopy(optimizer.state_dict()), scheduler.last_epoch))
-        return real_update(models, optimizer, scheduler, roll, cfg, step, math_)
+    def spy_update(run, roll, step):
+        seen.append((step, copy.deepcopy(run.optimizer.state_dict()), run.scheduler.last_epoch))
+        return real_update(run, roll, step)
 
-    monkeypatch.setattr(ppo, "ppo_update", spy_update)
+    monkeypatch.setattr(ppo, "run_update", spy_update)
     res = ppo.train(cfg_b, resume=b / "step_2", quiet=True)
     assert [s for s, _, _ in seen] == [3, 4]
     opt_state = seen[0][1]["state"]

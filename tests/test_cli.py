@@ -84,5 +84,5 @@ def test_console_script_exit_code_and_no_traceback(tmp_path):
                            "training.totl_ppo_steps=3", f"training.output_dir={tmp_path / 'x'}"],
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert proc.returncode == 2
-    assert "error: " in proc.stderr and "did you mean training.total_ppo_steps?" in proc.stderr
+    assert "error: " in proc.stderr and "did you mean training.total_steps?" in proc.stderr
     assert "Traceback" not in proc.stderr

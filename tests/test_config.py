@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhflab.config import PPORunConfig, load_config, save_effective_config
+from rlhflab.config import load_config, save_effective_config
+from rlhflab.trainers.ppo import PPORunConfig
 from rlhflab.errors import ConfigError, UserError
 
 DATA = Path(__file__).parent / "data" / "config"
@@ -46,7 +47,7 @@ def test_debug_inherits_from_base_relative_to_the_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # `defaults: [base.yaml]` is found beside debug.yaml, not in the cwd
     cfg, _ = load_config(DEBUG, PPORunConfig)
     assert cfg.ppo.rollout_samples == 8 and cfg.ppo.mini_batch_size == 4      # from debug
-    assert cfg.training.total_ppo_steps == 2 and cfg.training.output_dir == "outputs/debug"
+    assert cfg.training.total_steps == 2 and cfg.training.output_dir == "outputs/debug"
     assert cfg.generation.temperature == 0.7 and cfg.ppo.kl_estimator == "k3"  # from base
     # the interpolation in base.yaml is resolved after the merge, so it sees debug's value
     assert cfg.generation.max_new_tokens == 16
@@ -104,7 +105,7 @@ def test_unknown_key_suggests_the_nearest():
     (line,) = _errors(DEBUG, ["trainng.seed=1"])
     assert "trainng: unknown key; did you mean training?" in line
     (line,) = _errors(DEBUG, ["ppo.zzz=1"])                   # nothing near: list the valid keys
-    assert "ppo.zzz: unknown key; valid keys: rollout_samples, batch_size" in line
+    assert "ppo.zzz: unknown key; valid keys: learning_rate, min_learning_rate" in line and "rollout_samples" in line
     (line,) = _errors(DEBUG, ["reward.sources=[{nmae: gsm8k}]"])
     assert "reward.sources[0].nmae: unknown key; did you mean reward.sources[0].name?" in line
 
@@ -115,6 +116,7 @@ def test_unknown_key_suggests_the_nearest():
     ("ppo.learning_rate=fast", "ppo.learning_rate: expected a number, got 'fast'"),
     ("lora.enabled=maybe", "lora.enabled: expected true or false, got 'maybe'"),
     ("ppo.kl_estimator=k4", "ppo.kl_estimator: expected one of 'k1', 'k2', 'k3', 'abs', 'mse', got 'k4'"),
+    ("generation.backend=vLLM", "generation.backend: expected one of 'hf', 'vllm', got 'vLLM'"),
     ("ppo.loss_aggregation=token_man", "did you mean 'token_mean'?"),
     ("ppo=3", "ppo: expected a section (mapping of keys), got 3"),
     ("dataset.num_samples=lots", "dataset.num_samples: expected int or null, got 'lots'"),
@@ -129,8 +131,14 @@ def test_bad_type(override, expected):
     (["ppo.clip_eps=1.5"], "ppo.clip_eps: must be < 1, got 1.5"),
     (["ppo.min_learning_rate=1e-4"], "ppo.min_learning_rate: 0.0001 exceeds learning_rate 1e-05"),
     (["ppo.clip_eps=0"], "ppo.clip_eps: must be > 0, got 0.0"),
-    (["ppo.mini_batch_size=64"], "ppo.mini_batch_size: 64 is larger than the rollout (rollout_samples=8)"),
+    (["ppo.mini_batch_size=64"], "ppo.mini_batch_size: 64 is larger than a step's responses (8)"),
     (["generation.min_new_tokens=100"], "generation.min_new_tokens: 100 exceeds max_new_tokens 16"),
+    (["generation.sync_interval=3"], "generation.sync_interval: 3 applies only to backend=vllm"),
+    (["generation.kv_cache_gb=2"], "generation.kv_cache_gb: applies only to backend=vllm"),
+    (["generation.backend=vllm", "generation.sync_interval=0"], "generation.sync_interval: must be >= 1, got 0"),
+    (["generation.backend=vllm", "generation.kv_cache_gb=0"], "generation.kv_cache_gb: must be > 0, got 0"),
+    (["generation.backend=vllm", "generation.gpu_memory_utilization=1.5"],
+     "generation.gpu_memory_utilization: must be <= 1, got 1.5"),
     (["model.reference=none"], "model.reference: none leaves no policy to measure KL against"),
 ])
 def test_bad_range(overrides, expected):
@@ -224,3 +232,18 @@ model:
     assert cfg.generation.max_new_tokens == 16 and cfg.lora.target_modules == ["q_proj", "v_proj"]
     assert cfg.dataset.prompt_template == "Q: {prompt}\nA: #1 'x'"
     assert cfg.dataset.name == "123" and cfg.model.tokenizer == "null" and cfg.ppo.kl_coeff == 0.2
+
+
+def test_old_key_name_still_works_and_both_names_clash(tmp_path):
+    # training.total_ppo_steps is the old name of training.total_steps, renamed per layer
+    # (file, then each override), so a later layer still wins over an earlier one.
+    old = _write(tmp_path, "old.yaml", "training:\n  total_ppo_steps: 7\n")
+    cfg, eff = load_config(old, PPORunConfig)
+    assert cfg.training.total_steps == 7 and "total_ppo_steps" not in eff["training"]
+    cfg, _ = load_config(old, PPORunConfig, ["training.total_steps=3"])            # the override wins
+    assert cfg.training.total_steps == 3
+    cfg, _ = load_config(None, PPORunConfig, ["training.total_ppo_steps=4"])      # old name on the command line
+    assert cfg.training.total_steps == 4
+    both = _write(tmp_path, "both.yaml", "training:\n  total_ppo_steps: 7\n  total_steps: 8\n")
+    with pytest.raises(ConfigError, match="training.total_ppo_steps is the old name of training.total_steps"):
+        load_config(both, PPORunConfig)

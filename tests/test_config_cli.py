@@ -8,7 +8,8 @@ import pytest
 import yaml
 
 from rlhflab.cli import main
-from rlhflab.config import PPORunConfig, load_config
+from rlhflab.config import load_config
+from rlhflab.trainers.ppo import PPORunConfig
 from rlhflab.config import cli as config_cli
 
 DATA = Path(__file__).parent / "data" / "config"
@@ -45,7 +46,9 @@ def test_show_lists_every_key_with_type_default_and_help(capsys):
     assert lines["ppo.dual_clip"].split()[1:5] == ["float", "|", "null", "null"]
     assert lines["reward.sources[].weight"].split()[1:3] == ["float", "1.0"]
     # each section gets a header with its docstring
-    assert "\nppo:  # PPO algorithm settings." in out
+    assert "\nppo:  # PPO settings" in out
+    # old key names that still work are listed with their new names
+    assert "#   training.total_ppo_steps is the old name of training.total_steps; it still works" in out
 
 
 def test_resolve_prints_the_validated_yaml(capsys):

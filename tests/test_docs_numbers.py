@@ -281,7 +281,7 @@ def test_accumulation_example():
 
 
 def test_batch_counts_follow_the_defaults():
-    from rlhflab.config.schema import PPOSection
+    from rlhflab.trainers.ppo import PPOSection
 
     p = PPOSection()
     assert (p.rollout_samples, p.batch_size, p.mini_batch_size, p.gradient_accumulation_steps, p.epochs) == (64, 16, 8, 1, 4)

@@ -19,7 +19,7 @@ from rlhflab.models.load import load_model
 from rlhflab.trainers import dpo
 from rlhflab.trainers.dpo import (DPORunConfig, DPOSection, TokenizedPair, dpo_micro_batch_loss, pair_batch,
                                   policy_sequence_logprobs, read_preference_pairs, tokenize_pairs)
-from rlhflab.trainers.policy_gradient import PolicyOnly
+from rlhflab.models.actor_critic import PolicyOnly
 
 from test_grpo_helpers import ROOT, TEMPLATE, debug_config, easy_task, small_model, warm_model
 
@@ -133,6 +133,43 @@ def test_sequence_logprobs_sum_response_tokens_only(model_dir):
     assert torch.allclose(got, torch.tensor(want), atol=1e-4)
 
 
+def test_sequence_logprobs_from_hidden_states_equal_the_logits_path(model_dir):
+    # The trainer's path (hidden states of the real response tokens + the head's weight,
+    # chunked) against today's (the (B, T, V) logits into sequence_logprobs): the same
+    # sums and the same gradients.
+    pairs = [TokenizedPair([5, 9, 11, 40], [20, 21], [22, 23, 24, 25]), TokenizedPair([7], [30, 31, 32], [33])]
+    results = []
+    for path in ("hidden", "logits"):
+        torch.manual_seed(0)
+        model, tok = load_model(str(model_dir))
+        actor = PolicyOnly(model).train()
+        batch = pair_batch(pairs, tok.pad_token_id, "cpu")
+        if path == "hidden":
+            lp = policy_sequence_logprobs(actor, batch)
+        else:
+            out = actor.forward_response(batch.input_ids, batch.attention_mask, batch.prompt_len)
+            lp = dpo.sequence_logprobs(out.logits, batch)
+        (lp * torch.tensor([1.0, -2.0, 0.5, 3.0])).sum().backward()
+        results.append((lp.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (lp_h, g_h), (lp_l, g_l) = results
+    torch.testing.assert_close(lp_h, lp_l, rtol=1e-6, atol=1e-6)
+    for name in g_l:
+        torch.testing.assert_close(g_h[name], g_l[name], rtol=1e-5, atol=1e-6)
+
+
+def test_reference_cache_equals_the_reference_logits_path(model_dir):
+    # ReferenceCache goes through Reference.logprobs (hidden states, the engine's path); the
+    # same sums as the reference's full (B, T, V) logits into sequence_logprobs.
+    model, tok = load_model(str(model_dir))
+    ref = Reference.frozen_copy(model)
+    pairs = [TokenizedPair([5, 9, 11, 40], [20, 21], [22, 23, 24, 25]), TokenizedPair([7], [30, 31, 32], [33])]
+    cache = dpo.ReferenceCache(ref, pairs, tok.pad_token_id, torch.device("cpu"), batch_size=2)
+    cache.fill()
+    batch = pair_batch(pairs, tok.pad_token_id, "cpu")
+    want = dpo.sequence_logprobs(ref.response_logits(batch.input_ids, batch.attention_mask, batch.prompt_len), batch)
+    torch.testing.assert_close(torch.cat([cache.chosen, cache.rejected]), want, rtol=1e-6, atol=1e-5)
+
+
 class UniformActor(torch.nn.Module):
     """Logits of 0 over V = 10 tokens: every response token has log-prob −ln 10."""
 
@@ -172,13 +209,13 @@ def test_dpo_loss_by_hand(kind, smoothing, expected):
 @pytest.mark.parametrize("precompute", [True, False])
 def test_reference_logprobs_are_computed_once_per_pair(model_dir, pairs_dir, tmp_path, monkeypatch, precompute):
     rows = []
-    real = Reference.response_logits
+    real = Reference.logprobs
 
-    def counting(self, input_ids, attention_mask, prompt_len):
-        rows.append(input_ids.shape[0])
-        return real(self, input_ids, attention_mask, prompt_len)
+    def counting(self, prompt_ids, *args, **kwargs):
+        rows.append(prompt_ids.shape[0])
+        return real(self, prompt_ids, *args, **kwargs)
 
-    monkeypatch.setattr(Reference, "response_logits", counting)
+    monkeypatch.setattr(Reference, "logprobs", counting)
     cfg = _cfg(model_dir, pairs_dir, tmp_path / "run", "dataset.num_samples=12", "dataset.num_eval_samples=4",
                "dpo.batch_size=4", "dpo.mini_batch_size=2", "dpo.epochs=2", "dpo.max_steps=null",
                f"dpo.precompute_ref_logprobs={str(precompute).lower()}", "training.eval_interval=3",
@@ -186,7 +223,7 @@ def test_reference_logprobs_are_computed_once_per_pair(model_dir, pairs_dir, tmp
     res = dpo.train(cfg, quiet=True)
     assert len(res.history) == 6  # 2 epochs x 12/4 steps, each pair seen twice, evaluated 3 times
     assert sum(rows) == 2 * (12 + 4)  # each pair's chosen and rejected rows went through once
-    assert res.ref_cache.complete and res.ref_cache.n_computed == 12
+    assert res.state["ref_cache"].complete and res.state["ref_cache"].n_computed == 12
     if precompute:  # the frozen copy is released once everything is cached
         assert res.models.reference is None
     for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",

@@ -20,9 +20,14 @@ from rlhflab.trainers import grpo
 from rlhflab.trainers.common import Timer
 from rlhflab.trainers.grpo import GRPORunConfig, grpo_step
 from rlhflab.config.schema import GenerationConfig
-from rlhflab.trainers.policy_gradient import (broadcast_advantages, build_policy_models, grouped_response_logits,
-                                              groups_share_prompt, loss_mask_of, make_optimization,
-                                              policy_gradient_loss, reference_logprobs, sample_groups)
+from rlhflab.engine import scoring
+from rlhflab.engine.minibatch import groups_share_prompt, loss_mask_of
+from rlhflab.engine.update import PPOMath, loss_terms
+from rlhflab.models.actor_critic import decoder_and_head, response_hidden
+from rlhflab.models.setup import build_models
+from rlhflab.rollout.hf import generate
+from rlhflab.trainers.grpo import GRPOSection
+from rlhflab.trainers.loop import broadcast_advantages, build_run
 
 from test_grpo_helpers import ROOT, debug_config, easy_task, small_model, warm_model
 
@@ -51,17 +56,33 @@ class VariedScorer:
 
 
 def _setup(model_dir, task_dir, tmp_path, *overrides, need_reference=True, perturb=0.0):
+    """A run as `train` builds it (its scorer varies inside groups) and one step's prompts."""
     cfg = debug_config(GRPORunConfig, "grpo_debug.yaml", model_dir, task_dir, tmp_path / "run",
                        "generation.max_new_tokens=6", *overrides)
     torch.manual_seed(0)
-    models = build_policy_models(cfg.model, cfg.lora, "cpu", need_reference=need_reference)
+    run = build_run(cfg, grpo.method(cfg))
+    assert (run.models.reference is not None) == need_reference
     if perturb:  # move the policy away from the reference copy
         with torch.no_grad():
-            for p in models.policy.parameters():
+            for p in run.models.policy.parameters():
                 p.add_(perturb * torch.randn_like(p))
-    optimizer, scheduler = make_optimization(models.actor.trainable_parameters(), cfg.grpo, 10)
-    examples = load_prompts(cfg.dataset, models.tokenizer, "train")[: cfg.grpo.prompts_per_step]
-    return cfg, models, optimizer, scheduler, examples
+    run.scorer = VariedScorer()
+    examples = load_prompts(cfg.dataset, run.models.tokenizer, "train")[: cfg.grpo.prompts_per_step]
+    return cfg, run, examples
+
+
+def policy_gradient_loss(logprobs, old_logprobs, advantages, loss_mask, aggregation="token_mean",
+                         ref_logprobs=None, kl_coeff=0.0, kl_estimator="k3"):
+    """The engine's loss with GRPO's settings: clipped surrogate + kl_coeff · KL."""
+    sec = GRPOSection(beta=kl_coeff, kl_estimator=kl_estimator, loss_aggregation=aggregation)
+    return loss_terms(logprobs, old_logprobs, advantages, loss_mask, sec, ref_logprobs=ref_logprobs)
+
+
+def sample_groups(models, examples, k, gen, max_prompt_length, batch_size, share_prompt=True):
+    return generate(models.policy, models.tokenizer, [e.prompt for e in examples], n=k,
+                    max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_k=gen.top_k,
+                    max_prompt_length=max_prompt_length, batch_size=batch_size,
+                    examples=[e.row for e in examples], share_prompt=share_prompt)
 
 
 # --------------------------------------------------------------------------------------
@@ -180,8 +201,9 @@ def test_equal_rewards_give_zero_advantage_and_no_nan():
 # --------------------------------------------------------------------------------------
 # The step on a tiny model
 # --------------------------------------------------------------------------------------
-def _record_policy_loss(monkeypatch):
-    """Wrap ops.ppo_policy_loss; record max |log π − log π_old| and the mask of each call."""
+def _record_policy_loss(run):
+    """Plug a wrapped ops.ppo_policy_loss into the run's engine; record max |log π − log π_old|
+    and the mask of each call."""
     calls = []
     real = rlhflab.ops.ppo_policy_loss
 
@@ -192,27 +214,27 @@ def _record_policy_loss(monkeypatch):
                       "mask": response_mask.clone(), "advantages": advantages.clone()})
         return real(logprobs, old_logprobs, advantages, response_mask, *args, **kwargs)
 
-    monkeypatch.setattr(rlhflab.ops, "ppo_policy_loss", spy)
+    run.math = PPOMath(policy_loss=spy)
     return calls
 
 
 def test_ratio_is_against_the_sampling_policy(model_dir, task_dir, tmp_path, monkeypatch):
     # Two epochs of two minibatches: four optimizer steps, so the old log-probs come from a
     # no-grad pass before the update. The policy is perturbed away from the reference.
-    cfg, models, optimizer, scheduler, examples = _setup(
+    cfg, run, examples = _setup(
         model_dir, task_dir, tmp_path, "grpo.prompts_per_step=4", "grpo.group_size=4",
         "grpo.mini_batch_size=8", "grpo.gradient_accumulation_steps=1", "grpo.epochs=2",
         "grpo.learning_rate=1e-2", "grpo.beta=0.1", perturb=0.05)
     seen = {}
-    real_update = grpo.policy_update
+    real_update = grpo.run_update
 
-    def keep_rollout(models_, optimizer_, scheduler_, roll, *args, **kwargs):
+    def keep_rollout(run_, roll, step):
         seen["roll"] = roll
-        return real_update(models_, optimizer_, scheduler_, roll, *args, **kwargs)
+        return real_update(run_, roll, step)
 
-    monkeypatch.setattr(grpo, "policy_update", keep_rollout)
-    calls = _record_policy_loss(monkeypatch)
-    metrics = grpo_step(models, examples, cfg, VariedScorer(), optimizer, scheduler, 1, Timer())
+    monkeypatch.setattr(grpo, "run_update", keep_rollout)
+    calls = _record_policy_loss(run)
+    metrics = grpo_step(run, examples, 1, Timer())
     roll = seen["roll"]
     assert roll.logprobs is not None and len(calls) == 4
     # Before any update the policy is the sampling policy: the ratio is 1 (up to float noise
@@ -240,35 +262,36 @@ def test_ratio_is_against_the_sampling_policy(model_dir, task_dir, tmp_path, mon
 def test_one_optimizer_step_reuses_the_forward_pass(model_dir, task_dir, tmp_path, monkeypatch, share_prompt):
     # One epoch, both minibatches in one accumulation group: π_old is the current policy,
     # no scoring pass is made and the ratio is exactly 1.
-    cfg, models, optimizer, scheduler, examples = _setup(
+    cfg, run, examples = _setup(
         model_dir, task_dir, tmp_path, "grpo.prompts_per_step=4", "grpo.group_size=4",
         "grpo.mini_batch_size=8", "grpo.gradient_accumulation_steps=2", "grpo.epochs=1",
         "grpo.beta=0", f"grpo.share_prompt={share_prompt}", need_reference=False)
-    scoring = []
-    monkeypatch.setattr(grpo, "old_logprobs", lambda *a, **k: scoring.append(1))
-    calls = _record_policy_loss(monkeypatch)
-    before = [p.detach().clone() for p in models.actor.trainable_parameters()]
-    grpo_step(models, examples, cfg, VariedScorer(), optimizer, scheduler, 1, Timer())
-    assert scoring == [] and len(calls) == 2
+    passes = []
+    real_score = grpo.score_rollout
+    monkeypatch.setattr(grpo, "score_rollout", lambda *a, **k: passes.append(k["with_policy"]) or real_score(*a, **k))
+    calls = _record_policy_loss(run)
+    before = [p.detach().clone() for p in run.models.actor.trainable_parameters()]
+    grpo_step(run, examples, 1, Timer())
+    assert passes == [False] and len(calls) == 2  # no policy scoring pass
     assert all(c["max_log_ratio"] == 0.0 for c in calls)
-    assert any(not torch.equal(b, p) for b, p in zip(before, models.actor.trainable_parameters()))
+    assert any(not torch.equal(b, p) for b, p in zip(before, run.models.actor.trainable_parameters()))
 
 
 def test_mask_truncated_leaves_truncated_responses_out(model_dir, task_dir, tmp_path, monkeypatch):
-    cfg, models, optimizer, scheduler, examples = _setup(
+    cfg, run, examples = _setup(
         model_dir, task_dir, tmp_path, "grpo.prompts_per_step=4", "grpo.group_size=4",
         "grpo.mini_batch_size=16", "grpo.mask_truncated=true", "grpo.beta=0", need_reference=False)
-    calls = _record_policy_loss(monkeypatch)
+    calls = _record_policy_loss(run)
     seen = {}
-    real_update = grpo.policy_update
+    real_update = grpo.run_update
 
-    def keep_rollout(models_, optimizer_, scheduler_, roll, *args, **kwargs):
+    def keep_rollout(run_, roll, step):
         roll.hit_limit = torch.arange(len(roll)) % 2 == 0  # every other response "truncated"
         seen["roll"] = roll
-        return real_update(models_, optimizer_, scheduler_, roll, *args, **kwargs)
+        return real_update(run_, roll, step)
 
-    monkeypatch.setattr(grpo, "policy_update", keep_rollout)
-    grpo_step(models, examples, cfg, VariedScorer(), optimizer, scheduler, 1, Timer())
+    monkeypatch.setattr(grpo, "run_update", keep_rollout)
+    grpo_step(run, examples, 1, Timer())
     (call,) = calls
     roll = seen["roll"]
     # The minibatch is the shuffled rollout; map its rows back through the advantages.
@@ -281,9 +304,10 @@ def test_mask_truncated_leaves_truncated_responses_out(model_dir, task_dir, tmp_
 
 def test_random_policy_all_equal_rewards_is_finite(model_dir, task_dir, tmp_path):
     # The untrained model never answers: every reward is 0, every group has zero spread.
-    cfg, models, optimizer, scheduler, examples = _setup(model_dir, task_dir, tmp_path, "grpo.beta=0.04")
+    cfg, run, examples = _setup(model_dir, task_dir, tmp_path, "grpo.beta=0.04")
     from rlhflab.rewards import build_reward
-    metrics = grpo_step(models, examples, cfg, build_reward(cfg.reward), optimizer, scheduler, 1, Timer())
+    run.scorer = build_reward(cfg.reward)
+    metrics = grpo_step(run, examples, 1, Timer())
     assert metrics["rollout/zero_spread_frac"] == 1.0 and metrics["rollout/advantage_abs_mean"] == 0.0
     assert all(math.isfinite(v) for v in metrics.values())
     # policy == reference and advantages 0: no gradient at all
@@ -297,7 +321,7 @@ def test_beta_zero_loads_no_reference(model_dir, task_dir, tmp_path, monkeypatch
     monkeypatch.setattr(Reference, "frozen_copy", classmethod(forbidden))
     monkeypatch.setattr(Reference, "lora_disabled", classmethod(forbidden))
     cfg = debug_config(GRPORunConfig, "grpo_debug.yaml", model_dir, task_dir, tmp_path / "run",
-                       "grpo.beta=0", "training.total_ppo_steps=1", "training.eval_interval=0",
+                       "grpo.beta=0", "training.total_steps=1", "training.eval_interval=0",
                        "training.save_interval=0", "generation.max_new_tokens=4")
     res = grpo.train(cfg, quiet=True)
     assert res.models.reference is None
@@ -307,7 +331,7 @@ def test_beta_zero_loads_no_reference(model_dir, task_dir, tmp_path, monkeypatch
 def test_lora_reference_is_the_adapter_disabled_policy(model_dir, task_dir, tmp_path):
     cfg = debug_config(GRPORunConfig, "grpo_debug.yaml", model_dir, task_dir, tmp_path / "run",
                        "lora.enabled=true", "lora.r=4", "model.reference=copy")
-    models = build_policy_models(cfg.model, cfg.lora, "cpu", need_reference=True)
+    models = build_models(cfg.model, cfg.lora, "cpu", need_reference=True)
     assert models.reference.model is None and models.reference.policy is models.policy
     n_params = sum(p.numel() for p in models.actor.parameters())
     assert n_params == sum(p.numel() for p in models.policy.parameters())  # no second copy
@@ -317,7 +341,8 @@ def test_lora_reference_is_the_adapter_disabled_policy(model_dir, task_dir, tmp_
 # Prompt sharing: each group's prompt computed once, the same results as the plain pass
 # --------------------------------------------------------------------------------------
 def test_shared_prompt_sampling_matches_plain_sampling(model_dir, task_dir, tmp_path):
-    cfg, models, *_ = _setup(model_dir, task_dir, tmp_path, need_reference=False)
+    cfg, run, _ = _setup(model_dir, task_dir, tmp_path, "grpo.beta=0", need_reference=False)
+    models = run.models
     examples = load_prompts(cfg.dataset, models.tokenizer, "train")[:3]
     greedy = GenerationConfig(max_new_tokens=6, top_k=1)  # top-k 1: the sampled token is the argmax
     shared = sample_groups(models, examples, 4, greedy, 64, batch_size=8, share_prompt=True)
@@ -329,7 +354,8 @@ def test_shared_prompt_sampling_matches_plain_sampling(model_dir, task_dir, tmp_
 
 
 def test_grouped_forward_matches_the_full_pass_values_and_gradients(model_dir, task_dir, tmp_path):
-    cfg, models, *_ = _setup(model_dir, task_dir, tmp_path, need_reference=True)
+    cfg, run, _ = _setup(model_dir, task_dir, tmp_path, need_reference=True)
+    models = run.models
     examples = load_prompts(cfg.dataset, models.tokenizer, "train")[:3]
     roll = sample_groups(models, examples, 4, GenerationConfig(max_new_tokens=6), 64, batch_size=12)
     mask = roll.response_mask.float()
@@ -340,8 +366,9 @@ def test_grouped_forward_matches_the_full_pass_values_and_gradients(model_dir, t
         (logprobs * mask).sum().backward()
         return [p.grad.clone() for p in params]
 
-    grouped = grouped_response_logits(policy, roll.prompt_ids[::4], roll.prompt_mask[::4], roll.response_ids,
-                                      roll.response_mask, 4)
+    _, head = decoder_and_head(policy)
+    grouped = head(response_hidden(policy, roll.prompt_ids[::4], roll.prompt_mask[::4], roll.response_ids,
+                                   roll.response_mask, 4))
     lp_grouped = ops.logprobs_from_logits(grouped, roll.response_ids)
     full = models.actor.forward_response(roll.input_ids(), roll.attention_mask(), roll.prompt_len).logits
     lp_full = ops.logprobs_from_logits(full, roll.response_ids)
@@ -349,8 +376,10 @@ def test_grouped_forward_matches_the_full_pass_values_and_gradients(model_dir, t
     for a, b in zip(grads(lp_grouped), grads(lp_full)):  # the prompt's gradient sums over its 4 responses
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
     with torch.no_grad():
-        ref_shared = reference_logprobs(models.reference, roll, micro_batch=8, k=4)
-        ref_plain = reference_logprobs(models.reference, roll, micro_batch=8, k=1)
+        ref_shared = scoring.score_rollout(models.actor, models.reference, roll, micro_batch=8,
+                                           with_policy=False, share_prompt=True).ref_logprobs
+        ref_plain = scoring.score_rollout(models.actor, models.reference, roll, micro_batch=8,
+                                          with_policy=False, share_prompt=False).ref_logprobs
     assert torch.allclose(ref_shared, ref_plain, atol=1e-5)
 
 
@@ -365,7 +394,7 @@ def test_cli_run_writes_outputs_and_resumes_exactly(model_dir, task_dir, tmp_pat
 
     common = [f"model.name_or_path={model_dir}", f"dataset.path={task_dir / 'train.jsonl'}",
               f"dataset.eval_path={task_dir / 'test.jsonl'}", "dataset.num_eval_samples=8",
-              "generation.max_new_tokens=6", "training.total_ppo_steps=2", "training.save_interval=1",
+              "generation.max_new_tokens=6", "training.total_steps=2", "training.save_interval=1",
               "training.eval_interval=2", "training.num_threads=1", "logging.progress_bar=false",
               "grpo.prompts_per_step=4", "grpo.mini_batch_size=8", "grpo.epochs=2"]
     full, part = tmp_path / "full", tmp_path / "part"
@@ -378,7 +407,7 @@ def test_cli_run_writes_outputs_and_resumes_exactly(model_dir, task_dir, tmp_pat
         assert (full / name).exists(), name
     rows = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["step"] == 0 and "eval/accuracy" in rows[0]
-    for key in ("time/generate", "time/score", "time/forward", "time/update", "perf/completions_per_s"):
+    for key in ("time/generate", "time/score", "time/forward", "time/update", "perf/episodes_per_s"):
         assert key in rows[1], key
     AutoModelForCausalLM.from_pretrained(full / "final")  # loads with no rlhflab code
     # Resume from step_1 in a fresh folder: the final weights match the uninterrupted run.
@@ -405,7 +434,7 @@ def test_grpo_raises_held_out_accuracy(tmp_path_factory, tmp_path):
     # the GSM8K checker as the reward should move greedy answers towards the right ones.
     cfg = debug_config(GRPORunConfig, "grpo_debug.yaml", warm_model(tmp_path_factory),
                        easy_task(tmp_path_factory), tmp_path / "run",
-                       "training.total_ppo_steps=20", "training.eval_interval=20", "training.save_interval=0",
+                       "training.total_steps=20", "training.eval_interval=20", "training.save_interval=0",
                        "dataset.num_eval_samples=100", "grpo.group_size=8", "grpo.prompts_per_step=4",
                        "grpo.batch_size=32", "grpo.mini_batch_size=32", "grpo.gradient_accumulation_steps=1",
                        "grpo.learning_rate=1e-4")

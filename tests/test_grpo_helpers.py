@@ -63,7 +63,7 @@ def supervised_warm_start(model_dir: Path, sft_path: Path, out_dir: Path, steps:
     from rlhflab.data.loading import read_rows
     from rlhflab.models.load import disable_dropout, load_model
     from rlhflab.trainers.dpo import collate_responses, sequence_logprobs
-    from rlhflab.trainers.policy_gradient import PolicyOnly
+    from rlhflab.models.actor_critic import PolicyOnly
 
     torch.manual_seed(seed)
     model, tok = load_model(str(model_dir))

@@ -352,7 +352,7 @@ def test_check_errors_speak_to_the_user(tmp_path, capsys):
     (2, ["def value_loss(", "def compute_value_loss("]),
     (3, ["def entropy_from_logits(", "def entropy_loss(", "def compute_entropy_loss("]),
     (4, ["def gae(", "def masked_whiten(", "def compute_gae_advantages(", "def whiten_advantages("]),
-    (5, ["def ppo_minibatch_loss(", "def ppo_update_group(", "def ppo_update(", "def minibatch_loss(",
+    (5, ["def minibatch_loss(", "def loss_terms(", "def update_group(", "def policy_update(",
          "def update_step("]),
 ])
 def test_solution_prints_the_library_code_with_commentary(capsys, number, functions):
@@ -361,7 +361,7 @@ def test_solution_prints_the_library_code_with_commentary(capsys, number, functi
     assert out.startswith("=" * 88) and f"Exercise {number}:" in out
     for f in functions:
         assert f in out
-    assert "rlhflab/ops/" in out or "rlhflab/trainers/ppo.py" in out   # where the source lives
+    assert "rlhflab/ops/" in out or "rlhflab/engine/update.py" in out   # where the source lives
     assert "Read: docs/" in out
 
 
@@ -431,10 +431,12 @@ def test_plugged_functions_reproduce_the_trainers_math_under_accumulation(tmp_pa
 
 def test_plugged_update_step_is_the_trainers_group_step(tmp_path):
     """The learner's update_step as PPOMath.update_group: same parameters, grad norm and
-    per-minibatch stats as the trainer's `ppo_update_group` on a group of 13 + 3 tokens."""
+    per-minibatch stats as the engine's `update_group` on a group of 13 + 3 tokens."""
+    from rlhflab.engine.minibatch import MiniBatch
     from rlhflab.learn.runner import plug
     from rlhflab.trainers.ppo import PPOMath, ppo_update_group
-    settings, mbs = cases.toy_settings(), cases.toy_minibatches()
+    settings = cases.toy_settings()
+    mbs = [MiniBatch.from_mapping(mb) for mb in cases.toy_minibatches()]  # what the trainer hands over
     normalizer = 16.0  # 13 + 3 real tokens: the trainer's token count of the group
     with Workspace(write_workspace(tmp_path / "ws", ANSWERS)) as ws:
         math_ = plug(ws, whiten=True).math
@@ -468,7 +470,7 @@ def test_learn_run_trains_two_steps_and_matches_the_library(tmp_path, capsys):
     # Accumulation 2: 16 samples in minibatches of 8 make one group of 2 per epoch, so the
     # learner's token weighting matters; 2 epochs x 2 steps = 4 calls of update_step, after
     # the one on the toy group (3 and 2 rows) that checks it before the run.
-    steps = ["training.total_ppo_steps=2", "training.eval_interval=0", "logging.plots=false",
+    steps = ["training.total_steps=2", "training.eval_interval=0", "logging.plots=false",
              "ppo.gradient_accumulation_steps=2"]
     assert main(["learn", "run", "--dir", str(ws), "--quiet", "--cold", *steps]) == 0
     metrics = (ws / "runs" / "001" / "metrics.jsonl").read_text().splitlines()
@@ -509,4 +511,4 @@ def test_learn_run_warm_start_is_made_once_and_used(tmp_path, monkeypatch):
     assert calls == [ws / "inputs"]  # made once, reused by the second run
     assert cfg.model.name_or_path == str(ws / "inputs" / "sft" / "final")
     assert cfg.dataset.eval_path == str(ws / "inputs" / "data" / "test.jsonl")
-    assert (cfg.ppo.rollout_samples, cfg.training.total_ppo_steps, cfg.training.eval_interval) == (64, 10, 5)
+    assert (cfg.ppo.rollout_samples, cfg.training.total_steps, cfg.training.eval_interval) == (64, 10, 5)

@@ -210,7 +210,8 @@ def test_packaged_run_config_is_the_repos_debug_config():
     """`learn run` from an installed package uses a copy of configs/ppo_debug.yaml."""
     import dataclasses
 
-    from rlhflab.config import PPORunConfig, load_config
+    from rlhflab.config import load_config
+    from rlhflab.trainers.ppo import PPORunConfig
     from rlhflab.learn.runner import packaged_config, repo_debug_config
     repo, _ = load_config(repo_debug_config(), PPORunConfig)
     packaged, _ = load_config(packaged_config(), PPORunConfig)

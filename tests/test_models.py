@@ -14,7 +14,6 @@ from rlhflab.errors import UserError
 from rlhflab.models.actor_critic import (ActorCritic, Critic, Reference, ValueHead, hidden_size_of,
                                          load_value_head, position_ids_from, save_value_head)
 from rlhflab.models.load import disable_dropout, load_model, load_tokenizer
-from rlhflab.rollout import forward_response
 
 PROMPTS = ["Question: Ada has 3 apples and gets 4 more. How many apples does Ada have now?\nAnswer:",
            "Question: 2 + 5?\nAnswer:"]
@@ -194,6 +193,11 @@ def test_response_logits_equal_the_full_model_slice(tiny_model_dir):
     torch.testing.assert_close(out.logits, full[:, p - 1 : p + t - 1], rtol=0, atol=1e-5)
 
 
+def forward_response(ac, ids, am, resp, p):
+    """The training forward on prompt+response ids (B, P+T): log-probs and values."""
+    return ac(ids[:, :p], am[:, :p], resp, am[:, p:])
+
+
 def test_left_padding_does_not_change_response_logprobs(tiny_model_dir):
     ac, tok = _actor_critic(tiny_model_dir)
     ids, am, resp, p = _batch(tok)                         # prompt 1 is left-padded here
@@ -218,8 +222,8 @@ def test_value_head_computes_in_float32_for_a_bfloat16_model(tiny_model_dir):
     out = ac.forward_response(ids, am, p)
     assert out.logits.dtype == torch.bfloat16 and out.values.dtype == torch.float32
     # The same as the head applied to the float32-cast hidden states.
-    from rlhflab.models.actor_critic import _response_hidden
-    hidden = _response_hidden(ac.policy, ids, am, p)
+    from rlhflab.models.actor_critic import response_hidden
+    hidden = response_hidden(ac.policy, ids[:, :p], am[:, :p], ids[:, p:], am[:, p:])
     assert hidden.dtype == torch.bfloat16
     w, b = ac.value_head.summary.weight, ac.value_head.summary.bias
     expected = hidden.float() @ w[0] + b[0]
@@ -262,7 +266,7 @@ def test_separate_critic(tiny_model_dir):
     ids, am, resp, p = _batch(tok)
     out = ac.forward_response(ids, am, p)
     # The values are the critic's own.
-    torch.testing.assert_close(out.values, critic(ids, am, p), rtol=0, atol=0)
+    torch.testing.assert_close(out.values, critic(ids[:, :p], am[:, :p], ids[:, p:], am[:, p:]), rtol=0, atol=0)
     # Perturbing the policy changes the logits but not the values.
     with torch.no_grad():
         for prm in policy.parameters():

@@ -365,3 +365,59 @@ def test_policy_and_value_loss_shape_errors():
         value_loss(a, a, a, torch.ones(2, 1))
     with pytest.raises(ValueError):
         entropy_loss(a, torch.ones(2, 1))
+
+
+# ---------------------------------------------------------------- engine additions
+
+
+def test_token_sum_aggregation_is_a_constant_denominator():
+    # Dr. GRPO: Σ loss·mask over the batch divided by a constant, not by the token count.
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    # Σ = 1 + 2 + 3 + 4 = 10; default denominator B·T = 2·3 = 6
+    assert aggregate(x, mask, "token_sum").item() == pytest.approx(10 / 6)
+    # a constant of 2 sequences × 8 max tokens = 16, whatever the lengths
+    assert aggregate(x, mask, "token_sum", normalizer=16).item() == pytest.approx(10 / 16)
+    # a longer response weighs more per sequence: adding a real token raises the loss,
+    # where token_mean would dilute it
+    m2 = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    assert aggregate(x, m2, "token_sum", normalizer=16).item() == pytest.approx(19 / 16)
+
+
+def test_clip_fractions_low_and_high_split_clip_frac():
+    # The four tokens of the hand-worked case above: t0 clipped above (A > 0, ratio 1.5 > 1.2),
+    # t3 clipped below (A < 0, ratio 0.5 < 0.8); t1 and t2 unclipped.
+    logprobs = torch.tensor([[LN15, LN15, LN05, LN05]])
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0]])
+    out = ppo_policy_loss(logprobs, torch.zeros(1, 4), adv, torch.ones(1, 4), clip_eps=0.2)
+    assert out.clip_frac_high.item() == pytest.approx(0.25) and out.clip_frac_low.item() == pytest.approx(0.25)
+    assert (out.clip_frac_low + out.clip_frac_high).item() == pytest.approx(out.clip_frac.item())
+
+
+def test_token_weights_scale_each_tokens_loss():
+    # Weights [2, 0.5] on two unclipped tokens (ratio 1, A = 1 and -1): (-1·2 + 1·0.5) / 2 = -0.75
+    logprobs = _leaf([[0.0, 0.0]])
+    adv = torch.tensor([[1.0, -1.0]])
+    w = torch.tensor([[2.0, 0.5]])
+    out = ppo_policy_loss(logprobs, torch.zeros(1, 2), adv, torch.ones(1, 2), token_weights=w)
+    assert out.loss.item() == pytest.approx(-0.75)
+    (grad,) = torch.autograd.grad(out.loss, logprobs)
+    # d/dlogπ of −A·w·ratio at ratio 1 is −A·w / 2 tokens
+    torch.testing.assert_close(grad, torch.tensor([[-1.0, 0.25]]))
+    with pytest.raises(ValueError, match="token_weights"):
+        ppo_policy_loss(logprobs, torch.zeros(1, 2), adv, torch.ones(1, 2), token_weights=torch.ones(2))
+
+
+def test_truncated_is_weights_hand_worked():
+    from rlhflab.ops import logprob_gap, truncated_is_weights
+    # old − sample = [ln 2, −ln 2, ln 4] -> ratios [2, 0.5, 4], capped at 3 -> [2, 0.5, 3]; padding 0
+    old = torch.tensor([[math.log(0.4), math.log(0.1), math.log(0.8), -1.0]])
+    sample = torch.tensor([[math.log(0.2), math.log(0.2), math.log(0.2), -9.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    w = truncated_is_weights(old, sample, mask, cap=3.0)
+    torch.testing.assert_close(w, torch.tensor([[2.0, 0.5, 3.0, 0.0]]))
+    assert not w.requires_grad
+    # mean |Δ| over real tokens: (ln 2 + ln 2 + ln 4) / 3 = 4 ln 2 / 3
+    assert logprob_gap(old, sample, mask).item() == pytest.approx(4 * math.log(2) / 3, rel=1e-6)
+    with pytest.raises(ValueError):
+        truncated_is_weights(old, sample, mask, cap=0.0)

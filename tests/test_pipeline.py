@@ -105,7 +105,7 @@ def test_saved_reward_model_is_a_reward_source(task, reward_model):
 
 def test_ppo_on_the_reward_model_raises_its_score_and_accuracy(tmp_path, task, policy, reward_model):
     from rlhflab.config import load_config
-    from rlhflab.config.schema import PPORunConfig
+    from rlhflab.trainers.ppo import PPORunConfig
     from rlhflab.trainers.ppo import train
 
     cfg, _ = load_config(CONFIGS / "ppo_rm_debug.yaml", PPORunConfig, [
@@ -146,7 +146,7 @@ def test_documented_sequence_runs_offline_through_the_cli(tmp_path):
     assert main(["ppo", "--config", str(CONFIGS / "ppo_rm_debug.yaml"), f"model.name_or_path={out / 'sft_debug/final'}",
                  f"dataset.path={out / 'arith/train.jsonl'}", f"dataset.eval_path={out / 'arith/test.jsonl'}",
                  f"reward.sources=[{{type: model, path: {out / 'rm_debug/final'}, normalize: true}}]",
-                 f"training.output_dir={out / 'ppo_rm_debug'}", "training.total_ppo_steps=1", "training.eval_interval=1",
+                 f"training.output_dir={out / 'ppo_rm_debug'}", "training.total_steps=1", "training.eval_interval=1",
                  "dataset.num_eval_samples=8", "ppo.rollout_samples=8", "ppo.batch_size=8", "ppo.mini_batch_size=8",
                  *fast]) == 0
     assert main(["generate", "--model", str(out / "sft_debug/final"), "--model", str(out / "ppo_rm_debug/final"),

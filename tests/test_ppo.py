@@ -16,10 +16,11 @@ from rlhflab import ops
 from rlhflab.data.prompts import PromptExample, load_prompts, step_prompts
 from rlhflab.models.actor_critic import Reference, load_value_head, position_ids_from, unwrap
 from rlhflab.models.load import load_model
-from rlhflab.rewards import build_reward
 from rlhflab.trainers import ppo
 from rlhflab.trainers.common import Timer, make_optimizer, make_scheduler
-from rlhflab.trainers.ppo import PPOMath, collect_rollout, ppo_minibatch_loss, ppo_update
+from rlhflab.engine.update import policy_update
+from rlhflab.trainers.loop import build_run, rollout_metrics
+from rlhflab.trainers.ppo import PPOMath, collect_rollout, ppo_minibatch_loss
 
 METRIC_KEYS = ["rollout/reward_mean", "loss/policy", "loss/value", "loss/entropy", "loss/total",
                "params/policy_clip_frac", "params/value_clip_frac", "params/approx_kl",
@@ -30,14 +31,20 @@ METRIC_KEYS = ["rollout/reward_mean", "loss/policy", "loss/value", "loss/entropy
 def _setup(cfg, seed=0):
     """Models, optimizer, scheduler and one collected rollout, as `train` makes them."""
     torch.manual_seed(seed)
-    models = ppo.build_models(cfg)
-    examples = step_prompts(load_prompts(cfg.dataset, models.tokenizer, "train"),
+    run = build_run(cfg, ppo.method(cfg))
+    examples = step_prompts(load_prompts(cfg.dataset, run.models.tokenizer, "train"),
                             cfg.ppo.rollout_samples, cfg.training.seed, 1)
-    scorer = build_reward(cfg.reward)
-    roll = collect_rollout(models, examples, cfg, scorer, Timer(), PPOMath())
-    optimizer = make_optimizer(models.actor_critic.trainable_parameters(), cfg.ppo.learning_rate)
+    roll = collect_rollout(run, examples, Timer())
+    optimizer = make_optimizer(run.models.actor.trainable_parameters(), cfg.ppo.learning_rate)
     scheduler = make_scheduler(optimizer, 10)
-    return models, roll, optimizer, scheduler
+    return run.models, roll, optimizer, scheduler
+
+
+def ppo_update(models, optimizer, scheduler, roll, cfg, step, math_):
+    """The trainer's phase 5 on a collected rollout."""
+    return policy_update(models.actor, optimizer, scheduler, roll, cfg.ppo, temperature=cfg.generation.temperature,
+                         step=step, seed=cfg.training.seed, max_new_tokens=cfg.generation.max_new_tokens,
+                         math_=math_)
 
 
 def _snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -128,7 +135,7 @@ def test_reference_never_changes_across_a_ppo_step(ppo_cfg):
     cfg = ppo_cfg("ppo.kl_coeff=0.1")
     models, roll, optimizer, scheduler = _setup(cfg)
     ref = models.reference.model
-    policy = models.actor_critic.policy
+    policy = models.actor.policy
     ref_before, policy_before = _snapshot(ref), _snapshot(policy)
     ref_logits_before = models.reference.response_logits(roll.input_ids(), roll.attention_mask(), roll.prompt_len)
     ppo_update(models, optimizer, scheduler, roll, cfg, 1, PPOMath())
@@ -147,7 +154,7 @@ def test_lora_policy_with_adapter_disabled_reference(ppo_cfg, tiny_model_dir):
     cfg = ppo_cfg("lora.enabled=true", "lora.r=4", "lora.alpha=8", "model.reference=lora_disabled",
                   "ppo.kl_coeff=0.1", "ppo.learning_rate=1e-2")
     models, roll, optimizer, scheduler = _setup(cfg)
-    policy = models.actor_critic.policy
+    policy = models.actor.policy
     assert models.reference.model is None and models.reference.policy is policy  # no second copy
     assert sum(isinstance(m, type(unwrap(policy))) for m in policy.modules()) == 1
     trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
@@ -164,7 +171,7 @@ def test_lora_policy_with_adapter_disabled_reference(ppo_cfg, tiny_model_dir):
     ppo_update(models, optimizer, scheduler, roll, cfg, 1, PPOMath())
     assert all(torch.equal(base_before[n], p) for n, p in policy.named_parameters() if not p.requires_grad)
     with torch.no_grad():
-        pol_logits = models.actor_critic.forward_response(ids, am, p).logits
+        pol_logits = models.actor.forward_response(ids, am, p).logits
         ref_logits = models.reference.response_logits(ids, am, p)
     torch.testing.assert_close(ref_logits, base_logits, rtol=0, atol=1e-5)  # still the base model
     assert (pol_logits - ref_logits).abs().max() > 1e-3                     # the policy moved away
@@ -172,9 +179,9 @@ def test_lora_policy_with_adapter_disabled_reference(ppo_cfg, tiny_model_dir):
 
 def test_kl_off_builds_and_calls_no_reference(ppo_cfg, monkeypatch):
     calls = []
-    real = Reference.response_logits
-    monkeypatch.setattr(Reference, "response_logits",
-                        lambda self, *a: calls.append(1) or real(self, *a))
+    real = Reference.logprobs
+    monkeypatch.setattr(Reference, "logprobs",
+                        lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
     cfg = ppo_cfg("ppo.kl_coeff=0.1")
     models, roll, *_ = _setup(cfg)
     assert models.reference is not None and calls and roll.ref_logprobs is not None  # the contrast
@@ -183,7 +190,8 @@ def test_kl_off_builds_and_calls_no_reference(ppo_cfg, monkeypatch):
     models, roll, optimizer, scheduler = _setup(cfg)
     assert models.reference is None and calls == [] and roll.ref_logprobs is None
     assert (roll.kl == 0).all()
-    assert ppo.rollout_metrics(roll)["params/kl_to_ref"] == 0.0
+    roll.scores = torch.zeros(len(roll))
+    assert rollout_metrics(roll)["params/kl_to_ref"] == 0.0
     ppo_update(models, optimizer, scheduler, roll, cfg, 1, PPOMath())
     assert calls == []
 
@@ -191,7 +199,7 @@ def test_kl_off_builds_and_calls_no_reference(ppo_cfg, monkeypatch):
 def test_separate_critic_trains_its_own_model(ppo_cfg):
     cfg = ppo_cfg("model.critic=separate", "ppo.vf_coeff=1.0")
     models, roll, optimizer, scheduler = _setup(cfg)
-    ac = models.actor_critic
+    ac = models.actor
     assert ac.separate_critic and ac.value_head is None
     critic_before, policy_before = _snapshot(ac.critic), _snapshot(ac.policy)
     ppo_update(models, optimizer, scheduler, roll, cfg, 1, PPOMath())
@@ -219,7 +227,7 @@ def test_gradient_accumulation_1x8_equals_8x1(ppo_cfg, aggregation):
     models_b = copy.deepcopy(models_a)
     results = []
     for cfg, models in ((cfg_a, models_a), (cfg_b, models_b)):
-        params = models.actor_critic.trainable_parameters()
+        params = models.actor.trainable_parameters()
         optimizer = make_optimizer(params, cfg.ppo.learning_rate)
         scheduler = make_scheduler(optimizer, 10)
         grads = []
@@ -244,7 +252,7 @@ def test_gradient_accumulation_1x8_equals_8x1(ppo_cfg, aggregation):
     # loss/entropy is the mean entropy (per token or per sequence): near log V for the
     # untrained model (V=514, log 514 = 6.24), not 1/8 of it as when each minibatch's share
     # of the group was averaged.
-    vocab = models_a.actor_critic.policy.config.vocab_size
+    vocab = models_a.actor.policy.config.vocab_size
     assert 0.9 * math.log(vocab) < m_b["loss/entropy"] <= math.log(vocab)
 
 
@@ -252,11 +260,8 @@ def test_gradient_accumulation_1x8_equals_8x1(ppo_cfg, aggregation):
 # A 2-step run
 # --------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_two_step_run(ppo_cfg, tiny_model_dir, tmp_path, monkeypatch):
-    built = []
-    real_build = ppo.build_models
-    monkeypatch.setattr(ppo, "build_models", lambda *a, **k: built.append(real_build(*a, **k)) or built[-1])
-    cfg = ppo_cfg("training.total_ppo_steps=2", "training.eval_interval=2", "logging.plots=true")
+def test_two_step_run(ppo_cfg, tiny_model_dir, tmp_path):
+    cfg = ppo_cfg("training.total_steps=2", "training.eval_interval=2", "logging.plots=true")
     res = ppo.train(cfg, quiet=True)
     out = tmp_path / "run"
     assert res.output_dir == out and res.final_dir == out / "final"
@@ -270,14 +275,14 @@ def test_two_step_run(ppo_cfg, tiny_model_dir, tmp_path, monkeypatch):
         assert all(isinstance(row[k], (int, float)) and math.isfinite(row[k]) for k in METRIC_KEYS)
     assert "eval/accuracy" in rows[2] and 0.0 <= rows[2]["eval/accuracy"] <= 1.0
     assert rows[1]["lr"] == cfg.ppo.learning_rate
-    assert res.eval_before is not None and res.eval_after is not None and res.episodes_per_s > 0
+    assert res.eval_before is not None and res.eval_after is not None and res.samples_per_s > 0
 
     # The policy moved; final/ holds it, loadable with transformers alone.
     cfg_json = json.loads((out / "final" / "config.json").read_text())
     assert "auto_map" not in cfg_json and cfg_json["architectures"] == ["LlamaForCausalLM"]
     start = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     final = AutoModelForCausalLM.from_pretrained(out / "final")
-    trained = built[0].actor_critic.policy
+    trained = res.models.actor.policy
     changed = [n for (n, a), (_, b) in zip(start.named_parameters(), final.named_parameters(), strict=True)
                if not torch.equal(a, b)]
     assert len(changed) > len(list(start.parameters())) // 2
@@ -285,7 +290,7 @@ def test_two_step_run(ppo_cfg, tiny_model_dir, tmp_path, monkeypatch):
         assert torch.equal(a, b), n
 
     # The value head reloads to the trained tensors.
-    head = built[0].actor_critic.value_head
+    head = res.models.actor.value_head
     fresh = copy.deepcopy(head)
     torch.nn.init.zeros_(fresh.summary.weight)
     load_value_head(fresh, out / "final")
@@ -294,7 +299,7 @@ def test_two_step_run(ppo_cfg, tiny_model_dir, tmp_path, monkeypatch):
 
     # effective_config.yaml holds the resolved values; plots and evals are written.
     eff = yaml.safe_load((out / "effective_config.yaml").read_text())
-    assert eff["training"]["total_ppo_steps"] == 2 and eff["model"]["name_or_path"] == str(tiny_model_dir)
+    assert eff["training"]["total_steps"] == 2 and eff["model"]["name_or_path"] == str(tiny_model_dir)
     assert eff["generation"]["max_new_tokens"] == 8
     plots = {p.name for p in (out / "plots").glob("*.png")}
     assert {"losses.png", "reward.png", "kl.png", "clipping.png"} <= plots

@@ -86,7 +86,7 @@ def test_missing_model_path_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="nope"):
         build_source(RewardSource(type="classifier", path=str(tmp_path / "nope"), label="POSITIVE"))
     from rlhflab.config import load_config
-    from rlhflab.config.schema import PPORunConfig
+    from rlhflab.trainers.ppo import PPORunConfig
     with pytest.raises(ConfigError, match=r"reward.sources\[0\].path: a model source needs path"):
         load_config(None, PPORunConfig, ["reward.sources=[{type: model}]"])
 

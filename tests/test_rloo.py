@@ -14,7 +14,7 @@ from rlhflab.errors import ConfigError
 from rlhflab.models.actor_critic import Reference
 from rlhflab.trainers import rloo
 from rlhflab.trainers.common import Timer
-from rlhflab.trainers.policy_gradient import build_policy_models, make_optimization
+from rlhflab.trainers.loop import build_run
 from rlhflab.trainers.rloo import RLOORunConfig, rloo_step
 
 from test_grpo_helpers import ROOT, debug_config, easy_task, small_model
@@ -47,23 +47,23 @@ def test_kl_is_folded_into_the_reward_before_leave_one_out(dirs, tmp_path, monke
                        "generation.max_new_tokens=6", "rloo.k=4", "rloo.prompts_per_step=3",
                        "rloo.mini_batch_size=12", "rloo.kl_coeff=0.5", "rloo.kl_estimator=k1")
     torch.manual_seed(0)
-    models = build_policy_models(cfg.model, cfg.lora, "cpu", need_reference=True)
+    run = build_run(cfg, rloo.method(cfg))
+    run.scorer = VariedScorer()
     with torch.no_grad():  # move the policy away from the reference so the KL is not 0
-        for p in models.policy.parameters():
+        for p in run.models.policy.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    optimizer, scheduler = make_optimization(models.actor.trainable_parameters(), cfg.rloo, 10)
-    examples = load_prompts(cfg.dataset, models.tokenizer, "train")[:3]
+    examples = load_prompts(cfg.dataset, run.models.tokenizer, "train")[:3]
     seen = {}
-    real_update = rloo.policy_update
+    real_update = rloo.run_update
 
-    def keep(models_, optimizer_, scheduler_, roll, *args, **kwargs):
-        seen["roll"], seen["kl_coeff"] = roll, kwargs["kl_coeff"]
-        return real_update(models_, optimizer_, scheduler_, roll, *args, **kwargs)
+    def keep(run_, roll, step):
+        seen["roll"] = roll
+        return real_update(run_, roll, step)
 
-    monkeypatch.setattr(rloo, "policy_update", keep)
-    metrics = rloo_step(models, examples, cfg, VariedScorer(), optimizer, scheduler, 1, Timer())
+    monkeypatch.setattr(rloo, "run_update", keep)
+    metrics = rloo_step(run, examples, 1, Timer())
     roll = seen["roll"]
-    assert seen["kl_coeff"] == 0.0  # the KL is in the reward, not in the loss
+    assert run.sec.kl_loss_coeff == 0.0 and "loss/kl" not in metrics  # the KL is in the reward, not in the loss
     mask = roll.response_mask.float()
     # R_i = score_i − 0.5 · Σ_t (log π − log π_ref), then A_i = R_i − mean of the other 3: a plain loop.
     rewards = [float(roll.scores[i]) - 0.5 * float(((roll.logprobs[i] - roll.ref_logprobs[i]) * mask[i]).sum())
@@ -85,7 +85,7 @@ def test_kl_coeff_zero_loads_no_reference_and_trains(dirs, tmp_path, monkeypatch
 
     monkeypatch.setattr(Reference, "frozen_copy", classmethod(forbidden))
     cfg = debug_config(RLOORunConfig, "rloo_debug.yaml", model_dir, task_dir, tmp_path / "run",
-                       "rloo.kl_coeff=0", "rloo.learning_rate=1e-2", "training.total_ppo_steps=2",
+                       "rloo.kl_coeff=0", "rloo.learning_rate=1e-2", "training.total_steps=2",
                        "training.eval_interval=0", "training.save_interval=0", "generation.max_new_tokens=4",
                        "reward.sources=[{type: rule, name: test_rloo_length}]")
     from rlhflab.rewards import register

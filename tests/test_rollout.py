@@ -11,7 +11,13 @@ import torch
 
 from rlhflab.models.actor_critic import ActorCritic, Reference, ValueHead, hidden_size_of, position_ids_from
 from rlhflab.models.load import disable_dropout, load_model
-from rlhflab.rollout import Rollout, collate, generate, response_mask_from, score_rollout
+from rlhflab.engine import scoring
+from rlhflab.rollout import Rollout, collate, generate, response_mask_from
+
+
+def score_rollout(actor, reference, roll, **kwargs):
+    """The rollout scored as PPO scores it: log-probs, values and (with a reference) its log-probs."""
+    return scoring.score_rollout(actor, reference, roll, with_values=True, **kwargs)
 
 EOS, PAD = 0, 1  # the tiny tokenizer's ids of <|endoftext|> and <|pad|>
 

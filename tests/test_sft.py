@@ -184,6 +184,30 @@ def test_model_loss_ignores_prompt_tokens_and_extra_padding(tiny, tok):
     assert none.tokens == 0 and none.total.item() == 0.0
 
 
+def test_batch_nll_from_hidden_states_equals_the_logits_loss(tiny, tok):
+    # The trainer's loss (decoder hidden states + the head's weight, chunked, prompt and
+    # padding rows never reach the head) against today's: the model's (B, L, V) logits
+    # into response_nll. Same sum, same gradients.
+    from rlhflab.trainers.sft import batch_nll
+
+    rows = [("User: 1 + 2\n\nAssistant:", " 3 and some more words"), ("User: 4 + 4\n\nAssistant:", " 8")]
+    b = sftdata.collate([sftdata.tokenize_example(p, r, True, tok, 64) for p, r in rows], tok.pad_token_id)
+    results = []
+    for path in ("hidden", "logits"):
+        model = _model(tiny)
+        if path == "hidden":
+            nll = batch_nll(model, b["input_ids"], b["attention_mask"], b["labels"])
+        else:
+            nll = response_nll(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"])
+        nll.total.backward()
+        results.append((nll, {n: p.grad for n, p in model.named_parameters()}))
+    (hid, g_hid), (full, g_full) = results
+    assert hid.tokens == full.tokens > 0
+    torch.testing.assert_close(hid.total, full.total, rtol=1e-6, atol=1e-6)
+    for name in g_full:  # the tied embedding/head weight included
+        torch.testing.assert_close(g_hid[name], g_full[name], rtol=1e-5, atol=1e-6)
+
+
 def test_gradient_accumulation_1x2_equals_2x1(tiny, tok):
     rows = [("User: 1 + 2\n\nAssistant:", " 3 and some more words"), ("User: 4 + 4\n\nAssistant:", " 8")]
     exs = [sftdata.tokenize_example(p, r, True, tok, 64) for p, r in rows]

@@ -7,8 +7,6 @@ from rlhflab.config.schema import (
     LoggingConfig,
     LoRAConfig,
     ModelConfig,
-    PPORunConfig,
-    PPOSection,
     RewardConfig,
     RewardSource,
     TrainingConfig,
@@ -18,5 +16,5 @@ from rlhflab.config.schema import (
 __all__ = [
     "compose", "load_config", "save_effective_config", "f",
     "DatasetConfig", "GenerationConfig", "LoggingConfig", "LoRAConfig", "ModelConfig",
-    "PPORunConfig", "PPOSection", "RewardConfig", "RewardSource", "TrainingConfig",
+    "RewardConfig", "RewardSource", "TrainingConfig",
 ]

@@ -22,11 +22,14 @@ from rlhflab.errors import UserError
 
 # command -> the root dataclass of its config
 SCHEMAS: dict[str, str] = {
-    "ppo": "rlhflab.config.schema:PPORunConfig",
+    "ppo": "rlhflab.trainers.ppo:PPORunConfig",
     "sft": "rlhflab.trainers.sft:SFTRunConfig",
     "rm": "rlhflab.trainers.rm:RMRunConfig",
     "grpo": "rlhflab.trainers.grpo:GRPORunConfig",
     "rloo": "rlhflab.trainers.rloo:RLOORunConfig",
+    "reinforce-pp": "rlhflab.trainers.reinforce_pp:ReinforcePPRunConfig",
+    "dr-grpo": "rlhflab.trainers.dr_grpo:DrGRPORunConfig",
+    "trpo": "rlhflab.trainers.trpo:TRPORunConfig",
     "dpo": "rlhflab.trainers.dpo:DPORunConfig",
 }
 
@@ -130,6 +133,11 @@ def run(args: argparse.Namespace) -> int:
                 print(f"\n{key}:  # {help_}")
             else:
                 print(f"  {key:<{widths[0]}}  {type_:<{widths[1]}}  {default:<{widths[2]}}  {help_}")
+        from rlhflab.config.loader import ALIASES
+        keys = {r[0] for r in rows}
+        notes = [f"#   {old} is the old name of {new}; it still works" for old, new in ALIASES.items() if new in keys]
+        if notes:
+            print("\n# old names\n" + "\n".join(notes))
         return 0
     from omegaconf import OmegaConf
 

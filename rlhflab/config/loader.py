@@ -29,6 +29,27 @@ T = TypeVar("T")
 
 _MISSING = dataclasses.MISSING
 
+# Old key -> the key that replaced it. Each YAML file and each override is renamed on
+# its own, before merging, so a later layer still wins; `rlhflab config show` lists them.
+ALIASES: dict[str, str] = {
+    "training.total_ppo_steps": "training.total_steps",
+}
+
+
+def _rename_aliases(node: DictConfig, where: str) -> DictConfig:
+    """One layer (a file or an override) with its old key names replaced by the new ones."""
+    for old, new in ALIASES.items():
+        section, _, old_key = old.rpartition(".")
+        new_section, _, new_key = new.rpartition(".")
+        sec = node.get(section) if section else node
+        if not isinstance(sec, DictConfig) or old_key not in sec:
+            continue
+        if new_key in sec:
+            raise ConfigError(f"{where}: {old} is the old name of {new} and both are set; keep only {new}")
+        value = sec.pop(old_key)
+        OmegaConf.update(node, new, value, merge=False)
+    return node
+
 
 def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> DictConfig:
     """Read one YAML file and merge its `defaults:` bases under it."""
@@ -60,7 +81,7 @@ def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> DictConfig:
             if not isinstance(base, str):
                 raise ConfigError(f"{path}: defaults entries must be file paths, got {base!r}")
             merged = _merge(merged, _read_yaml(path.parent / base, (*chain, path)), f"{path} onto {base}")
-    return _merge(merged, node, f"{path} onto its defaults")
+    return _merge(merged, _rename_aliases(node, str(path)), f"{path} onto its defaults")
 
 
 def _kind(node: Any) -> str | None:
@@ -121,7 +142,7 @@ def compose(path: str | Path | None, overrides: list[str] | None = None) -> Dict
     """Merge a config file (with its bases) and dotted overrides; not yet resolved."""
     cfg = _read_yaml(Path(path)) if path is not None else OmegaConf.create({})
     for item in overrides or []:  # one at a time, so a clash names its override
-        cfg = _merge(cfg, _parse_overrides([item]), f"override {item!r}")
+        cfg = _merge(cfg, _rename_aliases(_parse_overrides([item]), f"override {item!r}"), f"override {item!r}")
     return cfg
 
 

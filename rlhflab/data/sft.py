@@ -12,9 +12,11 @@ Layouts recognised (the first that fits a row wins):
 A row that fits none is reported with its index and the fields it has and skipped; a
 file where more than `max_bad_fraction` of the rows are bad stops with a `UserError`.
 
-Formatting: with `use_chat_template` and a tokenizer that has a chat template, the
-conversation is rendered by the template (the prompt part with the generation prompt,
-the response part is the rest). Otherwise ``prompt_template`` (default
+Formatting: with `use_chat_template` (resolved by `rlhflab.data.chat`: auto uses the
+tokenizer's template when it has one) the conversation is rendered by the template: the
+prompt part with the generation prompt, the response part is the rest up to and
+including the template's end-of-turn token (``<|im_end|>``, ``<|eot_id|>``), which the
+model learns to emit and generation stops at. Otherwise ``prompt_template`` (default
 ``"User: {prompt}\\n\\nAssistant:"``) and ``response_template`` (default ``" {response}"``)
 are used and EOS is appended, giving ``User: {prompt}\\n\\nAssistant: {response}<eos>``.
 
@@ -35,6 +37,7 @@ from typing import Any, Sequence
 
 import torch
 
+from rlhflab.data.chat import end_of_turn_id, has_chat_template
 from rlhflab.errors import UserError
 
 IGNORE_INDEX = -100
@@ -145,11 +148,7 @@ class Template:
 
     prompt_template: str = "User: {prompt}\n\nAssistant:"
     response_template: str = " {response}"
-    use_chat_template: bool = True
-
-
-def has_chat_template(tokenizer) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
+    use_chat_template: bool = True  # already resolved (`rlhflab.data.chat.resolve_use_chat_template`)
 
 
 def _plain_history(messages: list[dict], tpl: Template) -> str:
@@ -171,9 +170,17 @@ def format_example(ex: SFTExample, tokenizer, tpl: Template) -> tuple[str, str, 
         prompt = tokenizer.apply_chat_template(ex.messages[:-1], tokenize=False, add_generation_prompt=True)
         full = tokenizer.apply_chat_template(ex.messages, tokenize=False)
         if full.startswith(prompt):
-            # The template's own end-of-turn marker closes the response; EOS is added only
-            # when the template does not end with it.
-            return prompt, full[len(prompt):], not full.rstrip().endswith(tokenizer.eos_token or "\0")
+            # The template's own end-of-turn token closes the response, as it closes a
+            # generated one (generation stops there): what a template writes after it
+            # (ChatML's "\n") is left out, and EOS is added only when the template has
+            # neither.
+            response = full[len(prompt):]
+            eot = end_of_turn_id(tokenizer)
+            eot_text = tokenizer.convert_ids_to_tokens(eot) if eot is not None else None
+            if eot_text and eot_text in response:
+                response = response[: response.rindex(eot_text) + len(eot_text)]
+                return prompt, response, False
+            return prompt, response, not full.rstrip().endswith(tokenizer.eos_token or "\0")
         # A template that renders the history differently with the generation prompt:
         # fall back to plain formatting for this row rather than mis-mask it.
     history = _plain_history(ex.messages[:-2], tpl) if len(ex.messages) > 2 else ""

@@ -187,12 +187,29 @@ class ToyActorCritic(nn.Module):
         values = h @ self.value_head if with_values else None          # (B, T)
         return ResponseOutput(h @ self.lm_head, values)
 
+    has_values = True
+
+    def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor,
+                group_size: int = 1, temperature: float = 1.0, with_values: bool = True,
+                with_entropy: bool = False, entropy_grad: bool = True):
+        """The trainer's forward (`ActorCritic.forward`): log-probs, values, entropy."""
+        from rlhflab import ops
+        from rlhflab.models.actor_critic import ForwardOutput
+        ids = torch.cat([prompt_ids, response_ids], 1)
+        am = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], 1)
+        out = self.forward_response(ids, am, prompt_ids.shape[1], with_values)
+        logits = out.logits / temperature
+        entropy = None
+        if with_entropy:
+            entropy = ops.entropy_from_logits(logits if entropy_grad else logits.detach())
+        return ForwardOutput(ops.logprobs_from_logits(logits, response_ids), out.values, entropy)
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
 
 
 def toy_minibatches(seed: int = 6, lengths: tuple[list[int], ...] = ([5, 3, 5], [1, 2])) -> list[dict]:
-    """Minibatch dicts in the trainer's layout (see `_trim` in trainers/ppo.py).
+    """Minibatch dicts in the full-sequence layout (`MiniBatch`'s mapping view, engine/minibatch.py).
 
     The default group holds 13 and 3 real tokens, so weighting minibatches equally
     instead of by tokens changes the result. old_logprobs and old_values are the toy
@@ -228,6 +245,6 @@ def toy_minibatches(seed: int = 6, lengths: tuple[list[int], ...] = ([5, 3, 5], 
 def toy_settings(max_grad_norm: float | None = 0.05):
     """The `ppo:` section the grader uses for exercise 5: coefficients that are not 1
     (so a missing one shows), an active gradient clip, everything else the default."""
-    from rlhflab.config import PPOSection
+    from rlhflab.trainers.ppo import PPOSection
     return PPOSection(clip_eps=0.2, value_clip=0.2, vf_coeff=0.5, entropy_coeff=0.05,
                       max_grad_norm=max_grad_norm)

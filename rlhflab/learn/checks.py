@@ -863,8 +863,8 @@ def _replay_mistake(mistake: str, minibatches: list[dict], settings, steps: int)
     for _ in range(steps):
         for mb, n in zip(minibatches, tokens, strict=True):
             normalizer = {"equal_weights": n * len(minibatches), "no_weights": n}.get(mistake, sum(tokens))
-            loss, _ = reference.ppo_minibatch_loss(model.actor_critic, mb, settings, 1.0,
-                                                   reference.PPOMath(), normalizer=normalizer)
+            loss, _ = reference.engine_minibatch_loss(model.actor_critic, reference.MiniBatch.from_mapping(mb),
+                                                      settings, 1.0, reference.PPOMath(), normalizer=normalizer)
             loss.backward()
             if mistake == "step_each":
                 norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))

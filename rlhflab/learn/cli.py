@@ -37,7 +37,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--cold", action="store_true",
                    help="start from the untrained tiny model (fast, but its reward stays 0) instead of "
                         "the quickstart's SFT warm start")
-    p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. training.total_ppo_steps=10")
+    p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. training.total_steps=10")
 
     p = sub.add_parser("solution", help="print the library's implementation of exercise N, with comments")
     p.add_argument("number", type=int, metavar="N", help="exercise number 1-5")

@@ -5,8 +5,10 @@ and only renames its inputs and outputs to the contract of an exercise. The grad
 compares the learner's functions with these; `rlhflab learn solution N` prints the
 library functions they call. There is deliberately no hand-written solution file.
 
-`update_step` is the trainer's `ppo_update_group` (the optimizer step over one
-accumulation group), given the group's token count as normalizer.
+`minibatch_loss` and `update_step` are the engine's `minibatch_loss` and
+`update_group` (engine/update.py: the optimizer step over one accumulation group),
+given the group's token count as normalizer; the exercises' minibatch dicts become the
+engine's `MiniBatch`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import torch
 from torch import Tensor
 
 from rlhflab import ops
-from rlhflab.trainers.ppo import PPOMath, ppo_minibatch_loss, ppo_update_group
+from rlhflab.engine.minibatch import MiniBatch
+from rlhflab.engine.update import PPOMath, minibatch_loss as engine_minibatch_loss, update_group
 
 
 class PolicyLoss(NamedTuple):
@@ -108,21 +111,22 @@ def n_tokens(mb: dict) -> float:
 
 
 def minibatch_loss(model: ResponseModel, mb: dict, settings) -> MinibatchLoss:
-    """The trainer's `ppo_minibatch_loss`, normalised by this minibatch's own tokens."""
-    total, st = ppo_minibatch_loss(model.actor_critic, mb, settings, model.temperature,
-                                   PPOMath(), normalizer=n_tokens(mb))
+    """The engine's `minibatch_loss`, normalised by this minibatch's own tokens."""
+    total, st = engine_minibatch_loss(model.actor_critic, MiniBatch.from_mapping(mb), settings, model.temperature,
+                                      PPOMath(), normalizer=n_tokens(mb))
     t = lambda x: torch.tensor(x)  # noqa: E731 - the trainer's stats are floats
     return MinibatchLoss(total, t(st.policy), t(st.value), t(st.entropy),
                          t(st.policy_clip_frac), t(st.value_clip_frac))
 
 
 def update_step(model: ResponseModel, minibatches: list[dict], optimizer, settings) -> UpdateStats:
-    """The trainer's `ppo_update_group`: one optimizer step over a gradient-accumulation group."""
+    """The engine's `update_group`: one optimizer step over a gradient-accumulation group."""
     # Every minibatch's loss is divided by the whole group's token count, so the
     # accumulated gradient is that of the group as one batch (docs/batching.md).
     group_tokens = sum(n_tokens(mb) for mb in minibatches)
-    grad_norm, stats = ppo_update_group(model.actor_critic, minibatches, optimizer, model.parameters(),
-                                        settings, model.temperature, PPOMath(), normalizer=group_tokens)
+    grad_norm, stats = update_group(model.actor_critic, [MiniBatch.from_mapping(mb) for mb in minibatches],
+                                    optimizer, model.parameters(), settings, model.temperature, PPOMath(),
+                                    normalizer=group_tokens)
     # Each minibatch's total is already its share of the group: their sum is the group's loss.
     return UpdateStats(sum(st.total for st in stats), grad_norm)
 

@@ -70,7 +70,8 @@ def write_packaged_config(dest: Path | None = None) -> Path:
     """Refresh the packaged copy from configs/ppo_debug.yaml (run after editing that file)."""
     from omegaconf import OmegaConf
 
-    from rlhflab.config import PPORunConfig, load_config
+    from rlhflab.config import load_config
+    from rlhflab.trainers.ppo import PPORunConfig
     src = repo_debug_config()
     if src is None:
         raise UserError("configs/ppo_debug.yaml not found: refresh the packaged config from a source checkout")
@@ -117,7 +118,7 @@ WARM_SETTINGS = [
     "ppo.rollout_samples=64", "ppo.batch_size=64", "ppo.mini_batch_size=16", "ppo.epochs=2",
     "ppo.learning_rate=5e-5", "ppo.kl_coeff=0.02", "ppo.vf_coeff=0.1",
     "dataset.max_prompt_length=64", "dataset.max_gen_length=16", "dataset.num_eval_samples=200",
-    "training.total_ppo_steps=10", "training.eval_interval=5", "training.eval_batch_size=100",
+    "training.total_steps=10", "training.eval_interval=5", "training.eval_batch_size=100",
 ]
 
 
@@ -130,7 +131,8 @@ def _next_run_dir(runs: Path) -> Path:
 def load_run_config(ws_dir: Path, overrides: list[str], quiet: bool = False, warm: bool = True):
     """The debug PPO config pointed at the workspace's inputs and a fresh run folder
     (with `warm`, the quickstart's warm-started policy and PPO settings)."""
-    from rlhflab.config import PPORunConfig, load_config
+    from rlhflab.config import load_config
+    from rlhflab.trainers.ppo import PPORunConfig
     keys = {o.split("=", 1)[0] for o in overrides}
     base: list[str] = ["training.save_interval=0"] + (WARM_SETTINGS if warm else [])
     if not {"model.name_or_path", "dataset.path"} <= keys:

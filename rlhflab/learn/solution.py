@@ -1,7 +1,7 @@
 """`rlhflab learn solution N`: the library's implementation of exercise N, with comments.
 
 There is no separate solution file to drift from the code: this prints the source of
-the functions in `rlhflab.ops` and the PPO trainer that the grader compares against
+the functions in `rlhflab.ops` and the update engine that the grader compares against
 (`inspect.getsource`), a commentary on how they map onto the exercise, and the thin
 adapter (rlhflab/learn/reference.py) that gives them the exercise's signature.
 """
@@ -15,14 +15,14 @@ from pathlib import Path
 from rlhflab import ops
 from rlhflab.learn import reference
 from rlhflab.learn.exercises import BY_NUMBER, doc_link
-from rlhflab.trainers import ppo
+from rlhflab.engine import update
 
 SOURCES = {
     1: (ops.ppo_policy_loss, ops.aggregate),
     2: (ops.value_loss,),
     3: (ops.entropy_from_logits, ops.entropy_loss),
     4: (ops.gae, ops.masked_whiten, ops.masked_mean, ops.masked_var),
-    5: (ppo.ppo_minibatch_loss, ppo.ppo_update_group, ppo.ppo_update),
+    5: (update.minibatch_loss, update.loss_terms, update.update_group, update.policy_update),
 }
 
 ADAPTERS = {
@@ -60,7 +60,7 @@ The exercise is `entropy_from_logits` followed by `entropy_loss`.
   not: a probability that underflows to 0 gives 0 * -inf = nan.
 - Logits are cast to float32 first (a bfloat16 model's logits are too coarse for it).
 - The loss is -mean H over real tokens; `entropy` is the mean itself, detached, for logging.
-- In the trainer `forward_response` computes the entropy (B, T) and the PPOMath hook gets
+- In the trainer the forward pass computes the entropy (B, T) and the PPOMath hook gets
   that; your version starts one step earlier, from the logits.""",
     4: """\
 `gae` is exercise 4's first part; the trainer then calls `masked_whiten` (second part).
@@ -74,12 +74,14 @@ The exercise is `entropy_from_logits` followed by `entropy_loss`.
 - `masked_whiten` uses the population variance (divide by n) and eps = 1e-8 inside the
   square root, and returns 0 on padding.""",
     5: """\
-Exercise 5 is phase 5 of the loop in trainers/ppo.py. `ppo_minibatch_loss` is its
-`minibatch_loss`; `ppo_update_group` (backward per minibatch, clip, step, zero_grad once
-per accumulation group) is its `update_step`. `ppo_update` around them makes the groups
-and their normalizer, and steps the learning-rate scheduler.
-- `forward_response` runs the actor-critic once over prompt+response and returns the
-  response tokens' logprobs, values and entropy (your `model(mb)` wraps it).
+Exercise 5 is phase 5 of every policy method: the engine in engine/update.py, which
+PPO, GRPO, RLOO and the rest share. Its `minibatch_loss` is your `minibatch_loss` (the
+forward pass, then `loss_terms` puts the parts together); `update_group` (backward per
+minibatch, clip, step, zero_grad once per accumulation group) is your `update_step`.
+`policy_update` around them makes the groups and their normalizer, and steps the
+learning-rate scheduler.
+- The actor-critic's forward runs once over prompt+response and returns the response
+  tokens' logprobs, values and entropy (your `model(mb)` returns the logits instead).
 - Every loss of a minibatch is divided by `normalizer`, the real-token count of the whole
   accumulation group, which is the same as your "minibatch mean times its share of the
   group's tokens": accumulation 1x8 equals 8x1 exactly (docs/batching.md).

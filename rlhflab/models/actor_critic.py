@@ -6,10 +6,19 @@ Two layouts:
 - ``separate``: a critic model of its own (its own base and head), as in the notebook
   seed's ``PPOModel(actor, critic)``; two passes, twice the memory, no shared gradients.
 
-Only the response positions are needed, so `forward_response` runs the decoder over
+A critic-free method (GRPO, RLOO, REINFORCE++, DPO) uses `PolicyOnly`: the same
+interface with no critic.
+
+Only the response positions are needed, so the forward pass runs the decoder over
 prompt+response once and applies the LM head and the value head to the T hidden
 states that predict response tokens (the ``prompt_len-1 : prompt_len+T-1`` slice),
 not to all L positions: the (B, L, V) logits of the prompt are never made.
+
+Prompt sharing: when the rows of a batch come in groups of ``group_size`` answers to the
+same prompt (GRPO, RLOO), the prompt is given once per group, run through the decoder
+once with ``use_cache``, and its keys and values are repeated for the group's rows (a
+differentiable ``repeat_interleave``: the prompt's gradient is the sum over its rows,
+as in the full pass). The results equal the plain pass up to float rounding.
 
 The value head computes in float32 whatever the model dtype (values are regression
 targets of a few units; bfloat16's 8 bits of mantissa are too coarse for them).
@@ -24,6 +33,9 @@ from typing import Iterator, NamedTuple
 
 import torch
 from torch import Tensor, nn
+
+from rlhflab import ops
+from rlhflab.models.head import linear_lm_head
 
 
 class ValueHead(nn.Module):
@@ -65,54 +77,200 @@ def position_ids_from(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def is_checkpointing(model: nn.Module) -> bool:
+    """Whether activation (gradient) checkpointing is on; it rules out reusing a KV cache."""
+    base = unwrap(model)
+    flag = getattr(type(base), "is_activation_checkpointing", None) or getattr(type(base), "is_gradient_checkpointing", None)
+    return bool(flag.__get__(base)) if isinstance(flag, property) else False
+
+
+def _last_hidden(out) -> Tensor:
+    return out[0] if isinstance(out, tuple) else out.last_hidden_state
+
+
+def response_hidden(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+                    response_mask: Tensor, group_size: int = 1) -> Tensor:
+    """Hidden states (B, T, H) that predict each response token.
+
+    prompt_ids, prompt_mask: (B, P) left-padded, or (G, P) with one row per group when
+    `group_size` k > 1 (rows [g·k, (g+1)·k) of the responses answer prompt g);
+    response_ids, response_mask: (B, T) right-padded.
+    """
+    decoder, _ = decoder_and_head(model)
+    t = response_ids.shape[1]
+    if group_size == 1:
+        ids = torch.cat([prompt_ids, response_ids], 1)                                 # (B, P+T)
+        am = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], 1)
+        # The last token predicts nothing we use, and attention is causal: leave it out.
+        ids, am = ids[:, :-1], am[:, :-1]
+        hidden = _last_hidden(decoder(input_ids=ids, attention_mask=am, position_ids=position_ids_from(am),
+                                      use_cache=False))                                 # (B, P+T-1, H)
+        # Position P-1+t holds the state that predicts response token t.
+        return hidden[:, prompt_ids.shape[1] - 1:]                                     # (B, T, H)
+    k = group_size
+    pos = position_ids_from(prompt_mask)                                               # (G, P)
+    out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos, use_cache=True)
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(k)                                                   # (B, heads, P, d)
+    first = _last_hidden(out)[:, -1:].repeat_interleave(k, dim=0)                      # (B, 1, H): predicts token 0
+    if t == 1:
+        return first
+    # Response tokens 0..T-2 as inputs, attending to the cached prompt: they predict 1..T-1.
+    mask = torch.cat([prompt_mask.repeat_interleave(k, dim=0), response_mask[:, :-1].to(prompt_mask.dtype)], 1)
+    rpos = pos[:, -1:].repeat_interleave(k, dim=0) + 1 + torch.arange(t - 1, device=pos.device)  # (B, T-1)
+    rest = _last_hidden(decoder(input_ids=response_ids[:, :-1], attention_mask=mask, position_ids=rpos,
+                                past_key_values=cache, use_cache=True))                 # (B, T-1, H)
+    return torch.cat([first, rest], dim=1)                                             # (B, T, H)
+
+
+class ForwardOutput(NamedTuple):
+    """What one teacher-forced pass returns for a (mini)batch."""
+
+    logprobs: Tensor          # (B, T) float32, at the sampling temperature
+    values: Tensor | None     # (B, T) float32, or None
+    entropy: Tensor | None    # (B, T) float32, or None
+    lm_loss: Tensor | None = None  # token-mean NLL of an extra LM batch (PPO-ptx), or None
+
+
+def lm_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    """Token-mean next-token NLL of `model` on an LM batch (input_ids, attention_mask, and
+    labels with -100 where nothing is trained); chunked over the vocabulary when the head
+    is a plain linear map."""
+    labels = batch["labels"][:, 1:]                                                    # (b, L-1)
+    n = (labels != -100).sum().clamp(min=1)
+    lin = linear_lm_head(model)
+    if lin is not None:
+        decoder, _ = decoder_and_head(model)
+        hidden = _last_hidden(decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                      use_cache=False))[:, :-1]                        # (b, L-1, H)
+        return ops.chunked_cross_entropy(hidden, lin.weight, lin.bias, labels) / n
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   use_cache=False).logits[:, :-1]                                     # (b, L-1, V)
+    keep = labels != -100
+    lp = ops.logprobs_from_logits(logits, labels.clamp(min=0))
+    return -(lp * keep).sum() / n
+
+
+def token_stats(hidden: Tensor, head: nn.Module, response_ids: Tensor, temperature: float = 1.0,
+                with_entropy: bool = False, entropy_grad: bool = True,
+                model: nn.Module | None = None) -> tuple[Tensor, Tensor | None]:
+    """Log-probs (B, T) of `response_ids` and, when asked, the entropy (B, T) from hidden (B, T, H).
+
+    When `model`'s head is a plain linear map (`models.head.linear_lm_head`), the chunked
+    op computes them without ever holding more than one chunk of (B, T, V) logits, in the
+    forward pass and in backward; otherwise (soft-capped or scaled logits, LoRA on the
+    head) from the head's full logits. `entropy_grad=False` computes the entropy for
+    logging only, with no autograd graph.
+    """
+    lin = linear_lm_head(model) if model is not None else None
+    if lin is not None:
+        out = ops.chunked_logprobs(hidden, lin.weight, lin.bias, response_ids, temperature=temperature,
+                                   with_entropy=with_entropy)
+        entropy = out.entropy if (out.entropy is None or entropy_grad) else out.entropy.detach()
+        return out.logprobs, entropy
+    logits = head(hidden)                                                              # (B, T, V)
+    if temperature != 1.0:
+        logits = logits / temperature
+    logprobs = ops.logprobs_from_logits(logits, response_ids)
+    entropy = None
+    if with_entropy:
+        if entropy_grad:
+            entropy = ops.entropy_from_logits(logits)
+        else:
+            with torch.no_grad():
+                entropy = ops.entropy_from_logits(logits.detach())
+    return logprobs, entropy
+
+
 class ResponseOutput(NamedTuple):
     logits: Tensor        # (B, T, V) logits predicting each response token
     values: Tensor | None  # (B, T) float32 value of the state before each response token
 
 
-def _response_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
-                     prompt_len: int) -> Tensor:
-    decoder, _ = decoder_and_head(model)
-    # The last token predicts nothing we use, and attention is causal: leave it out.
-    ids, am = input_ids[:, :-1], attention_mask[:, :-1]
-    out = decoder(input_ids=ids, attention_mask=am, position_ids=position_ids_from(am), use_cache=False)
-    hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state  # (B, L-1, H)
-    # Position prompt_len-1+t holds the state that predicts response token t.
-    return hidden[:, prompt_len - 1 :]                                   # (B, T, H)
+def _split(input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return (input_ids[:, :prompt_len], attention_mask[:, :prompt_len],
+            input_ids[:, prompt_len:], attention_mask[:, prompt_len:])
 
 
-class ActorCritic(nn.Module):
+class PolicyOnly(nn.Module):
+    """A causal LM behind the response interface, with no critic (GRPO, RLOO, DPO, ...)."""
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.policy = policy
+        self.critic = None
+        self.value_head = None
+
+    @property
+    def has_values(self) -> bool:
+        return self.critic is not None or self.value_head is not None
+
+    def _values(self, hidden: Tensor, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+                response_mask: Tensor, group_size: int) -> Tensor | None:
+        return None
+
+    def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor,
+                group_size: int = 1, temperature: float = 1.0, with_values: bool = False,
+                with_entropy: bool = False, entropy_grad: bool = True,
+                lm_batch: dict[str, Tensor] | None = None) -> ForwardOutput:
+        """Log-probs (B, T) of the response tokens, and values and entropy when asked;
+        with `lm_batch`, also the policy's LM loss on it (PPO-ptx).
+
+        Shapes as in `response_hidden`. This is the module's `forward`, so a wrapper
+        (DDP, FSDP) sees the whole pass.
+        """
+        hidden = response_hidden(self.policy, prompt_ids, prompt_mask, response_ids, response_mask, group_size)
+        _, head = decoder_and_head(self.policy)
+        logprobs, entropy = token_stats(hidden, head, response_ids, temperature, with_entropy, entropy_grad,
+                                        model=self.policy)
+        values = None
+        if with_values:
+            values = self._values(hidden, prompt_ids, prompt_mask, response_ids, response_mask, group_size)
+        extra = lm_loss(self.policy, lm_batch) if lm_batch is not None else None
+        return ForwardOutput(logprobs, values, entropy, extra)
+
+    def forward_response(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int,
+                         with_values: bool = True) -> ResponseOutput:
+        """Logits (B, T, V) (and values) for the response part of prompt+response (B, L).
+
+        The full-logits view, for learner mode and DPO; training uses `forward`.
+        """
+        pi, pm, ri, rm = _split(input_ids, attention_mask, prompt_len)
+        hidden = response_hidden(self.policy, pi, pm, ri, rm)
+        _, head = decoder_and_head(self.policy)
+        values = self._values(hidden, pi, pm, ri, rm, 1) if with_values else None
+        return ResponseOutput(head(hidden), values)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+
+class ActorCritic(PolicyOnly):
     """Policy LM plus a critic; see the module docstring for the two layouts."""
 
     def __init__(self, policy: nn.Module, value_head: ValueHead | None = None,
                  critic: nn.Module | None = None):
-        super().__init__()
+        super().__init__(policy)
         if value_head is None and critic is None:
             raise ValueError("give a value_head (shared base) or a critic (separate model)")
-        self.policy = policy
         self.value_head = value_head
-        self.critic = critic  # a _Critic: base decoder + its own ValueHead
+        self.critic = critic  # a Critic: base decoder + its own ValueHead
 
     @property
     def separate_critic(self) -> bool:
         return self.critic is not None
 
-    def forward_response(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int,
-                         with_values: bool = True) -> ResponseOutput:
-        """Logits (B, T, V) and values (B, T) for the response part of prompt+response."""
-        hidden = _response_hidden(self.policy, input_ids, attention_mask, prompt_len)
-        _, head = decoder_and_head(self.policy)
-        logits = head(hidden)
-        values = None
-        if with_values:
-            if self.critic is not None:
-                values = self.critic(input_ids, attention_mask, prompt_len)
-            else:
-                values = self.value_head(hidden)
-        return ResponseOutput(logits, values)
+    def _values(self, hidden, prompt_ids, prompt_mask, response_ids, response_mask, group_size):
+        if self.critic is not None:
+            return self.critic(prompt_ids, prompt_mask, response_ids, response_mask, group_size)
+        return self.value_head(hidden)
 
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.parameters() if p.requires_grad]
+    def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor,
+                group_size: int = 1, temperature: float = 1.0, with_values: bool = True,
+                with_entropy: bool = False, entropy_grad: bool = True,
+                lm_batch: dict[str, Tensor] | None = None) -> ForwardOutput:
+        return super().forward(prompt_ids, prompt_mask, response_ids, response_mask, group_size, temperature,
+                               with_values, with_entropy, entropy_grad, lm_batch)
 
 
 class Critic(nn.Module):
@@ -123,8 +281,11 @@ class Critic(nn.Module):
         self.base = base
         self.value_head = value_head or ValueHead(hidden_size_of(base))
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> Tensor:
-        return self.value_head(_response_hidden(self.base, input_ids, attention_mask, prompt_len))
+    def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor,
+                group_size: int = 1) -> Tensor:
+        """Values (B, T) of the states before each response token."""
+        return self.value_head(response_hidden(self.base, prompt_ids, prompt_mask, response_ids,
+                                               response_mask, group_size))
 
 
 class Reference:
@@ -157,7 +318,8 @@ class Reference:
         return cls(None, policy)
 
     @contextmanager
-    def _active(self) -> Iterator[nn.Module]:
+    def active(self) -> Iterator[nn.Module]:
+        """The reference as a model: the frozen copy, or the policy with its adapter off."""
         if self.model is not None:
             yield self.model
         else:
@@ -165,10 +327,19 @@ class Reference:
                 yield self.policy
 
     @torch.no_grad()
+    def logprobs(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor,
+                 group_size: int = 1, temperature: float = 1.0) -> Tensor:
+        """(B, T) log-probs of the response tokens under the reference."""
+        with self.active() as model:
+            hidden = response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, group_size)
+            _, head = decoder_and_head(model)
+            return token_stats(hidden, head, response_ids, temperature, model=model)[0]
+
+    @torch.no_grad()
     def response_logits(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> Tensor:
         """(B, T, V) logits of the reference on the response part."""
-        with self._active() as model:
-            hidden = _response_hidden(model, input_ids, attention_mask, prompt_len)
+        with self.active() as model:
+            hidden = response_hidden(model, *_split(input_ids, attention_mask, prompt_len))
             _, head = decoder_and_head(model)
             return head(hidden)
 
@@ -185,4 +356,3 @@ def load_value_head(head: nn.Module, folder: str | Path, name: str = "value_head
     from safetensors.torch import load_file
 
     head.load_state_dict(load_file(str(Path(folder) / name)))
-

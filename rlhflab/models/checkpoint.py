@@ -148,22 +148,25 @@ def checkpoint_layout(actor_critic, method: str | None = None, world_size: int |
 
 def save_checkpoint(folder: str | Path, actor_critic, tokenizer, *, optimizer=None,
                     scheduler=None, step: int | None = None, extra: dict | None = None,
-                    method: str | None = None) -> Path:
+                    rank_rng: list | None = None, method: str | None = None) -> Path:
     """Write a checkpoint atomically (temporary folder, then rename).
 
     `actor_critic` needs `.policy`, `.critic` and `.value_head`; with both of the last two
-    None (a `PolicyOnly`) only the policy and the trainer state are written. `method`
-    (ppo, grpo, rloo, dpo) is recorded with the layout, so that `check_resume` can tell
-    a run of another method that it cannot continue this one.
+    None (a `PolicyOnly`) only the policy and the trainer state are written. `rank_rng`
+    holds every rank's random state under several processes. `method` (ppo, grpo, rloo,
+    dpo, ...) is recorded with the layout, so that `check_resume` can tell a run of
+    another method that it cannot continue this one.
     """
     folder = Path(folder)
-    layout = checkpoint_layout(actor_critic, method)
+    method = method or (extra or {}).get("method")
+    layout = checkpoint_layout(actor_critic, method, world_size=len(rank_rng) if rank_rng else None)
     with atomic_folder(folder) as tmp:
-        _write_checkpoint(tmp, actor_critic, tokenizer, optimizer, scheduler, step, extra, layout)
+        _write_checkpoint(tmp, actor_critic, tokenizer, optimizer, scheduler, step, extra, layout, rank_rng)
     return folder
 
 
-def _write_checkpoint(tmp: Path, actor_critic, tokenizer, optimizer, scheduler, step, extra, layout) -> None:
+def _write_checkpoint(tmp: Path, actor_critic, tokenizer, optimizer, scheduler, step, extra, layout,
+                      rank_rng=None) -> None:
     save_policy(actor_critic.policy, tokenizer, tmp)
     if actor_critic.critic is not None:
         critic_dir = tmp / "critic"
@@ -175,9 +178,12 @@ def _write_checkpoint(tmp: Path, actor_critic, tokenizer, optimizer, scheduler, 
     elif actor_critic.value_head is not None:
         save_value_head(actor_critic.value_head, tmp)
     if optimizer is not None:
-        torch.save({"step": step, "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                    "rng": rng_state(), "extra": extra or {}, "layout": layout}, tmp / STATE_FILE)
+        state = {"step": step, "optimizer": optimizer.state_dict(),
+                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                 "rng": rng_state(), "extra": extra or {}, "layout": layout}
+        if rank_rng is not None:  # several processes: every rank's random state, in rank order
+            state["rank_rng"] = rank_rng
+        torch.save(state, tmp / STATE_FILE)
     (tmp / META_FILE).write_text(json.dumps({"step": step, **layout, **(extra or {})}, indent=2))
 
 
@@ -210,17 +216,20 @@ def recorded_layout(folder: str | Path, state: dict | None = None) -> dict[str, 
     """The layout a checkpoint was saved with: recorded (trainer state, rlhflab.json), and
     for a checkpoint from before the layout was recorded, read off its files."""
     folder = Path(folder)
-    layout: dict[str, Any] = {}
+    sources: list[Any] = []  # later ones win: rlhflab.json, the state's extra, the state's layout
     meta = folder / META_FILE
     if meta.is_file():
         try:
-            data = json.loads(meta.read_text(encoding="utf-8"))
-            layout.update({k: data[k] for k in ("method", "lora", "critic", "world_size")
-                           if isinstance(data, dict) and k in data})
+            sources.append(json.loads(meta.read_text(encoding="utf-8")))
         except (ValueError, UnicodeDecodeError):
             pass  # the trainer state below, or the files, still say it
-    if state is not None and isinstance(state.get("layout"), dict):
-        layout.update(state["layout"])
+    if state is not None:
+        sources += [state.get("extra"), state.get("layout")]
+    layout: dict[str, Any] = {}
+    for source in sources:
+        if isinstance(source, dict):
+            layout.update({k: source[k] for k in ("method", "lora", "critic", "world_size")
+                           if source.get(k) is not None})
     if layout.get("lora") is None:
         layout["lora"] = (folder / "adapter").is_dir()
     if layout.get("critic") is None:
@@ -302,13 +311,15 @@ def _check_files(folder: Path, lora: bool, critic: str) -> None:
                         f"in part?): restore the file(s), or {_other_checkpoint(folder)}")
 
 
-def restore_trainer_state(folder: str | Path, optimizer, scheduler) -> int:
-    """Load a checkpoint's optimizer, scheduler and RNG states in place; returns its step."""
+def restore_trainer_state(folder: str | Path, optimizer, scheduler, rank: int = 0) -> int:
+    """Load a checkpoint's optimizer, scheduler and RNG states in place; returns its step.
+    Under several processes rank r takes its own saved random state."""
     state = load_trainer_state(folder)
     optimizer.load_state_dict(state["optimizer"])
     if state.get("scheduler"):
         scheduler.load_state_dict(state["scheduler"])
-    set_rng_state(state["rng"])
+    ranks = state.get("rank_rng")
+    set_rng_state(ranks[rank] if ranks and rank < len(ranks) else state["rng"])
     return int(state["step"])
 
 

@@ -37,12 +37,41 @@ def resolve_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(name: str) -> torch.dtype | str:
+def resolve_dtype(name: str, device: torch.device | str | None = None) -> torch.dtype | str:
+    """The torch dtype for `model.torch_dtype`; with `device`, also check it runs there."""
     if name == "auto":
         return "auto"
     if name not in DTYPES:
         raise UserError(f"torch_dtype {name!r}: choose float32, bfloat16, float16 or auto")
+    if device is not None:
+        check_dtype_runs(DTYPES[name], torch.device(device))
     return DTYPES[name]
+
+
+def check_dtype_runs(dtype: torch.dtype, device: torch.device) -> None:
+    """A one-line UserError when `device` cannot train in `dtype`.
+
+    bfloat16 on a GPU without it (before Ampere) is refused by name; otherwise a tiny
+    forward and backward through the operations a decoder uses (linear, RMSNorm, SiLU,
+    softmax) is run in `dtype`, and a kernel the device lacks becomes the error. torch
+    2.13's CPU kernels run float32, bfloat16 and float16 alike.
+    """
+    if dtype == torch.float32:
+        return
+    name = str(dtype).removeprefix("torch.")
+    fix = "use model.torch_dtype=float32" + (" (or float16)" if dtype == torch.bfloat16 else "")
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise UserError(f"model.torch_dtype: {name} is not supported by this GPU; {fix}")
+    try:
+        x = torch.ones(2, 8, dtype=dtype, device=device)
+        w = torch.full((8, 8), 0.1, dtype=dtype, device=device, requires_grad=True)
+        h = torch.nn.functional.linear(x, w)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)          # RMSNorm
+        y = torch.softmax(torch.nn.functional.silu(h) @ h.t(), dim=-1)
+        y.sum().backward()
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"model.torch_dtype: {name} cannot run on {device.type} ({first}); {fix}") from None
 
 
 def _looks_local(name_or_path: str) -> bool:
@@ -217,7 +246,7 @@ def load_model(name_or_path: str, torch_dtype: str = "float32", device: str = "c
     from transformers import AutoModelForCausalLM
 
     dev = resolve_device(device)
-    dtype = resolve_dtype(torch_dtype)
+    dtype = resolve_dtype(torch_dtype, dev)
     base = adapter_base(name_or_path)
     source = base if base is not None else name_or_path
     if base is not None and not Path(base).expanduser().exists() and _looks_local(base):
@@ -259,18 +288,30 @@ def disable_dropout(model: torch.nn.Module) -> None:
             setattr(config, key, 0.0)
 
 
+# Attention projections LoRA adapts by default (the LoRA paper's q/v choice), by the names
+# architectures give them: Llama, Qwen2, Mistral, Gemma, OPT (q_proj/v_proj); GPT-2
+# (c_attn); GPT-NeoX/Falcon/BLOOM (query_key_value); BERT-style (query/value); MPT
+# (Wqkv); Phi-3 (qkv_proj).
+LORA_TARGETS = (["q_proj", "v_proj"], ["c_attn"], ["query_key_value"], ["query", "value"], ["Wqkv"], ["qkv_proj"])
+
+
 def default_lora_targets(model: torch.nn.Module) -> list[str]:
-    """q/v projections (or their equivalents) for the model's architecture."""
+    """q/v projections (or their equivalents) for the model's architecture.
+
+    An architecture with none of the known names is an error naming
+    `lora.target_modules` and the Linear layers it has, rather than a silent choice of
+    every Linear layer (which trains several times more parameters than intended).
+    """
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    for pair in (["q_proj", "v_proj"], ["c_attn"], ["query_key_value"], ["query", "value"],
-                 ["Wqkv"], ["qkv_proj"]):
+    for pair in LORA_TARGETS:
         if all(p in names for p in pair):
-            return pair
+            return list(pair)
     linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
                      if isinstance(m, torch.nn.Linear) and "lm_head" not in name})
-    if not linear:
-        raise UserError("no Linear layers found for LoRA; set lora.target_modules to module names")
-    return linear
+    arch = type(model.get_base_model() if hasattr(model, "get_base_model") else model).__name__
+    found = f"its Linear layers are {linear[:12]}" if linear else "it has no Linear layers"
+    raise UserError(f"lora.target_modules: no known LoRA targets for {arch}; {found}; set "
+                    "lora.target_modules to the attention projections among them")
 
 
 def add_lora(model: torch.nn.Module, r: int = 8, alpha: float = 16.0, dropout: float = 0.0,

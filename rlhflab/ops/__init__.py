@@ -4,7 +4,9 @@ Shapes: B batch, T response length, V vocabulary. `response_mask` is 1 for a rea
 response token. See each module's docstring for where it departs from common practice.
 """
 
-from rlhflab.ops.advantages import GAEOutput, gae, group_advantages, rloo_advantages
+from rlhflab.ops.advantages import GAEOutput, discounted_returns, gae, group_advantages, rloo_advantages
+from rlhflab.ops.chunked import TokenLogprobs, chunked_cross_entropy, chunked_logprobs
+from rlhflab.ops.importance import logprob_gap, truncated_is_weights
 from rlhflab.ops.kl import KL_KINDS, kl_estimate, kl_shaped_rewards, last_token_index
 from rlhflab.ops.logprobs import entropy_from_logits, logprobs_from_logits
 from rlhflab.ops.losses import (
@@ -20,14 +22,18 @@ from rlhflab.ops.losses import (
     reward_model_loss,
     value_loss,
 )
+from rlhflab.ops.natural_gradient import CGResult, categorical_kl, conjugate_gradient
+from rlhflab.ops.sampling import counter_uniform, gumbel_noise, row_keys
 from rlhflab.ops.stats import masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
     "masked_sum", "masked_mean", "masked_var", "masked_whiten",
     "logprobs_from_logits", "entropy_from_logits",
+    "chunked_logprobs", "chunked_cross_entropy", "TokenLogprobs",
     "KL_KINDS", "kl_estimate", "kl_shaped_rewards", "last_token_index",
-    "GAEOutput", "gae", "group_advantages", "rloo_advantages",
+    "GAEOutput", "gae", "group_advantages", "rloo_advantages", "discounted_returns",
     "aggregate", "ppo_policy_loss", "PolicyLossOutput", "value_loss", "ValueLossOutput",
     "entropy_loss", "EntropyLossOutput", "dpo_loss", "DPOLossOutput",
     "reward_model_loss", "RewardModelLossOutput",
+    "truncated_is_weights", "logprob_gap", "categorical_kl", "conjugate_gradient", "CGResult", "row_keys", "counter_uniform", "gumbel_noise",
 ]

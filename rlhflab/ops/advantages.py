@@ -1,4 +1,5 @@
-"""Advantages: GAE for PPO, group-relative for GRPO, leave-one-out for RLOO.
+"""Advantages: GAE for PPO, group-relative for GRPO and Dr. GRPO, leave-one-out for RLOO,
+discounted returns for REINFORCE++.
 
 Whitening is not done here: the trainer calls `masked_whiten` itself, so GAE alone
 can be tested (a fault of some libraries whose GAE always whitens).
@@ -51,14 +52,15 @@ def gae(rewards: Tensor, values: Tensor, response_mask: Tensor,
 
 def group_advantages(scores: Tensor, group_size: int,
                      scale: Literal["group", "batch", "none"] = "group",
-                     eps: float = 1e-4) -> Tensor:
+                     eps: float = 1e-4, batch_std: Tensor | float | None = None) -> Tensor:
     """GRPO advantages: each score minus its group's mean, scaled.
 
     scores: (B,) with B = n_groups · group_size, each group contiguous -> (B,).
     scale="group" divides by the group's std (Shao et al., 2024), "batch" by the
     std of the whole batch (less biased towards easy/hard prompts, Liu et al. 2025),
     "none" leaves the centred score. Std is the unbiased (n − 1) estimate. A group
-    whose scores are all equal gets advantage 0, never NaN.
+    whose scores are all equal gets advantage 0, never NaN. `batch_std` replaces the
+    batch's std (e.g. the std over every process's scores).
     """
     if scores.dim() != 1:
         raise ValueError(f"scores must be (B,), got {tuple(scores.shape)}")
@@ -70,13 +72,36 @@ def group_advantages(scores: Tensor, group_size: int,
         std = s.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(s[:, :1])
         out = centred / (std + eps)
     elif scale == "batch":
-        std = s.std() if s.numel() > 1 else s.new_zeros(())
+        if batch_std is not None:
+            std = torch.as_tensor(batch_std, dtype=s.dtype)
+        else:
+            std = s.std() if s.numel() > 1 else s.new_zeros(())
         out = centred / (std + eps)
     elif scale == "none":
         out = centred
     else:
         raise ValueError(f"unknown scale {scale!r}; choose group, batch or none")
     return out.reshape(-1)
+
+
+def discounted_returns(rewards: Tensor, response_mask: Tensor, gamma: float = 1.0) -> Tensor:
+    """G_t = r_t + γ·G_{t+1} over each response, computed in reverse; 0 on padding. (B, T) -> (B, T).
+
+    REINFORCE++ (Hu, 2025) uses these returns of the KL-shaped per-token rewards as
+    advantages (after whitening over the batch). It is GAE with no critic and λ = 1.
+    Worked example (γ = 0.5, r = [1, 0, 2]): G = [1 + 0.5·(0 + 0.5·2), 0 + 0.5·2, 2] = [1.5, 1, 2].
+    """
+    if rewards.shape != response_mask.shape or rewards.dim() != 2:
+        raise ValueError(f"discounted_returns expects rewards and response_mask both (B, T); got "
+                         f"{tuple(rewards.shape)} and {tuple(response_mask.shape)}")
+    mask = response_mask.to(rewards.dtype)
+    rewards = rewards * mask
+    out = torch.zeros_like(rewards)
+    running = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)  # G_{t+1}, (B,)
+    for i in reversed(range(rewards.shape[1])):
+        running = (rewards[:, i] + gamma * running) * mask[:, i]
+        out[:, i] = running
+    return out
 
 
 def rloo_advantages(scores: Tensor, k: int) -> Tensor:

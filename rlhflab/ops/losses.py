@@ -4,11 +4,15 @@ Aggregation over tokens (`aggregation`):
 - "token_mean": Σ loss·mask / Σ mask — every response token weighs the same.
 - "seq_mean":   mean over sequences of each sequence's token mean — every response
                 weighs the same, however long.
+- "token_sum":  Σ loss·mask / (B·T) — a constant denominator that does not depend on
+                how long the responses are (Dr. GRPO, Liu et al., 2025: the trainer
+                passes sequences × max_new_tokens as the normalizer).
 `normalizer`, when given, replaces the denominator (the token count for token_mean,
-the sequence count for seq_mean). A trainer that accumulates gradients over several
-micro-batches passes the count of the whole accumulated batch, so the sum of the
-micro-batch losses equals the loss of the whole batch exactly (the usual
-`loss / accumulation_steps` is only right when every micro-batch holds as many tokens).
+the sequence count for seq_mean, the constant for token_sum). A trainer that
+accumulates gradients over several micro-batches passes the count of the whole
+accumulated batch, so the sum of the micro-batch losses equals the loss of the whole
+batch exactly (the usual `loss / accumulation_steps` is only right when every
+micro-batch holds as many tokens).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from torch import Tensor
 
 from rlhflab.ops.stats import masked_mean
 
-Aggregation = Literal["token_mean", "seq_mean"]
+Aggregation = Literal["token_mean", "seq_mean", "token_sum"]
 
 
 def aggregate(x: Tensor, response_mask: Tensor, aggregation: Aggregation = "token_mean",
@@ -39,20 +43,26 @@ def aggregate(x: Tensor, response_mask: Tensor, aggregation: Aggregation = "toke
         if normalizer is None:
             normalizer = (mask.sum(-1) > 0).sum().clamp(min=1).to(x.dtype)
         return per_seq.sum() / normalizer
-    raise ValueError(f"unknown aggregation {aggregation!r}; choose token_mean or seq_mean")
+    if aggregation == "token_sum":
+        denom = float(mask.numel()) if normalizer is None else normalizer
+        return (x * mask).sum() / denom
+    raise ValueError(f"unknown aggregation {aggregation!r}; choose token_mean, seq_mean or token_sum")
 
 
 class PolicyLossOutput(NamedTuple):
     loss: Tensor       # scalar, to minimise
     clip_frac: Tensor  # fraction of response tokens where the clipped branch was taken
     approx_kl: Tensor  # mean of ½(log π − log π_old)², how far the update moved the policy
+    clip_frac_low: Tensor | None = None   # ... of them with A < 0 and ratio < 1 − ε_low
+    clip_frac_high: Tensor | None = None  # ... of them with A > 0 and ratio > 1 + ε_high
 
 
 def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
                     response_mask: Tensor, clip_eps: float = 0.2,
                     clip_eps_high: float | None = None, dual_clip: float | None = None,
                     aggregation: Aggregation = "token_mean",
-                    normalizer: float | Tensor | None = None) -> PolicyLossOutput:
+                    normalizer: float | Tensor | None = None,
+                    token_weights: Tensor | None = None) -> PolicyLossOutput:
     """PPO clipped surrogate (Schulman et al., 2017), as a loss.
 
     All inputs (B, T). ratio = exp(logprobs − old_logprobs);
@@ -61,6 +71,8 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
     once the ratio has moved past the clip in the direction the advantage pushes it.
     `clip_eps_high` (default: `clip_eps`) allows asymmetric clipping (DAPO's clip-higher).
     `dual_clip` c > 1 bounds the loss at −c·A when A < 0 (Ye et al., 2020).
+    `token_weights` (B, T), detached, multiply each token's loss: the truncated
+    importance weights that correct for a sampler other than the trainer (vLLM).
     """
     if not (logprobs.shape == old_logprobs.shape == advantages.shape == response_mask.shape):
         raise ValueError(
@@ -76,11 +88,18 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
     if dual_clip is not None:
         bound = -advantages * dual_clip
         per_token = torch.where(advantages < 0, torch.minimum(per_token, bound), per_token)
+    if token_weights is not None:
+        if token_weights.shape != per_token.shape:
+            raise ValueError(f"token_weights {tuple(token_weights.shape)} != (B, T) {tuple(per_token.shape)}")
+        per_token = per_token * token_weights.detach()
     loss = aggregate(per_token, response_mask, aggregation, normalizer)
     with torch.no_grad():
         clip_frac = masked_mean((clipped > unclipped).float(), response_mask)
         approx_kl = masked_mean(0.5 * log_ratio.square(), response_mask)
-    return PolicyLossOutput(loss, clip_frac, approx_kl)
+        # The clipped branch is taken below (A < 0) or above (A > 0): the two parts of clip_frac.
+        low = masked_mean(((ratio < 1.0 - clip_eps) & (advantages < 0)).float(), response_mask)
+        high = masked_mean(((ratio > 1.0 + eps_high) & (advantages > 0)).float(), response_mask)
+    return PolicyLossOutput(loss, clip_frac, approx_kl, low, high)
 
 
 class ValueLossOutput(NamedTuple):

@@ -46,16 +46,22 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = False, dim: int | None 
 
 
 def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, dim: int | None = None,
-                  eps: float = 1e-8) -> Tensor:
+                  eps: float = 1e-8, mean: Tensor | float | None = None,
+                  var: Tensor | float | None = None) -> Tensor:
     """(x - mean) / std over masked elements; masked-out positions come back as 0.
 
     With `shift_mean=False` only the scale changes (the mean is added back), which is
-    how per-token rewards are normalised without moving their sign.
+    how per-token rewards are normalised without moving their sign. `mean` and `var`,
+    when given, replace the statistics of `x` (e.g. those of every process's tokens).
     """
-    mean = masked_mean(x, mask, dim)
-    var = masked_var(x, mask, dim=dim)
-    if dim is not None:
-        mean, var = mean.unsqueeze(dim), var.unsqueeze(dim)
+    if (mean is None) != (var is None):
+        raise ValueError("give both mean and var, or neither")
+    if mean is None:
+        mean = masked_mean(x, mask, dim)
+        var = masked_var(x, mask, dim=dim)
+        if dim is not None:
+            mean, var = mean.unsqueeze(dim), var.unsqueeze(dim)
+    mean, var = torch.as_tensor(mean, dtype=x.dtype), torch.as_tensor(var, dtype=x.dtype)
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean

@@ -1,4 +1,4 @@
-"""Rollouts: sample responses with the KV cache, then score them in one teacher-forced pass.
+"""Rollouts: a batch of sampled responses, and the backends that sample them.
 
 Layout of a batch (B episodes):
 
@@ -17,12 +17,11 @@ temperature T (as in TRL and OpenRLHF).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 from torch import Tensor
 
-from rlhflab.ops import entropy_from_logits, logprobs_from_logits
 
 
 @dataclass
@@ -45,6 +44,8 @@ class Rollout:
     kl: Tensor | None = None           # (B, T) per-token KL estimate
     advantages: Tensor | None = None   # (B, T)
     returns: Tensor | None = None      # (B, T)
+    group_size: int = 1                # rows [i·k, (i+1)·k) answer the same prompt (GRPO, RLOO)
+    sample_logprobs: Tensor | None = None  # (B, T) the sampler's own log-probs (vLLM); None for hf
 
     @property
     def prompt_len(self) -> int:
@@ -97,6 +98,7 @@ def collate(parts: list[Rollout], pad_token_id: int) -> Rollout:
         prompts=[s for r in parts for s in r.prompts],
         responses=[s for r in parts for s in r.responses],
         examples=[e for r in parts for e in r.examples],
+        group_size=parts[0].group_size,
     )
 
 
@@ -120,101 +122,49 @@ def finish_rollout(sequences: Tensor, prompt_ids: Tensor, prompt_mask: Tensor, t
 
 
 def eos_ids_of(model, tokenizer) -> list[int]:
+    """Token ids that end a response: the generation_config's EOS ids (else the tokenizer's
+    EOS), plus the chat template's end-of-turn token (``<|im_end|>``, ``<|eot_id|>``)
+    when the tokenizer has a template and the list lacks it, as some hub models'
+    generation_config does. Stopping there is right whether or not the prompt was
+    templated: a chat model closes its turn with it."""
+    from rlhflab.data.chat import end_of_turn_id
+
     ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids = ids if ids is not None else tokenizer.eos_token_id
-    return [ids] if isinstance(ids, int) else list(ids)
+    ids = [ids] if isinstance(ids, int) else list(ids)
+    eot = end_of_turn_id(tokenizer)
+    if eot is not None and eot not in ids:
+        ids.append(eot)
+    return ids
 
 
-@torch.no_grad()
-def generate(model, tokenizer, prompts: Sequence[str], *, max_new_tokens: int,
-             min_new_tokens: int = 0, temperature: float = 1.0, top_k: int = 0,
-             top_p: float = 1.0, greedy: bool = False, max_prompt_length: int | None = None,
-             batch_size: int = 64, examples: Sequence[dict] | None = None) -> Rollout:
-    """Sample (or greedily decode) one response per prompt, in batches, with the KV cache."""
-    device = next(model.parameters()).device
-    eos = eos_ids_of(model, tokenizer)
-    tokenizer.padding_side = "left"
-    tokenizer.truncation_side = "left"  # keep the end of a long prompt, where the question is
-    parts = []
-    examples = list(examples) if examples is not None else [{} for _ in prompts]
-    was_training = model.training
-    model.eval()
-    for start in range(0, len(prompts), batch_size):
-        chunk = list(prompts[start : start + batch_size])
-        enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False,
-                        truncation=max_prompt_length is not None, max_length=max_prompt_length)
-        enc = {k: v.to(device) for k, v in enc.items()}
-        kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens or None,
-                      pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, use_cache=True)
-        if greedy:
-            kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
-        else:
-            kwargs.update(do_sample=True, temperature=temperature, top_k=top_k or None,
-                          top_p=top_p if top_p < 1.0 else None)
-        out = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], **kwargs)
-        parts.append(finish_rollout(out, enc["input_ids"], enc["attention_mask"], tokenizer, eos,
-                                    chunk, examples[start : start + batch_size]))
-    if was_training:
-        model.train()
-    return collate(parts, tokenizer.pad_token_id)
 
 
-class ForwardOutput:
-    """What one teacher-forced pass returns for a (mini)batch."""
+class RolloutBackend(Protocol):
+    """What a trainer asks of a generation backend (`generation.backend`)."""
 
-    __slots__ = ("logprobs", "values", "entropy")
+    def generate(self, prompts: Sequence[str], *, n: int = 1, examples: Sequence[dict] | None = None,
+                 greedy: bool = False, max_new_tokens: int | None = None, step: int = 0) -> Rollout:
+        """`n` responses per prompt (rows [i·n, (i+1)·n) answer prompt i), as a Rollout;
+        `step` keys seeded sampling."""
 
-    def __init__(self, logprobs: Tensor, values: Tensor | None, entropy: Tensor | None):
-        self.logprobs = logprobs  # (B, T) float32
-        self.values = values      # (B, T) float32 or None
-        self.entropy = entropy    # (B, T) float32 or None
-
-
-def forward_response(actor_critic, input_ids: Tensor, attention_mask: Tensor, response_ids: Tensor,
-                     prompt_len: int, temperature: float = 1.0, with_values: bool = True,
-                     with_entropy: bool = False, entropy_grad: bool = True) -> ForwardOutput:
-    """One pass of the actor-critic over prompt+response: logprobs, values, entropy.
-
-    `entropy_grad=False` computes the entropy for logging only, with no autograd graph.
-    """
-    out = actor_critic.forward_response(input_ids, attention_mask, prompt_len, with_values)
-    logits = out.logits if temperature == 1.0 else out.logits / temperature  # (B, T, V)
-    logprobs = logprobs_from_logits(logits, response_ids)
-    entropy = None
-    if with_entropy:
-        if entropy_grad:
-            entropy = entropy_from_logits(logits)
-        else:
-            with torch.no_grad():
-                entropy = entropy_from_logits(logits.detach())
-    return ForwardOutput(logprobs, out.values, entropy)
+    def sync(self, policy: torch.nn.Module, updates: int = 1) -> None:
+        """The policy's weights changed (`updates` optimizer steps): make sampling follow them."""
 
 
-@torch.no_grad()
-def score_rollout(actor_critic, reference, rollout: Rollout, temperature: float = 1.0,
-                  micro_batch: int = 64, with_values: bool = True) -> Rollout:
-    """Fill rollout.logprobs, .values and (when a reference is given) .ref_logprobs.
+from rlhflab.rollout.hf import HFBackend, generate  # noqa: E402  (it builds on the definitions above)
 
-    Each is one teacher-forced pass per micro-batch: every response token's logprob at
-    once, where sampling produced them one at a time.
-    """
-    ids, am = rollout.input_ids(), rollout.attention_mask()
-    p = rollout.prompt_len
-    lps, vals, refs = [], [], []
-    for s in range(0, len(rollout), micro_batch):
-        sl = slice(s, s + micro_batch)
-        out = forward_response(actor_critic, ids[sl], am[sl], rollout.response_ids[sl], p,
-                               temperature, with_values=with_values)
-        lps.append(out.logprobs)
-        if out.values is not None:
-            vals.append(out.values)
-        if reference is not None:
-            ref_logits = reference.response_logits(ids[sl], am[sl], p)
-            if temperature != 1.0:
-                ref_logits = ref_logits / temperature
-            refs.append(logprobs_from_logits(ref_logits, rollout.response_ids[sl]))
-    mask = rollout.response_mask.float()
-    rollout.logprobs = torch.cat(lps) * mask
-    rollout.values = torch.cat(vals) * mask if vals else None
-    rollout.ref_logprobs = torch.cat(refs) * mask if refs else None
-    return rollout
+
+def make_backend(gen_cfg, policy: torch.nn.Module, tokenizer, *, max_prompt_length: int | None,
+                 batch_size: int, seed: int = 0, rank: int = 0) -> RolloutBackend:
+    """The configured backend, built once per run: `hf` (the default) or `vllm`."""
+    backend = getattr(gen_cfg, "backend", "hf")
+    if backend == "hf":
+        return HFBackend(policy, tokenizer, gen_cfg, max_prompt_length=max_prompt_length, batch_size=batch_size,
+                         seed=seed, rank=rank)
+    if backend == "vllm":
+        from rlhflab.rollout.vllm import VLLMBackend
+        return VLLMBackend(policy, tokenizer, gen_cfg, max_prompt_length=max_prompt_length,
+                           batch_size=batch_size, seed=seed, rank=rank)
+    from rlhflab.errors import UserError
+    raise UserError(f"generation.backend: {backend!r} is not available; use hf or vllm")

@@ -9,6 +9,7 @@ import random
 import time
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -182,6 +183,35 @@ def peak_memory_mb(device: torch.device) -> float:
 # --------------------------------------------------------------------------------------
 # The end of a run
 # --------------------------------------------------------------------------------------
+@dataclass
+class TrainResult:
+    """What a training run returns: where its outputs went and what it measured."""
+
+    output_dir: Path
+    final_dir: Path
+    history: list[dict] = field(default_factory=list)
+    eval_before: dict | None = None
+    eval_after: dict | None = None
+    samples_per_s: float = 0.0    # episodes (RL), pairs (DPO) or rows (SFT, RM) per second of training
+    unit: str = "episodes"
+    world_size: int = 1
+    is_main: bool = True                       # False on the other processes of a multi-process run
+    extra: dict = field(default_factory=dict)  # method-specific facts for train_result.json
+    models: object | None = None               # the trained models, for callers in the same process
+    state: dict = field(default_factory=dict)  # other in-process objects (e.g. DPO's reference cache)
+
+    def report(self, skip_missing: bool = False) -> None:
+        """Print the end-of-run summary and write train_result.json (the main process only)."""
+        if not self.is_main:
+            return
+        print(f"done: {self.output_dir} (final model in {self.final_dir}); "
+              f"{self.samples_per_s:.2f} {self.unit}/s")
+        print_before_after(self.eval_before, self.eval_after, skip_missing)
+        write_train_result(self.output_dir, eval_before=self.eval_before, eval_after=self.eval_after,
+                           **{f"{self.unit}_per_s": self.samples_per_s}, world_size=self.world_size,
+                           **self.extra)
+
+
 def format_metrics(metrics: dict[str, float]) -> str:
     """`k=v, ...` with three decimals: the "step 0 (before training)" line."""
     return ", ".join(f"{k}={v:.3f}" for k, v in metrics.items())
@@ -299,11 +329,10 @@ def make_doctor(enabled: bool, max_grad_norm: float | None, kl_knob: str = "ppo.
     return Doctor(max_grad_norm=max_grad_norm, kl_knob=kl_knob)
 
 
-def log_step(logger, history: list[dict], doctor, step: int, metrics: dict) -> None:
-    """Phase 6's bookkeeping: the step's metrics to every sink and to the history, and the
-    doctor's new findings printed above the progress bar."""
+def log_step(logger, doctor, step: int, metrics: dict) -> None:
+    """Phase 6's bookkeeping: the step's metrics to every sink, and the doctor's new
+    findings printed above the progress bar."""
     logger.log(step, metrics)
-    history.append({"step": step, **metrics})
     if doctor is not None:
         from tqdm import tqdm
 

@@ -17,8 +17,9 @@ The loop, in order:
     4. log, evaluate (held-out implicit-reward accuracy; greedy task accuracy), save
 
 A sequence log-prob is the sum of the log-probs of the response tokens only (EOS
-included, prompt and padding excluded). The LM head runs only on the response
-positions (`PolicyOnly.forward_response`).
+included, prompt and padding excluded). The LM head runs only on the real response
+positions, a chunk of rows at a time (`ops.chunked_logprobs`), so the policy's
+(B, T, V) logits are never held, in the forward or the backward pass.
 
 Where we depart from common practice:
 - With `precompute_ref_logprobs` and a frozen-copy reference, the copy is freed once
@@ -45,22 +46,22 @@ from torch import Tensor
 
 from rlhflab import ops
 from rlhflab.config import load_config, save_effective_config
-from rlhflab.config.schema import (DatasetConfig, GenerationConfig, LoggingConfig, LoRAConfig,
-                                   ModelConfig, TrainingConfig, f)
+from rlhflab.config.schema import (DatasetConfig, GenerationConfig, LoggingConfig, LoRAConfig, ModelConfig,
+                                   OptimizerFields, TrainingConfig, check_reference, f)
+from rlhflab.data.chat import resolve_use_chat_template, response_end_id
 from rlhflab.data.loading import read_rows
 from rlhflab.data.prompts import format_prompt, load_prompts
 from rlhflab.errors import UserError
 from rlhflab.evaluate import evaluate_policy, save_samples
 from rlhflab.metrics import MetricsLogger
-from rlhflab.models.actor_critic import Reference
+from rlhflab.models.actor_critic import PolicyOnly, Reference, response_hidden
+from rlhflab.models.head import linear_lm_head
 from rlhflab.models.checkpoint import prune_checkpoints, restore_trainer_state, save_checkpoint
 from rlhflab.rewards import RuleScorer, resolve_rule
-from rlhflab.trainers.common import (Timer, check_finite_model, check_finite_step, check_output_dir,
+from rlhflab.models.setup import PolicyModels, build_models
+from rlhflab.trainers.common import (Timer, TrainResult, check_finite_model, check_finite_step, check_output_dir,
                                      check_resume_dir, finish_run, format_metrics, last_eval, make_optimization,
-                                     make_probe_batch, prepare_output_dir, print_before_after, seed_everything,
-                                     set_threads, write_train_result)
-from rlhflab.trainers.policy_gradient import (OptimizerFields, PolicyModels, PolicyOnly, build_policy_models,
-                                              check_reference)
+                                     make_probe_batch, prepare_output_dir, seed_everything, set_threads)
 
 
 # --------------------------------------------------------------------------------------
@@ -102,7 +103,7 @@ def _dpo_dataset() -> DatasetConfig:
 
 @dataclass
 class DPORunConfig:
-    """`rlhflab dpo`: every section of a DPO run. `training.total_ppo_steps` is not used."""
+    """`rlhflab dpo`: every section of a DPO run. Its length is `dpo.epochs` (and `dpo.max_steps`), not `training.total_steps`."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
@@ -146,14 +147,15 @@ def read_preference_pairs(source: str, dataset_cfg: DatasetConfig, tokenizer=Non
     if d.prompt_field != "prompt":  # the export names it "prompt"; a file may call it otherwise
         rows = [{**r, "prompt": r[d.prompt_field]} if isinstance(r, dict) and d.prompt_field in r else r
                 for r in rows]
+    use_chat = resolve_use_chat_template(d.use_chat_template, tokenizer) if tokenizer is not None else False
     report = parse_pairs(rows, source, warn=warn)
     pairs = []
     for p in report.pairs:
         if p.tie:
             continue
-        prompt, chosen, rejected = pair_texts(p, tokenizer, d.use_chat_template)
+        prompt, chosen, rejected = pair_texts(p, tokenizer, use_chat)
         if not p.conversational:
-            prompt = format_prompt(prompt, d.prompt_template, tokenizer, d.use_chat_template)
+            prompt = format_prompt(prompt, d.prompt_template, tokenizer, use_chat)
         pairs.append(PreferencePair(prompt, chosen, rejected, p.pair_id if p.pair_id is not None else p.index))
     if report.ties:
         warn(f"{source}: {report.ties} tie rows left out (no preference to learn)")
@@ -170,9 +172,15 @@ class TokenizedPair:
 
 
 def tokenize_pairs(pairs: Sequence[PreferencePair], tokenizer, max_prompt_length: int,
-                   max_response_length: int, append_eos: bool = True) -> list[TokenizedPair]:
-    """Prompt and responses tokenized separately (as at generation time) and truncated."""
-    eos = tokenizer.eos_token_id
+                   max_response_length: int, append_eos: bool = True,
+                   end_token_id: int | None = None) -> list[TokenizedPair]:
+    """Prompt and responses tokenized separately (as at generation time) and truncated.
+
+    With `append_eos`, a response that does not already end with it gets `end_token_id`
+    (default the tokenizer's EOS; under a chat template the end-of-turn token, which is
+    where the policy's own responses end).
+    """
+    eos = end_token_id if end_token_id is not None else tokenizer.eos_token_id
 
     def response(text: str) -> list[int]:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -232,8 +240,24 @@ def sequence_logprobs(logits: Tensor, batch: ResponseBatch) -> Tensor:
 
 
 def policy_sequence_logprobs(actor: PolicyOnly, batch: ResponseBatch) -> Tensor:
-    out = actor.forward_response(batch.input_ids, batch.attention_mask, batch.prompt_len)
-    return sequence_logprobs(out.logits, batch)
+    """Σ_t log p(response token t) under the policy, (B,), never holding (B, T, V) logits.
+
+    When the LM head is a plain linear map, the hidden states of the real response tokens
+    (padding left out) and the head's weight go to `ops.chunked_logprobs`, one chunk of
+    rows at a time in forward and backward; otherwise the policy's own logits are used.
+    """
+    head = linear_lm_head(getattr(actor, "policy", None))
+    if head is None:
+        out = actor.forward_response(batch.input_ids, batch.attention_mask, batch.prompt_len)
+        return sequence_logprobs(out.logits, batch)
+    p = batch.prompt_len
+    hidden = response_hidden(actor.policy, batch.input_ids[:, :p], batch.attention_mask[:, :p],
+                             batch.response_ids, batch.response_mask)                            # (B, T, H)
+    real = batch.response_mask.bool()                                                            # (B, T)
+    logprobs = torch.zeros(real.shape, dtype=torch.float32, device=hidden.device)                # (B, T)
+    logprobs[real] = ops.chunked_logprobs(hidden[real], head.weight, head.bias,
+                                          batch.response_ids[real]).logprobs.float()
+    return logprobs.sum(-1)
 
 
 # --------------------------------------------------------------------------------------
@@ -266,8 +290,12 @@ class ReferenceCache:
         for s in range(0, len(indices), self.batch_size):
             idx = indices[s : s + self.batch_size]
             batch = pair_batch([self.pairs[i] for i in idx], self.pad_token_id, self.device)
-            logits = self.reference.response_logits(batch.input_ids, batch.attention_mask, batch.prompt_len)
-            lp = sequence_logprobs(logits, batch).cpu()  # (2b,)
+            p = batch.prompt_len
+            # The reference's token log-probs from its hidden states (`Reference.logprobs`,
+            # the engine's path), summed over the real response tokens.
+            token_lp = self.reference.logprobs(batch.input_ids[:, :p], batch.attention_mask[:, :p],
+                                               batch.response_ids, batch.response_mask)   # (2b, T)
+            lp = ops.masked_sum(token_lp, batch.response_mask, dim=-1).cpu()               # (2b,)
             b = len(idx)
             self.chosen[idx], self.rejected[idx] = lp[:b], lp[b:]
             self.done[idx] = True
@@ -349,18 +377,6 @@ def evaluate_pairs(actor: PolicyOnly, pairs: Sequence[TokenizedPair], cache: Ref
 # --------------------------------------------------------------------------------------
 # The loop
 # --------------------------------------------------------------------------------------
-@dataclass
-class TrainResult:
-    output_dir: Path
-    final_dir: Path
-    history: list[dict] = field(default_factory=list)
-    eval_before: dict | None = None
-    eval_after: dict | None = None
-    pairs_per_s: float = 0.0
-    models: PolicyModels | None = None
-    ref_cache: ReferenceCache | None = None
-
-
 def _split(pairs: list[PreferencePair], fraction: float, seed: int) -> tuple[list, list]:
     g = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(pairs), generator=g).tolist()
@@ -394,7 +410,7 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     resume_dir = check_resume_dir(resume, method="dpo", lora=cfg.lora.enabled, critic="none")
     out_dir = check_output_dir(t.output_dir, resume=resume_dir is not None, overwrite=t.overwrite)
     seed_everything(t.seed)
-    models = build_policy_models(cfg.model, cfg.lora, t.device, need_reference=True, resume_dir=resume_dir)
+    models = build_models(cfg.model, cfg.lora, t.device, need_reference=True, resume_dir=resume_dir)
     tok, pad = models.tokenizer, models.tokenizer.pad_token_id
 
     # 1. data: the export rows as they are; held-out pairs from eval_path or a split.
@@ -409,7 +425,8 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     prepare_output_dir(out_dir, resume=resume_dir is not None, overwrite=t.overwrite)
     save_effective_config(effective if effective is not None else cfg, out_dir)
     probe = make_probe_batch(tok, [p.prompt + p.chosen for p in train_pairs[:4]], models.device)
-    tok_args = (tok, d.max_prompt_length, sec.max_response_length, sec.append_eos)
+    tok_args = (tok, d.max_prompt_length, sec.max_response_length, sec.append_eos,
+                response_end_id(tok, resolve_use_chat_template(d.use_chat_template, tok)))
     train_tok, eval_tok = tokenize_pairs(train_pairs, *tok_args), tokenize_pairs(eval_pairs, *tok_args)
     task_examples, task_scorer = [], None
     if sec.task_eval_path and t.eval_interval:
@@ -439,7 +456,7 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     logger = MetricsLogger(out_dir, cfg.logging.report_to, cfg.logging.run_name, cfg.logging.wandb_project,
                            config=dataclasses.asdict(cfg), resume=resume_dir is not None,
                            resume_step=start_step if resume_dir is not None else None)
-    result = TrainResult(out_dir, out_dir / "final", models=models, ref_cache=train_cache)
+    result = TrainResult(out_dir, out_dir / "final", unit="pairs", models=models, state={"ref_cache": train_cache})
     if t.eval_interval and start_step == 0:
         result.eval_before = _evaluate(models, eval_tok, eval_cache, task_examples, task_scorer, cfg, out_dir, 0)
         logger.log(0, {**result.eval_before, **timer.metrics()})
@@ -512,7 +529,7 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
                     step=total_steps, method="dpo")
     finish_run(logger, out_dir, models.device, cfg.logging.plots, PLOT_GROUPS)
     result.eval_after = last_eval(result.history)
-    result.pairs_per_s = total_pairs / total_seconds if total_seconds else 0.0
+    result.samples_per_s = total_pairs / total_seconds if total_seconds else 0.0
     return result
 
 
@@ -546,11 +563,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.config:
         raise UserError("give --config (e.g. configs/dpo_debug.yaml) or --make-arith-pairs TASK_DIR")
     cfg, effective = load_config(args.config, DPORunConfig, args.overrides)
-    res = train(cfg, resume=args.resume, effective=effective)
-    print(f"done: {res.output_dir} (final model in {res.final_dir}); {res.pairs_per_s:.2f} pairs/s")
-    print_before_after(res.eval_before, res.eval_after, skip_missing=True)
-    write_train_result(res.output_dir, eval_before=res.eval_before, eval_after=res.eval_after,
-                       pairs_per_s=res.pairs_per_s)
+    train(cfg, resume=args.resume, effective=effective).report(skip_missing=True)
     return 0
 
 

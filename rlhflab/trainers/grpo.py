@@ -2,7 +2,8 @@
 
 Group Relative Policy Optimization (Shao et al., 2024, DeepSeekMath): no critic; each
 prompt is answered `grpo.group_size` times and a response's advantage is its reward
-relative to the others of its group. One visible loop:
+relative to the others of its group. One step (the loop around it is
+`rlhflab.trainers.loop`, the update the shared engine):
 
     1. rollout      group_size sampled responses per prompt (KV cache, no gradients)
     2. score        the reward of each response (rule, reward model, classifier)
@@ -38,24 +39,23 @@ from pathlib import Path
 from typing import Literal
 
 from rlhflab import ops
-from rlhflab.config import load_config
-from rlhflab.config.schema import (DatasetConfig, GenerationConfig, KLKind, LoggingConfig, LoRAConfig,
-                                   ModelConfig, RewardConfig, TrainingConfig, f)
-from rlhflab.trainers.common import Timer
-from rlhflab.trainers.policy_gradient import (PolicyGradientSection, PolicyModels, TrainResult,
-                                              broadcast_advantages, check_reference, old_logprobs,
-                                              policy_update, reference_logprobs, report, rollout_metrics,
-                                              run_training, sample_groups, score_responses)
+from rlhflab.config.schema import (DatasetConfig, GenerationConfig, GroupSection, KLKind, LoggingConfig,
+                                   LoRAConfig, ModelConfig, RewardConfig, TrainingConfig, check_reference, f)
+from rlhflab.engine.scoring import score_rollout
+from rlhflab.trainers.common import Timer, TrainResult
+from rlhflab.trainers.loop import (PolicyMethod, RLRun, add_policy_parser, broadcast_advantages, group_advantages,
+                                   rollout_metrics, run_policy_command, run_policy_training, run_update,
+                                   score_responses)
 
 
 # --------------------------------------------------------------------------------------
 # Config
 # --------------------------------------------------------------------------------------
 @dataclass
-class GRPOSection(PolicyGradientSection):
-    """GRPO settings (the rollout, optimizer and update fields are shared with RLOO)."""
+class GRPOSection(GroupSection):
+    """GRPO settings (the rollout, optimizer and update fields are the engine's)."""
 
-    KL_KNOB = "grpo.beta"  # named in the doctor's advice
+    KL_KNOB = "beta"
 
     group_size: int = f(4, "responses sampled per prompt; advantages are relative to this group", gt=1)
     advantage_scale: Literal["group", "batch", "none"] = f(
@@ -66,6 +66,10 @@ class GRPOSection(PolicyGradientSection):
     @property
     def samples_per_prompt(self) -> int:
         return self.group_size
+
+    @property
+    def kl_loss_coeff(self) -> float:
+        return self.beta
 
 
 @dataclass
@@ -86,58 +90,63 @@ class GRPORunConfig:
 
 
 # --------------------------------------------------------------------------------------
-# The loop
+# Phases 1-5 of one step
 # --------------------------------------------------------------------------------------
-def grpo_step(models: PolicyModels, examples, cfg: GRPORunConfig, scorer, optimizer, scheduler,
-              step: int, timer: Timer) -> dict[str, float]:
-    """Phases 1-5 of one GRPO step; returns its metrics."""
-    g, temp = cfg.grpo, cfg.generation.temperature
-    # 1. rollout: group_size responses per prompt, each group contiguous.
+def sample_and_score(run: RLRun, examples, timer: Timer, step: int = 0, *, kl_in_reward: bool = False):
+    """Phases 1-3 shared by the group methods: `samples_per_prompt` responses per prompt
+    (each group contiguous), their scores, and the log-probs the step needs: the
+    reference's when a KL is used, the sampling policy's when the update makes more than
+    one optimizer step or the KL is folded into the reward."""
+    sec, cfg, models = run.sec, run.cfg, run.models
+    temp = cfg.generation.temperature
+    # 1. rollout: samples_per_prompt responses per prompt, each group contiguous.
     with timer("generate"):
-        roll = sample_groups(models, examples, g.group_size, cfg.generation,
-                             cfg.dataset.max_prompt_length, g.batch_size, g.share_prompt)
+        roll = run.backend.generate([e.prompt for e in examples], n=sec.samples_per_prompt,
+                                    examples=[e.row for e in examples], step=step)
     # 2. score: one float per response.
     with timer("score"):
-        scores = score_responses(scorer, roll, cfg.reward, models.device)            # (B,)
-        roll.scores = scores
-    # 3. forward: reference log-probs for the KL term; old log-probs only when needed.
+        roll.scores = score_responses(run.scorer, roll, cfg.reward, models.device)     # (B,)
+    # 3. forward: reference log-probs for the KL; old log-probs only when needed.
     with timer("forward"):
-        micro = max(g.mini_batch_size, g.batch_size)
-        k = g.group_size if g.share_prompt else 1
-        if g.optimizer_steps_per_rollout() > 1:
-            old_logprobs(models, roll, temp, micro, k)                                   # (B, T)
-        if g.beta > 0:
-            roll.ref_logprobs = reference_logprobs(models.reference, roll, temp, micro, k)  # (B, T)
-    # 4. advantages: relative to the group, the same value on every token.
-    seq_adv = ops.group_advantages(scores, g.group_size, g.advantage_scale)           # (B,)
-    roll.advantages = broadcast_advantages(seq_adv, roll.response_mask)               # (B, T)
+        need_old = sec.optimizer_steps_per_rollout() > 1 or kl_in_reward
+        score_rollout(models.actor, models.reference, roll, temperature=temp,
+                      micro_batch=max(sec.mini_batch_size, sec.batch_size), with_policy=need_old,
+                      share_prompt=sec.share_prompt)
+        if roll.ref_logprobs is not None and roll.logprobs is not None:
+            roll.kl = ops.kl_estimate(roll.logprobs, roll.ref_logprobs, sec.kl_estimator) * roll.response_mask
+    return roll
+
+
+def grpo_step(run: RLRun, examples, step: int, timer: Timer) -> dict[str, float]:
+    """Phases 1-5 of one GRPO step; returns its metrics."""
+    sec = run.sec
+    roll = sample_and_score(run, examples, timer, step)
+    # 4. advantages: relative to the group, the same value on every token (a group never
+    # straddles processes; the batch std of advantage_scale: batch is over every rank).
+    seq_adv = group_advantages(roll.scores, sec.group_size, sec.advantage_scale, run.dist)  # (B,)
+    roll.advantages = broadcast_advantages(seq_adv, roll.response_mask)             # (B, T)
     # 5. update.
     with timer("update"):
-        upd = policy_update(models, optimizer, scheduler, roll, g, temperature=temp, step=step,
-                            seed=cfg.training.seed, kl_coeff=g.beta, kl_estimator=g.kl_estimator)
-    metrics = {**rollout_metrics(roll, scores, g.group_size), **upd,
-               "rollout/advantage_abs_mean": float(seq_adv.abs().mean())}
-    return metrics
+        upd = run_update(run, roll, step)
+    return {**rollout_metrics(roll, run.dist), **upd}
+
+
+def method(cfg: GRPORunConfig) -> PolicyMethod:
+    return PolicyMethod("grpo", grpo_step, need_reference=lambda c: c.grpo.beta > 0)
 
 
 def train(cfg: GRPORunConfig, resume: str | Path | None = None, effective=None,
           quiet: bool = False) -> TrainResult:
-    """Run GRPO as configured (step 6, the loop around `grpo_step`, is `run_training`)."""
-    return run_training(cfg, cfg.grpo, grpo_step, "grpo", need_reference=cfg.grpo.beta > 0,
-                        resume=resume, effective=effective, quiet=quiet)
+    """Run GRPO as configured."""
+    return run_policy_training(cfg, method(cfg), resume=resume, effective=effective, quiet=quiet)
 
 
 # --------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="YAML config, e.g. configs/grpo_debug.yaml")
-    parser.add_argument("--resume", default=None, help="continue from a step_N/ checkpoint folder")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.group_size=8")
+    add_policy_parser(parser, "grpo", "grpo.group_size=8")
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg, effective = load_config(args.config, GRPORunConfig, args.overrides)
-    report(train(cfg, resume=args.resume, effective=effective))
-    return 0
-    return 0
+    return run_policy_command(args, GRPORunConfig, train)

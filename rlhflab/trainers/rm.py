@@ -42,8 +42,10 @@ from torch import Tensor
 
 from rlhflab import ops
 from rlhflab.config import load_config, save_effective_config
-from rlhflab.config.schema import LoggingConfig, LoRAConfig, ModelConfig, TrainingConfig, f
+from rlhflab.config.schema import (CHAT_TEMPLATE_HELP, ChatTemplateUse, LoggingConfig, LoRAConfig, ModelConfig,
+                                   TrainingConfig, f)
 from rlhflab.data import preferences as prefdata
+from rlhflab.data.chat import resolve_use_chat_template
 from rlhflab.data.loading import read_rows
 from rlhflab.errors import UserError
 from rlhflab.metrics import MetricsLogger
@@ -74,7 +76,7 @@ class PreferenceDataConfig:
     num_eval_samples: Optional[int] = f(500, "held-out pairs evaluated; null uses all", gt=0)
     max_length: int = f(512, "longest prompt+response in tokens; longer texts are cut from the left", gt=1)
     append_eos: bool = f(True, "end every text with EOS, the token whose state is scored")
-    use_chat_template: bool = f(True, "render conversational rows with the tokenizer's chat template when it has one")
+    use_chat_template: ChatTemplateUse = f("auto", CHAT_TEMPLATE_HELP + " (conversational rows; plain rows are read as they are)")
     ties: Literal["drop", "soft"] = f("drop", "rows marked as ties: drop them, or train them toward equal scores")
     max_bad_fraction: float = f(0.5, "stop when more than this share of rows are not preference pairs", ge=0, le=1)
 
@@ -123,7 +125,7 @@ def _rm_model() -> ModelConfig:
 
 @dataclass
 class RMRunConfig:
-    """`rlhflab rm`: every section of a reward-model run (training.total_ppo_steps is not used)."""
+    """`rlhflab rm`: every section of a reward-model run (training.total_steps is not used)."""
 
     model: ModelConfig = field(default_factory=_rm_model)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
@@ -188,9 +190,10 @@ def _load_pairs(source: str, split: str, subset: str | None, d: PreferenceDataCo
 
 
 def to_texts(pairs: Sequence[prefdata.PreferencePair], tokenizer, d: PreferenceDataConfig) -> list[PairTexts]:
+    use_chat = resolve_use_chat_template(d.use_chat_template, tokenizer, "data.use_chat_template")
     out = []
     for p in pairs:
-        prompt, chosen, rejected = prefdata.pair_texts(p, tokenizer, d.use_chat_template)
+        prompt, chosen, rejected = prefdata.pair_texts(p, tokenizer, use_chat)
         out.append(PairTexts(prompt + chosen, prompt + rejected, p.margin or 0.0, p.tie))
     return out
 
@@ -250,7 +253,7 @@ def build_reward_model(cfg: RMRunConfig, device: torch.device):
                          kind="model" if m.tokenizer is None else "tokenizer")
     try:
         model, info = AutoModelForSequenceClassification.from_pretrained(
-            m.name_or_path, num_labels=1, dtype=resolve_dtype(m.torch_dtype), trust_remote_code=m.trust_remote_code,
+            m.name_or_path, num_labels=1, dtype=resolve_dtype(m.torch_dtype, device), trust_remote_code=m.trust_remote_code,
             output_loading_info=True)
     except Exception as exc:
         raise _load_error("model", m.name_or_path, exc) from None

@@ -22,6 +22,8 @@ Where this departs from common recipes:
   weighs the same (the usual per-micro-batch mean over-weights short batches).
 - Prompt and response are tokenized separately (see `rlhflab.data.sft`), matching how
   a prompt is encoded before generation.
+- The loss never materialises the (B, L, V) logits: the LM head runs on the response
+  positions only, a chunk of rows at a time (`batch_nll`, `ops.chunked_cross_entropy`).
 """
 
 from __future__ import annotations
@@ -39,13 +41,18 @@ from typing import Literal, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from rlhflab import ops
 from rlhflab.config import load_config, save_effective_config
-from rlhflab.config.schema import LoggingConfig, LoRAConfig, ModelConfig, TrainingConfig, f
+from rlhflab.config.schema import (CHAT_TEMPLATE_HELP, ChatTemplateUse, LoggingConfig, LoRAConfig, ModelConfig,
+                                   TrainingConfig, f)
 from rlhflab.data import sft as sftdata
+from rlhflab.data.chat import resolve_use_chat_template
 from rlhflab.data.loading import read_rows
 from rlhflab.errors import UserError
 from rlhflab.metrics import MetricsLogger
+from rlhflab.models.actor_critic import decoder_and_head
 from rlhflab.models.checkpoint import atomic_folder, prune_checkpoints, save_policy
+from rlhflab.models.head import linear_lm_head
 from rlhflab.models.load import add_lora, load_model, resolve_device
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, check_output_dir, finish_run,
                                      format_metrics, make_optimizer, make_scheduler, prepare_output_dir,
@@ -70,7 +77,7 @@ class SFTDataConfig:
     num_eval_samples: Optional[int] = f(200, "held-out rows for loss/perplexity; null uses all", gt=0)
     prompt_template: str = f("User: {prompt}\n\nAssistant:", "prompt text without a chat template; {prompt} is replaced")
     response_template: str = f(" {response}", "response text without a chat template; {response} is replaced, EOS follows")
-    use_chat_template: bool = f(True, "use the tokenizer's chat template when it has one")
+    use_chat_template: ChatTemplateUse = f("auto", CHAT_TEMPLATE_HELP)
     max_seq_length: int = f(512, "longest prompt+response in tokens; longer rows are cut from the right", gt=1)
     max_bad_fraction: float = f(0.5, "stop when more than this share of rows fit no layout", ge=0, le=1)
 
@@ -120,7 +127,7 @@ def _sft_training() -> TrainingConfig:
 
 @dataclass
 class SFTRunConfig:
-    """`rlhflab sft`: every section of an SFT run (training.total_ppo_steps is not used)."""
+    """`rlhflab sft`: every section of an SFT run (training.total_steps is not used)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
@@ -154,6 +161,27 @@ def response_nll(logits: torch.Tensor, labels: torch.Tensor) -> ResponseNLL:
     return ResponseNLL(total, int((target != sftdata.IGNORE_INDEX).sum()))
 
 
+def batch_nll(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> ResponseNLL:
+    """`response_nll` of the model on one micro-batch, never holding the (B, L, V) logits.
+
+    When the LM head is a plain linear map (`linear_lm_head`), the decoder's hidden states
+    and the head's weight go to `ops.chunked_cross_entropy`, which computes logits only
+    for the response positions (label not -100), one chunk of rows at a time, in the
+    forward and the backward pass. Otherwise the model's own logits go to `response_nll`.
+    Both give the same sum (tests/test_sft.py).
+    """
+    head = linear_lm_head(model)
+    if head is None:
+        return response_nll(model(input_ids=input_ids, attention_mask=attention_mask).logits, labels)
+    decoder, _ = decoder_and_head(model)
+    out = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state    # (B, L, H)
+    target = labels[:, 1:]                                                  # (B, L-1)
+    total = ops.chunked_cross_entropy(hidden[:, :-1], head.weight, head.bias, target,
+                                      ignore_index=sftdata.IGNORE_INDEX)
+    return ResponseNLL(total, int((target != sftdata.IGNORE_INDEX).sum()))
+
+
 def accumulate_group(model, group: Sequence[dict[str, torch.Tensor]], device: torch.device) -> "GroupNLL":
     """Backward over a group of micro-batches whose loss is the group's token-mean NLL.
 
@@ -164,8 +192,7 @@ def accumulate_group(model, group: Sequence[dict[str, torch.Tensor]], device: to
     total = 0.0
     for b in group:
         b = {k: v.to(device) for k, v in b.items()}
-        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits  # (B, L, V)
-        nll = response_nll(logits, b["labels"])
+        nll = batch_nll(model, b["input_ids"], b["attention_mask"], b["labels"])
         (nll.total / max(n_tokens, 1)).backward()
         total += float(nll.total.detach())
     return GroupNLL(total, n_tokens)
@@ -217,7 +244,8 @@ def load_sft_data(d: SFTDataConfig, tokenizer, seed: int = 0, warn=print) -> SFT
         held = []
     if d.num_eval_samples is not None:
         held = held[: d.num_eval_samples]
-    tpl = sftdata.Template(d.prompt_template, d.response_template, d.use_chat_template)
+    use_chat = resolve_use_chat_template(d.use_chat_template, tokenizer, "data.use_chat_template")
+    tpl = sftdata.Template(d.prompt_template, d.response_template, use_chat)
     tr = sftdata.tokenize_examples(train, tokenizer, tpl, d.max_seq_length)
     ev = sftdata.tokenize_examples(held, tokenizer, tpl, d.max_seq_length)
     for rep, name in ((tr, str(source)), (ev, str(d.eval_path or source) + " (held out)")):
@@ -250,7 +278,7 @@ def heldout_loss(model, examples: Sequence[sftdata.TokenizedExample], pad_token_
     total, tokens = 0.0, 0
     for s in range(0, len(examples), batch_size):
         b = {k: v.to(device) for k, v in sftdata.collate(examples[s : s + batch_size], pad_token_id).items()}
-        out = response_nll(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"])
+        out = batch_nll(model, b["input_ids"], b["attention_mask"], b["labels"])
         total += float(out.total)
         tokens += out.tokens
     if was_training:

@@ -1,0 +1,307 @@
+"""Generation throughput and MFU: the hf backend (Hugging Face generate) beside vllm.
+
+    python bench/rollout_backends.py                       # the full table (see --help)
+    python bench/rollout_backends.py --models tiny --lengths 16 --batches 32 --repeats 1
+    python bench/rollout_backends.py --ppo                 # also PPO episodes/s end to end
+
+Prints a table (seconds, generated tokens/s and generate-phase MFU per model, response
+length, batch and backend; the vllm/hf ratio per cell) and, last, the line
+`rollout_backends: hf X tok/s, vllm Y tok/s, ratio Z (25M, response 64, batch 128)`.
+
+How it measures (bench/README.md says why):
+- Two models from `rlhflab.models.tiny.make_tiny_model`, float32, built once in .bench/:
+  `tiny` (its defaults: 192 hidden, 4 layers, 6 heads, 2.5M parameters) and `25M`
+  (512 hidden, 6 layers, 8 heads, 25.4M parameters); both with 512 positions, so a
+  256-token response fits after the prompt.
+- Prompts are arithmetic questions with the PPO template. Every response is exactly L
+  tokens (min_new_tokens = max_new_tokens: EOS is banned until then), sampled at
+  temperature 1, so both backends do the same work.
+- Per cell, each backend makes one `generate` call per round (the order alternates
+  between rounds), after one warm-up round; times are medians. tok/s counts generated
+  tokens: B x L / wall seconds. Beside the wall time, the process's CPU seconds (all
+  threads): on a machine shared with other jobs they are much steadier, and tok/cpu-s
+  and the ratio on CPU seconds say what the wall numbers would be on a quiet machine.
+- MFU = model FLOPs / seconds / peak. Model FLOPs = 2 x parameters x (prompt tokens +
+  generated tokens) plus attention, 4 x layers x hidden x context for every token
+  (QK^T and AV, 2 FLOPs per multiply-add), counting real tokens only (the hf backend
+  also computes on left padding; that is its waste, not work). The peak is measured
+  here with float32 matmuls (the best of several, 2048 and 4096 square): `MFU` is over
+  wall seconds and the peak of `--threads` threads in wall time; `MFU/cpu` is over CPU
+  seconds and the peak per CPU-second of one thread, which other jobs cannot lower.
+- The vllm engine (rlhflab.rollout.vllm.VLLMEngine) lives in this process, as in
+  training; its start-up is printed, not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402  (the bench folder is not a package)
+
+MODELS = {  # name -> make_tiny_model arguments
+    "tiny": dict(hidden_size=192, num_layers=4, num_heads=6, max_positions=512),
+    "25M": dict(hidden_size=512, num_layers=6, num_heads=8, max_positions=512),
+}
+BACKENDS = ("hf", "vllm")
+HEADLINE = ("25M", 64, 128)  # model, response length, batch of the last line
+MAX_PROMPT = 64
+
+
+@dataclass
+class Cell:
+    model: str
+    length: int
+    batch: int
+    seconds: dict[str, list[float]] = field(default_factory=lambda: {b: [] for b in BACKENDS})
+    cpu: dict[str, list[float]] = field(default_factory=lambda: {b: [] for b in BACKENDS})
+    flops: float = 0.0  # model FLOPs of one call (real tokens only)
+
+    def tok_s(self, backend: str) -> float:
+        return self.batch * self.length / _common.median(self.seconds[backend])
+
+    def tok_cpu_s(self, backend: str) -> float:
+        return self.batch * self.length / _common.median(self.cpu[backend])
+
+
+# --------------------------------------------------------------------------------------
+# Measurements
+# --------------------------------------------------------------------------------------
+@dataclass
+class Peak:
+    wall: float     # FLOP/s on `threads` threads, wall time
+    per_cpu: float  # FLOP per CPU-second of one thread
+
+
+def matmul_peak(threads: int, sizes: tuple[int, ...] = (2048, 4096), trials: int = 5) -> Peak:
+    """Best float32 matmul rates of this machine (torch.mm, MKL), over a few sizes."""
+    import torch
+
+    best_wall = best_cpu = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        for t in (threads, 1):
+            torch.set_num_threads(t)
+            a @ b  # warm-up
+            for _ in range(trials):
+                t0, c0 = time.perf_counter(), time.process_time()
+                a @ b
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                if t == threads:
+                    best_wall = max(best_wall, 2 * n ** 3 / wall)
+                if t == 1:
+                    best_cpu = max(best_cpu, 2 * n ** 3 / max(cpu, 1e-9))
+    torch.set_num_threads(threads)
+    return Peak(best_wall, best_cpu)
+
+
+def model_flops(config: dict, params: int, prompt_lens: list[int], length: int) -> float:
+    """2·N per token plus attention 4·layers·hidden·context, for real tokens only."""
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    total = 0.0
+    for p in prompt_lens:
+        total += 2 * params * (p + length)
+        contexts = sum(range(1, p + length + 1))  # token k attends to k positions
+        total += 4 * layers * hidden * contexts
+    return total
+
+
+def build_model(name: str) -> Path:
+    folder = _common.BENCH_DIR / f"rollout-{name}"
+    if not (folder / "config.json").is_file():
+        from rlhflab.models.tiny import make_tiny_model
+        make_tiny_model(folder, **MODELS[name])
+    return folder
+
+
+class Side:
+    """One model under both backends: the HF model and a VLLMEngine, in this process."""
+
+    def __init__(self, name: str, max_batch: int, max_length: int, threads: int,
+                 dtype: str = "float32", engine_dtype: str | None = None):
+        import json
+
+        from rlhflab.models.load import load_model
+        from rlhflab.rollout.vllm import VLLMEngine
+
+        self.name, self.folder = name, build_model(name)
+        self.config = json.loads((self.folder / "config.json").read_text())
+        self.model, self.tok = load_model(str(self.folder), torch_dtype=dtype)
+        self.model.eval()
+        self.params = sum(p.numel() for p in self.model.parameters())
+        t0 = time.perf_counter()
+        self.engine = VLLMEngine.create(str(self.folder), self.tok, dtype=engine_dtype or dtype,
+                                        max_model_len=MAX_PROMPT + max_length, seed=0,
+                                        max_num_seqs=max_batch)
+        self.startup = time.perf_counter() - t0
+        self.threads = threads
+        syncs = []
+        for _ in range(3):  # the push after an update: every weight, in memory
+            t0 = time.perf_counter()
+            self.engine.sync_weights(self.model)
+            syncs.append(time.perf_counter() - t0)
+        self.sync = _common.median(syncs)
+
+    def run(self, backend: str, prompts: list[str], length: int) -> tuple[float, float]:
+        """One generate call: (wall seconds, CPU seconds of this process)."""
+        import torch
+
+        from rlhflab.rollout import generate
+
+        torch.set_num_threads(self.threads)
+        kw = dict(max_new_tokens=length, min_new_tokens=length, temperature=1.0,
+                  max_prompt_length=MAX_PROMPT)
+        t0, c0 = time.perf_counter(), time.process_time()
+        if backend == "hf":
+            roll = generate(self.model, self.tok, prompts, batch_size=len(prompts), **kw)
+        else:
+            roll = self.engine.generate(prompts, **kw)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        assert int(roll.response_mask.sum()) == len(prompts) * length, "responses not full length"
+        return wall, cpu
+
+    def prompt_lens(self, prompts: list[str]) -> list[int]:
+        enc = self.tok(prompts, add_special_tokens=False, truncation=True, max_length=MAX_PROMPT)
+        return [len(ids) for ids in enc["input_ids"]]
+
+
+def measure(models: list[str], lengths: list[int], batches: list[int], repeats: int,
+            threads: int, dtype: str = "float32", engine_dtype: str | None = None,
+            say=print) -> tuple[list[Cell], dict]:
+    import torch
+
+    torch.manual_seed(0)
+    rows = _common.bench_rows(max(batches), seed=0)
+    prompts_all = [_common.format_bench_prompt(r["question"]) for r in rows]
+    cells, info = [], {}
+    for name in models:
+        side = Side(name, max(batches), max(lengths), threads, dtype, engine_dtype)
+        info[name] = {"params": side.params, "startup": side.startup, "sync": side.sync}
+        say(f"{name}: {side.params / 1e6:.2f}M parameters, vllm engine started in {side.startup:.1f} s, "
+            f"weight sync {1000 * side.sync:.0f} ms")
+        for length in lengths:
+            for batch in batches:
+                prompts = prompts_all[:batch]
+                cell = Cell(name, length, batch)
+                cell.flops = model_flops(side.config, side.params, side.prompt_lens(prompts), length)
+                for r in range(repeats + 1):  # round 0 warms up
+                    order = BACKENDS if r % 2 == 0 else BACKENDS[::-1]
+                    for backend in order:
+                        wall, cpu = side.run(backend, prompts, length)
+                        if r > 0:
+                            cell.seconds[backend].append(wall)
+                            cell.cpu[backend].append(cpu)
+                cells.append(cell)
+                say(f"  {name} L={length:<4} B={batch:<4} " + "  ".join(
+                    f"{b} {cell.tok_s(b):8.0f} tok/s" for b in BACKENDS))
+        del side
+        _common.release_freed_memory()
+    return cells, info
+
+
+# --------------------------------------------------------------------------------------
+# PPO end to end
+# --------------------------------------------------------------------------------------
+def ppo_episodes_per_s(backend: str, steps: int = 4, threads: int = 2) -> float:
+    """PPO episodes/s of `rlhflab.trainers.ppo.train` with generation.backend=`backend`,
+    on the tiny model and the arithmetic task (configs/ppo_debug.yaml, 64 episodes a step)."""
+    import tempfile
+
+    from rlhflab.config import load_config
+    from rlhflab.data.arith import write_task
+    from rlhflab.trainers.ppo import PPORunConfig, train
+
+    with tempfile.TemporaryDirectory() as tmp:
+        data = write_task(Path(tmp) / "arith", n_train=256, n_test=16)
+        cfg, _ = load_config(_common.REPO / "configs" / "ppo_debug.yaml", PPORunConfig, [
+            f"model.name_or_path={build_model('tiny')}", f"dataset.path={data['train']}",
+            f"dataset.eval_path={data['test']}", f"training.output_dir={Path(tmp) / 'run'}",
+            f"generation.backend={backend}", f"training.total_ppo_steps={steps}",
+            "ppo.rollout_samples=64", "ppo.batch_size=64", "ppo.mini_batch_size=32",
+            "training.eval_interval=0", "training.save_interval=0", f"training.num_threads={threads}",
+            "logging.progress_bar=false", "logging.plots=false", "logging.doctor=false"])
+        res = train(cfg, quiet=True)
+    return res.samples_per_s
+
+
+# --------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------
+def report(cells: list[Cell], info: dict, peak: Peak, threads: int) -> str:
+    lines = [f"matmul peak (float32): {peak.wall / 1e9:.1f} GFLOP/s on {threads} threads (wall), "
+             f"{peak.per_cpu / 1e9:.1f} GFLOP per CPU-second of one thread", "",
+             f"{'model':<6}{'params':>8}{'L':>5}{'B':>5}  {'backend':<7}{'s/call':>8}{'noise':>7}"
+             f"{'cpu s':>8}{'tok/s':>8}{'tok/cpu-s':>10}{'MFU':>7}{'MFU/cpu':>8}{'vllm/hf':>8}{'on cpu':>7}"]
+    for c in cells:
+        for b in BACKENDS:
+            s, cpu = _common.median(c.seconds[b]), _common.median(c.cpu[b])
+            ratio = (f"{c.tok_s('vllm') / c.tok_s('hf'):8.2f}{c.tok_cpu_s('vllm') / c.tok_cpu_s('hf'):7.2f}"
+                     if b == "vllm" else "")
+            lines.append(f"{c.model:<6}{info[c.model]['params'] / 1e6:>7.1f}M{c.length:>5}{c.batch:>5}  "
+                         f"{b:<7}{s:8.3f}{100 * _common.spread(c.seconds[b]):6.0f}%{cpu:8.3f}"
+                         f"{c.tok_s(b):8.0f}{c.tok_cpu_s(b):10.0f}{100 * c.flops / s / peak.wall:6.1f}%"
+                         f"{100 * c.flops / cpu / peak.per_cpu:7.1f}%{ratio}")
+    return "\n".join(lines)
+
+
+def targets(cells: list[Cell], peak: Peak) -> str:
+    """The issue's targets on the headline cell: ratio >= 1.5, vllm MFU >= 40% at 25M."""
+    match = [c for c in cells if (c.model, c.length, c.batch) == HEADLINE]
+    if not match:
+        return "targets: the headline cell (25M, response 64, batch 128) was not measured"
+    c = match[0]
+    mfu = c.flops / _common.median(c.seconds["vllm"]) / peak.wall
+    mfu_cpu = c.flops / _common.median(c.cpu["vllm"]) / peak.per_cpu
+    return (f"targets: ratio >= 1.50: {c.tok_s('vllm') / c.tok_s('hf'):.2f} "
+            f"(on CPU seconds {c.tok_cpu_s('vllm') / c.tok_cpu_s('hf'):.2f}); "
+            f"vllm MFU at 25M >= 40%: {100 * mfu:.1f}% (per CPU-second {100 * mfu_cpu:.1f}%)")
+
+
+def headline(cells: list[Cell]) -> str:
+    model, length, batch = HEADLINE
+    match = [c for c in cells if (c.model, c.length, c.batch) == HEADLINE]
+    hf, vl = (match[0].tok_s("hf"), match[0].tok_s("vllm")) if match else (float("nan"),) * 2
+    return (f"rollout_backends: hf {hf:.0f} tok/s, vllm {vl:.0f} tok/s, ratio {vl / hf:.2f} "
+            f"({model}, response {length}, batch {batch})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--lengths", nargs="+", type=int, default=[16, 64, 256])
+    ap.add_argument("--batches", nargs="+", type=int, default=[32, 128])
+    ap.add_argument("--repeats", type=int, default=3, help="measured rounds per cell (after a warm-up)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="weights and compute of both backends (the peak stays float32)")
+    ap.add_argument("--engine-dtype", default=None, choices=["float32", "bfloat16"],
+                    help="the vllm engine's dtype when it differs from --dtype")
+    ap.add_argument("--peak-sizes", nargs="+", type=int, default=[2048, 4096],
+                    help="square float32 matmuls that measure the peak")
+    ap.add_argument("--ppo", action="store_true", help="also PPO episodes/s end to end with each backend")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads sleep (bench/README.md)
+
+    peak = matmul_peak(args.threads, tuple(args.peak_sizes))
+    cells, info = measure(args.models, args.lengths, args.batches, args.repeats, args.threads,
+                          args.dtype, args.engine_dtype)
+    if args.dtype != "float32" or args.engine_dtype:
+        print(f"dtype: hf {args.dtype}, vllm {args.engine_dtype or args.dtype} (MFU is against the float32 peak)")
+    print()
+    print(report(cells, info, peak, args.threads))
+    print(targets(cells, peak))
+    if args.ppo:
+        print()
+        for backend in BACKENDS:
+            print(f"PPO end to end, {backend}: {ppo_episodes_per_s(backend, threads=args.threads):.2f} episodes/s")
+    print(headline(cells))
+    return 0
+
+
+if __name__ == "__main__":  # vLLM may start helper processes: keep the entry point import-safe
+    raise SystemExit(main())

@@ -1,0 +1,122 @@
+"""A minibatch: rows of a rollout ready for one forward and backward pass.
+
+Columns that are padding in every selected row are dropped (prompts are left-padded,
+responses right-padded), so a minibatch of short responses costs what they cost.
+When the rows come in whole groups of ``group_size`` answers to one prompt (GRPO,
+RLOO), the prompt is kept once per group and the forward pass runs it once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rlhflab.rollout import Rollout
+
+
+def groups_share_prompt(prompt_ids: Tensor, prompt_mask: Tensor, k: int) -> bool:
+    """True when rows [g·k, (g+1)·k) hold the same prompt for every g. (B, P) each."""
+    b = prompt_ids.shape[0]
+    if k < 2 or b % k:
+        return False
+    ids, mask = prompt_ids.view(b // k, k, -1), prompt_mask.view(b // k, k, -1)
+    return bool((ids == ids[:, :1]).all() and (mask == mask[:, :1]).all())
+
+
+def loss_mask_of(roll: Rollout, mask_truncated: bool) -> Tensor:
+    """response_mask, with every token of a truncated (no EOS) response set to 0 when asked. (B, T)."""
+    mask = roll.response_mask
+    if mask_truncated:
+        mask = mask * (~roll.hit_limit).to(mask.dtype).unsqueeze(1).to(mask.device)
+    return mask
+
+
+@dataclass
+class MiniBatch:
+    """Rows of a rollout, trimmed. Every (b, T') tensor is aligned with `response_ids`."""
+
+    prompt_ids: Tensor             # (b, P'), or (b/k, P') with one row per group when group_size k > 1
+    prompt_mask: Tensor            # same shape as prompt_ids
+    response_ids: Tensor           # (b, T')
+    response_mask: Tensor          # (b, T') 1 on real response tokens
+    loss_mask: Tensor              # (b, T') response_mask, truncated responses zeroed when asked
+    group_size: int = 1
+    advantages: Tensor | None = None
+    old_logprobs: Tensor | None = None     # None: the update's own detached log-probs (one optimizer step)
+    ref_logprobs: Tensor | None = None
+    returns: Tensor | None = None
+    old_values: Tensor | None = None
+    sample_logprobs: Tensor | None = None  # the sampler's own log-probs (vLLM), for the mismatch correction
+    lm_batch: dict | None = None           # PPO-ptx: an LM batch whose loss joins this minibatch's
+    lm_weight: float = 0.0                 # ... with this weight (its share of the group's mean)
+
+    def __len__(self) -> int:
+        return self.response_ids.shape[0]
+
+    # The full-sequence view (prompt repeated for each row): what learner mode's exercises read.
+    @property
+    def _row_prompts(self) -> tuple[Tensor, Tensor]:
+        k = self.group_size
+        if k == 1:
+            return self.prompt_ids, self.prompt_mask
+        return self.prompt_ids.repeat_interleave(k, 0), self.prompt_mask.repeat_interleave(k, 0)
+
+    @property
+    def input_ids(self) -> Tensor:
+        return torch.cat([self._row_prompts[0], self.response_ids], 1)                  # (b, P'+T')
+
+    @property
+    def attention_mask(self) -> Tensor:
+        pm = self._row_prompts[1]
+        return torch.cat([pm, self.response_mask.to(pm.dtype)], 1)
+
+    @property
+    def prompt_len(self) -> int:
+        return self.prompt_ids.shape[1]
+
+    def __getitem__(self, key: str):
+        """`mb["advantages"]`: the mapping view learner-mode code uses."""
+        if key.startswith("_") or not hasattr(self, key):
+            raise KeyError(key)
+        return getattr(self, key)
+
+    @classmethod
+    def from_mapping(cls, mb) -> "MiniBatch":
+        """A MiniBatch from the full-sequence mapping view (input_ids, attention_mask,
+        prompt_len, response_ids, response_mask, old_logprobs, advantages, ...), as
+        learner mode's exercises and cases write it; a MiniBatch is returned as it is."""
+        if isinstance(mb, cls):
+            return mb
+        p = mb["prompt_len"]
+        get = mb.get
+        return cls(prompt_ids=mb["input_ids"][:, :p], prompt_mask=mb["attention_mask"][:, :p],
+                   response_ids=mb["response_ids"], response_mask=mb["response_mask"],
+                   loss_mask=get("loss_mask") if get("loss_mask") is not None else mb["response_mask"],
+                   advantages=get("advantages"), old_logprobs=get("old_logprobs"),
+                   ref_logprobs=get("ref_logprobs"), returns=get("returns"), old_values=get("old_values"))
+
+    def keys(self) -> list[str]:
+        return ["input_ids", "attention_mask", "prompt_len", "response_ids", "response_mask", "loss_mask",
+                "advantages", "old_logprobs", "ref_logprobs", "returns", "old_values"]
+
+
+def select(roll: Rollout, rows: Tensor, loss_mask: Tensor, group_size: int = 1) -> MiniBatch:
+    """`rows` of `roll` as a MiniBatch; with `group_size` k > 1 the rows must be whole
+    groups in order (k consecutive rows per prompt) and each prompt is kept once."""
+    prompt_rows = rows[::group_size] if group_size > 1 else rows
+    pm = roll.prompt_mask[prompt_rows]
+    rm = roll.response_mask[rows]
+    p_keep = int(pm.sum(0).nonzero().min()) if pm.any() else pm.shape[1] - 1
+    t_keep = int(rm.sum(0).nonzero().max()) + 1 if rm.any() else 1
+
+    def cut(x: Tensor | None) -> Tensor | None:
+        return None if x is None else x[rows, :t_keep]
+
+    return MiniBatch(
+        prompt_ids=roll.prompt_ids[prompt_rows, p_keep:], prompt_mask=pm[:, p_keep:],
+        response_ids=cut(roll.response_ids), response_mask=rm[:, :t_keep], loss_mask=cut(loss_mask),
+        group_size=group_size, advantages=cut(roll.advantages), old_logprobs=cut(roll.logprobs),
+        ref_logprobs=cut(roll.ref_logprobs), returns=cut(roll.returns), old_values=cut(roll.values),
+        sample_logprobs=cut(getattr(roll, "sample_logprobs", None)))

@@ -1,0 +1,63 @@
+"""Teacher-forced scoring of a rollout, without gradients: the sampling policy's
+log-probs ("old" log-probs), the critic's values and the reference's log-probs.
+
+Sampling produced the response tokens one at a time; here every token's log-prob comes
+from one pass per micro-batch. The passes run whole groups when the rollout's rows
+share prompts, so each prompt is computed once (`rlhflab.models.actor_critic`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from rlhflab.engine.minibatch import MiniBatch, groups_share_prompt, select
+from rlhflab.models.actor_critic import Reference, is_checkpointing
+from rlhflab.rollout import Rollout
+
+
+def shared_group_size(roll: Rollout, model: nn.Module, share_prompt: bool = True) -> int:
+    """The group size to run prompts once per group with (1: the plain pass)."""
+    k = roll.group_size
+    if not share_prompt or k < 2 or is_checkpointing(model):
+        return 1
+    return k if groups_share_prompt(roll.prompt_ids, roll.prompt_mask, k) else 1
+
+
+def micro_batches(roll: Rollout, micro_batch: int, k: int) -> list[MiniBatch]:
+    """The rollout in order, `micro_batch` rows at a time (whole groups of k)."""
+    micro = max(k, micro_batch - micro_batch % k)
+    mask = roll.response_mask
+    return [select(roll, torch.arange(s, min(s + micro, len(roll)), device=mask.device), mask, k)
+            for s in range(0, len(roll), micro)]
+
+
+def _pad_to(x: Tensor, width: int) -> Tensor:
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]))
+
+
+@torch.no_grad()
+def score_rollout(actor, reference: Reference | None, roll: Rollout, *, temperature: float = 1.0,
+                  micro_batch: int = 64, with_policy: bool = True, with_values: bool = False,
+                  share_prompt: bool = True) -> Rollout:
+    """Fill roll.logprobs (the policy as it is now), roll.values (`with_values`) and
+    roll.ref_logprobs (when a reference is given); each (B, T), 0 on padding."""
+    k = shared_group_size(roll, actor.policy, share_prompt)
+    width = roll.response_ids.shape[1]
+    lps, vals, refs = [], [], []
+    for mb in micro_batches(roll, micro_batch, k):
+        args = (mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask, k)
+        if with_policy or with_values:
+            out = actor(*args, temperature=temperature, with_values=with_values)
+            lps.append(_pad_to(out.logprobs, width))
+            if with_values:
+                vals.append(_pad_to(out.values, width))
+        if reference is not None:
+            refs.append(_pad_to(reference.logprobs(*args, temperature=temperature), width))
+    mask = roll.response_mask.float()
+    if with_policy:
+        roll.logprobs = torch.cat(lps) * mask
+    if with_values:
+        roll.values = torch.cat(vals) * mask
+    roll.ref_logprobs = torch.cat(refs) * mask if reference is not None else None
+    return roll

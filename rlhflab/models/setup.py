@@ -1,0 +1,88 @@
+"""The models of a policy-optimisation run, built once: the policy (+LoRA), its critic
+when the method has one, and the frozen reference when a KL term needs it.
+
+Every trainer that optimises a policy (PPO, GRPO, RLOO, REINFORCE++, TRPO, DPO) builds
+its models here, so a resume, LoRA and the reference follow one rule:
+
+- The reference is always the *starting* policy, also when resuming: a frozen copy
+  (`model.reference: copy`), and under LoRA always the policy with its adapter switched
+  off (the base weights never train, so that *is* the starting policy; a copy would
+  compute the same function in twice the memory).
+- `need_reference=False` loads no reference at all (a KL weight of 0).
+- Dropout is switched off everywhere, so before the first update the ratio π/π_old is
+  exactly 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+
+from rlhflab.models.actor_critic import (ActorCritic, Critic, PolicyOnly, Reference, ValueHead, hidden_size_of,
+                                         load_value_head)
+from rlhflab.models.load import add_lora, disable_dropout, load_model, resolve_device
+
+CriticKind = Literal["value_head", "separate"]
+
+
+@dataclass
+class PolicyModels:
+    actor: PolicyOnly            # an ActorCritic when the method has a critic
+    reference: Reference | None  # None when no KL is used: then no reference is loaded at all
+    tokenizer: object
+    device: torch.device
+
+    @property
+    def policy(self) -> nn.Module:
+        return self.actor.policy
+
+
+def build_models(model_cfg, lora_cfg, device: str, *, need_reference: bool,
+                 critic: CriticKind | None = None, resume_dir: Path | None = None) -> PolicyModels:
+    """Policy (+LoRA), the critic (`critic`: value_head, separate or None) and, when
+    `need_reference`, the frozen reference; weights from `resume_dir` when resuming."""
+    dev = resolve_device(device)
+    load_kw = dict(torch_dtype=model_cfg.torch_dtype, device=str(dev),
+                   trust_remote_code=model_cfg.trust_remote_code, tokenizer=model_cfg.tokenizer)
+    full_resume = resume_dir is not None and not lora_cfg.enabled
+    policy, tok = load_model(str(resume_dir) if full_resume else model_cfg.name_or_path, **load_kw)
+    reference = None
+    if need_reference and not lora_cfg.enabled:
+        # The reference is always the starting policy, also when resuming.
+        src = load_model(model_cfg.name_or_path, **load_kw)[0] if full_resume else policy
+        reference = Reference.frozen_copy(src)
+        disable_dropout(reference.model)
+        del src
+    if lora_cfg.enabled:
+        if resume_dir is not None:
+            from peft import PeftModel
+            policy = PeftModel.from_pretrained(policy, str(resume_dir / "adapter"), is_trainable=True)
+        else:
+            policy = add_lora(policy, lora_cfg.r, lora_cfg.alpha, lora_cfg.dropout, lora_cfg.target_modules)
+        if need_reference:
+            reference = Reference.lora_disabled(policy)
+    disable_dropout(policy)
+    if model_cfg.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+    if critic is None:
+        actor = PolicyOnly(policy)
+    elif critic == "separate":
+        src = str(resume_dir / "critic") if resume_dir is not None else (
+            model_cfg.critic_name_or_path or model_cfg.name_or_path)
+        base = load_model(src, **load_kw)[0]
+        disable_dropout(base)
+        head = ValueHead(hidden_size_of(base)).to(dev)
+        if resume_dir is not None:
+            load_value_head(head, resume_dir / "critic")
+        actor = ActorCritic(policy, critic=Critic(base, head))
+    else:
+        head = ValueHead(hidden_size_of(policy)).to(dev)
+        if resume_dir is not None:
+            load_value_head(head, resume_dir)
+        actor = ActorCritic(policy, value_head=head)
+    actor.train()
+    return PolicyModels(actor, reference, tok, dev)

@@ -1,0 +1,132 @@
+"""The Hugging Face backend: `model.generate` with the KV cache, in batches.
+
+Seeded sampling (`generation.seeded_sampling`): instead of `generate`'s multinomial
+draw from the batch's shared random stream, each row's token is the argmax of its
+processed logits (temperature, top-k, top-p) plus Gumbel noise keyed by (seed, step,
+the row's index in the whole step) (`rlhflab.ops.sampling`): the same distribution,
+and the same samples whatever the batch size or the number of processes.
+
+`n` > 1 answers per prompt (GRPO, RLOO groups) share the prompt: each prompt is
+prefilled once (all but its last token) and its KV cache repeated n times before
+`generate` continues from it. The sampling itself is `generate`'s, so the results equal
+n separate copies of the prompt up to float rounding. Left padding and left truncation
+keep the end of a long prompt, where the question is.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from rlhflab import ops
+from rlhflab.models.actor_critic import decoder_and_head, is_checkpointing, position_ids_from
+from rlhflab.rollout import Rollout, collate, eos_ids_of, finish_rollout
+
+
+class SeededGumbel:
+    """A logits processor adding per-row counter-based Gumbel noise (see the module docstring)."""
+
+    def __init__(self, keys: torch.Tensor):
+        self.keys = keys  # (B,) int64
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        noise = ops.gumbel_noise(self.keys.to(scores.device), input_ids.shape[1], scores.shape[-1])
+        return scores + noise.to(scores.dtype)
+
+
+def _seeded_processors(keys: torch.Tensor, temperature: float, top_k: int, top_p: float):
+    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+    procs = [TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []
+    if top_k:
+        procs.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        procs.append(TopPLogitsWarper(top_p))
+    return LogitsProcessorList([*procs, SeededGumbel(keys)])
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: Sequence[str], *, n: int = 1, max_new_tokens: int,
+             min_new_tokens: int = 0, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+             greedy: bool = False, max_prompt_length: int | None = None, batch_size: int = 64,
+             examples: Sequence[dict] | None = None, share_prompt: bool = True,
+             seed: int | None = None, step: int = 0, row_offset: int = 0) -> Rollout:
+    """Sample (or greedily decode) `n` responses per prompt, `batch_size` responses at a time.
+
+    Rows [i·n, (i+1)·n) of the result answer prompt i. With `share_prompt` (and n > 1,
+    no gradient checkpointing) each prompt is prefilled once for its n rows. With `seed`,
+    sampling is seeded per row (row r of this call is row `row_offset + r` of the step).
+    """
+    device = next(model.parameters()).device
+    eos = eos_ids_of(model, tokenizer)
+    tokenizer.padding_side = "left"
+    tokenizer.truncation_side = "left"  # keep the end of a long prompt, where the question is
+    examples = list(examples) if examples is not None else [{} for _ in prompts]
+    shared = share_prompt and n > 1 and not is_checkpointing(model)
+    kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens or None,
+                  pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, use_cache=True)
+    if greedy:
+        kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+    else:
+        kwargs.update(do_sample=True, temperature=temperature, top_k=top_k or None,
+                      top_p=top_p if top_p < 1.0 else None)
+    was_training = model.training
+    model.eval()
+    parts = []
+    per_call = max(1, batch_size // n)  # prompts per generate call
+    for start in range(0, len(prompts), per_call):
+        chunk = list(prompts[start : start + per_call])
+        enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False,
+                        truncation=max_prompt_length is not None, max_length=max_prompt_length)
+        ids, am = enc["input_ids"].to(device), enc["attention_mask"].to(device)        # (G, P)
+        call_kw = dict(kwargs)
+        if shared and ids.shape[1] > 1:  # prefill all but the last prompt token once, then copy the cache
+            decoder, _ = decoder_and_head(model)
+            cache = decoder(input_ids=ids[:, :-1], attention_mask=am[:, :-1],
+                            position_ids=position_ids_from(am[:, :-1]), use_cache=True).past_key_values
+            cache.batch_repeat_interleave(n)
+            call_kw["past_key_values"] = cache
+        ids_n, am_n = ids.repeat_interleave(n, dim=0), am.repeat_interleave(n, dim=0)  # (G·n, P)
+        if seed is not None and not greedy:
+            rows = row_offset + start * n + torch.arange(ids_n.shape[0])
+            call_kw.update(do_sample=False, temperature=None, top_k=None, top_p=None,
+                           logits_processor=_seeded_processors(ops.row_keys(seed, step, rows), temperature,
+                                                               top_k, top_p))
+        out = model.generate(input_ids=ids_n, attention_mask=am_n, **call_kw)
+        rows = examples[start : start + per_call]
+        parts.append(finish_rollout(out, ids_n, am_n, tokenizer, eos, [p for p in chunk for _ in range(n)],
+                                    [e for e in rows for _ in range(n)]))
+    if was_training:
+        model.train()
+    roll = collate(parts, tokenizer.pad_token_id)
+    roll.group_size = n
+    return roll
+
+
+class HFBackend:
+    """`generation.backend: hf`: sampling from the training model itself, so there is
+    nothing to synchronise after an optimizer step."""
+
+    def __init__(self, policy, tokenizer, gen_cfg, *, max_prompt_length: int | None, batch_size: int,
+                 seed: int | None = None, rank: int = 0):
+        self.policy, self.tokenizer, self.gen = policy, tokenizer, gen_cfg
+        self.max_prompt_length, self.batch_size = max_prompt_length, batch_size
+        self.seed = seed if getattr(gen_cfg, "seeded_sampling", False) else None
+        self.rank = rank
+
+    def generate(self, prompts: Sequence[str], *, n: int = 1, examples: Sequence[dict] | None = None,
+                 greedy: bool = False, max_new_tokens: int | None = None, batch_size: int | None = None,
+                 share_prompt: bool = True, step: int = 0) -> Rollout:
+        """`n` responses per prompt. Under several processes every rank holds an equal share
+        of the step's prompts, so this rank's rows start at rank × len(prompts) × n."""
+        g = self.gen
+        return generate(self.policy, self.tokenizer, prompts, n=n,
+                        max_new_tokens=max_new_tokens or g.max_new_tokens, min_new_tokens=g.min_new_tokens,
+                        temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, greedy=greedy,
+                        max_prompt_length=self.max_prompt_length, batch_size=batch_size or self.batch_size,
+                        examples=examples, share_prompt=share_prompt, seed=self.seed, step=step,
+                        row_offset=self.rank * len(prompts) * n)
+
+    def sync(self, policy, updates: int = 1) -> None:
+        return None

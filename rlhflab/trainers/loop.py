@@ -1,0 +1,366 @@
+"""The loop around every policy-optimisation method (PPO, GRPO, RLOO, REINFORCE++,
+Dr. GRPO, TRPO): set up once, then per step fresh prompts, the method's phases 1-5,
+then 6. log, evaluate, save.
+
+A method is its step function (`step(run, examples, step, timer) -> metrics`, the
+numbered phases in its own file) and a few facts: its config section, whether it has a
+critic, whether it needs the reference. Everything around it is here, once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from rlhflab import ops
+from rlhflab.config import save_effective_config
+from rlhflab.data.prompts import load_prompts, step_prompts
+from rlhflab.engine.dist import Dist, default_threads, init_dist
+from rlhflab.errors import UserError
+from rlhflab.engine.update import PPOMath, policy_update
+from rlhflab.evaluate import EvalResult, evaluate_policy, save_samples
+from rlhflab.metrics import MetricsLogger
+from rlhflab.models.checkpoint import prune_checkpoints, restore_trainer_state, rng_state, save_checkpoint
+from rlhflab.models.setup import CriticKind, PolicyModels, build_models
+from rlhflab.rewards import build_reward
+from rlhflab.rollout import Rollout, RolloutBackend, make_backend
+from rlhflab.trainers.common import (Timer, TrainResult, check_resume_dir, finish_run, format_metrics, last_eval,
+                                     log_step, make_doctor, make_optimization, prepare_output_dir, seed_everything,
+                                     set_threads)
+
+
+@dataclass
+class PolicyMethod:
+    """What the loop needs to know about a method."""
+
+    name: str                                   # the command and the config section, e.g. "grpo"
+    step: Callable[..., dict]                   # phases 1-5: (run, examples, step, timer) -> metrics
+    critic: CriticKind | None = None            # PPO: the configured model.critic; critic-free: None
+    need_reference: Callable[[object], bool] = lambda cfg: False
+    plot_groups: dict[str, list[str]] | None = None
+    optimizer_params: Callable[[object], list] | None = None  # what the optimizer trains (default: every trainable)
+
+
+@dataclass
+class RLRun:
+    """Everything a step function works with."""
+
+    cfg: object                 # the method's run config
+    sec: object                 # its method section (a PolicySection)
+    models: PolicyModels
+    backend: RolloutBackend
+    scorer: object
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    math: PPOMath = field(default_factory=PPOMath)
+    ptx: object | None = None   # rlhflab.data.ptx.PtxData when sec.ptx_coeff > 0
+    dist: Dist = field(default_factory=Dist)
+    train_model: torch.nn.Module | None = None  # models.actor as the strategy wraps it (itself in one process)
+
+    def ptx_batches(self, step: int):
+        return self.ptx.batches(step) if self.ptx is not None else None
+
+
+def score_responses(scorer, roll: Rollout, reward_cfg, device: torch.device) -> torch.Tensor:
+    """Sequence scores (B,): the reward sources, minus the missing-EOS penalty, clipped."""
+    scores = scorer.score(roll.prompts, roll.responses, roll.examples).float().to(device)  # (B,)
+    if reward_cfg.missing_eos_penalty:
+        scores = scores - reward_cfg.missing_eos_penalty * roll.hit_limit.float().to(device)
+    if reward_cfg.score_clip is not None:
+        scores = scores.clamp(-reward_cfg.score_clip, reward_cfg.score_clip)
+    return scores
+
+
+def broadcast_advantages(seq_advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """The same advantage on every response token: (B,), (B, T) -> (B, T), 0 on padding."""
+    if seq_advantages.dim() != 1 or seq_advantages.shape[0] != response_mask.shape[0]:
+        raise ValueError(f"advantages must be (B,) = ({response_mask.shape[0]},), "
+                         f"got {tuple(seq_advantages.shape)}")
+    return seq_advantages.float().unsqueeze(1) * response_mask.float()  # (B, T)
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, dist: Dist, shift_mean: bool = True) -> torch.Tensor:
+    """`ops.masked_whiten` over every rank's real tokens (two passes: the mean, then the
+    population variance around it, as one process computes them)."""
+    if not dist.distributed:
+        return ops.masked_whiten(x, mask, shift_mean=shift_mean)
+    m = mask.to(x.dtype)
+    count = max(dist.sum(float(m.sum())), 1.0)
+    mean = dist.sum(float((x * m).sum())) / count
+    var = dist.sum(float(((x - mean).square() * m).sum())) / count
+    return ops.masked_whiten(x, mask, shift_mean=shift_mean, mean=mean, var=var)
+
+
+def group_advantages(scores: torch.Tensor, group_size: int, scale: str, dist: Dist) -> torch.Tensor:
+    """`ops.group_advantages`; with scale "batch" the std is over every rank's scores."""
+    batch_std = None
+    if scale == "batch" and dist.distributed:
+        n = dist.sum(float(scores.numel()))
+        mean = dist.sum(float(scores.float().sum())) / n
+        batch_std = (dist.sum(float((scores.float() - mean).square().sum())) / max(n - 1, 1.0)) ** 0.5
+    return ops.group_advantages(scores, group_size, scale, batch_std=batch_std)
+
+
+def rollout_metrics(roll: Rollout, dist: Dist | None = None) -> dict[str, float]:
+    """Rewards, lengths and what the method put on the rollout (values, advantages, KL),
+    over the whole step: under several processes the per-response numbers are gathered
+    and the per-token means summed over ranks."""
+    dist = dist or Dist()
+    mask = roll.response_mask.float()
+    per_row = torch.stack([roll.scores.float().cpu(), mask.sum(-1).cpu(), roll.hit_limit.float().cpu()], 1)
+    per_row = torch.cat(dist.gather(per_row)) if dist.distributed else per_row       # (B_all, 3)
+    scores, lengths, hit_limit = per_row.unbind(1)
+
+    def token_mean(x: torch.Tensor) -> float:
+        return float(dist.sum(float((x * mask).sum())) / max(dist.sum(float(mask.sum())), 1.0))
+
+    out = {
+        "rollout/reward_mean": float(scores.mean()),
+        "rollout/reward_std": float(scores.std()) if len(roll) > 1 else 0.0,
+        "rollout/response_length": float(lengths.mean()),
+        "rollout/response_length_min": float(lengths.min()),
+        "rollout/response_length_max": float(lengths.max()),
+        "rollout/hit_limit_frac": float(hit_limit.mean()),
+    }
+    if roll.group_size > 1:  # groups whose rewards are all equal teach nothing (a group never straddles ranks)
+        groups = scores.view(-1, roll.group_size)
+        out["rollout/zero_spread_frac"] = float(((groups.max(1).values - groups.min(1).values) <= 1e-8)
+                                                .float().mean())
+    if roll.values is not None:
+        out["rollout/value_mean"] = token_mean(roll.values)
+    if roll.advantages is not None:
+        out["rollout/advantage_mean"] = token_mean(roll.advantages)
+        out["rollout/advantage_abs_mean"] = token_mean(roll.advantages.abs())
+    if roll.returns is not None:
+        out["rollout/return_mean"] = token_mean(roll.returns)
+    if roll.kl is not None:  # the estimator that is penalised, summed over a response, averaged
+        out["params/kl_to_ref"] = dist.mean(float((roll.kl * mask).sum(-1).mean()))
+    if getattr(roll, "sample_logprobs", None) is not None and roll.logprobs is not None:
+        out["rollout/logprob_gap"] = token_mean((roll.logprobs - roll.sample_logprobs).abs())
+    return out
+
+
+PLOT_GROUPS: dict[str, list[str]] = {
+    "reward": ["rollout/reward_mean", "eval/reward_mean", "eval/accuracy"],
+    "losses": ["loss/policy", "loss/value", "loss/kl", "loss/ptx", "loss/total"],
+    "entropy": ["loss/entropy"],
+    "kl": ["params/approx_kl", "params/kl_to_ref"],
+    "clipping": ["params/policy_clip_frac", "params/clip_frac_low", "params/clip_frac_high",
+                 "params/value_clip_frac"],
+    "grad_norm": ["params/grad_norm"],
+    "length": ["rollout/response_length"],
+    "zero_spread": ["rollout/zero_spread_frac"],
+    "values": ["rollout/value_mean", "rollout/return_mean"],
+    "time": ["time/generate", "time/score", "time/forward", "time/update"],
+    "lr": ["lr"],
+}
+
+
+def check_resume_world_size(folder: Path, world_size: int) -> None:
+    """A checkpoint resumes at the world size it was saved at (its random states and data
+    shards are per rank); another is refused before anything is touched."""
+    import json
+    meta = folder / "rlhflab.json"
+    saved = json.loads(meta.read_text()).get("world_size", 1) if meta.is_file() else 1
+    if saved != world_size:
+        raise UserError(f"--resume {folder}: saved by {saved} process(es), resumed by {world_size}; resume "
+                        f"with the same world size ({saved}), or start a new run from {folder} as the model")
+
+
+def check_world_size(sec, dist: Dist, key: str) -> None:
+    """Every global count a method's section sets must divide among the processes; a
+    one-line error before anything loads."""
+    if not dist.distributed:
+        return
+    dist.local(sec.rollout_size // sec.samples_per_prompt, f"{key}: prompts per step")
+    dist.local(sec.mini_batch_size, f"{key}.mini_batch_size")
+
+
+def build_run(cfg, method: PolicyMethod, *, resume_dir: Path | None = None, math_: PPOMath | None = None,
+              dist: Dist | None = None) -> RLRun:
+    """The models, sampler, reward, optimizer and schedule of a run (no disk writes);
+    under several processes the trained module is wrapped for the launcher's strategy."""
+    train_cfg, sec, dist = cfg.training, getattr(cfg, method.name), dist or Dist()
+    models = build_models(cfg.model, cfg.lora, train_cfg.device, need_reference=method.need_reference(cfg),
+                          critic=method.critic, resume_dir=resume_dir)
+    scorer = build_reward(cfg.reward, models.device)
+    params = (method.optimizer_params or (lambda actor: actor.trainable_parameters()))(models.actor)
+    optimizer, scheduler = make_optimization(params, sec, train_cfg.total_steps * sec.optimizer_steps_per_rollout())
+    train_model, optimizer = dist.prepare(models.actor, optimizer)
+    backend = make_backend(cfg.generation, models.policy, models.tokenizer,
+                           max_prompt_length=cfg.dataset.max_prompt_length, batch_size=sec.batch_size,
+                           seed=train_cfg.seed, rank=dist.rank)
+    ptx = None
+    if sec.ptx_coeff > 0:
+        from rlhflab.data.ptx import PtxData
+        ptx = PtxData.load(sec.ptx_data, models.tokenizer, prompt_template=cfg.dataset.prompt_template,
+                           use_chat_template=cfg.dataset.use_chat_template, batch_size=sec.ptx_batch_size,
+                           max_seq_length=cfg.dataset.max_prompt_length + cfg.generation.max_new_tokens,
+                           seed=train_cfg.seed * 1_009 + dist.rank, device=models.device)
+    return RLRun(cfg, sec, models, backend, scorer, optimizer, scheduler, math_ or PPOMath(), ptx, dist,
+                 train_model)
+
+
+def run_update(run: RLRun, roll: Rollout, step: int) -> dict[str, float]:
+    """5. update: the shared engine on the rollout's advantages."""
+    cfg = run.cfg
+    return policy_update(run.train_model or run.models.actor, run.optimizer, run.scheduler, roll, run.sec,
+                         temperature=cfg.generation.temperature, step=step, seed=cfg.training.seed,
+                         max_new_tokens=cfg.generation.max_new_tokens, math_=run.math, ptx=run.ptx_batches(step),
+                         dist=run.dist)
+
+
+def evaluate(run: RLRun, examples, out_dir: Path, step: int, quiet: bool = False, n_show: int = 2) -> dict:
+    """Greedy held-out evaluation; every sample saved to eval/step_N.jsonl, the first
+    `n_show` printed. Under several processes each rank decodes whole batches (batch i on
+    rank i mod N, so every batch is the one a single process would decode) and the main
+    process gathers them: the same numbers either way."""
+    cfg, dist = run.cfg, run.dist
+    size = cfg.training.eval_batch_size
+    batches = [examples[i : i + size] for i in range(0, len(examples), size)]
+    mine = [b for i, b in enumerate(batches) if i % dist.world_size == dist.rank]
+    parts = [evaluate_policy(run.models.policy, run.models.tokenizer, b, run.scorer,
+                             max_new_tokens=cfg.generation.max_new_tokens,
+                             max_prompt_length=cfg.dataset.max_prompt_length, batch_size=size).samples
+             for b in mine]
+    gathered = dist.gather(parts)                       # rank r holds batches r, r+N, r+2N, ...
+    samples = [s for i in range(len(batches)) for s in gathered[i % dist.world_size][i // dist.world_size]]
+    res = EvalResult.from_samples(samples)
+    if dist.is_main:
+        path = save_samples(res, out_dir / "eval" / f"step_{step}.jsonl")
+        if not quiet:
+            from tqdm import tqdm
+            when = "step 0 (before training)" if step == 0 else f"step {step}"
+            lines = [f"eval at {when}: " + format_metrics(res.metrics()) + f" (all samples: {path})"]
+            lines += [f"  {s['prompt']!r}\n    -> {s['response']!r}  score {s['score']:.2f}"
+                      for s in res.samples[:n_show]]
+            tqdm.write("\n".join(lines))
+    return res.metrics()
+
+
+def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None = None, effective=None,
+                        quiet: bool = False, math_: PPOMath | None = None) -> TrainResult:
+    """Set up, then per step: fresh prompts, the method's phases 1-5, then 6. log,
+    evaluate, save. Returns where the outputs went and the metric history.
+
+    Under several processes (`accelerate launch`, `torchrun`) each rank samples its share
+    of the step's prompts and the engine reduces what must be global; the main process
+    alone writes (config, metrics, plots, eval samples, checkpoints).
+    """
+    train_cfg, sec = cfg.training, getattr(cfg, method.name)
+    dist = init_dist(train_cfg.device)
+    check_world_size(sec, dist, method.name)
+    set_threads(train_cfg.num_threads or default_threads(dist, train_cfg.device))
+    resume_dir = check_resume_dir(resume)
+    if resume_dir is not None:
+        check_resume_world_size(resume_dir, dist.world_size)
+    out_dir = dist.on_main(lambda: prepare_output_dir(train_cfg.output_dir, resume=resume_dir is not None),
+                           Path(train_cfg.output_dir))
+    if dist.is_main:
+        save_effective_config(effective if effective is not None else cfg, out_dir)
+    seed_everything(train_cfg.seed)
+
+    run = build_run(cfg, method, resume_dir=resume_dir, math_=math_, dist=dist)
+    models, optimizer, scheduler = run.models, run.optimizer, run.scheduler
+    train_examples = load_prompts(cfg.dataset, models.tokenizer, "train")
+    eval_examples = load_prompts(cfg.dataset, models.tokenizer, "eval") if train_cfg.eval_interval else []
+    start_step = 0
+    if resume_dir is not None:
+        start_step = restore_trainer_state(resume_dir, optimizer, scheduler, rank=dist.rank)
+    elif dist.distributed:  # each rank its own random stream (the seeded sampler does not use it)
+        torch.manual_seed(train_cfg.seed * 1_000_003 + dist.rank)
+
+    doctor = make_doctor(cfg.logging.doctor, sec.max_grad_norm, f"{method.name}.{sec.KL_KNOB}") if dist.is_main else None
+    logger = None
+    if dist.is_main:
+        logger = MetricsLogger(out_dir, cfg.logging.report_to, cfg.logging.run_name, cfg.logging.wandb_project,
+                               config=dataclasses.asdict(cfg), resume=resume_dir is not None,
+                               resume_step=start_step if resume_dir is not None else None)
+    result = TrainResult(out_dir, out_dir / "final", unit="episodes", world_size=dist.world_size,
+                         is_main=dist.is_main)
+    if eval_examples and start_step == 0:
+        result.eval_before = evaluate(run, eval_examples, out_dir, 0, quiet)
+        if logger is not None:
+            logger.log(0, result.eval_before)
+
+    def save(folder: Path, step: int) -> None:
+        rng = dist.gather(rng_state())  # every rank's random state, for an exact resume
+        if dist.is_main:
+            save_checkpoint(folder, models.actor, models.tokenizer, optimizer=optimizer, scheduler=scheduler,
+                            step=step, extra={"method": method.name, "world_size": dist.world_size},
+                            rank_rng=rng if dist.distributed else None)
+        dist.barrier()
+
+    from tqdm import tqdm
+    bar = tqdm(range(start_step, train_cfg.total_steps), initial=start_step, total=train_cfg.total_steps,
+               disable=quiet or not cfg.logging.progress_bar or not dist.is_main, desc=method.name,
+               dynamic_ncols=True)
+    total_samples, total_seconds = 0, 0.0
+    for step_idx in bar:
+        step = step_idx + 1
+        timer = Timer()
+        t0 = time.perf_counter()
+        # Fresh prompts every step; the draw depends only on (seed, step), so a resume
+        # matches; each rank takes its contiguous share of them.
+        prompts = step_prompts(train_examples, sec.rollout_size // sec.samples_per_prompt, train_cfg.seed, step)
+        examples = dist.shard(prompts, f"{method.name}: prompts per step")
+        # 1-5. the method's phases: rollout, score, forward, advantages, update.
+        metrics = method.step(run, examples, step, timer)
+        run.backend.sync(models.policy, updates=sec.optimizer_steps_per_rollout())  # the sampler follows the update
+        seconds = time.perf_counter() - t0
+        total_samples += sec.rollout_size
+        total_seconds += seconds
+        # 6. log, evaluate, save.
+        metrics.update(timer.metrics())
+        metrics["time/step"] = seconds
+        metrics["perf/episodes_per_s"] = sec.rollout_size / seconds
+        if "time/generate" in metrics and "rollout/response_length" in metrics:
+            metrics["perf/tokens_per_s"] = (metrics["rollout/response_length"] * sec.rollout_size
+                                            / max(metrics["time/generate"], 1e-9))
+        if eval_examples and (step % train_cfg.eval_interval == 0 or step == train_cfg.total_steps):
+            metrics.update(evaluate(run, eval_examples, out_dir, step, quiet))
+        result.history.append({"step": step, **metrics})
+        if logger is not None:
+            log_step(logger, doctor, step, metrics)
+        postfix = {"reward": f"{metrics['rollout/reward_mean']:.3f}"}
+        if "params/kl_to_ref" in metrics:
+            postfix["kl"] = f"{metrics['params/kl_to_ref']:.3f}"
+        bar.set_postfix(**postfix)
+        if train_cfg.save_interval and step % train_cfg.save_interval == 0 and step < train_cfg.total_steps:
+            save(out_dir / f"step_{step}", step)
+            if dist.is_main:
+                prune_checkpoints(out_dir, train_cfg.keep_last_checkpoints)
+    bar.close()
+    save(result.final_dir, train_cfg.total_steps)
+    if dist.is_main:
+        finish_run(logger, out_dir, models.device, cfg.logging.plots, method.plot_groups or PLOT_GROUPS)
+    result.eval_after = last_eval(result.history)
+    result.samples_per_s = total_samples / total_seconds if total_seconds else 0.0
+    result.models = models
+    return result
+
+
+# --------------------------------------------------------------------------------------
+# The command line of a policy method
+# --------------------------------------------------------------------------------------
+def add_policy_parser(parser, command: str, example: str) -> None:
+    """`rlhflab <command> --config FILE [--resume DIR] [key=value ...]`."""
+    stem = command.replace("-", "_")
+    parser.add_argument("--config", required=True, help=f"YAML config, e.g. configs/{stem}_debug.yaml "
+                                                        f"(every key: rlhflab config show {command})")
+    parser.add_argument("--resume", default=None, help="continue from a step_N/ checkpoint folder")
+    parser.add_argument("overrides", nargs="*", help=f"dotted overrides, e.g. {example}")
+
+
+def run_policy_command(args, schema, train) -> int:
+    """Load the config (file, then overrides), train, report."""
+    from rlhflab.config import load_config
+
+    cfg, effective = load_config(args.config, schema, args.overrides)
+    train(cfg, resume=args.resume, effective=effective).report()
+    return 0

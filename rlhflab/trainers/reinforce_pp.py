@@ -1,0 +1,124 @@
+"""REINFORCE++: `rlhflab reinforce-pp --config configs/reinforce_pp_debug.yaml [key=value ...]`.
+
+REINFORCE++ (Hu, 2025) keeps PPO's token-level KL penalty in the reward and its
+clipped update, and drops the critic: the advantage of a token is the return of the
+KL-shaped rewards from that token on, whitened over the whole batch (every token of
+every response, on every process), not relative to a group.
+
+    r_t = −kl_coeff · KL_t(π‖π_ref)  (+ the score on the last token)
+    A_t = whiten_batch( Σ_{s ≥ t} γ^{s−t} r_s )
+
+One step (phase 6 is `rlhflab.trainers.loop`, phase 5 the shared engine):
+
+    1. rollout      `n_samples` responses per prompt (1: plain REINFORCE++)
+    2. score        the reward of each response
+    3. forward      the sampling policy's and the reference's log-probs; KL-shaped rewards
+    4. advantages   discounted returns, whitened over the batch; with
+                    `baseline: group_mean` (REINFORCE++-baseline) each score first has its
+                    group's mean subtracted
+    5. update       the clipped surrogate of the engine; no value loss
+
+Departure: the KL is k2 by default (½(log π − log π_ref)²: non-negative, so the shaped
+reward never pays the policy for moving away).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from rlhflab import ops
+from rlhflab.config.schema import (DatasetConfig, GenerationConfig, GroupSection, KLKind, LoggingConfig,
+                                   LoRAConfig, ModelConfig, RewardConfig, TrainingConfig, check_reference, f)
+from rlhflab.trainers.common import Timer, TrainResult
+from rlhflab.trainers.grpo import sample_and_score
+from rlhflab.trainers.loop import (PolicyMethod, RLRun, add_policy_parser, rollout_metrics, run_policy_command,
+                                   run_policy_training, run_update, whiten)
+
+
+@dataclass
+class ReinforcePPSection(GroupSection):
+    """REINFORCE++ settings (the rollout, optimizer and update fields are the engine's)."""
+
+    KL_KNOB = "kl_coeff"
+
+    n_samples: int = f(1, "responses sampled per prompt (more than 1 for the group_mean baseline)", gt=0)
+    kl_coeff: float = f(0.01, "weight of the per-token KL penalty in the reward; 0 loads no reference", ge=0)
+    kl_estimator: KLKind = f("k2", "per-token KL estimator in the reward")
+    gamma: float = f(1.0, "discount of the returns", ge=0, le=1)
+    baseline: Literal["none", "group_mean"] = f(
+        "none", "group_mean subtracts each prompt's mean score first (REINFORCE++-baseline; needs n_samples > 1)")
+
+    @property
+    def samples_per_prompt(self) -> int:
+        return self.n_samples
+
+    def check(self) -> list[str]:
+        errs = super().check()
+        if self.baseline == "group_mean" and self.n_samples < 2:
+            errs.append("baseline: group_mean needs n_samples >= 2 responses per prompt; raise n_samples or use none")
+        return errs
+
+
+@dataclass
+class ReinforcePPRunConfig:
+    """`rlhflab reinforce-pp`: every section of a REINFORCE++ run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    reinforce_pp: ReinforcePPSection = field(default_factory=ReinforcePPSection)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def check(self) -> list[str]:
+        return check_reference(self.model, self.lora, self.reinforce_pp.kl_coeff, "reinforce_pp.kl_coeff")
+
+
+def reinforce_pp_advantages(scores, logprobs, ref_logprobs, response_mask, sec, dist) -> tuple:
+    """Phase 4: (advantages (B, T), kl (B, T)) from scores (B,) and the two log-probs."""
+    if sec.baseline == "group_mean":
+        groups = scores.float().view(-1, sec.n_samples)                                # (P, k)
+        scores = (groups - groups.mean(1, keepdim=True)).reshape(-1)
+    ref = ref_logprobs if ref_logprobs is not None else logprobs
+    rewards, kl = ops.kl_shaped_rewards(scores, logprobs, ref, response_mask, sec.kl_coeff,
+                                        sec.kl_estimator)                               # (B, T) each
+    returns = ops.discounted_returns(rewards, response_mask, sec.gamma)                 # (B, T)
+    return whiten(returns, response_mask, dist), kl
+
+
+def reinforce_pp_step(run: RLRun, examples, step: int, timer: Timer) -> dict[str, float]:
+    """Phases 1-5 of one REINFORCE++ step; returns its metrics."""
+    sec = run.sec
+    # 1-3. rollout, score, the sampling policy's and the reference's log-probs.
+    roll = sample_and_score(run, examples, timer, step, kl_in_reward=True)
+    # 4. advantages: returns of the KL-shaped rewards, whitened over the whole batch.
+    roll.advantages, roll.kl = reinforce_pp_advantages(roll.scores, roll.logprobs, roll.ref_logprobs,
+                                                       roll.response_mask, sec, run.dist)
+    # 5. update: the KL is in the reward, so none in the loss.
+    with timer("update"):
+        upd = run_update(run, roll, step)
+    return {**rollout_metrics(roll, run.dist), **upd}
+
+
+def method(cfg: ReinforcePPRunConfig) -> PolicyMethod:
+    return PolicyMethod("reinforce_pp", reinforce_pp_step,
+                        need_reference=lambda c: c.reinforce_pp.kl_coeff > 0 and c.model.reference != "none")
+
+
+def train(cfg: ReinforcePPRunConfig, resume: str | Path | None = None, effective=None,
+          quiet: bool = False) -> TrainResult:
+    """Run REINFORCE++ as configured."""
+    return run_policy_training(cfg, method(cfg), resume=resume, effective=effective, quiet=quiet)
+
+
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    add_policy_parser(parser, "reinforce-pp", "reinforce_pp.kl_coeff=0.02")
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_policy_command(args, ReinforcePPRunConfig, train)

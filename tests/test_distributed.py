@@ -1,0 +1,126 @@
+"""Several processes equal one: 2 CPU processes (gloo, `accelerate launch` with
+configs/accelerate/cpu_2proc.yaml) against 1 process, from the same seed and prompts.
+
+The runs use seeded sampling (`generation.seeded_sampling`), so each response is the same
+whichever process samples it, and settings where every optimizer step sees the whole
+batch (mini_batch_size x gradient_accumulation_steps = the rollout), so the minibatches
+hold the same rows in both runs; what is left to differ is float summation order. The
+parameters after training must agree within 1e-5 while the step moved them by far more.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+# RLHFLAB_ACCELERATE_CONFIG=configs/accelerate/fsdp.yaml runs the same checks under another
+# strategy on a machine that has it (docs/scaling.md); CI uses the 2-process CPU config.
+CONFIG = os.environ.get("RLHFLAB_ACCELERATE_CONFIG", str(ROOT / "configs" / "accelerate" / "cpu_2proc.yaml"))
+LAUNCH = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", CONFIG, "-m", "rlhflab"]
+REWARD = "def length_mod3(prompt, response, example):\n    return float(len(response) % 3)\n"
+
+pytestmark = pytest.mark.slow
+
+
+def _env(tmp_path: Path) -> dict:
+    (tmp_path / "dist_rewards.py").write_text(REWARD)  # a reward that differs inside a group
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(tmp_path),
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def _run(args: list[str], env: dict, processes: int) -> subprocess.CompletedProcess:
+    cmd = (LAUNCH if processes == 2 else [sys.executable, "-m", "rlhflab"]) + args
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def _common(model: Path, task: Path) -> list[str]:
+    return [f"model.name_or_path={model}", f"dataset.path={task / 'train.jsonl'}",
+            f"dataset.eval_path={task / 'test.jsonl'}", "generation.seeded_sampling=true",
+            "generation.max_new_tokens=6", "training.eval_interval=0", "training.save_interval=0",
+            "logging.progress_bar=false", "logging.plots=false", "reward.sources=[{type: rule, name: 'dist_rewards:length_mod3'}]"]
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    out = load_file(str(folder / "model.safetensors"))
+    if (folder / "value_head.safetensors").exists():
+        out.update({f"value_head.{k}": v for k, v in load_file(str(folder / "value_head.safetensors")).items()})
+    return out
+
+
+def _assert_equal_and_moved(one: Path, two: Path, start: Path) -> None:
+    a, b, s = _weights(one / "final"), _weights(two / "final"), _weights(start)
+    assert a.keys() == b.keys()
+    gap = max(float((a[k] - b[k]).abs().max()) for k in a)
+    moved = max(float((a[k] - s[k]).abs().max()) for k in s)
+    assert gap <= 1e-5, f"1 process and 2 processes differ by {gap}"
+    assert moved > 20 * max(gap, 1e-6), f"training moved the weights by only {moved}"
+    assert "value_head.summary.weight" not in a or (one / "final" / "value_head.safetensors").exists()
+
+
+@pytest.mark.parametrize("method, settings", [
+    ("ppo", ["ppo.rollout_samples=32", "ppo.batch_size=16", "ppo.mini_batch_size=8",
+             "ppo.gradient_accumulation_steps=4", "ppo.epochs=2", "ppo.kl_coeff=0.1"]),
+    ("grpo", ["grpo.prompts_per_step=8", "grpo.group_size=4", "grpo.batch_size=16", "grpo.mini_batch_size=8",
+              "grpo.gradient_accumulation_steps=4", "grpo.epochs=2", "grpo.beta=0.1",
+              "grpo.advantage_scale=batch"]),
+])
+def test_two_processes_equal_one(method, settings, tiny_model_dir, arith_dir, tmp_path):
+    env = _env(tmp_path)
+    args = [method, "--config", str(ROOT / "configs" / f"{method}_debug.yaml"), *_common(tiny_model_dir, arith_dir),
+            "training.total_steps=1", *settings]
+    _run([*args, f"training.output_dir={tmp_path / 'one'}"], env, 1)
+    _run([*args, f"training.output_dir={tmp_path / 'two'}"], env, 2)
+    _assert_equal_and_moved(tmp_path / "one", tmp_path / "two", tiny_model_dir)
+    one = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    two = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    # The step's statistics are global: the same rewards, and the same losses up to rounding.
+    for key in ("rollout/reward_mean", "rollout/reward_std", "rollout/response_length"):
+        assert one[0][key] == pytest.approx(two[0][key], abs=1e-6), key
+    for key in ("loss/policy", "loss/total", "loss/entropy", "params/grad_norm"):
+        assert one[0][key] == pytest.approx(two[0][key], rel=1e-3, abs=1e-6), key
+    assert json.loads((tmp_path / "two" / "train_result.json").read_text())["world_size"] == 2
+    assert json.loads((tmp_path / "one" / "train_result.json").read_text())["world_size"] == 1
+
+
+def test_ppo_debug_end_to_end_on_two_processes_and_resume(tiny_model_dir, arith_dir, tmp_path):
+    env = _env(tmp_path)
+    out = tmp_path / "run"
+    args = ["ppo", "--config", str(ROOT / "configs" / "ppo_debug.yaml"), *_common(tiny_model_dir, arith_dir),
+            "training.total_steps=3", "training.save_interval=1", "training.eval_interval=3",
+            "dataset.num_eval_samples=8", f"training.output_dir={out}"]
+    res = _run(args, env, 2)
+    assert res.stdout.count("done: ") == 1                       # one process reports
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]             # each row once
+    assert json.loads((out / "train_result.json").read_text())["world_size"] == 2
+    for name in ("effective_config.yaml", "step_1", "step_2", "final/config.json", "eval/step_0.jsonl",
+                 "eval/step_3.jsonl"):
+        assert (out / name).exists(), name
+    assert len((out / "eval" / "step_3.jsonl").read_text().splitlines()) == 8  # every eval row once
+    state = torch.load(out / "step_2" / "trainer_state.pt", weights_only=False)
+    assert len(state["rank_rng"]) == 2
+    # Resume from step_2/ at 2 processes into a fresh folder: the final weights equal the
+    # uninterrupted run's, and the metrics continue from step 3.
+    again = tmp_path / "again"
+    _run([*args[:-1], f"training.output_dir={again}", "--resume", str(out / "step_2")], env, 2)
+    a, b = _weights(out / "final"), _weights(again / "final")
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0
+    assert [json.loads(x)["step"] for x in (again / "metrics.jsonl").read_text().splitlines()] == [3]
+    # At another world size the resume is refused before anything is written.
+    other = tmp_path / "other"
+    refused = subprocess.run([sys.executable, "-m", "rlhflab", *args[:-1], f"training.output_dir={other}",
+                              "--resume", str(out / "step_2")], env=env, capture_output=True, text=True)
+    assert refused.returncode == 2 and not other.exists()
+    assert "world size" in refused.stderr and "Traceback" not in refused.stderr
