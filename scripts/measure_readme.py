@@ -119,7 +119,7 @@ def accuracy_after_sft_with(threads: int, out: Path) -> float:
     folder = out / f"threads_{threads}"
     shutil.rmtree(folder, ignore_errors=True)
     run([*rlhflab_command(), "quickstart", "--out", str(folder), "--threads", str(threads),
-         "training.total_ppo_steps=1"], out / f"threads_{threads}.log")
+         "training.total_steps=1"], out / f"threads_{threads}.log")
     return json.loads((folder / "summary.json").read_text())["accuracy_before"]
 
 

@@ -31,7 +31,7 @@ VOLATILE = ("time/", "perf/")  # wall-clock metrics differ between any two runs
 def _args(method: str, model: Path, data: Path, out: Path) -> list[str]:
     common = [f"model.name_or_path={model}", f"dataset.path={data / 'train.jsonl'}",
               f"dataset.eval_path={data / 'test.jsonl'}", f"training.output_dir={out}",
-              f"training.total_ppo_steps={STEPS}", "training.save_interval=1", f"training.eval_interval={STEPS}",
+              f"training.total_steps={STEPS}", "training.save_interval=1", f"training.eval_interval={STEPS}",
               "generation.max_new_tokens=8", "dataset.num_eval_samples=8", "logging.progress_bar=false",
               "logging.plots=false", "logging.doctor=false", "training.num_threads=1"]
     if method == "ppo":

@@ -12,21 +12,21 @@ import torch
 
 from rlhflab import cli
 from rlhflab.errors import UserError
+from rlhflab.models.actor_critic import PolicyOnly
 from rlhflab.models.checkpoint import (STATE_FILE, check_resume, latest_checkpoint, recorded_layout,
                                        save_checkpoint)
 from rlhflab.trainers import ppo
 from rlhflab.trainers.common import make_optimizer
-from rlhflab.trainers.policy_gradient import PolicyOnly
 
 
 @pytest.fixture
 def ppo_run(ppo_cfg, tmp_path):
     """A run folder with two PPO checkpoints (value head, no LoRA), step_1/ and step_2/."""
     models = ppo.build_models(ppo_cfg())
-    opt = make_optimizer(models.actor_critic.trainable_parameters(), 1e-3)
+    opt = make_optimizer(models.actor.trainable_parameters(), 1e-3)
     run = tmp_path / "run"
     for step in (1, 2):
-        save_checkpoint(run / f"step_{step}", models.actor_critic, models.tokenizer, optimizer=opt, step=step,
+        save_checkpoint(run / f"step_{step}", models.actor, models.tokenizer, optimizer=opt, step=step,
                         method="ppo")
     return run
 
@@ -87,8 +87,8 @@ def test_world_size_and_separate_critic_files(ppo_run, ppo_cfg, tmp_path):
     with pytest.raises(UserError, match="saved by a run of 1 processes and this run has 4"):
         check_resume(ppo_run / "step_2", method="ppo", lora=False, critic="value_head", world_size=4)
     models = ppo.build_models(ppo_cfg("model.critic=separate"))
-    opt = make_optimizer(models.actor_critic.trainable_parameters(), 1e-3)
-    folder = save_checkpoint(tmp_path / "sep" / "step_1", models.actor_critic, models.tokenizer, optimizer=opt,
+    opt = make_optimizer(models.actor.trainable_parameters(), 1e-3)
+    folder = save_checkpoint(tmp_path / "sep" / "step_1", models.actor, models.tokenizer, optimizer=opt,
                              step=1, method="ppo")
     check_resume(folder, method="ppo", lora=False, critic="separate")
     shutil.rmtree(folder / "critic")
@@ -98,7 +98,7 @@ def test_world_size_and_separate_critic_files(ppo_run, ppo_cfg, tmp_path):
 
 def test_critic_free_checkpoint_records_none(ppo_cfg, tmp_path):
     models = ppo.build_models(ppo_cfg())
-    actor = PolicyOnly(models.actor_critic.policy)
+    actor = PolicyOnly(models.actor.policy)
     opt = make_optimizer(actor.trainable_parameters(), 1e-3)
     folder = save_checkpoint(tmp_path / "step_1", actor, models.tokenizer, optimizer=opt, step=1, method="grpo")
     assert json.loads((folder / "rlhflab.json").read_text())["critic"] == "none"

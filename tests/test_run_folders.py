@@ -128,7 +128,7 @@ def test_second_sft_run_is_refused_and_a_failed_one_touches_nothing(tiny_sft_rm_
 def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(ppo_cfg, tmp_path, monkeypatch):
     models = ppo.build_models(ppo_cfg())
     run = tmp_path / "run"
-    save_checkpoint(run / "step_2", models.actor_critic, models.tokenizer, step=2, method="ppo")
+    save_checkpoint(run / "step_2", models.actor, models.tokenizer, step=2, method="ppo")
     before = tree(run)
 
     def full(*args, **kwargs):
@@ -138,7 +138,7 @@ def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(p
     for target, kept in ((run / "step_4", f"the previous checkpoint {run / 'step_2'} is intact"),
                          (run / "step_2", "the previous step_2/ is intact")):
         with pytest.raises(UserError) as err:
-            save_checkpoint(target, models.actor_critic, models.tokenizer, step=4, method="ppo")
+            save_checkpoint(target, models.actor, models.tokenizer, step=4, method="ppo")
         msg = str(err.value)
         assert msg.startswith(f"cannot save the checkpoint {target}: No space left on device; free some disk space")
         assert kept in msg and "\n" not in msg
