@@ -40,6 +40,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def rlhflab_command() -> list[str]:
+    """$RLHFLAB (split like a shell would) when set, else the repo's .venv/bin/rlhflab, else
+    this Python's `-m rlhflab` (scripts/find_rlhflab.sh picks the same way)."""
+    import shlex
+
+    if os.environ.get("RLHFLAB"):
+        return shlex.split(os.environ["RLHFLAB"])
     venv = ROOT / ".venv" / "bin" / "rlhflab"
     return [str(venv)] if venv.exists() else [sys.executable, "-m", "rlhflab"]
 
@@ -174,7 +180,7 @@ def main() -> None:
     args = ap.parse_args()
     out = (ROOT / args.out) if not Path(args.out).is_absolute() else Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"machine: {os.cpu_count()} CPUs, load average {load():.1f} at the start; "
+    print(f"rlhflab: {' '.join(rlhflab_command())}; machine: {os.cpu_count()} CPUs, load average {load():.1f} at the start; "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset: the CLI sets PASSIVE)')}")
 
     quick = []
