@@ -284,3 +284,23 @@ def test_ppo_with_learning_rate_1e9_is_one_line(tiny_model_dir, arith_dir, tmp_p
     assert "lower ppo.learning_rate" in line
     for folder in checkpoint_steps(out):
         assert _finite_forward(folder), folder
+
+
+@pytest.mark.slow
+def test_grpo_with_learning_rate_1e9_is_one_line_and_keeps_no_exploded_checkpoint(tiny_model_dir, arith_dir,
+                                                                                   tmp_path, capsys):
+    # Before: `probability tensor contains either inf, nan` inside sampling at step 2, and a
+    # step_1/ of exploded weights. Now the weights are checked after every update.
+    out = tmp_path / "grpo"
+    rc = cli.main(["grpo", "--config", str(ROOT / "configs" / "grpo_debug.yaml"), f"model.name_or_path={tiny_model_dir}",
+                   f"dataset.path={arith_dir / 'train.jsonl'}", f"dataset.eval_path={arith_dir / 'test.jsonl'}",
+                   f"training.output_dir={out}", "generation.max_new_tokens=8", "grpo.prompts_per_step=4",
+                   "grpo.mini_batch_size=8", "grpo.learning_rate=1e9", "training.eval_interval=0",
+                   "training.save_interval=1", "logging.progress_bar=false", "logging.plots=false",
+                   "reward.sources=[{type: rule, name: gsm8k_lenient}]", "training.num_threads=1"])
+    err = capsys.readouterr().err
+    line = last_line(err)
+    assert rc == 2 and "Traceback" not in err
+    assert line.startswith("error: step ") and "training diverged" in line and "lower grpo.learning_rate" in line
+    for folder in checkpoint_steps(out):
+        assert _finite_forward(folder), folder

@@ -285,7 +285,7 @@ def make_probe_batch(tokenizer, texts: list[str], device: torch.device | str) ->
     return {"input_ids": enc["input_ids"].to(device), "attention_mask": enc["attention_mask"].to(device)}
 
 
-def _diverged(step: int, what: str, knob: str, lr: float | None) -> TrainingDiverged:
+def diverged(step: int, what: str, knob: str, lr: float | None) -> TrainingDiverged:
     now = f" (now {lr:g})" if lr is not None else ""
     return TrainingDiverged(f"step {step}: training diverged ({what}); lower {knob}{now}, or clip harder "
                             f"with a smaller max_grad_norm; no checkpoint with non-finite weights was saved")
@@ -298,7 +298,7 @@ def check_finite_step(step: int, *, loss: float | None = None, grad_norm: float 
     never reaches the weights. `knob` is the config key to lower (e.g. sft.learning_rate)."""
     for name, value in (("loss", loss), ("gradient norm", grad_norm)):
         if value is not None and not math.isfinite(float(value)):
-            raise _diverged(step, f"the {name} is {float(value)}", knob, lr)
+            raise diverged(step, f"the {name} is {float(value)}", knob, lr)
 
 
 @torch.no_grad()
@@ -316,7 +316,7 @@ def check_finite_model(model: torch.nn.Module, probe_batch: dict[str, torch.Tens
         model.train(was_training)
     if not bool(torch.isfinite(logits).all()):
         bad = int((~torch.isfinite(logits)).sum())
-        raise _diverged(step, f"the model's forward pass gives {bad} non-finite logits on a probe batch, "
+        raise diverged(step, f"the model's forward pass gives {bad} non-finite logits on a probe batch, "
                               f"so this step is not saved", knob, lr)
 
 
