@@ -28,7 +28,7 @@ from rlhflab.data.arith import PROMPT_TEMPLATE  # the task's template; eval and 
 
 # torch threads of every stage. Fixed, not the machine's core count (nor OMP_NUM_THREADS): a
 # matrix product sums in an order that depends on the thread count, and 400 SFT steps turn
-# that rounding into another model (held-out accuracy after SFT: 23.0% with 2 threads, 22.5%
+# that rounding into another model (held-out accuracy after SFT: 30.5% with 2 threads, 28.5%
 # with 1; scripts/measure_readme.py). With a fixed count the figures do not move between machines.
 THREADS = 2
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole pipeline on a tiny local model, offline, on CPU (195-250 s on this project's shared
+# The whole pipeline on a tiny local model, offline, on CPU (167-191 s on this project's shared
 # 2-core machine; scripts/measure_readme.py measures it):
 #   make-tiny -> make-data -> SFT (policy, sloppy demonstrations) -> SFT (judge, worked solutions)
 #   -> preference pairs -> reward model on the judge -> PPO of the policy on the reward model
