@@ -142,3 +142,30 @@ def test_dpo_resume_checks_before_touching_the_run(tiny_model_dir, arith_dir, tm
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert rc == 2 and "truncated or corrupt" in err and "Traceback" not in err
     assert _tree(out) == before
+
+
+@pytest.mark.slow
+def test_mismatched_resumes_from_the_command_line_touch_nothing(tiny_model_dir, arith_dir, tmp_path, capsys):
+    """A PPO checkpoint resumed by grpo, or with LoRA switched on: one line each, exit 2,
+    and the run folder is byte-identical afterwards."""
+    from rlhflab import cli
+
+    out = tmp_path / "run"
+    common = [f"model.name_or_path={tiny_model_dir}", f"dataset.path={arith_dir / 'train.jsonl'}",
+              f"dataset.eval_path={arith_dir / 'test.jsonl'}", f"training.output_dir={out}",
+              "generation.max_new_tokens=6", "training.eval_interval=0", "logging.progress_bar=false",
+              "logging.plots=false", "training.num_threads=1"]
+    assert cli.main(["ppo", "--config", "configs/ppo_debug.yaml", *common, "training.total_steps=2",
+                     "training.save_interval=1", "ppo.rollout_samples=8", "ppo.batch_size=8",
+                     "ppo.mini_batch_size=4"]) == 0
+    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    capsys.readouterr()
+    for argv, says in (
+            (["grpo", "--config", "configs/grpo_debug.yaml", *common], "this is a ppo checkpoint"),
+            (["ppo", "--config", "configs/ppo_debug.yaml", *common, "lora.enabled=true",
+              "model.reference=lora_disabled"], "lora.enabled=false")):
+        assert cli.main([*argv, "--resume", str(out / "step_1")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: ") and says in err, err
+    after = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    assert after == before

@@ -44,6 +44,7 @@ class PolicyMethod:
     need_reference: Callable[[object], bool] = lambda cfg: False
     plot_groups: dict[str, list[str]] | None = None
     optimizer_params: Callable[[object], list] | None = None  # what the optimizer trains (default: every trainable)
+    step_knob: str = "learning_rate"  # the section key a diverging run is told to lower
 
 
 @dataclass
@@ -281,7 +282,7 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
         if logger is not None:
             logger.log(0, result.eval_before)
 
-    knob = f"{method.name}.learning_rate"
+    knob = f"{method.name}.{method.step_knob}"
     probe = make_probe_batch(models.tokenizer, [e.prompt for e in train_examples[:4]], models.device)
 
     def save(folder: Path, step: int) -> None:
