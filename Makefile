@@ -30,7 +30,14 @@ quickstart: $(STAMP)
 	$(VENV)/bin/rlhflab quickstart
 
 ## README command 2: the whole test suite (slow end-to-end cases included).
+## As root with apt-get and no Chromium, the browser test installs Debian's chromium and
+## chromium-driver (RLHFLAB_NO_APT=1 skips that test instead).
 test: $(STAMP)
+	@if [ "$$(id -u)" = 0 ] && [ -z "$$RLHFLAB_NO_APT" ] && command -v apt-get >/dev/null && \
+	   ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null; then \
+	  echo "note: no Chromium here and running as root: the browser test will install chromium and"; \
+	  echo "      chromium-driver with apt-get (about 100 MB). Set RLHFLAB_NO_APT=1 to skip that test instead."; \
+	fi
 	$(PY) -m pytest -q
 
 ## Unit tests only, for a quick loop while editing.

@@ -547,6 +547,14 @@ def format_report(result: dict, summary: dict[str, dict]) -> str:
                   f"(on CPU seconds {ratio(r['eps_per_cpu_s'], t['eps_per_cpu_s']):.2f}); "
                   f"memory ratio <= 0.70: {ratio(r['ppo_peak_mb'], t['ppo_peak_mb']):.2f} "
                   f"(tensor count {ratio(r.get('tensor_peak_mb', nan), t.get('tensor_peak_mb', nan)):.2f})"]
+    if "rlhflab-critic" in summary and "trl" in summary:
+        # The headline compares rlhflab's default (one model, a value head) with TRL, whose PPO
+        # always trains a separate value model; this row does the same work as TRL.
+        c, t = summary["rlhflab-critic"], summary["trl"]
+        lines += [f"like for like (rlhflab with a separate critic, two models as TRL): speed ratio "
+                  f"{ratio(c['eps_per_s'], t['eps_per_s']):.2f} (on CPU seconds "
+                  f"{ratio(c['eps_per_cpu_s'], t['eps_per_cpu_s']):.2f}); memory ratio "
+                  f"{ratio(c['ppo_peak_mb'], t['ppo_peak_mb']):.2f}"]
     return "\n".join(lines)
 
 

@@ -71,14 +71,39 @@ def main(argv: list[str] | None = None) -> int:
     # Hugging Face's per-file "Loading weights" bars drown our own progress output; a user
     # who wants them back sets HF_HUB_DISABLE_PROGRESS_BARS=0.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # Idle OpenMP threads sleep instead of spinning (set before torch loads; an explicit
+    # OMP_WAIT_POLICY wins). On a shared CPU the spinning threads take the cores the working
+    # ones need: bench/omp_wait_policy.py measured SFT steps 3.6-17x slower without it on this
+    # project's busy 2-core machine, and never faster (docs/quickstart.md).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     module = importlib.import_module(COMMANDS[name][0])
     parser = argparse.ArgumentParser(prog=f"rlhflab {name}", description=COMMANDS[name][1])
     module.add_parser(parser)
+    from rlhflab.config.cli import SCHEMAS  # names only: imports nothing heavy
+
+    if name in SCHEMAS:  # a command with a config: say where its keys are listed
+        keys = (f"config keys: `rlhflab config show {name}` lists every key of the config with its type, "
+                f"default and help; `rlhflab config resolve {name} --config FILE` prints the merged config.")
+        parser.epilog = f"{parser.epilog}\n\n{keys}" if parser.epilog else keys
     args = parser.parse_args(argv[1:])
     try:
         rc = module.run(args)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except FloatingPointError as exc:  # a loop that checks finiteness itself (older RL loops)
+        print(f"error: training diverged: {exc}; lower {name}.learning_rate, or clip harder with a "
+              f"smaller {name}.max_grad_norm", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        from rlhflab.files import is_disk_error
+
+        if not is_disk_error(exc):
+            raise
+        # A full disk or a folder we may not write: the machine, not a bug; no traceback.
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"error: {where}{exc.strerror}; free some disk space or fix the folder's permissions, "
+              "then run again", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -438,6 +438,12 @@ def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
             continue
         if "step" not in row:
             row = {"step": len(records), **row}
+        step = row["step"]
+        if isinstance(step, float) and math.isfinite(step) and step.is_integer():
+            row["step"] = step = int(step)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            notes.append(f"line {i}: step {json.dumps(step)[:20]} is not a whole number >= 0; skipped")
+            continue
         records.append(row)
     return records, notes
 
@@ -569,8 +575,12 @@ def diagnose(records: Sequence[dict[str, Any]], config: DoctorConfig | None = No
 
 def format_report(doctor: Doctor, source: str, n_records: int, notes: Sequence[str] = ()) -> str:
     """One line per rule: OK, n/a (not enough data), or WARN/STOP with the first step."""
-    lines = [f"doctor: {source}: {n_records} rows, last step {doctor.last_step}"]
-    lines += [f"  note: {n}" for n in notes]
+    skipped = f" ({len(notes)} malformed or incomplete rows skipped)" if notes else ""
+    lines = [f"doctor: {source}: {n_records} rows{skipped}, last step {doctor.last_step}"]
+    shown = 5  # a file full of bad lines: the first few, then the count
+    lines += [f"  note: {n}" for n in notes[:shown]]
+    if len(notes) > shown:
+        lines.append(f"  note: ... and {len(notes) - shown} more")
     width = max(len(r.name) for r in doctor.rules)
     for rule in doctor.rules:
         name = rule.name.ljust(width)

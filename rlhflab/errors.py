@@ -12,3 +12,11 @@ class UserError(Exception):
 
 class ConfigError(UserError):
     """A config file or override is invalid (unknown key, wrong type, out of range)."""
+
+
+class TrainingDiverged(UserError):
+    """The loss, the gradient norm or the model's forward pass stopped being finite.
+
+    The message names the step and the knob to turn (usually the learning rate); the
+    newest checkpoint on disk is one whose forward pass was checked finite.
+    """

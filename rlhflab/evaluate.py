@@ -140,9 +140,15 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", required=True, help="jsonl/json/parquet/csv of held-out rows")
     parser.add_argument("--prompt-field", default="question")
     parser.add_argument("--answer-field", default="answer", help="copied into example['answer'] for the checks")
-    parser.add_argument("--template", default="Question: {prompt}\nAnswer:")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--limit", type=int, default=None)
+    from rlhflab.data.arith import PROMPT_TEMPLATE
+
+    parser.add_argument("--template", default=PROMPT_TEMPLATE,
+                        help="how a question is shown to the model; {prompt} is replaced (default: the "
+                             "arithmetic task's, %(default)r)")
+    from rlhflab.cliargs import count
+
+    parser.add_argument("--max-new-tokens", type=count(), default=32, help="longest answer (default: %(default)s)")
+    parser.add_argument("--limit", type=count(), default=None, help="first N rows only (default: all)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--reward", default="gsm8k",
                         help="reward: a registered rule (gsm8k), module:function or path/to/file.py:function")

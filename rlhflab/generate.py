@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from rlhflab.errors import UserError
+from rlhflab.files import iter_lines, read_json
 
 
 def read_prompt_file(path: str | Path, field: str | None = None) -> list[str]:
@@ -29,7 +30,7 @@ def read_prompt_file(path: str | Path, field: str | None = None) -> list[str]:
     if path.suffix == ".txt":
         if not path.is_file():
             raise UserError(f"--prompts {path}: no such file")
-        return [line for line in path.read_text().splitlines() if line.strip()]
+        return [line for _, line in iter_lines(path) if line.strip()]
     rows = read_rows(str(path))
     prompts = []
     for i, row in enumerate(rows):
@@ -57,7 +58,7 @@ def load_any(name_or_path: str, device: str = "cpu", torch_dtype: str = "float32
     path = Path(name_or_path)
     if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
         from peft import PeftModel
-        base_name = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        base_name = read_json(path / "adapter_config.json").get("base_model_name_or_path")
         if not base_name:
             raise UserError(f"{path}/adapter_config.json names no base_model_name_or_path; "
                             "give the merged model folder instead")
@@ -115,19 +116,26 @@ def render(rows: list[dict], width: int = 100) -> str:
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
+    from rlhflab.cliargs import count, number, seed
+    from rlhflab.data.arith import PROMPT_TEMPLATE
+
     parser.add_argument("--model", action="append", required=True,
                         help="model folder, hub name or LoRA adapter folder; repeat to compare models")
     parser.add_argument("--prompt", action="append", default=[], help="a prompt; may be repeated")
     parser.add_argument("--prompts", default=None, help=".txt (a prompt per line) or a dataset file")
     parser.add_argument("--prompt-field", default=None, help="field holding the prompt in --prompts rows")
-    parser.add_argument("--template", default="{prompt}", help='e.g. "Question: {prompt}\\nAnswer:"')
+    parser.add_argument("--template", default=PROMPT_TEMPLATE,
+                        help="how a prompt is shown to the model, {prompt} replaced; the same default as "
+                             "`rlhflab eval` (%(default)r); '{prompt}' sends prompts as they are")
     parser.add_argument("--chat", action="store_true", help="wrap prompts with each tokenizer's chat template")
-    parser.add_argument("--limit", type=int, default=5, help="first N prompts of --prompts")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--limit", type=count(), default=5, help="first N prompts of --prompts (default: %(default)s)")
+    parser.add_argument("--max-new-tokens", type=count(), default=64, help="longest response (default: %(default)s)")
     parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=number(0.0, lo_open=True), default=1.0,
+                        help="sampling temperature, > 0 (with --sample; default: %(default)s)")
+    parser.add_argument("--top-p", type=number(0.0, 1.0, lo_open=True), default=1.0,
+                        help="nucleus sampling mass in (0, 1] (with --sample; default: %(default)s)")
+    parser.add_argument("--seed", type=seed(), default=0, help="sampling seed (default: %(default)s)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default=None, help="also write the rows to this jsonl file")
 

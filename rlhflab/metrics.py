@@ -37,19 +37,19 @@ class MetricsLogger:
     def __init__(self, out_dir: str | Path, report_to: Iterable[str] = (), run_name: str | None = None,
                  wandb_project: str = "rlhflab", config: dict | None = None, resume: bool = False,
                  resume_step: int | None = None):
-        """`resume` appends to an existing metrics.jsonl; with `resume_step` (the step of the
-        checkpoint resumed from) rows of later steps, logged before the run stopped and about
-        to be redone, are dropped first, so each step appears once."""
+        """`resume` appends to an existing metrics.jsonl. Rows of steps after the checkpoint
+        resumed from were logged before the run stopped and are about to be redone, so they
+        are dropped, and each step appears once: those after `resume_step` at once when it
+        is given, else those from the first step this logger logs onwards (on its first
+        `log` call)."""
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / "metrics.jsonl"
         if not resume and self.path.exists():
             self.path.unlink()
-        if resume and resume_step is not None and self.path.exists():
-            keep = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
-            tmp.replace(self.path)
+        self._drop_from: bool = resume and resume_step is None  # decided by the first log()
+        if resume and resume_step is not None:
+            self._keep_before(resume_step + 1)
         self._fh = self.path.open("a")
         self._tb = None
         self._wandb = None
@@ -70,7 +70,20 @@ class MetricsLogger:
                     continue
                 self._wandb = wandb.init(project=wandb_project, name=name, config=config or {})
 
+    def _keep_before(self, step: int) -> None:
+        """Rewrite metrics.jsonl without the rows of `step` and later (and a cut last line)."""
+        if self.path.exists():
+            keep = [r for r in read_metrics(self.path) if r.get("step", 0) < step]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+            tmp.replace(self.path)
+
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if self._drop_from:  # resumed without resume_step: the first step logged is the first redone
+            self._fh.close()
+            self._keep_before(step)
+            self._fh = self.path.open("a")
+            self._drop_from = False
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self._fh.write(json.dumps(row) + "\n")
         self._fh.flush()
@@ -92,7 +105,7 @@ class MetricsLogger:
 def read_metrics(path: str | Path) -> list[dict]:
     """Rows of a metrics.jsonl; a partial last line (a run still writing) is skipped."""
     rows = []
-    for line in Path(path).read_text().splitlines():
+    for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:

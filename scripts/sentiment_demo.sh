@@ -4,7 +4,7 @@
 #   -> before/after: the classifier's score and the lexicon's positive-rate (a held-out check)
 #   -> the classifier on a few hand-written continuations.
 # Usage: scripts/sentiment_demo.sh [OUT] [SEED]     (OUT defaults to outputs/sentiment, where
-#        configs/ppo_sentiment.yaml looks; SEED to 0)
+#        configs/ppo_sentiment.yaml looks; SEED to 0; a re-run replaces the runs in OUT)
 #        HACK=1 scripts/sentiment_demo.sh [OUT] [SEED]   adds stage 7: PPO without the KL penalty for
 #        40 steps, then `rlhflab doctor` on it: the policy learns to game the classifier.
 set -euo pipefail
@@ -22,17 +22,17 @@ $RLHFLAB make-reviews --out "$OUT/reviews" --seed "$SEED"
 echo "== 2. the reward: a sentiment classifier trained on labelled sentences"
 $RLHFLAB classifier --config configs/classifier_debug.yaml model.name_or_path="$OUT/tiny-model" \
   data.path="$OUT/reviews/labelled_train.jsonl" data.eval_path="$OUT/reviews/labelled_test.jsonl" \
-  training.output_dir="$OUT/classifier" training.seed="$SEED" logging.progress_bar=false
+  training.output_dir="$OUT/classifier" training.seed="$SEED" training.overwrite=true logging.progress_bar=false
 
 echo "== 3. the policy: SFT on review continuations from a grumpy critic (mostly negative)"
 $RLHFLAB sft --config configs/sft_sentiment.yaml model.name_or_path="$OUT/tiny-model" \
-  data.path="$OUT/reviews/sft.jsonl" training.output_dir="$OUT/sft" training.seed="$SEED" logging.progress_bar=false
+  data.path="$OUT/reviews/sft.jsonl" training.output_dir="$OUT/sft" training.seed="$SEED" training.overwrite=true logging.progress_bar=false
 
 echo "== 4. PPO toward positive, rewarded by the classifier; the lexicon check logged beside it"
 $RLHFLAB ppo --config configs/ppo_sentiment.yaml model.name_or_path="$OUT/sft/final" \
   dataset.path="$OUT/reviews/prompts_train.jsonl" dataset.eval_path="$OUT/reviews/prompts_test.jsonl" \
   "reward.sources=[{type: classifier, path: $OUT/classifier/final, label: POSITIVE, text: response}]" \
-  training.output_dir="$OUT/ppo" training.seed="$SEED" logging.progress_bar=false
+  training.output_dir="$OUT/ppo" training.seed="$SEED" training.overwrite=true logging.progress_bar=false
 
 echo "== 5. before and after PPO, 200 held-out openings, greedy"
 $PYTHON - "$OUT/ppo/metrics.jsonl" <<'PY'
@@ -59,7 +59,7 @@ if [ "${HACK:-0}" = 1 ]; then
   $RLHFLAB ppo --config configs/ppo_sentiment.yaml model.name_or_path="$OUT/sft/final" \
     dataset.path="$OUT/reviews/prompts_train.jsonl" dataset.eval_path="$OUT/reviews/prompts_test.jsonl" \
     "reward.sources=[{type: classifier, path: $OUT/classifier/final, label: POSITIVE, text: response}]" \
-    training.output_dir="$OUT/ppo_kl0" training.seed="$SEED" ppo.kl_coeff=0 training.total_steps=40 \
+    training.output_dir="$OUT/ppo_kl0" training.seed="$SEED" training.overwrite=true ppo.kl_coeff=0 training.total_steps=40 \
     training.eval_interval=10 logging.progress_bar=false | grep -E "^eval at|^    -> |doctor"
   $RLHFLAB doctor "$OUT/ppo_kl0" --no-plot || true   # exits 1 when a rule fired
 fi

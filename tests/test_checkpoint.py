@@ -37,7 +37,8 @@ def test_checkpoint_contents_and_overwrite(ppo_cfg, tmp_path):
     opt = make_optimizer(ac.trainable_parameters(), 1e-3)
     ac.forward_response(*_batch(models)).values.sum().backward()
     opt.step()
-    folder = save_checkpoint(tmp_path / "step_3", ac, models.tokenizer, optimizer=opt, step=3, extra={"note": "x"})
+    folder = save_checkpoint(tmp_path / "step_3", ac, models.tokenizer, optimizer=opt, step=3, extra={"note": "x"},
+                             method="ppo")
     names = {p.name for p in folder.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "value_head.safetensors",
             "trainer_state.pt", "rlhflab.json"} <= names
@@ -48,7 +49,10 @@ def test_checkpoint_contents_and_overwrite(ppo_cfg, tmp_path):
     assert saved.keys() == live.keys()
     for k in live:
         assert torch.equal(saved[k]["exp_avg"], live[k]["exp_avg"])
-    assert json.loads((folder / "rlhflab.json").read_text()) == {"step": 3, "note": "x"}
+    # The layout a resume must match is recorded in both places (check_resume reads it).
+    layout = {"method": "ppo", "lora": False, "critic": "value_head", "world_size": 1}
+    assert state["layout"] == layout
+    assert json.loads((folder / "rlhflab.json").read_text()) == {"step": 3, **layout, "note": "x"}
     # Saving again over it replaces it and leaves no .tmp/.old sibling.
     save_checkpoint(tmp_path / "step_3", ac, models.tokenizer, step=4)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3"]

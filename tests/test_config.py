@@ -20,13 +20,15 @@ def _write(tmp_path: Path, name: str, text: str) -> Path:
 
 
 def _errors(path, overrides=None) -> list[str]:
-    """The lines of the ConfigError raised by loading `path`; each must be one line naming the file."""
+    """The lines of the ConfigError raised by loading `path`; each must be one line naming
+    where its key was set: the command-line override that set it, else the file."""
     with pytest.raises(ConfigError) as info:
         load_config(path, PPORunConfig, overrides)
     lines = str(info.value).splitlines()
     assert lines
     for line in lines:
-        assert line.startswith(f"{path}: "), line
+        if not any(line.startswith(f"command line ({o}): ") for o in overrides or []):
+            assert line.startswith(f"{path}: "), line
     return lines
 
 

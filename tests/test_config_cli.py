@@ -74,8 +74,9 @@ def test_bad_config_prints_error_and_exits_2(capsys, tmp_path):
     captured = capsys.readouterr()
     assert captured.out == ""
     lines = captured.err.splitlines()
-    assert lines[0] == f"error: {DEBUG}: ppo.kl_coef: unknown key; did you mean ppo.kl_coeff?"
-    assert lines[1] == f"{DEBUG}: ppo.clip_eps: must be < 1, got 1.5"
+    # Each key is reported where it was set: on the command line, not in the file.
+    assert lines[0] == "error: command line (ppo.kl_coef=0.1): ppo.kl_coef: unknown key; did you mean ppo.kl_coeff?"
+    assert lines[1] == "command line (ppo.clip_eps=1.5): ppo.clip_eps: must be < 1, got 1.5"
     assert "Traceback" not in captured.err
     # YAML syntax error and missing file: also `error: ...`, exit 2
     broken = tmp_path / "broken.yaml"

@@ -123,4 +123,4 @@ def test_ppo_debug_end_to_end_on_two_processes_and_resume(tiny_model_dir, arith_
     refused = subprocess.run([sys.executable, "-m", "rlhflab", *args[:-1], f"training.output_dir={other}",
                               "--resume", str(out / "step_2")], env=env, capture_output=True, text=True)
     assert refused.returncode == 2 and not other.exists()
-    assert "world size" in refused.stderr and "Traceback" not in refused.stderr
+    assert "saved by a run of 2 processes and this run has 1" in refused.stderr and "Traceback" not in refused.stderr

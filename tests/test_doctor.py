@@ -300,7 +300,7 @@ def test_cli_reports_a_sick_run_and_writes_the_plot(tmp_path, capsys):
     rc = main(["doctor", str(run_dir)])
     out = capsys.readouterr().out
     assert rc == 1
-    assert "40 rows, last step 39" in out
+    assert "40 rows (1 malformed or incomplete rows skipped), last step 39" in out
     assert "line 41 is incomplete" in out
     line = next(l for l in out.splitlines() if "policy_clip_frac" in l)
     assert line.strip().startswith("WARN") and "first at step 11 (cleared since)" in line

@@ -2,7 +2,8 @@
 
 Chromium is found on PATH (or $RLHFLAB_CHROMIUM / $RLHFLAB_CHROMEDRIVER); when it is
 missing and we are root with apt-get, the test installs Debian's `chromium` and
-`chromium-driver`. It skips, saying why, only when neither works. Set
+`chromium-driver`, saying so on the terminal (RLHFLAB_NO_APT=1 skips the test instead). It
+skips, saying why, only when neither works. Set
 $RLHFLAB_SCREENSHOT_DIR to keep a screenshot of the page.
 """
 
@@ -33,14 +34,26 @@ def _which_browser() -> tuple[str | None, str | None]:
     return browser, driver
 
 
-def _find_or_install_chromium() -> tuple[str, str]:
+def announce(request, line: str) -> None:
+    """Print `line` on the terminal now, past pytest's output capture: an install by apt-get
+    must not happen silently."""
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        print(f"\n{line}", flush=True)
+
+
+def _find_or_install_chromium(request) -> tuple[str, str]:
     browser, driver = _which_browser()
     if browser and driver:
         return browser, driver
+    if os.environ.get("RLHFLAB_NO_APT"):
+        pytest.skip("headless Chromium not found and RLHFLAB_NO_APT is set: not installing it")
     if not (hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("apt-get")):
         pytest.skip("headless Chromium not found and cannot be installed here (needs root and "
                     "apt-get): run `apt-get install chromium chromium-driver`, or set "
                     "RLHFLAB_CHROMIUM and RLHFLAB_CHROMEDRIVER")
+    announce(request, "test_label_browser: installing chromium and chromium-driver with apt-get "
+                      "(as root, none found; RLHFLAB_NO_APT=1 skips this test instead) ...")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     log = []
     for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "chromium", "chromium-driver"]):
@@ -59,9 +72,9 @@ def _find_or_install_chromium() -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def chromium_paths():
+def chromium_paths(request):
     pytest.importorskip("selenium", reason="pip install selenium (it is in rlhflab's test extra)")
-    return _find_or_install_chromium()
+    return _find_or_install_chromium(request)
 
 
 @pytest.fixture
@@ -216,19 +229,29 @@ def test_long_markdown_response_stays_readable(driver, tmp_path):
         server.stop()
 
 
-def test_missing_chromium_without_root_skips_with_instructions(monkeypatch):
+def test_missing_chromium_without_root_skips_with_instructions(monkeypatch, request):
     monkeypatch.delenv("RLHFLAB_CHROMIUM", raising=False)
     monkeypatch.delenv("RLHFLAB_CHROMEDRIVER", raising=False)
+    monkeypatch.delenv("RLHFLAB_NO_APT", raising=False)
     monkeypatch.setattr(shutil, "which", lambda name: None)
     monkeypatch.setattr(os, "geteuid", lambda: 1000, raising=False)
     with pytest.raises(pytest.skip.Exception, match="apt-get install chromium chromium-driver"):
-        _find_or_install_chromium()
+        _find_or_install_chromium(request)
+    # As root, RLHFLAB_NO_APT=1 skips instead of installing.
+    monkeypatch.setattr(os, "geteuid", lambda: 0, raising=False)
+    monkeypatch.setenv("RLHFLAB_NO_APT", "1")
+    with pytest.raises(pytest.skip.Exception, match="RLHFLAB_NO_APT"):
+        _find_or_install_chromium(request)
 
 
-def test_missing_chromium_as_root_is_installed_with_apt(monkeypatch):
+def test_missing_chromium_as_root_is_installed_with_apt(monkeypatch, request):
+    import test_label_browser as this
+
     monkeypatch.delenv("RLHFLAB_CHROMIUM", raising=False)
     monkeypatch.delenv("RLHFLAB_CHROMEDRIVER", raising=False)
-    installed = []
+    monkeypatch.delenv("RLHFLAB_NO_APT", raising=False)
+    installed, said = [], []
+    monkeypatch.setattr(this, "announce", lambda request, line: said.append((line, list(installed))))
     paths = {"chromium": "/usr/bin/chromium", "chromedriver": "/usr/bin/chromedriver",
              "apt-get": "/usr/bin/apt-get"}
     monkeypatch.setattr(shutil, "which",
@@ -240,5 +263,8 @@ def test_missing_chromium_as_root_is_installed_with_apt(monkeypatch):
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
     monkeypatch.setattr(subprocess, "run", fake_run)
-    assert _find_or_install_chromium() == ("/usr/bin/chromium", "/usr/bin/chromedriver")
+    assert _find_or_install_chromium(request) == ("/usr/bin/chromium", "/usr/bin/chromedriver")
     assert installed == [["apt-get", "update"], ["apt-get", "install", "-y", "chromium", "chromium-driver"]]
+    # The install was announced on the terminal before apt-get ran.
+    assert len(said) == 1 and "installing chromium and chromium-driver with apt-get" in said[0][0]
+    assert said[0][1] == []

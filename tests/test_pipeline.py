@@ -159,7 +159,7 @@ def test_documented_sequence_runs_offline_through_the_cli(tmp_path):
 def test_the_script_lists_the_same_stages():
     script = (ROOT / "scripts" / "pipeline_debug.sh").read_text()
     stages = ["make-tiny", "make-data", "sft --config configs/sft_debug.yaml", "arith/sft.jsonl",
-              "sft --config configs/sft_debug.yaml", "arith/train.jsonl", "rlhflab.data.preferences",
+              "sft --config configs/sft_debug.yaml", "arith/train.jsonl", "make-prefs",
               "rm --config configs/rm_debug.yaml", "sft_judge/final", "ppo --config configs/ppo_rm_debug.yaml",
               "generate"]
     at = 0

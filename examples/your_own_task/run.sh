@@ -2,7 +2,8 @@
 # Your own task end to end: word reversal ("cat" -> "tac"), offline, on CPU (about 5 minutes on 2 cores).
 #   data -> make-tiny (byte-level tokenizer) -> SFT on sloppy demonstrations -> PPO and GRPO with
 #   my_rewards.py -> held-out accuracy of each model by my_rewards:exact.
-# Usage: examples/your_own_task/run.sh [SEED]     (everything is written under examples/your_own_task/outputs)
+# Usage: examples/your_own_task/run.sh [SEED]     (everything is written under examples/your_own_task/outputs;
+#        a re-run replaces that seed's runs)
 set -euo pipefail
 SEED="${1:-0}"
 RLHFLAB="${RLHFLAB:-rlhflab}"
@@ -19,12 +20,12 @@ echo "== 2. a tiny model whose tokenizer is byte-level: --vocab-size 258 leaves 
 $RLHFLAB make-tiny --out "$OUT/tiny-model" --vocab-size 258 --seed "$SEED"
 echo "== 3. SFT warm start"
 $RLHFLAB sft --config sft.yaml model.name_or_path="$OUT/tiny-model" training.output_dir="$OUT/sft" \
-  training.seed="$SEED" logging.progress_bar=false
+  training.seed="$SEED" training.overwrite=true logging.progress_bar=false
 echo "== 4. PPO and GRPO from the same warm start, the same 20 x 64 completions"
 $RLHFLAB ppo --config ppo.yaml model.name_or_path="$OUT/sft/final" training.output_dir="$OUT/ppo" \
-  training.seed="$SEED" logging.progress_bar=false
+  training.seed="$SEED" training.overwrite=true logging.progress_bar=false
 $RLHFLAB grpo --config grpo.yaml model.name_or_path="$OUT/sft/final" training.output_dir="$OUT/grpo" \
-  training.seed="$SEED" logging.progress_bar=false
+  training.seed="$SEED" training.overwrite=true logging.progress_bar=false
 echo "== 5. held-out greedy accuracy (my_rewards:exact) of each model"
 for stage in sft ppo grpo; do
   acc=$($RLHFLAB eval --model "$OUT/$stage/final" "${EVAL[@]}" | awk '/^accuracy/ {print $2}')

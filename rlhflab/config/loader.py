@@ -23,6 +23,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rlhflab.errors import ConfigError
+from rlhflab.files import check_utf8
 
 T = TypeVar("T")
 
@@ -59,6 +60,7 @@ def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> DictConfig:
     if not path.is_file():
         where = f" (named in defaults of {chain[-1]})" if chain else ""
         raise ConfigError(f"{path}: config file not found{where}; check the path")
+    check_utf8(path)  # a Latin-1 byte: the file, line and byte, not a YAML reader's traceback
     try:
         node = OmegaConf.load(path)
     except Exception as exc:  # yaml.YAMLError and friends: say where, not a traceback
@@ -82,11 +84,41 @@ def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> DictConfig:
     return _merge(merged, _rename_aliases(node, str(path)), f"{path} onto its defaults")
 
 
+def _kind(node: Any) -> str | None:
+    if isinstance(node, (DictConfig, dict)):
+        return "mapping"
+    if isinstance(node, (ListConfig, list, tuple)):
+        return "list"
+    return None
+
+
+def clash_key(base: Any, top: Any, prefix: str = "") -> tuple[str, str, str] | None:
+    """The first dotted key that is a list on one side and a mapping on the other, with
+    the two kinds (base's, top's); None when there is no such key."""
+    kb, kt = _kind(base), _kind(top)
+    if kb and kt and kb != kt:
+        return prefix or "<top level>", kb, kt
+    if kb == kt == "mapping":
+        for key in top:
+            if key in base:
+                found = clash_key(base[key], top[key], f"{prefix}.{key}" if prefix else str(key))
+                if found:
+                    return found
+    return None
+
+
 def _merge(base: DictConfig, top: DictConfig, what: str) -> DictConfig:
-    """OmegaConf.merge, with a list-vs-mapping clash reported as a ConfigError."""
+    """OmegaConf.merge, with a list-vs-mapping clash reported as a ConfigError naming the key."""
     try:
         return OmegaConf.merge(base, top)
     except (OmegaConfBaseException, TypeError, ValueError) as exc:
+        clash = clash_key(base, top)
+        if clash is not None:
+            key, was, now = clash
+            how = (f"give the whole list, e.g. {key}=[...] (a list is replaced whole, as in "
+                   f"reward.sources=[{{name: gsm8k}}])" if was == "list" else
+                   f"set its keys, e.g. {key}.some_key=value (a mapping is merged key by key)")
+            raise ConfigError(f"{what}: cannot merge a {now} onto the {was} at {key}; {how}") from None
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(
             f"{what}: cannot merge ({msg}); a key that is a list or mapping in one must be the "
@@ -300,11 +332,22 @@ def load_config(
     errors: list[str] = []
     obj = _build(schema, resolved or {}, "", errors)
     if errors:
-        raise ConfigError("\n".join(f"{where}: {e}" for e in errors))
+        raise ConfigError("\n".join(f"{_origin(e, where, overrides or [])}: {e}" for e in errors))
     if path is not None:
         fill_plugin_dirs(obj, Path(path).resolve().parent)
     effective = OmegaConf.create(dataclasses.asdict(obj))
     return obj, effective
+
+
+def _origin(error: str, where: str, overrides: list[str]) -> str:
+    """Where the key of `error` ("key: message") was set: the command-line override that
+    holds it, or else the config file."""
+    key = error.split(": ", 1)[0]
+    for item in reversed(overrides):  # the last override of a key is the one that counts
+        okey = item.split("=", 1)[0].strip()
+        if key == okey or key.startswith((okey + ".", okey + "[")) or okey.startswith(key + "."):
+            return f"command line ({item})"
+    return where
 
 
 def save_effective_config(cfg: Any, out_dir: str | Path) -> Path:

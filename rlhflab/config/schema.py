@@ -322,6 +322,8 @@ class TrainingConfig:
     """The run: length, device, seeds, outputs."""
 
     output_dir: str = f("outputs/run", "folder for effective_config.yaml, metrics, step_N/, final/")
+    overwrite: bool = f(False, "start over in an output_dir that holds another run (its outputs are removed "
+                               "once the model has loaded); false refuses it")
     device: Device = f("auto", "cpu, cuda, or auto (cuda when present)")
     seed: int = f(42, "seed for torch, numpy, random and the prompt shuffles")
     total_steps: int = f(100, "number of steps: rollout+update (RL methods), optimizer steps (DPO)", gt=0)

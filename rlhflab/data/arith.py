@@ -36,6 +36,15 @@ SUB_TEMPLATES = [
 ]
 
 
+# How the task's questions are shown to the model: `rlhflab eval` and `rlhflab generate` default to
+# it, and the quickstart and the debug configs use it.
+PROMPT_TEMPLATE = "Question: {prompt}\nAnswer:"
+
+# Distinct problems: (100 additions + 55 subtractions) x 3 sentences x 20 names x 10 items, about
+# 93,000; drawing more than about half of them by rejection gets slow, so a request is capped.
+MAX_PROBLEMS = 50_000
+
+
 def make_problem(rng: random.Random) -> dict:
     """One problem: {"question", "answer", "a", "b", "op", "result"}."""
     op = rng.choice("+-")
@@ -101,20 +110,24 @@ def write_task(out_dir: str | Path, n_train: int = 2000, n_test: int = 200, seed
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
+    from rlhflab.cliargs import count, number, seed
+
     parser.add_argument("--out", default="outputs/arith",
                         help="output folder for train.jsonl, test.jsonl and sft.jsonl (default: %(default)s)")
-    parser.add_argument("--n-train", type=int, default=2000, help="training problems (default: %(default)s)")
-    parser.add_argument("--n-test", type=int, default=200,
+    parser.add_argument("--n-train", type=count(1, MAX_PROBLEMS), default=2000,
+                        help="training problems, also the SFT demonstrations (default: %(default)s)")
+    parser.add_argument("--n-test", type=count(1, MAX_PROBLEMS), default=200,
                         help="held-out problems, none also in training (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the problems (default: %(default)s)")
-    parser.add_argument("--wrong-rate", type=float, default=0.6,
+    parser.add_argument("--seed", type=seed(), default=0, help="seed of the problems (default: %(default)s)")
+    parser.add_argument("--wrong-rate", type=number(0.0, 1.0), default=0.6,
                         help="fraction of SFT demonstrations whose answer is off by one (default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
     from rlhflab.errors import UserError
-    if not 0.0 <= args.wrong_rate <= 1.0:
-        raise UserError(f"--wrong-rate {args.wrong_rate}: must be between 0 and 1")
+    if args.n_train + args.n_test > MAX_PROBLEMS:
+        raise UserError(f"--n-train {args.n_train} + --n-test {args.n_test}: the task has about 93,000 distinct "
+                        f"problems and draws at most {MAX_PROBLEMS:,} in all; ask for fewer")
     paths = write_task(args.out, args.n_train, args.n_test, args.seed, args.wrong_rate)
     for name, path in paths.items():
         print(f"{name:>5}: {path}")

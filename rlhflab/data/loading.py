@@ -1,32 +1,26 @@
 """Read dataset rows from a local file (jsonl, json, parquet, csv) or a `datasets` hub name.
 
-Rows come back as a list of plain dicts. A missing file, an unreadable line or a
-missing field is a `UserError` naming the file, the row and the fix.
+Rows come back as a list of plain dicts. A missing file, an unreadable line (not JSON,
+or not UTF-8: `rlhflab.files`) or a missing field is a `UserError` naming the file, the
+row and the fix.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from rlhflab.errors import UserError
+from rlhflab.files import check_utf8, iter_jsonl, read_json
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 
 def _read_jsonl(path: Path) -> list[dict]:
     rows = []
-    with path.open() as fh:
-        for i, line in enumerate(fh):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{path}: line {i + 1} is not valid JSON ({exc.msg}); fix or remove it") from None
-            if not isinstance(row, dict):
-                raise UserError(f"{path}: line {i + 1} is a {type(row).__name__}, expected a JSON object")
-            rows.append(row)
+    for lineno, row in iter_jsonl(path, "fix or remove it"):
+        if not isinstance(row, dict):
+            raise UserError(f"{path}: line {lineno} is a {type(row).__name__}, expected a JSON object")
+        rows.append(row)
     return rows
 
 
@@ -40,10 +34,7 @@ def read_rows(path_or_name: str, split: str = "train", subset: str | None = None
         if path.suffix == ".jsonl":
             return _read_jsonl(path)
         if path.suffix == ".json":
-            try:
-                data = json.loads(path.read_text())
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{path}: not valid JSON ({exc.msg}) at line {exc.lineno}") from None
+            data = read_json(path)
             if isinstance(data, dict) and "data" in data:
                 data = data["data"]
             if not isinstance(data, list):
@@ -52,6 +43,8 @@ def read_rows(path_or_name: str, split: str = "train", subset: str | None = None
         if path.suffix in (".parquet", ".csv"):
             import datasets
             kind = "parquet" if path.suffix == ".parquet" else "csv"
+            if kind == "csv":
+                check_utf8(path)  # else a UnicodeDecodeError from deep inside the csv reader
             return [dict(r) for r in datasets.load_dataset(kind, data_files=str(path), split="train")]
         raise UserError(f"{path}: unknown file type {path.suffix!r}; use .jsonl, .json, .parquet or .csv")
     try:

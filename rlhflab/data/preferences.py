@@ -286,10 +286,16 @@ def add_parser(parser) -> None:
                         help="sample this model on --data's train/test questions and label its answers "
                              "with the GSM8K checker; without it, write synthetic pairs")
     parser.add_argument("--data", default="outputs/arith", help="folder with train.jsonl and test.jsonl (with --policy)")
-    parser.add_argument("--samples", type=int, default=4, help="responses sampled per prompt (with --policy)")
-    parser.add_argument("--n-train", type=int, default=2000)
-    parser.add_argument("--n-test", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=0)
+    from rlhflab.cliargs import count, seed
+    from rlhflab.data.arith import MAX_PROBLEMS
+
+    parser.add_argument("--samples", type=count(2), default=4,
+                        help="responses sampled per prompt, at least 2 to make a pair (with --policy; default: %(default)s)")
+    parser.add_argument("--n-train", type=count(1, MAX_PROBLEMS), default=2000,
+                        help="training pairs (synthetic) or problems sampled (with --policy; default: %(default)s)")
+    parser.add_argument("--n-test", type=count(1, MAX_PROBLEMS), default=200,
+                        help="held-out pairs or problems (default: %(default)s)")
+    parser.add_argument("--seed", type=seed(), default=0, help="seed (default: %(default)s)")
 
 
 def run(args) -> int:

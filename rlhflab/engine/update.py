@@ -22,6 +22,7 @@ processes the count is the global one (`engine.dist`), so N processes equal one.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, NamedTuple
 
@@ -207,6 +208,8 @@ def update_group(actor, minibatches: list[MiniBatch], optimizer, params: list, s
         stats.append(st)
     max_norm = sec.max_grad_norm if sec.max_grad_norm is not None else float("inf")
     grad_norm = dist.clip_grad_norm_(params, max_norm)  # the norm before clipping
+    if not math.isfinite(grad_norm):  # a non-finite gradient never reaches the weights
+        raise FloatingPointError(f"the gradient norm is {grad_norm}")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, stats

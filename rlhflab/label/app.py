@@ -78,6 +78,18 @@ def _int(body: dict, key: str, lo: int | None = None, hi: int | None = None) -> 
     return value
 
 
+SQLITE_INT = (-(2**63), 2**63 - 1)  # the integers SQLite can store; an id outside cannot exist
+
+
+def _pair_id(body: dict) -> int:
+    """The request's pair_id: an integer; one SQLite cannot hold is a pair that does not
+    exist (404), not an overflow inside the query (500)."""
+    value = _int(body, "pair_id")
+    if not SQLITE_INT[0] <= value <= SQLITE_INT[1]:
+        raise Rejected(404, f"pair {value} does not exist; ask /api/next for a pair")
+    return value
+
+
 def _submission_id(body: dict) -> str:
     value = body.get("submission_id")
     if not isinstance(value, str) or not SUBMISSION_ID.fullmatch(value):
@@ -98,11 +110,12 @@ def _check_keys(body: dict, allowed: set[str]) -> None:
 def load_annotator_tokens(path: str | Path) -> dict[str, str]:
     """Read {"name": "token", ...}; returns token -> name."""
     from rlhflab.errors import UserError
+    from rlhflab.files import read_json
 
     path = Path(path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
+        data = read_json(path)
+    except (OSError, UserError) as exc:
         raise UserError(f"--annotator-tokens {path}: cannot read a JSON object ({exc}); "
                         'write {"alice": "token-for-alice", ...}') from None
     if not isinstance(data, dict) or not data:
@@ -306,7 +319,7 @@ def create_app(db_path: str | Path, *, token: str | None = None,
             elapsed = _int(body, "elapsed_ms", 0, 7 * 24 * 3600 * 1000)
         label = LabelIn(
             submission_id=_submission_id(body), annotator=_who(body.get("annotator")),
-            pair_id=_int(body, "pair_id"), level=_int(body, "level", 1, 5),
+            pair_id=_pair_id(body), level=_int(body, "level", 1, 5),
             comment=comment, criteria=tuple(dict.fromkeys(picked)), flipped=flipped,
             elapsed_ms=elapsed)
         stored = labeldb.submit_label(conn(), label)
@@ -317,7 +330,7 @@ def create_app(db_path: str | Path, *, token: str | None = None,
         body = _json_body()
         _check_keys(body, {"submission_id", "annotator", "pair_id"})
         stored = labeldb.submit_skip(conn(), _submission_id(body), _who(body.get("annotator")),
-                                     _int(body, "pair_id"))
+                                     _pair_id(body))
         return jsonify(stored=stored.stored, skip_id=stored.id), 201 if stored.stored else 200
 
     @app.get("/api/stats")

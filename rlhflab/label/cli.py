@@ -22,6 +22,8 @@ from rlhflab.label import CRITERIA
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
+    # The numbers of these subcommands are range-checked where they are used: --n by the
+    # `label generate` config, --port, --labels-per-pair, --max-comment, --min-labels in run().
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
 
     p = sub.add_parser("generate", help="sample N responses per prompt from a model, store pairs",
@@ -29,7 +31,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                                    "every pair of distinct responses in an SQLite file.")
     p.add_argument("--model", help="local folder or hub name of a causal LM (sets model.name_or_path)")
     p.add_argument("--prompts", required=True, help='jsonl file, one {"prompt": ...} per line')
-    p.add_argument("--n", type=int, help="responses per prompt (sets n; default 4)")
+    p.add_argument("--n", type=int, help="responses per prompt, at least 2 (sets n, which the config checks; default 4)")
     p.add_argument("--out", required=True, help="SQLite file to create or add to")
     p.add_argument("--config", help="YAML with generation: (temperature, top_p, max_new_tokens...) "
                                     "and other keys of `label generate`")
@@ -58,7 +60,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                         "(default 1; 0 means no limit)")
     p.add_argument("--criteria", default=",".join(CRITERIA),
                    help="comma-separated criteria checkboxes (default: %(default)s); '' hides them")
-    p.add_argument("--max-comment", type=int, default=2000, help="longest comment in characters")
+    p.add_argument("--max-comment", type=int, default=2000, help="longest comment in characters (default 2000)")
     p.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --host without a token")
     p.add_argument("--quiet", action="store_true", help="do not log each request")
@@ -103,9 +105,17 @@ def _generate(args: argparse.Namespace) -> int:
 def _import(args: argparse.Namespace) -> int:
     from rlhflab.label import db as labeldb
 
-    conn = labeldb.connect(args.db, create=True)
+    db = Path(args.db)
+    created = not db.exists()
+    conn = labeldb.connect(db, create=True)
     try:
         result = labeldb.import_jsonl(conn, args.file)
+    except UserError:
+        conn.close()
+        if created:  # a failed import into a new database leaves no empty database behind
+            for path in (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
+                path.unlink(missing_ok=True)
+        raise
     finally:
         conn.close()
     print(f"{args.db}: {result.summary()}")

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from rlhflab.errors import UserError
+from rlhflab.files import iter_jsonl
 
 SCHEMA_VERSION = "1"
 
@@ -288,16 +289,11 @@ def import_jsonl(conn: sqlite3.Connection, path: str | Path) -> AddResult:
     if not path.is_file():
         raise UserError(f"{path}: no such file; give a jsonl file of pairs")
     result = AddResult()
-    with transaction(conn), path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            where = f"{path} line {lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{where}: not valid JSON ({exc.msg}); one JSON object per line") from None
-            _import_row(conn, row, where, result)
+    with transaction(conn):
+        # iter_jsonl: a line that is not JSON, or not UTF-8, is a UserError naming it (and
+        # the transaction rolls back, so nothing of the file is kept).
+        for lineno, row in iter_jsonl(path, "one JSON object per line"):
+            _import_row(conn, row, f"{path} line {lineno}", result)
             result.rows += 1
     if result.rows == 0:
         raise UserError(f"{path}: no rows; one JSON object per line with prompt, response_a, response_b")

@@ -10,13 +10,13 @@ so an interrupted run keeps the batches it finished; running again adds only new
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from rlhflab.config.schema import GenerationConfig, ModelConfig, f
 from rlhflab.errors import UserError
+from rlhflab.files import iter_jsonl
 from rlhflab.label import db as labeldb
 
 
@@ -39,18 +39,11 @@ def read_prompts(path: str | Path) -> list[str]:
     if not path.is_file():
         raise UserError(f"--prompts {path}: no such file; give a jsonl file with a 'prompt' per row")
     prompts = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{path} line {lineno}: not valid JSON ({exc.msg})") from None
-            prompt = row.get("prompt") if isinstance(row, dict) else None
-            if not isinstance(prompt, str) or not prompt.strip():
-                raise UserError(f"{path} line {lineno}: needs a non-empty string 'prompt'")
-            prompts.append(prompt)
+    for lineno, row in iter_jsonl(path, 'one {"prompt": ...} object per line'):
+        prompt = row.get("prompt") if isinstance(row, dict) else None
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise UserError(f"{path} line {lineno}: needs a non-empty string 'prompt'")
+        prompts.append(prompt)
     if not prompts:
         raise UserError(f"--prompts {path}: no rows; write one {{\"prompt\": ...}} per line")
     return list(dict.fromkeys(prompts))

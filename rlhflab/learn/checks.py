@@ -37,7 +37,7 @@ class Finding(NamedTuple):
 
 
 class CheckFailed(AssertionError):
-    """A check's verdict on the learner's code; pytest reports it as a failure."""
+    """A check's verdict on the learner's code; the grader reports it as a failure."""
 
     def __init__(self, what: str, diagnosis: str = "", hint: str = "", docs: str = ""):
         self.finding = Finding(what, diagnosis, hint, docs)
@@ -969,7 +969,7 @@ def check_update_stats(ws) -> None:
 
 
 # --------------------------------------------------------------------------------------
-# The list pytest runs, in order
+# The list the grader runs, in order
 # --------------------------------------------------------------------------------------
 CHECKS: tuple[Check, ...] = (
     Check(1, "hand-worked case (the four cases of the clip)", "compute_policy_loss", check_policy_hand),

@@ -25,7 +25,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="folder to create (or an empty one)")
     p.add_argument("--force", action="store_true", help="overwrite exercise files that already exist")
 
-    p = sub.add_parser("check", help="grade your exercises against the library (pytest under the hood)")
+    p = sub.add_parser("check", help="grade your exercises against the library")
     p.add_argument("numbers", nargs="*", type=int, metavar="N", help="exercise numbers 1-5 (default: all)")
     p.add_argument("--dir", default=".", help="the workspace (default: the current folder)")
 

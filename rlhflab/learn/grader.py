@@ -1,24 +1,26 @@
-"""`rlhflab learn check`: run the checks with pytest and print what differs and why.
+"""`rlhflab learn check`: run the checks and print what differs and why.
 
-pytest runs rlhflab/learn/pytest_checks.py (one test per check) in this process with
-its terminal output switched off; a small plugin collects each outcome and the
-`CheckFailed` finding, and `format_report` prints them grouped by exercise: what
-differs, the mistake recognised, a hint, and the docs page to read. The exit status
-is 0 when every selected check passes, 1 otherwise.
+Each check of `rlhflab.learn.checks.CHECKS` for the selected exercises runs in this
+process against the learner's workspace, with what the learner's code prints captured;
+a `CheckFailed` carries the finding (what differs, the mistake recognised, a hint, the
+docs page). `format_report` prints them grouped by exercise. The exit status is 0 when
+every selected check passes, 1 otherwise.
+
+No test framework is involved, so the grader works from a plain `pip install rlhflab`
+(pytest comes only with the [test] extra).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-
-import pytest
 
 from rlhflab.learn.exercises import BY_NUMBER, EXERCISES
 from rlhflab.learn.workspace import Workspace
 
-SESSION_KEY = pytest.StashKey["GradingSession"]()
 MAX_OUTPUT_LINES = 15
 
 
@@ -33,62 +35,51 @@ class CheckResult:
 
 
 @dataclass
-class GradingSession:
-    """What the pytest run needs (the workspace, the exercises) and what it found."""
-
-    workspace: Workspace
-    numbers: tuple[int, ...]
-    results: list[CheckResult] = field(default_factory=list)
-
-    @pytest.hookimpl(hookwrapper=True)
-    def pytest_runtest_makereport(self, item, call):
-        outcome = yield
-        rep = outcome.get_result()
-        check = getattr(item, "callspec", None) and item.callspec.params.get("check")
-        if check is None or not (rep.when == "call" or (rep.when == "setup" and rep.outcome != "passed")):
-            return
-        finding = None
-        if rep.outcome == "failed":
-            from rlhflab.learn.checks import CheckFailed, Finding
-            exc = call.excinfo.value if call.excinfo is not None else None
-            if isinstance(exc, CheckFailed):
-                finding = exc.finding
-            else:  # a bug of the grader itself, not of the learner
-                finding = Finding(f"internal error in the grader: {type(exc).__name__}: {exc}",
-                                  hint="this is rlhflab's fault, not yours; please report it")
-        self.results.append(CheckResult(check.id, check.exercise, check.name, rep.outcome == "passed",
-                                        finding, rep.capstdout + rep.capstderr))
-
-    def pytest_configure(self, config):
-        config.stash[SESSION_KEY] = self
-
-
-@dataclass
 class Report:
     workspace: Path
     numbers: tuple[int, ...]
     results: list[CheckResult]
-    pytest_status: int
+    internal_errors: int = 0         # checks that failed by a fault of the grader itself
 
     def of(self, number: int) -> list[CheckResult]:
         return [r for r in self.results if r.exercise == number]
 
     @property
     def ok(self) -> bool:
-        return self.pytest_status == 0 and all(r.passed for r in self.results) and bool(self.results)
+        return self.internal_errors == 0 and all(r.passed for r in self.results) and bool(self.results)
+
+
+def run_check(check, workspace) -> tuple[CheckResult, bool]:
+    """Run one check; (its result, whether it failed by an error of the grader itself)."""
+    from rlhflab.learn.checks import CheckFailed, Finding
+
+    printed = io.StringIO()
+    finding, internal = None, False
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        try:
+            check.run(workspace)
+        except CheckFailed as exc:
+            finding = exc.finding
+        except Exception as exc:  # a bug of the grader itself, not of the learner
+            finding = Finding(f"internal error in the grader: {type(exc).__name__}: {exc}",
+                              hint="this is rlhflab's fault, not yours; please report it")
+            internal = True
+    return CheckResult(check.id, check.exercise, check.name, finding is None, finding, printed.getvalue()), internal
 
 
 def grade(path: str | Path, numbers: list[int] | tuple[int, ...] | None = None) -> Report:
     """Grade the exercises `numbers` (default all) of the workspace at `path`."""
+    from rlhflab.learn.checks import CHECKS
+
     numbers = tuple(sorted(set(numbers))) if numbers else tuple(e.number for e in EXERCISES)
+    results, internal = [], 0
     with Workspace(path) as ws:
-        session = GradingSession(ws, numbers)
-        module = Path(__file__).with_name("pytest_checks.py")
-        args = [str(module), "-p", "no:terminal", "-p", "no:cacheprovider", "-o", "addopts=",
-                "-o", "python_files=pytest_checks.py", "--rootdir", str(module.parent),
-                "-W", "ignore::DeprecationWarning"]
-        status = int(pytest.main(args, plugins=[session]))
-    return Report(ws.path, numbers, session.results, status)
+        for check in CHECKS:
+            if check.exercise in numbers:
+                result, failed_inside = run_check(check, ws)
+                results.append(result)
+                internal += failed_inside
+    return Report(ws.path, numbers, results, internal)
 
 
 def _indent(text: str, pad: str) -> str:
@@ -104,7 +95,7 @@ def _finding_lines(f, width: int = 96) -> list[str]:
 
 
 def format_report(report: Report) -> str:
-    out = [f"Grading {report.workspace} (pytest, {len(report.results)} checks)", ""]
+    out = [f"Grading {report.workspace} ({len(report.results)} checks)", ""]
     passed_ex = 0
     first_failing = None
     for n in report.numbers:
@@ -151,7 +142,6 @@ def format_report(report: Report) -> str:
                    f"`rlhflab learn check {first_failing} --dir {report.workspace}`.")
     elif len(report.numbers) == len(EXERCISES):
         out.append(f"All done. Watch your code train: `rlhflab learn run --dir {report.workspace}`.")
-    if report.pytest_status not in (0, 1):
-        out.append(f"(pytest itself exited with status {report.pytest_status}: the grader could not run "
-                   "every check)")
+    if report.internal_errors:
+        out.append(f"({report.internal_errors} check(s) failed by an error of the grader itself: please report it)")
     return "\n".join(out)

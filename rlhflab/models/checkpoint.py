@@ -8,10 +8,18 @@ A checkpoint folder (``step_N/`` or ``final/``) holds:
 - ``value_head.safetensors`` (shared-base layout) or ``critic/`` (separate critic), so a
   resumed run does not start with a fresh critic; neither for a critic-free trainer
   (GRPO, RLOO, DPO: a `PolicyOnly` with no critic and no value head);
-- ``trainer_state.pt`` when resumable: optimizer, scheduler, RNG states and step.
+- ``trainer_state.pt`` when resumable: optimizer, scheduler, RNG states and step;
+- ``rlhflab.json``: the step and the layout a resume must match (method, LoRA, critic
+  layout, world size), also kept in the trainer state under ``layout``.
 
 It is written to a temporary sibling folder and renamed into place, so a crash mid-save
-never leaves a half-written ``step_N/``.
+never leaves a half-written ``step_N/`` (a leftover ``step_N.tmp/`` is debris, never a
+checkpoint), and a full disk or a read-only folder is one line naming the folder.
+
+`check_resume` reads a checkpoint before a resumed run touches anything: the trainer
+state loads, the files the config needs are there, and the recorded layout matches the
+config. A checkpoint saved before the layout was recorded is checked on its files
+(``adapter/``, ``value_head.safetensors``, ``critic/``).
 """
 
 from __future__ import annotations
@@ -19,15 +27,21 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
+from rlhflab.errors import UserError
+from rlhflab.files import disk_error, is_disk_error
 from rlhflab.models.actor_critic import save_value_head, unwrap
 
 STATE_FILE = "trainer_state.pt"
+META_FILE = "rlhflab.json"
+VALUE_HEAD_FILE = "value_head.safetensors"
+CRITIC_LAYOUTS = ("value_head", "separate", "none")  # "none": a critic-free trainer (GRPO, RLOO, DPO)
 
 
 def rng_state() -> dict[str, Any]:
@@ -59,23 +73,48 @@ def save_policy(policy: torch.nn.Module, tokenizer, folder: Path) -> None:
         tokenizer.save_pretrained(folder)
 
 
-def save_checkpoint(folder: str | Path, actor_critic, tokenizer, *, optimizer=None,
-                    scheduler=None, step: int | None = None, extra: dict | None = None,
-                    rank_rng: list | None = None) -> Path:
-    """Write a checkpoint atomically (temporary folder, then rename).
+def checkpoint_steps(run_dir: str | Path) -> list[Path]:
+    """The run's ``step_N/`` checkpoint folders, oldest first; ``step_N.tmp/`` debris and
+    any other name are not checkpoints."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    steps = [p for p in run_dir.iterdir() if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit()]
+    return sorted(steps, key=lambda p: int(p.name[5:]))
 
-    `actor_critic` needs `.policy`, `.critic` and `.value_head`; with both of the last two
-    None (a `PolicyOnly`) only the policy and the trainer state are written.
-    """
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest resumable ``step_N/`` (one holding trainer_state.pt), or None."""
+    resumable = [p for p in checkpoint_steps(run_dir) if (p / STATE_FILE).is_file()]
+    return resumable[-1] if resumable else None
+
+
+def save_debris(run_dir: str | Path) -> list[Path]:
+    """``step_N.tmp/`` and ``final.tmp/`` folders: saves that a crash cut short."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    return sorted(p for p in run_dir.iterdir() if p.is_dir() and p.name.endswith(".tmp")
+                  and (p.name[:-4] == "final" or (p.name.startswith("step_") and p.name[5:-4].isdigit())))
+
+
+@contextmanager
+def atomic_folder(folder: str | Path, what: str = "save the checkpoint") -> Iterator[Path]:
+    """Yield an empty temporary sibling of `folder` to fill; when the block ends without an
+    error it replaces `folder` in one rename. On any error the temporary folder is removed
+    and `folder` (an earlier save) is left as it was; a full disk or a folder without
+    write permission becomes a one-line `UserError` naming the folder."""
     folder = Path(folder)
     tmp = folder.with_name(folder.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
     try:
-        _write_checkpoint(tmp, actor_critic, tokenizer, optimizer, scheduler, step, extra, rank_rng)
-    except BaseException:  # a failed save (disk full, Ctrl-C) leaves no half-written folder
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        yield tmp
+    except BaseException as exc:  # a failed save (disk full, Ctrl-C) leaves no half-written folder
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_error(exc):
+            raise disk_error(exc, folder, what, kept=_kept(folder)) from None
         raise
     old = folder.with_name(folder.name + ".old")
     if folder.exists():
@@ -85,10 +124,49 @@ def save_checkpoint(folder: str | Path, actor_critic, tokenizer, *, optimizer=No
     tmp.rename(folder)
     if old.exists():
         shutil.rmtree(old)
+
+
+def _kept(folder: Path) -> str | None:
+    """What a failed save of `folder` left intact, for the error message."""
+    if folder.exists():
+        return f"the previous {folder.name}/"
+    earlier = [p for p in checkpoint_steps(folder.parent) if p != folder]
+    return f"the previous checkpoint {earlier[-1]}" if earlier else None
+
+
+def checkpoint_layout(actor_critic, method: str | None = None, world_size: int | None = None) -> dict[str, Any]:
+    """What a resume must match: the method, LoRA on or off, the critic layout
+    (value_head, separate, or none for a critic-free trainer) and the process count."""
+    if world_size is None:
+        dist = torch.distributed
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    critic = ("separate" if actor_critic.critic is not None else
+              "value_head" if actor_critic.value_head is not None else "none")
+    return {"method": method, "lora": hasattr(actor_critic.policy, "peft_config"), "critic": critic,
+            "world_size": world_size}
+
+
+def save_checkpoint(folder: str | Path, actor_critic, tokenizer, *, optimizer=None,
+                    scheduler=None, step: int | None = None, extra: dict | None = None,
+                    rank_rng: list | None = None, method: str | None = None) -> Path:
+    """Write a checkpoint atomically (temporary folder, then rename).
+
+    `actor_critic` needs `.policy`, `.critic` and `.value_head`; with both of the last two
+    None (a `PolicyOnly`) only the policy and the trainer state are written. `rank_rng`
+    holds every rank's random state under several processes. `method` (ppo, grpo, rloo,
+    dpo, ...) is recorded with the layout, so that `check_resume` can tell a run of
+    another method that it cannot continue this one.
+    """
+    folder = Path(folder)
+    method = method or (extra or {}).get("method")
+    layout = checkpoint_layout(actor_critic, method, world_size=len(rank_rng) if rank_rng else None)
+    with atomic_folder(folder) as tmp:
+        _write_checkpoint(tmp, actor_critic, tokenizer, optimizer, scheduler, step, extra, layout, rank_rng)
     return folder
 
 
-def _write_checkpoint(tmp: Path, actor_critic, tokenizer, optimizer, scheduler, step, extra, rank_rng=None) -> None:
+def _write_checkpoint(tmp: Path, actor_critic, tokenizer, optimizer, scheduler, step, extra, layout,
+                      rank_rng=None) -> None:
     save_policy(actor_critic.policy, tokenizer, tmp)
     if actor_critic.critic is not None:
         critic_dir = tmp / "critic"
@@ -102,15 +180,135 @@ def _write_checkpoint(tmp: Path, actor_critic, tokenizer, optimizer, scheduler, 
     if optimizer is not None:
         state = {"step": step, "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                 "rng": rng_state(), "extra": extra or {}}
+                 "rng": rng_state(), "extra": extra or {}, "layout": layout}
         if rank_rng is not None:  # several processes: every rank's random state, in rank order
             state["rank_rng"] = rank_rng
         torch.save(state, tmp / STATE_FILE)
-    (tmp / "rlhflab.json").write_text(json.dumps({"step": step, **(extra or {})}, indent=2))
+    (tmp / META_FILE).write_text(json.dumps({"step": step, **layout, **(extra or {})}, indent=2))
 
 
 def load_trainer_state(folder: str | Path) -> dict[str, Any]:
-    return torch.load(Path(folder) / STATE_FILE, map_location="cpu", weights_only=False)
+    """The trainer state of a checkpoint; a truncated or corrupt file is a `UserError`."""
+    path = Path(folder) / STATE_FILE
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise UserError(f"--resume {folder}: no {STATE_FILE} there; point it at a step_N/ folder") from None
+    except Exception as exc:  # EOFError, UnpicklingError, RuntimeError (zip archive): a cut file
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"--resume {folder}: {STATE_FILE} cannot be read ({first[:120]}); it is truncated or "
+                        f"corrupt (a crash or a full disk during the save?): {_other_checkpoint(folder)}") from None
+    if not isinstance(state, dict) or not {"step", "optimizer", "rng"} <= set(state):
+        raise UserError(f"--resume {folder}: {STATE_FILE} is not rlhflab trainer state (no step/optimizer/rng); "
+                        f"{_other_checkpoint(folder)}")
+    return state
+
+
+def _other_checkpoint(folder: str | Path) -> str:
+    folder = Path(folder)
+    older = [p for p in checkpoint_steps(folder.parent) if p != folder and (p / STATE_FILE).is_file()]
+    if older:
+        return f"resume from another checkpoint, e.g. --resume {older[-1]}"
+    return "resume from another step_N/ folder, or start over with training.overwrite=true"
+
+
+def recorded_layout(folder: str | Path, state: dict | None = None) -> dict[str, Any]:
+    """The layout a checkpoint was saved with: recorded (trainer state, rlhflab.json), and
+    for a checkpoint from before the layout was recorded, read off its files."""
+    folder = Path(folder)
+    sources: list[Any] = []  # later ones win: rlhflab.json, the state's extra, the state's layout
+    meta = folder / META_FILE
+    if meta.is_file():
+        try:
+            sources.append(json.loads(meta.read_text(encoding="utf-8")))
+        except (ValueError, UnicodeDecodeError):
+            pass  # the trainer state below, or the files, still say it
+    if state is not None:
+        sources += [state.get("extra"), state.get("layout")]
+    layout: dict[str, Any] = {}
+    for source in sources:
+        if isinstance(source, dict):
+            layout.update({k: source[k] for k in ("method", "lora", "critic", "world_size")
+                           if source.get(k) is not None})
+    if layout.get("lora") is None:
+        layout["lora"] = (folder / "adapter").is_dir()
+    if layout.get("critic") is None:
+        layout["critic"] = ("separate" if (folder / "critic").is_dir() else
+                            "value_head" if (folder / VALUE_HEAD_FILE).is_file() else "none")
+    return layout
+
+
+def _describe_critic(critic: str) -> str:
+    return {"value_head": "a value head on the shared base (model.critic=value_head)",
+            "separate": "a separate critic (model.critic=separate)",
+            "none": "no critic (a critic-free method: grpo, rloo, dpo)"}.get(critic, repr(critic))
+
+
+def check_resume(folder: str | Path, *, method: str, lora: bool, critic: str,
+                 world_size: int | None = None) -> None:
+    """Check a checkpoint before a resumed run touches anything; a `UserError` names the problem.
+
+    - the folder and its ``trainer_state.pt`` exist and the state loads (a truncated file
+      is named as such, with an earlier checkpoint to use instead);
+    - the checkpoint was saved by the same `method` (ppo, grpo, rloo, dpo), with LoRA on
+      or off as `lora` says, with the `critic` layout the config asks for (value_head,
+      separate, or none for a critic-free method) and, when given, as many processes as
+      `world_size`: otherwise the error names the differing setting and how to proceed;
+    - the files that layout needs are there: the policy (config.json and its weights),
+      ``adapter/`` under LoRA, ``value_head.safetensors``, or ``critic/`` with its head.
+    """
+    if critic not in CRITIC_LAYOUTS:
+        raise ValueError(f"critic must be one of {CRITIC_LAYOUTS}, got {critic!r}")
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"--resume {folder}: no such folder; point it at a step_N/ folder of a run")
+    state = load_trainer_state(folder)
+    rec = recorded_layout(folder, state)
+    start_new = f"or start a new run from its weights with model.name_or_path={folder}"
+    if rec.get("method") and rec["method"] != method:
+        raise UserError(f"--resume {folder}: this is a {rec['method']} checkpoint and `rlhflab {method}` cannot "
+                        f"continue it (another optimizer state and model layout); resume it with "
+                        f"`rlhflab {rec['method']} --resume {folder}`, {start_new}")
+    if bool(rec["lora"]) != bool(lora):
+        raise UserError(f"--resume {folder}: the checkpoint was trained with lora.enabled={str(rec['lora']).lower()} "
+                        f"but the config says lora.enabled={str(lora).lower()}; set lora.enabled="
+                        f"{str(rec['lora']).lower()} to resume, {start_new}")
+    if rec["critic"] != critic:
+        if "none" in (rec["critic"], critic):
+            hint = (f"resume it with the method that saved it, {start_new}" if critic == "none" else
+                    f"a critic-free run cannot be resumed as one with a critic; {start_new}")
+        else:
+            hint = f"set model.critic={rec['critic']} to resume, {start_new}"
+        raise UserError(f"--resume {folder}: the checkpoint holds {_describe_critic(rec['critic'])} but this run "
+                        f"needs {_describe_critic(critic)}; {hint}")
+    if world_size is not None and rec.get("world_size") not in (None, world_size):
+        raise UserError(f"--resume {folder}: the checkpoint was saved by a run of {rec['world_size']} processes and "
+                        f"this run has {world_size}; resume it with {rec['world_size']} processes (its optimizer "
+                        f"and data order are per process), {start_new}")
+    _check_files(folder, lora, critic)
+
+
+def _has_weights(folder: Path) -> bool:
+    return any((folder / n).is_file() for n in ("model.safetensors", "pytorch_model.bin",
+                                                   "model.safetensors.index.json", "pytorch_model.bin.index.json"))
+
+
+def _check_files(folder: Path, lora: bool, critic: str) -> None:
+    missing = []
+    if not (folder / "config.json").is_file() or not _has_weights(folder):
+        missing.append("the policy (config.json and model.safetensors)")
+    if lora and not (folder / "adapter" / "adapter_config.json").is_file():
+        missing.append("adapter/adapter_config.json (the LoRA adapter)")
+    if critic == "value_head" and not (folder / VALUE_HEAD_FILE).is_file():
+        missing.append(f"{VALUE_HEAD_FILE} (the value head)")
+    if critic == "separate":
+        if not (folder / "critic" / "config.json").is_file() or not _has_weights(folder / "critic"):
+            missing.append("critic/ (the separate critic model)")
+        if not (folder / "critic" / VALUE_HEAD_FILE).is_file():
+            missing.append(f"critic/{VALUE_HEAD_FILE} (the critic's value head)")
+    if missing:
+        raise UserError(f"--resume {folder}: {', '.join(missing)} missing; the checkpoint is incomplete (copied "
+                        f"in part?): restore the file(s), or {_other_checkpoint(folder)}")
 
 
 def restore_trainer_state(folder: str | Path, optimizer, scheduler, rank: int = 0) -> int:
@@ -129,7 +327,5 @@ def prune_checkpoints(run_dir: str | Path, keep: int | None) -> None:
     """Keep only the newest `keep` step_N/ folders."""
     if not keep:
         return
-    steps = sorted((p for p in Path(run_dir).glob("step_*") if p.name[5:].isdigit()),
-                   key=lambda p: int(p.name[5:]))
-    for p in steps[:-keep]:
+    for p in checkpoint_steps(run_dir)[:-keep]:
         shutil.rmtree(p, ignore_errors=True)

@@ -4,13 +4,22 @@
 - The tokenizer gets a pad token when it has none (EOS is reused) and pads on the left,
   so a batch of prompts ends at the same column and generation continues from there.
 - A missing local path or an unreachable hub name becomes a `UserError` that says what
-  was tried and how to fix it, not a stack of HTTP errors.
+  was tried and how to fix it, not a stack of HTTP errors. A name that is not a local
+  folder is tried on the hub only when the hub answers a quick probe (or the model is
+  in the local hub cache): offline, the hub client would retry for about 50 seconds.
+- A LoRA adapter folder (adapter_config.json, no config.json) given as a model loads
+  its base model with the adapter merged in.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import socket
+import threading
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 
@@ -73,35 +82,150 @@ def _looks_local(name_or_path: str) -> bool:
     return "/" in name_or_path and Path(name_or_path.split("/", 1)[0]).is_dir()
 
 
-def _check_local(name_or_path: str, kind: str = "model") -> None:
-    """Fail at once for a missing local path: asking the hub first retries for a minute offline."""
-    if _looks_local(name_or_path) and not Path(name_or_path).expanduser().exists():
-        raise UserError(f"{kind} path {name_or_path!r} does not exist; check the path "
-                        f"(make a tiny model there with `rlhflab make-tiny --out {name_or_path}`)")
+def _missing_hint(name_or_path: str, kind: str) -> str:
+    """How to make a missing model folder: the command that writes it."""
+    path = Path(name_or_path)
+    if path.name == "final" or (path.name.startswith("step_") and path.name[5:].isdigit()):
+        run = path.parent
+        if kind in ("reward model", "classifier"):
+            make = f"`rlhflab rm --config configs/rm_debug.yaml training.output_dir={run}` (a reward model)"
+        else:
+            make = (f"`rlhflab sft --config configs/sft_debug.yaml training.output_dir={run}` (an SFT model; see "
+                    f"the Inputs comment at the top of the config you ran for its data)")
+        return f"it is written by a training run with training.output_dir={run}: run that first, e.g. {make}"
+    return f"check the path (make a tiny model there with `rlhflab make-tiny --out {name_or_path}`)"
+
+
+@functools.lru_cache(maxsize=None)
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub answers a TCP connection within `timeout` seconds.
+
+    False at once under HF_HUB_OFFLINE=1 (or TRANSFORMERS_OFFLINE=1). The probe runs in a
+    thread so that a name lookup that hangs cannot hold the caller longer than `timeout`.
+    """
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes") or \
+            os.environ.get("TRANSFORMERS_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return False
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    answer: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            answer.append(True)
+        except OSError:
+            answer.append(False)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout + 0.5)
+    return bool(answer and answer[0])
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str) or \
+            isinstance(try_to_load_from_cache(repo_id, "tokenizer_config.json"), str)
+    except Exception:  # not a valid repo id, say
+        return False
+
+
+def check_model_source(name_or_path: str, kind: str = "model") -> None:
+    """Fail at once, with the fix, for a model that cannot be loaded from anywhere.
+
+    A missing local path (it looks like one) is reported without asking the hub. A name
+    that is no local folder is looked for on the hub only when the hub can be reached or
+    holds it in the local cache; otherwise the error says first that the local folder is
+    missing (the usual cause: a typo such as ``outptus/tiny-model``).
+    """
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return
+    if _looks_local(name_or_path):
+        raise UserError(f"{kind} path {name_or_path!r} does not exist; {_missing_hint(name_or_path, kind)}")
+    if _in_hub_cache(name_or_path) or hub_reachable():
+        return
+    raise UserError(f"{kind} {name_or_path!r}: no such local folder (looked in {Path.cwd()}), and the hub cannot be "
+                    f"reached to fetch it as a hub name (no network, or HF_HUB_OFFLINE=1); "
+                    f"{_missing_hint(name_or_path, kind)}")
+
+
+def adapter_base(name_or_path: str) -> str | None:
+    """The base model named by a LoRA adapter folder (adapter_config.json and no
+    config.json), or None when `name_or_path` is not such a folder."""
+    from rlhflab.files import read_json
+
+    path = Path(name_or_path).expanduser()
+    if not ((path / "adapter_config.json").is_file() and not (path / "config.json").is_file()):
+        return None
+    base = read_json(path / "adapter_config.json").get("base_model_name_or_path")
+    if not base:
+        raise UserError(f"{path} is a LoRA adapter (adapter_config.json, no config.json) that names no "
+                        f"base_model_name_or_path; give the merged model folder instead{_merged_sibling(path)}")
+    return str(base)
+
+
+def reject_adapter(name_or_path: str, kind: str) -> None:
+    """A `UserError` naming the adapter and its base when `name_or_path` is a LoRA adapter
+    folder where a full model is needed (a reward model, a classifier, a reward model's base)."""
+    base = adapter_base(name_or_path)
+    if base is not None:
+        raise UserError(f"{kind} path {name_or_path!r} is a LoRA adapter (adapter_config.json, no config.json) on "
+                        f"the base model {base!r}, not a full model; give the merged model folder"
+                        f"{_merged_sibling(Path(name_or_path).expanduser())}")
+
+
+def _merged_sibling(adapter: Path) -> str:
+    """`, e.g. final/` when the adapter sits in rlhflab's final/adapter/ beside a merged model."""
+    parent = adapter.parent
+    return f" ({parent} holds one)" if (parent / "config.json").is_file() else ""
 
 
 def _load_error(kind: str, name_or_path: str, exc: Exception) -> UserError:
     path = Path(name_or_path).expanduser()
+    if path.is_dir() and (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+        try:
+            reject_adapter(name_or_path, kind)
+        except UserError as err:
+            return err
     if path.is_dir() and not (path / "config.json").exists():
         return UserError(f"{kind} path {name_or_path!r} has no config.json; point it at a folder "
                          f"written by save_pretrained (try `rlhflab make-tiny --out {name_or_path}`)")
     if not path.exists() and ("/" not in name_or_path.strip("./") or name_or_path.startswith((".", "/"))):
         return UserError(f"{kind} {name_or_path!r}: no such local folder and not a hub name; "
-                         f"check the path (make one with `rlhflab make-tiny --out {name_or_path}`)")
+                         f"{_missing_hint(name_or_path, kind)}")
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return UserError(f"could not load {kind} {name_or_path!r} ({first}); give a local folder saved "
                      f"with save_pretrained, or a hub name on a machine that can reach the hub")
 
 
-def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, padding_side: str = "left"):
+def _tokenizer_source(adapter: Path, base: str) -> str:
+    """Where an adapter's tokenizer is: beside the adapter, in its parent (rlhflab's
+    final/adapter/), or the base model's."""
+    for folder in (adapter, adapter.parent):
+        if (folder / "tokenizer_config.json").is_file():
+            return str(folder)
+    return base
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, padding_side: str = "left",
+                   kind: str = "tokenizer"):
     """The tokenizer with a pad token and the given padding side."""
     from transformers import AutoTokenizer
 
-    _check_local(name_or_path, "tokenizer")
+    base = adapter_base(name_or_path)
+    if base is not None:
+        name_or_path = _tokenizer_source(Path(name_or_path).expanduser(), base)
+    check_model_source(name_or_path, kind)
     try:
         tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except Exception as exc:  # OSError, HFValidationError, ValueError from a bad folder
-        raise _load_error("tokenizer", name_or_path, exc) from None
+        raise _load_error(kind, name_or_path, exc) from None
     if tok.pad_token is None:
         if tok.eos_token is None:
             raise UserError(f"tokenizer {name_or_path!r} has neither a pad nor an EOS token; "
@@ -114,18 +238,32 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, padding_s
 def load_model(name_or_path: str, torch_dtype: str = "float32", device: str = "cpu",
                trust_remote_code: bool = False, tokenizer: str | None = None,
                **kwargs: Any):
-    """Load (model, tokenizer) for a causal LM from a local folder or a hub name."""
+    """Load (model, tokenizer) for a causal LM from a local folder or a hub name.
+
+    A LoRA adapter folder loads its base (adapter_config.json's base_model_name_or_path)
+    with the adapter merged in: a plain model, as if the merged folder had been given.
+    """
     from transformers import AutoModelForCausalLM
 
     dev = resolve_device(device)
     dtype = resolve_dtype(torch_dtype, dev)
-    _check_local(name_or_path)
-    tok = load_tokenizer(tokenizer or name_or_path, trust_remote_code)
+    base = adapter_base(name_or_path)
+    source = base if base is not None else name_or_path
+    if base is not None and not Path(base).expanduser().exists() and _looks_local(base):
+        raise UserError(f"model path {name_or_path!r} is a LoRA adapter on the base model {base!r}, which does not "
+                        f"exist here; give the merged model folder{_merged_sibling(Path(name_or_path))}, or make "
+                        f"the base available at that path")
+    check_model_source(source, "model" if base is None else f"base model (of the LoRA adapter {name_or_path!r})")
+    tok = load_tokenizer(tokenizer or name_or_path, trust_remote_code, kind="model" if tokenizer is None else "tokenizer")
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            name_or_path, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
+            source, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
+        if base is not None:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, str(Path(name_or_path).expanduser())).merge_and_unload()
     except Exception as exc:
-        raise _load_error("model", name_or_path, exc) from None
+        raise _load_error("model", source, exc) from None
     model.to(dev)
     if model.generation_config is not None:
         if model.generation_config.pad_token_id is None:

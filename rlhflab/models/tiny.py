@@ -105,11 +105,12 @@ def read_corpus(path: str | Path) -> list[str]:
     p = Path(path).expanduser()
     if not p.is_file():
         raise UserError(f"--corpus {path}: no such file; give a UTF-8 text file of your task's text")
+    from rlhflab.files import read_text
+
     try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise UserError(f"--corpus {path}: not UTF-8 text (byte {exc.start} cannot be decoded); "
-                        "give a plain text file, or use --byte-level") from None
+        text = read_text(p)  # a byte that is not UTF-8: its line and offset
+    except UserError as exc:
+        raise UserError(f"--corpus {exc} (not UTF-8 text); give a plain text file, or use --byte-level") from None
     lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
         raise UserError(f"--corpus {path}: the file has no text; give a file with your task's text, one "
@@ -270,22 +271,25 @@ def make_tiny_model(out_dir: str | Path, hidden_size: int = 192, num_layers: int
 # CLI
 # --------------------------------------------------------------------------------------
 def add_parser(parser: argparse.ArgumentParser) -> None:
+    from rlhflab.cliargs import count, seed
+
     parser.add_argument("--out", default="outputs/tiny-model", help="output folder (default: %(default)s)")
     parser.add_argument("--arch", choices=ARCHS, default="llama",
                         help="architecture, from transformers' own config class (default: %(default)s); "
                              "qwen2: q/k/v biases, grouped-query attention, tied embeddings; mistral: "
                              "grouped-query and sliding-window attention; gemma: wide heads, GELU, scaled "
                              "embeddings, one K/V head")
-    parser.add_argument("--hidden-size", type=int, default=192, help="hidden size (default: %(default)s)")
-    parser.add_argument("--layers", type=int, default=4, help="decoder layers (default: %(default)s)")
-    parser.add_argument("--heads", type=int, default=6, help="attention heads (default: %(default)s)")
-    parser.add_argument("--kv-heads", type=int, default=None,
+    parser.add_argument("--hidden-size", type=count(), default=192,
+                        help="hidden size, a multiple of --heads (default: %(default)s)")
+    parser.add_argument("--layers", type=count(), default=4, help="decoder layers (default: %(default)s)")
+    parser.add_argument("--heads", type=count(), default=6, help="attention heads (default: %(default)s)")
+    parser.add_argument("--kv-heads", type=count(), default=None,
                         help="key/value heads, a divisor of --heads (default: all heads for llama, 1 for gemma, "
                              "about a third of them for qwen2 and mistral)")
-    parser.add_argument("--vocab-size", type=int, default=512,
+    parser.add_argument("--vocab-size", type=count(), default=512,
                         help="embedding rows; the BPE learns at most this many tokens and rows beyond the "
                              "tokenizer are padding, as in real models (default: %(default)s; 151936 is Qwen2.5's)")
-    parser.add_argument("--max-positions", type=int, default=256, help="longest sequence (default: %(default)s)")
+    parser.add_argument("--max-positions", type=count(2), default=256, help="longest sequence (default: %(default)s)")
     parser.add_argument("--corpus", default=None, metavar="FILE",
                         help="train the tokenizer's BPE on this UTF-8 text file (your task's text) instead of "
                              "the built-in arithmetic text (default: built-in)")
@@ -296,7 +300,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                         help="give the tokenizer a chat template and register its tokens as special: chatml "
                              "(<|im_start|>/<|im_end|>, Qwen-like) or llama3 (<|start_header_id|>, "
                              "<|eot_id|>); generation also stops at the end-of-turn token (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and built-in text (default: %(default)s)")
+    parser.add_argument("--seed", type=seed(), default=0,
+                        help="seed of the weights and built-in text (default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:

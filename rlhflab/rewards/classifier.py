@@ -57,11 +57,12 @@ class ClassifierScorer:
     def from_config(cls, source, device: torch.device | str = "cpu") -> "ClassifierScorer":
         from transformers import AutoModelForSequenceClassification
 
-        from rlhflab.models.load import _load_error, load_tokenizer
+        from rlhflab.models.load import _load_error, load_tokenizer, reject_adapter
 
         if not source.path:
             raise UserError("reward source type classifier needs path: a sequence-classification model folder or hub name")
-        tok = load_tokenizer(source.path, padding_side="right")
+        reject_adapter(source.path, "classifier")
+        tok = load_tokenizer(source.path, padding_side="right", kind="classifier")
         try:
             model = AutoModelForSequenceClassification.from_pretrained(source.path)
         except Exception as exc:

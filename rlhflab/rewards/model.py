@@ -53,7 +53,8 @@ class RMMeta:
         path = Path(folder) / META_FILE
         if not path.is_file():  # a reward model not made by rlhflab: Hugging Face conventions
             return cls(append_eos=False, add_special_tokens=True)
-        d = json.loads(path.read_text())
+        from rlhflab.files import read_json
+        d = read_json(path)
         return cls(d.get("append_eos", True), d.get("add_special_tokens", False), d.get("max_length", 512),
                    d.get("score_mean"), d.get("score_std"),
                    {k: v for k, v in d.items() if k not in ("kind", "append_eos", "add_special_tokens",
@@ -109,9 +110,10 @@ def load_reward_model(path: str, device: torch.device | str = "cpu", torch_dtype
     """(model, tokenizer, meta) of a reward model folder or hub name."""
     from transformers import AutoModelForSequenceClassification
 
-    from rlhflab.models.load import _load_error, load_tokenizer, resolve_dtype
+    from rlhflab.models.load import _load_error, load_tokenizer, reject_adapter, resolve_dtype
 
-    tok = load_tokenizer(path, padding_side="right")
+    reject_adapter(path, "reward model")
+    tok = load_tokenizer(path, padding_side="right", kind="reward model")
     try:
         model = AutoModelForSequenceClassification.from_pretrained(path, dtype=resolve_dtype(torch_dtype))
     except Exception as exc:

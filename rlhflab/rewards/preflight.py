@@ -52,10 +52,10 @@ def _call_once(fn, key: str, spec: str, example, row: str, what: str) -> Preflig
 
 
 def _check_model_source(source, key: str) -> None:
-    from rlhflab.models.load import _check_local
+    from rlhflab.models.load import check_model_source
 
     try:
-        _check_local(str(source.path), f"{key} ({source.type})")
+        check_model_source(str(source.path), f"{key} ({source.type})")
     except UserError as exc:
         raise UserError(f"preflight: {exc}") from None
 

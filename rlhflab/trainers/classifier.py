@@ -39,7 +39,8 @@ from rlhflab.data.loading import read_rows, require_fields
 from rlhflab.errors import UserError
 from rlhflab.metrics import MetricsLogger
 from rlhflab.models.load import disable_dropout, load_tokenizer, resolve_device, resolve_dtype
-from rlhflab.trainers.common import (finish_run, format_metrics, make_optimizer, make_scheduler,
+from rlhflab.trainers.common import (check_finite_model, check_finite_step, check_output_dir, finish_run,
+                                     format_metrics, make_optimizer, make_probe_batch, make_scheduler,
                                      prepare_output_dir, print_before_after, seed_everything, set_threads,
                                      write_train_result)
 
@@ -242,14 +243,17 @@ def train_classifier(cfg: ClassifierRunConfig, effective=None, quiet: bool = Fal
     t, c, d = cfg.training, cfg.classifier, cfg.data
     say = (lambda *a, **k: None) if quiet else print
     set_threads(t.num_threads)
+    # Refused before anything loads; written only once the data and the model have loaded.
+    out_dir = check_output_dir(t.output_dir, overwrite=t.overwrite, resumable=False)
     data = load_classifier_data(d, t.seed)  # 1. data first: a bad file fails before the model loads
-    out_dir = prepare_output_dir(t.output_dir)
-    save_effective_config(effective if effective is not None else cfg, out_dir)
     seed_everything(t.seed)
     device = resolve_device(t.device)
     start = time.perf_counter()
 
     model, tok = build_classifier(cfg, data.labels, device)  # 2. model
+    prepare_output_dir(out_dir, overwrite=t.overwrite, resumable=False)
+    save_effective_config(effective if effective is not None else cfg, out_dir)
+    probe = make_probe_batch(tok, [r.text for r in data.train[:4]], device)  # for check_finite_model
     steps_per_epoch = math.ceil(len(data.train) / c.batch_size)
     total_steps = c.max_steps or max(1, math.ceil(steps_per_epoch * c.epochs))
     params = [p for p in model.parameters() if p.requires_grad]
@@ -285,12 +289,13 @@ def train_classifier(cfg: ClassifierRunConfig, effective=None, quiet: bool = Fal
             logits = logits_of(model, tok, [r.text for r in batch], d.max_length, device)  # (B, num_labels)
             target = torch.tensor([r.label for r in batch], device=logits.device)       # (B,)
             loss = F.cross_entropy(logits, target)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"classifier loss is {float(loss)} at step {step + 1}; "
-                                         "lower classifier.learning_rate")
+            lr = optimizer.param_groups[0]["lr"]
+            check_finite_step(step + 1, loss=float(loss.detach()), knob="classifier.learning_rate", lr=lr)
             loss.backward()
             max_norm = c.max_grad_norm if c.max_grad_norm is not None else float("inf")
-            win_norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            check_finite_step(step + 1, grad_norm=grad_norm, knob="classifier.learning_rate", lr=lr)
+            win_norms.append(grad_norm)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -315,6 +320,7 @@ def train_classifier(cfg: ClassifierRunConfig, effective=None, quiet: bool = Fal
                 if "train/loss" in metrics:
                     bar.set_postfix(loss=f"{metrics['train/loss']:.3f}")
     bar.close()
+    check_finite_model(model, probe, step=step, knob="classifier.learning_rate", lr=c.learning_rate)
     model.eval()
     save_classifier(model, tok, result.final_dir)
     finish_run(logger, out_dir, device, cfg.logging.plots, PLOT_GROUPS)

@@ -16,7 +16,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from rlhflab.errors import UserError
+from rlhflab.errors import TrainingDiverged, UserError
 from rlhflab.metrics import plot_metrics
 
 
@@ -110,12 +110,62 @@ class Timer:
         return {f"time/{k}": v for k, v in self.seconds.items()}
 
 
-def prepare_output_dir(path: str | Path, resume: bool = False) -> Path:
-    """Create the run folder; refuse to mix a new run into an old one's step_N/ folders."""
+# What a run writes at its top level: a folder holding any of RUN_MARKERS (or a step_N/
+# checkpoint) holds another run, which a new run must not mix into or overwrite.
+RUN_MARKERS = ("final", "metrics.jsonl", "train_result.json")
+RUN_OUTPUTS = RUN_MARKERS + ("effective_config.yaml", "eval", "plots", "peak_memory_mb.txt", "tensorboard")
+
+
+def check_output_dir(path: str | Path, *, resume: bool = False, overwrite: bool = False,
+                     resumable: bool = True) -> Path:
+    """Refuse to start a new run in a folder that holds another run; touches nothing.
+
+    Another run is a `step_N/` checkpoint or any of final/, metrics.jsonl,
+    train_result.json (SFT and RM save no step_N/ by default). `resume` (continuing that
+    run) and `overwrite` (training.overwrite=true: replacing it) are the ways in.
+    `resumable` says whether the trainer has --resume, for the message. Leftover
+    `step_N.tmp/` folders of a save cut short are debris, not checkpoints.
+    """
+    from rlhflab.models.checkpoint import checkpoint_steps
+
     out = Path(path)
-    if out.exists() and not resume and any(out.glob("step_*")):
-        raise UserError(f"output folder {out} already holds checkpoints (step_*/); choose another "
-                        f"training.output_dir, delete it, or continue with --resume {out}/step_N")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"training.output_dir {out} is a file; choose a folder")
+    if resume or overwrite or not out.exists():
+        return out
+    steps = checkpoint_steps(out)
+    found = [n + ("/" if (out / n).is_dir() else "") for n in RUN_MARKERS if (out / n).exists()]
+    start_over = "start over with training.overwrite=true (it replaces that run)"
+    if steps:
+        names = ", ".join(p.name + "/" for p in steps[-3:])
+        cont = (f"continue it with --resume {out}/step_N (newest: {steps[-1].name}), " if resumable else "")
+        raise UserError(f"output folder {out} already holds checkpoints ({names}) of another run; {cont}"
+                        f"{start_over}, or choose another training.output_dir")
+    if found:
+        raise UserError(f"output folder {out} already holds another run ({', '.join(found)}) and no checkpoint "
+                        f"to resume; {start_over}, or choose another training.output_dir")
+    return out
+
+
+def prepare_output_dir(path: str | Path, resume: bool = False, overwrite: bool = False,
+                       resumable: bool = True) -> Path:
+    """`check_output_dir`, then create the folder; call it once the config is valid and the
+    model has loaded, so a run that fails before leaves no trace.
+
+    Removes `step_N.tmp/` debris; with `overwrite` (and not resuming) also the previous
+    run's outputs (RUN_OUTPUTS and step_N/ folders; nothing else in the folder).
+    """
+    import shutil
+
+    from rlhflab.models.checkpoint import checkpoint_steps, save_debris
+
+    out = check_output_dir(path, resume=resume, overwrite=overwrite, resumable=resumable)
+    if out.is_dir():
+        old = list(save_debris(out))
+        if overwrite and not resume:
+            old += checkpoint_steps(out) + [out / n for n in RUN_OUTPUTS if (out / n).exists()]
+        for p in old:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
     out.mkdir(parents=True, exist_ok=True)
     return out
 
@@ -202,16 +252,72 @@ def print_before_after(before: dict | None, after: dict | None, skip_missing: bo
         print(f"  {k}: {before.get(k, float('nan')):.3f} -> {after[k]:.3f}")
 
 
-def check_resume_dir(resume: str | Path | None) -> Path | None:
-    """The `--resume` folder as a Path (None when not resuming); it must hold trainer state."""
-    from rlhflab.models.checkpoint import STATE_FILE
+def check_resume_dir(resume: str | Path | None, *, method: str | None = None, lora: bool | None = None,
+                     critic: str = "none", world_size: int | None = None) -> Path | None:
+    """The `--resume` folder as a Path (None when not resuming); it must hold trainer state.
+
+    With `method` and `lora` given (the config's), the whole of
+    `rlhflab.models.checkpoint.check_resume` runs: the state loads, the recorded method,
+    LoRA, `critic` layout (value_head, separate or none) and `world_size` match, and the
+    files that layout needs are there. Call it before anything is written.
+    """
+    from rlhflab.models.checkpoint import STATE_FILE, check_resume
 
     if resume is None:
         return None
     path = Path(resume)
     if not (path / STATE_FILE).is_file():
         raise UserError(f"--resume {path}: no {STATE_FILE} there; point it at a step_N/ folder")
+    if method is not None and lora is not None:
+        check_resume(path, method=method, lora=lora, critic=critic, world_size=world_size)
     return path
+
+
+# --------------------------------------------------------------------------------------
+# Divergence: a non-finite loss, gradient or forward pass stops the run with one line
+# --------------------------------------------------------------------------------------
+def make_probe_batch(tokenizer, texts: list[str], device: torch.device | str) -> dict[str, torch.Tensor]:
+    """A small fixed batch (input_ids, attention_mask, each (B, L)) for `check_finite_model`:
+    a few of the run's own prompts or texts, tokenized once at the start."""
+    if not texts:
+        raise ValueError("make_probe_batch needs at least one text")
+    enc = tokenizer(list(texts), return_tensors="pt", padding=True, add_special_tokens=False)
+    return {"input_ids": enc["input_ids"].to(device), "attention_mask": enc["attention_mask"].to(device)}
+
+
+def diverged(step: int, what: str, knob: str, lr: float | None) -> TrainingDiverged:
+    now = f" (now {lr:g})" if lr is not None else ""
+    return TrainingDiverged(f"step {step}: training diverged ({what}); lower {knob}{now}, or clip harder "
+                            f"with a smaller max_grad_norm; no checkpoint with non-finite weights was saved")
+
+
+def check_finite_step(step: int, *, loss: float | None = None, grad_norm: float | None = None,
+                      knob: str = "the learning rate", lr: float | None = None) -> None:
+    """Raise `TrainingDiverged` when the loss or the (pre-clip) gradient norm of `step` is
+    not finite. Call it after backward and before `optimizer.step()`, so a NaN gradient
+    never reaches the weights. `knob` is the config key to lower (e.g. sft.learning_rate)."""
+    for name, value in (("loss", loss), ("gradient norm", grad_norm)):
+        if value is not None and not math.isfinite(float(value)):
+            raise diverged(step, f"the {name} is {float(value)}", knob, lr)
+
+
+@torch.no_grad()
+def check_finite_model(model: torch.nn.Module, probe_batch: dict[str, torch.Tensor], *, step: int,
+                       knob: str = "the learning rate", lr: float | None = None) -> None:
+    """Raise `TrainingDiverged` when `model`'s forward pass on `probe_batch` (from
+    `make_probe_batch`) gives a logit that is not finite. Call it before every save, so
+    the newest checkpoint is always one that can still generate; a weight that blew up
+    (learning rate far too high) shows here even when the last loss was finite."""
+    was_training = model.training
+    model.eval()
+    try:
+        logits = model(**probe_batch).logits
+    finally:
+        model.train(was_training)
+    if not bool(torch.isfinite(logits).all()):
+        bad = int((~torch.isfinite(logits)).sum())
+        raise diverged(step, f"the model's forward pass gives {bad} non-finite logits on a probe batch, "
+                              f"so this step is not saved", knob, lr)
 
 
 def make_doctor(enabled: bool, max_grad_norm: float | None, kl_knob: str = "ppo.kl_coeff"):

@@ -59,8 +59,9 @@ from rlhflab.models.head import linear_lm_head
 from rlhflab.models.checkpoint import prune_checkpoints, restore_trainer_state, save_checkpoint
 from rlhflab.rewards import RuleScorer, resolve_rule
 from rlhflab.models.setup import PolicyModels, build_models
-from rlhflab.trainers.common import (Timer, TrainResult, check_resume_dir, finish_run, format_metrics, last_eval,
-                                     make_optimization, prepare_output_dir, seed_everything, set_threads)
+from rlhflab.trainers.common import (Timer, TrainResult, check_finite_model, check_finite_step, check_output_dir,
+                                     check_resume_dir, finish_run, format_metrics, last_eval, make_optimization,
+                                     make_probe_batch, prepare_output_dir, seed_everything, set_threads)
 
 
 # --------------------------------------------------------------------------------------
@@ -404,9 +405,10 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     t, sec, d = cfg.training, cfg.dpo, cfg.dataset
     say = (lambda *a: None) if quiet else print
     set_threads(t.num_threads)
-    resume_dir = check_resume_dir(resume)
-    out_dir = prepare_output_dir(t.output_dir, resume=resume_dir is not None)
-    save_effective_config(effective if effective is not None else cfg, out_dir)
+    # Checked before anything is loaded or written: the checkpoint (state, layout, files)
+    # and an output folder holding another run.
+    resume_dir = check_resume_dir(resume, method="dpo", lora=cfg.lora.enabled, critic="none")
+    out_dir = check_output_dir(t.output_dir, resume=resume_dir is not None, overwrite=t.overwrite)
     seed_everything(t.seed)
     models = build_models(cfg.model, cfg.lora, t.device, need_reference=True, resume_dir=resume_dir)
     tok, pad = models.tokenizer, models.tokenizer.pad_token_id
@@ -420,6 +422,9 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     else:
         train_pairs, eval_pairs = _split(train_pairs, sec.eval_fraction, t.seed)
         eval_pairs = eval_pairs[: d.num_eval_samples] if d.num_eval_samples else eval_pairs
+    prepare_output_dir(out_dir, resume=resume_dir is not None, overwrite=t.overwrite)
+    save_effective_config(effective if effective is not None else cfg, out_dir)
+    probe = make_probe_batch(tok, [p.prompt + p.chosen for p in train_pairs[:4]], models.device)
     tok_args = (tok, d.max_prompt_length, sec.max_response_length, sec.append_eos,
                 response_end_id(tok, resolve_use_chat_template(d.use_chat_template, tok)))
     train_tok, eval_tok = tokenize_pairs(train_pairs, *tok_args), tokenize_pairs(eval_pairs, *tok_args)
@@ -449,7 +454,8 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     start_step = restore_trainer_state(resume_dir, optimizer, scheduler) if resume_dir is not None else 0
 
     logger = MetricsLogger(out_dir, cfg.logging.report_to, cfg.logging.run_name, cfg.logging.wandb_project,
-                           config=dataclasses.asdict(cfg), resume=resume_dir is not None)
+                           config=dataclasses.asdict(cfg), resume=resume_dir is not None,
+                           resume_step=start_step if resume_dir is not None else None)
     result = TrainResult(out_dir, out_dir / "final", unit="pairs", models=models, state={"ref_cache": train_cache})
     if t.eval_interval and start_step == 0:
         result.eval_before = _evaluate(models, eval_tok, eval_cache, task_examples, task_scorer, cfg, out_dir, 0)
@@ -483,12 +489,14 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
                     mb = idx[sl]
                     loss, st = dpo_micro_batch_loss(models.actor, [train_tok[i] for i in mb], ref_c[sl],
                                                     ref_r[sl], sec, pad, models.device)
-                    if not torch.isfinite(loss):
-                        raise FloatingPointError(f"DPO loss is {float(loss)} at step {step}")
+                    check_finite_step(step, loss=float(loss.detach()), knob="dpo.learning_rate",
+                                      lr=optimizer.param_groups[0]["lr"])
                     (loss * len(mb) / len(idx)).backward()
                     stats.append((len(mb), st))
                 max_norm = sec.max_grad_norm if sec.max_grad_norm is not None else float("inf")
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+                check_finite_step(step, grad_norm=grad_norm, knob="dpo.learning_rate",
+                                  lr=optimizer.param_groups[0]["lr"])
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -511,12 +519,14 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['rewards/accuracies']:.2f}")
             if t.save_interval and step % t.save_interval == 0 and step < total_steps:
+                check_finite_model(models.policy, probe, step=step, knob="dpo.learning_rate", lr=sec.learning_rate)
                 save_checkpoint(out_dir / f"step_{step}", models.actor, tok, optimizer=optimizer,
-                                scheduler=scheduler, step=step)
+                                scheduler=scheduler, step=step, method="dpo")
                 prune_checkpoints(out_dir, t.keep_last_checkpoints)
     bar.close()
+    check_finite_model(models.policy, probe, step=total_steps, knob="dpo.learning_rate", lr=sec.learning_rate)
     save_checkpoint(result.final_dir, models.actor, tok, optimizer=optimizer, scheduler=scheduler,
-                    step=total_steps)
+                    step=total_steps, method="dpo")
     finish_run(logger, out_dir, models.device, cfg.logging.plots, PLOT_GROUPS)
     result.eval_after = last_eval(result.history)
     result.samples_per_s = total_pairs / total_seconds if total_seconds else 0.0

@@ -21,7 +21,6 @@ from rlhflab import ops
 from rlhflab.config import save_effective_config
 from rlhflab.data.prompts import load_prompts, step_prompts
 from rlhflab.engine.dist import Dist, default_threads, init_dist
-from rlhflab.errors import UserError
 from rlhflab.engine.update import PPOMath, policy_update
 from rlhflab.evaluate import EvalChecks, EvalResult, build_eval_checks, evaluate_policy, save_samples
 from rlhflab.metrics import MetricsLogger
@@ -30,8 +29,9 @@ from rlhflab.models.setup import CriticKind, PolicyModels, build_models
 from rlhflab.rewards import build_reward
 from rlhflab.rewards.preflight import preflight
 from rlhflab.rollout import Rollout, RolloutBackend, make_backend
-from rlhflab.trainers.common import (Timer, TrainResult, check_resume_dir, finish_run, format_metrics, last_eval,
-                                     log_step, make_doctor, make_optimization, prepare_output_dir, seed_everything,
+from rlhflab.trainers.common import (Timer, TrainResult, check_finite_model, check_output_dir, check_resume_dir,
+                                     diverged, finish_run, format_metrics, last_eval, log_step, make_doctor,
+                                     make_optimization, make_probe_batch, prepare_output_dir, seed_everything,
                                      set_threads)
 
 
@@ -45,6 +45,7 @@ class PolicyMethod:
     need_reference: Callable[[object], bool] = lambda cfg: False
     plot_groups: dict[str, list[str]] | None = None
     optimizer_params: Callable[[object], list] | None = None  # what the optimizer trains (default: every trainable)
+    step_knob: str = "learning_rate"  # the section key a diverging run is told to lower
 
 
 @dataclass
@@ -163,17 +164,6 @@ PLOT_GROUPS: dict[str, list[str]] = {
 }
 
 
-def check_resume_world_size(folder: Path, world_size: int) -> None:
-    """A checkpoint resumes at the world size it was saved at (its random states and data
-    shards are per rank); another is refused before anything is touched."""
-    import json
-    meta = folder / "rlhflab.json"
-    saved = json.loads(meta.read_text()).get("world_size", 1) if meta.is_file() else 1
-    if saved != world_size:
-        raise UserError(f"--resume {folder}: saved by {saved} process(es), resumed by {world_size}; resume "
-                        f"with the same world size ({saved}), or start a new run from {folder} as the model")
-
-
 def check_world_size(sec, dist: Dist, key: str) -> None:
     """Every global count a method's section sets must divide among the processes; a
     one-line error before anything loads."""
@@ -261,19 +251,23 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
     check_world_size(sec, dist, method.name)
     set_threads(train_cfg.num_threads or default_threads(dist, train_cfg.device))
     preflight(cfg, quiet or not dist.is_main)  # every reward/check plug-in imported and called once, before any model loads
-    resume_dir = check_resume_dir(resume)
-    if resume_dir is not None:
-        check_resume_world_size(resume_dir, dist.world_size)
-    out_dir = dist.on_main(lambda: prepare_output_dir(train_cfg.output_dir, resume=resume_dir is not None),
-                           Path(train_cfg.output_dir))
-    if dist.is_main:
-        save_effective_config(effective if effective is not None else cfg, out_dir)
+    # Everything is checked before anything is written: the checkpoint to resume (it loads,
+    # its method, LoRA, critic and world size match), and the output folder (another run
+    # there is never trained over).
+    resume_dir = check_resume_dir(resume, method=method.name, lora=cfg.lora.enabled,
+                                  critic=method.critic or "none", world_size=dist.world_size)
+    check_output_dir(train_cfg.output_dir, resume=resume_dir is not None, overwrite=train_cfg.overwrite)
     seed_everything(train_cfg.seed)
 
     run = build_run(cfg, method, resume_dir=resume_dir, math_=math_, dist=dist)
     models, optimizer, scheduler = run.models, run.optimizer, run.scheduler
     train_examples = load_prompts(cfg.dataset, models.tokenizer, "train")
     eval_examples = load_prompts(cfg.dataset, models.tokenizer, "eval") if train_cfg.eval_interval else []
+    # The models and the data loaded: now the folder is made and the config written (rank 0 alone).
+    out_dir = dist.on_main(lambda: prepare_output_dir(train_cfg.output_dir, resume=resume_dir is not None,
+                                                      overwrite=train_cfg.overwrite), Path(train_cfg.output_dir))
+    if dist.is_main:
+        save_effective_config(effective if effective is not None else cfg, out_dir)
     start_step = 0
     if resume_dir is not None:
         start_step = restore_trainer_state(resume_dir, optimizer, scheduler, rank=dist.rank)
@@ -295,12 +289,14 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
         if doctor is not None:  # the held-out checks' starting point, for the reward_hacking rule
             doctor.observe(0, result.eval_before)
 
+    knob = f"{method.name}.{method.step_knob}"
+    probe = make_probe_batch(models.tokenizer, [e.prompt for e in train_examples[:4]], models.device)
+
     def save(folder: Path, step: int) -> None:
         rng = dist.gather(rng_state())  # every rank's random state, for an exact resume
         if dist.is_main:
             save_checkpoint(folder, models.actor, models.tokenizer, optimizer=optimizer, scheduler=scheduler,
-                            step=step, extra={"method": method.name, "world_size": dist.world_size},
-                            rank_rng=rng if dist.distributed else None)
+                            step=step, method=method.name, rank_rng=rng if dist.distributed else None)
         dist.barrier()
 
     from tqdm import tqdm
@@ -317,7 +313,14 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
         prompts = step_prompts(train_examples, sec.rollout_size // sec.samples_per_prompt, train_cfg.seed, step)
         examples = dist.shard(prompts, f"{method.name}: prompts per step")
         # 1-5. the method's phases: rollout, score, forward, advantages, update.
-        metrics = method.step(run, examples, step, timer)
+        try:
+            metrics = method.step(run, examples, step, timer)
+        except FloatingPointError as exc:  # a non-finite loss or gradient: stop in one line
+            raise diverged(step, str(exc).removeprefix(f"step {step}: "), knob,
+                           optimizer.param_groups[0]["lr"]) from None
+        # Weights that blew up (a finite loss can still step them to inf) stop the run here,
+        # before the next rollout samples from them or a checkpoint keeps them.
+        check_finite_model(models.policy, probe, step=step, knob=knob, lr=optimizer.param_groups[0]["lr"])
         run.backend.sync(models.policy, updates=sec.optimizer_steps_per_rollout())  # the sampler follows the update
         seconds = time.perf_counter() - t0
         total_samples += sec.rollout_size

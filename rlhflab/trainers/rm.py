@@ -51,7 +51,9 @@ from rlhflab.errors import UserError
 from rlhflab.metrics import MetricsLogger
 from rlhflab.models.load import default_lora_targets, disable_dropout, load_tokenizer, resolve_device, resolve_dtype
 from rlhflab.rewards.model import META_FILE, RMMeta, encode, score_head, sequence_scores
-from rlhflab.trainers.common import (finish_run, format_metrics, make_optimizer, make_scheduler,
+from rlhflab.models.checkpoint import atomic_folder
+from rlhflab.trainers.common import (check_finite_model, check_finite_step, check_output_dir, finish_run,
+                                     format_metrics, make_optimizer, make_scheduler, make_probe_batch,
                                      prepare_output_dir, print_before_after, seed_everything, set_threads,
                                      write_train_result)
 
@@ -243,10 +245,12 @@ def build_reward_model(cfg: RMRunConfig, device: torch.device):
     """(model, tokenizer): the base LM with a fresh scalar head, LoRA-wrapped if asked."""
     from transformers import AutoModelForSequenceClassification
 
-    from rlhflab.models.load import _load_error
+    from rlhflab.models.load import _load_error, reject_adapter
 
     m = cfg.model
-    tok = load_tokenizer(m.tokenizer or m.name_or_path, m.trust_remote_code, padding_side="right")
+    reject_adapter(m.name_or_path, "model")  # a reward model needs a full base model
+    tok = load_tokenizer(m.tokenizer or m.name_or_path, m.trust_remote_code, padding_side="right",
+                         kind="model" if m.tokenizer is None else "tokenizer")
     try:
         model, info = AutoModelForSequenceClassification.from_pretrained(
             m.name_or_path, num_labels=1, dtype=resolve_dtype(m.torch_dtype, device), trust_remote_code=m.trust_remote_code,
@@ -348,23 +352,17 @@ class RMResult:
 
 
 def save_reward_model(model, tokenizer, meta: RMMeta, folder: Path) -> None:
-    """A plain HF sequence-classification folder (LoRA merged; adapter in adapter/)."""
+    """A plain HF sequence-classification folder (LoRA merged; adapter in adapter/), written
+    then renamed; a failed save leaves the previous folder as it was."""
     import copy
-    import shutil
-    tmp = folder.with_name(folder.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    if hasattr(model, "peft_config"):
-        model.save_pretrained(tmp / "adapter")
-        copy.deepcopy(model).merge_and_unload().save_pretrained(tmp)
-    else:
-        model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / META_FILE).write_text(meta.to_json())
-    if folder.exists():
-        shutil.rmtree(folder)
-    tmp.rename(folder)
+    with atomic_folder(folder, "save the reward model to") as tmp:
+        if hasattr(model, "peft_config"):
+            model.save_pretrained(tmp / "adapter")
+            copy.deepcopy(model).merge_and_unload().save_pretrained(tmp)
+        else:
+            model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / META_FILE).write_text(meta.to_json())
 
 
 def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
@@ -372,8 +370,8 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
     t, r = cfg.training, cfg.rm
     say = (lambda *a, **k: None) if quiet else print
     set_threads(t.num_threads)
-    out_dir = prepare_output_dir(t.output_dir)
-    save_effective_config(effective if effective is not None else cfg, out_dir)
+    # Refused before anything loads; written only once the model and the data have loaded.
+    out_dir = check_output_dir(t.output_dir, overwrite=t.overwrite, resumable=False)
     seed_everything(t.seed)
     device = resolve_device(t.device)
     start = time.perf_counter()
@@ -382,6 +380,9 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
     model, tok = build_reward_model(cfg, device)
     meta = RMMeta(append_eos=cfg.data.append_eos, add_special_tokens=False, max_length=cfg.data.max_length)
     data = load_rm_data(cfg.data, tok, t.seed, warn=say)
+    prepare_output_dir(out_dir, overwrite=t.overwrite, resumable=False)
+    save_effective_config(effective if effective is not None else cfg, out_dir)
+    probe = make_probe_batch(tok, [p.chosen for p in data.train[:4]], device)  # for check_finite_model
     cut = count_truncated(tok, data.train, meta)
     if cut:
         say(f"warning: {cut} training texts are longer than data.max_length={cfg.data.max_length} "
@@ -420,16 +421,18 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
             group = micro[g : g + r.gradient_accumulation_steps]
             n_group = sum(len(b) for b in group)
             # 3. update: each micro-batch's mean loss weighted by its share of the group.
+            lr = optimizer.param_groups[0]["lr"]
             for b in group:
                 out = _batch_loss(model, tok, b, meta, cfg, device)
-                if not torch.isfinite(out.loss):
-                    raise FloatingPointError(f"rm loss is {float(out.loss)} at step {step + 1}; lower rm.learning_rate")
+                check_finite_step(step + 1, loss=float(out.loss.detach()), knob="rm.learning_rate", lr=lr)
                 (out.loss * (len(b) / n_group)).backward()
                 win_loss += float(out.loss.detach()) * len(b)
                 win_acc += float(out.accuracy) * len(b) if math.isfinite(float(out.accuracy)) else 0.0
                 win_n += len(b)
             max_norm = r.max_grad_norm if r.max_grad_norm is not None else float("inf")
-            win_norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            check_finite_step(step + 1, grad_norm=grad_norm, knob="rm.learning_rate", lr=lr)
+            win_norms.append(grad_norm)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -456,6 +459,7 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
         meta.score_mean, meta.score_std = last_eval["eval/score_mean"], max(last_eval["eval/score_std"], 1e-6)
         meta.extra = {"eval_accuracy": last_eval["eval/accuracy"]}
     model.eval()
+    check_finite_model(model, probe, step=step, knob="rm.learning_rate", lr=r.learning_rate)
     save_reward_model(model, tok, meta, result.final_dir)
     finish_run(logger, out_dir, device, cfg.logging.plots, PLOT_GROUPS)
     result.eval_after = last_eval or None

@@ -51,12 +51,12 @@ from rlhflab.data.loading import read_rows
 from rlhflab.errors import UserError
 from rlhflab.metrics import MetricsLogger
 from rlhflab.models.actor_critic import decoder_and_head
-from rlhflab.models.checkpoint import prune_checkpoints, save_policy
+from rlhflab.models.checkpoint import atomic_folder, prune_checkpoints, save_policy
 from rlhflab.models.head import linear_lm_head
 from rlhflab.models.load import add_lora, load_model, resolve_device
-from rlhflab.trainers.common import (finish_run, format_metrics, make_optimizer, make_scheduler,
-                                     prepare_output_dir, print_before_after, seed_everything, set_threads,
-                                     write_train_result)
+from rlhflab.trainers.common import (check_finite_model, check_finite_step, check_output_dir, finish_run,
+                                     format_metrics, make_optimizer, make_scheduler, prepare_output_dir,
+                                     print_before_after, seed_everything, set_threads, write_train_result)
 
 
 # --------------------------------------------------------------------------------------
@@ -371,22 +371,18 @@ def build_model(cfg: SFTRunConfig, device: torch.device):
 
 
 def _save(model, tokenizer, folder: Path, merged: bool) -> None:
-    """A plain HF folder (merged under LoRA, adapter in adapter/), written then renamed."""
-    import shutil
-    tmp = folder.with_name(folder.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    """A plain HF folder (merged under LoRA, adapter in adapter/), written then renamed;
+    a failed save leaves the previous folder as it was."""
     model.config.use_cache = True
-    if hasattr(model, "peft_config") and not merged:
-        model.save_pretrained(tmp / "adapter")
-        tokenizer.save_pretrained(tmp)
-    else:
-        save_policy(model, tokenizer, tmp)
-    model.config.use_cache = False
-    if folder.exists():
-        shutil.rmtree(folder)
-    tmp.rename(folder)
+    try:
+        with atomic_folder(folder, "save the model to") as tmp:
+            if hasattr(model, "peft_config") and not merged:
+                model.save_pretrained(tmp / "adapter")
+                tokenizer.save_pretrained(tmp)
+            else:
+                save_policy(model, tokenizer, tmp)
+    finally:
+        model.config.use_cache = False
 
 
 def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResult:
@@ -394,8 +390,9 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
     t, s = cfg.training, cfg.sft
     say = (lambda *a, **k: None) if quiet else print
     set_threads(t.num_threads)
-    out_dir = prepare_output_dir(t.output_dir)
-    save_effective_config(effective if effective is not None else cfg, out_dir)
+    # An output folder holding another run is refused before anything is loaded; the
+    # folder is written only once the model and the data have loaded.
+    out_dir = check_output_dir(t.output_dir, overwrite=t.overwrite, resumable=False)
     seed_everything(t.seed)
     device = resolve_device(t.device)
     start = time.perf_counter()
@@ -403,6 +400,11 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
     # 1-2. data and model
     model, tok = build_model(cfg, device)
     data = load_sft_data(cfg.data, tok, t.seed, warn=say)
+    prepare_output_dir(out_dir, overwrite=t.overwrite, resumable=False)
+    save_effective_config(effective if effective is not None else cfg, out_dir)
+    # A few training rows, run through the model before each save: a checkpoint whose
+    # forward pass is not finite is never written.
+    probe = {k: v.to(device) for k, v in sftdata.collate(data.train[:4], tok.pad_token_id).items() if k != "labels"}
     groups_per_epoch = math.ceil(math.ceil(len(data.train) / s.batch_size) / s.gradient_accumulation_steps)
     total_steps = s.max_steps or max(1, math.ceil(groups_per_epoch * s.epochs))
     params = [p for p in model.parameters() if p.requires_grad]
@@ -436,12 +438,14 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
             group = [sftdata.collate(b, tok.pad_token_id) for b in micro[g : g + s.gradient_accumulation_steps]]
             # 3. update: backward over the group, then clip and step.
             nll = accumulate_group(model, group, device)
-            if not math.isfinite(nll.total):
-                raise FloatingPointError(f"sft loss is {nll.total} at step {step + 1}; lower sft.learning_rate")
+            lr = optimizer.param_groups[0]["lr"]
+            check_finite_step(step + 1, loss=nll.total, knob="sft.learning_rate", lr=lr)
             window_nll += nll.total
             window_tokens += nll.tokens
             max_norm = s.max_grad_norm if s.max_grad_norm is not None else float("inf")
-            window_norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            check_finite_step(step + 1, grad_norm=grad_norm, knob="sft.learning_rate", lr=lr)
+            window_norms.append(grad_norm)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -465,9 +469,11 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
                 if "train/loss" in metrics:
                     bar.set_postfix(loss=f"{metrics['train/loss']:.3f}")
             if t.save_interval and step % t.save_interval == 0 and step < total_steps:
+                check_finite_model(model, probe, step=step, knob="sft.learning_rate", lr=s.learning_rate)
                 _save(model, tok, out_dir / f"step_{step}", merged=s.save_merged)
                 prune_checkpoints(out_dir, t.keep_last_checkpoints)
     bar.close()
+    check_finite_model(model, probe, step=step, knob="sft.learning_rate", lr=s.learning_rate)
     _save(model, tok, result.final_dir, merged=s.save_merged)
     finish_run(logger, out_dir, device, cfg.logging.plots, PLOT_GROUPS)
     result.eval_after = last_eval or None

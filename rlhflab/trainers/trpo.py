@@ -263,7 +263,7 @@ def trpo_step(run: RLRun, examples, step: int, timer: Timer) -> dict[str, float]
 def method(cfg: TRPORunConfig) -> PolicyMethod:
     return PolicyMethod("trpo", trpo_step, critic=cfg.model.critic,
                         need_reference=lambda c: c.trpo.kl_coeff > 0 and c.model.reference != "none",
-                        optimizer_params=value_parameters,
+                        optimizer_params=value_parameters, step_knob="max_kl",
                         plot_groups={"reward": ["rollout/reward_mean", "eval/reward_mean", "eval/accuracy"],
                                      "trust_region": ["trpo/kl", "trpo/surrogate_improvement"],
                                      "line_search": ["trpo/step_fraction"], "value": ["loss/value"]})
