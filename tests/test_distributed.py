@@ -160,3 +160,22 @@ def test_dpo_two_processes_equal_one(tiny_model_dir, arith_dir, tmp_path):
     for a, b in zip(one, two, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
         assert a["rewards/accuracies"] == b["rewards/accuracies"]
+
+
+def test_reward_model_two_processes_equal_one(tiny_model_dir, tmp_path):
+    from rlhflab.data.preferences import write_arith_pairs
+
+    env = _env(tmp_path)
+    pairs = write_arith_pairs(tmp_path / "prefs", n_train=64, n_test=16)
+    args = ["rm", "--config", str(ROOT / "configs" / "rm_debug.yaml"), f"model.name_or_path={tiny_model_dir}",
+            f"data.path={pairs['train']}", f"data.eval_path={pairs['test']}", "rm.max_steps=3", "rm.batch_size=8",
+            "rm.gradient_accumulation_steps=2", "rm.eval_before=false", "rm.learning_rate=1e-3",
+            "rm.adam_eps=1e-6",  # as in the DPO test: keeps noise-level gradients from lr-sized steps
+            "training.eval_interval=0", "logging.progress_bar=false", "logging.plots=false"]
+    _run([*args, f"training.output_dir={tmp_path / 'one'}"], env, 1)
+    _run([*args, f"training.output_dir={tmp_path / 'two'}"], env, 2)
+    a, b = _weights(tmp_path / "one" / "final"), _weights(tmp_path / "two" / "final")
+    start = _weights(tiny_model_dir)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
+    assert max(float((a[k] - start[k]).abs().max()) for k in start if k in a) > 1e-4
+    assert json.loads((tmp_path / "two" / "train_result.json").read_text())["world_size"] == 2
