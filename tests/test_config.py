@@ -247,3 +247,17 @@ def test_old_key_name_still_works_and_both_names_clash(tmp_path):
     both = _write(tmp_path, "both.yaml", "training:\n  total_ppo_steps: 7\n  total_steps: 8\n")
     with pytest.raises(ConfigError, match="training.total_ppo_steps is the old name of training.total_steps"):
         load_config(both, PPORunConfig)
+
+
+def test_names_from_the_tutorial_and_trl_get_rlhflabs_key():
+    # The tutorial seed's ppo.clip_ratio / clip_range_value / training.num_samples, TRL's
+    # gae_lambda and num_generations: each answered with the key rlhflab uses.
+    lines = _errors(DEBUG, ["ppo.clip_ratio=0.2", "ppo.clip_range_value=0.2", "training.num_samples=100",
+                            "ppo.gae_lambda=0.9"])
+    assert any("ppo.clip_ratio: unknown key; did you mean ppo.clip_eps?" in x for x in lines)
+    assert any("ppo.clip_range_value: unknown key; did you mean ppo.value_clip?" in x for x in lines)
+    assert any("training.num_samples: unknown key; did you mean dataset.num_samples?" in x for x in lines)
+    assert any("ppo.gae_lambda: unknown key; did you mean ppo.lam?" in x for x in lines)
+    from rlhflab.trainers.grpo import GRPORunConfig
+    with pytest.raises(ConfigError, match="grpo.num_generations: unknown key; did you mean grpo.group_size"):
+        load_config(None, GRPORunConfig, ["grpo.num_generations=8"])

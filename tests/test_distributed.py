@@ -124,3 +124,58 @@ def test_ppo_debug_end_to_end_on_two_processes_and_resume(tiny_model_dir, arith_
                               "--resume", str(out / "step_2")], env=env, capture_output=True, text=True)
     assert refused.returncode == 2 and not other.exists()
     assert "saved by a run of 2 processes and this run has 1" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_sft_two_processes_equal_one(tiny_model_dir, arith_dir, tmp_path):
+    # Each rank takes its half of every micro-batch of the one shuffle: every optimizer
+    # step sees the rows one process would, whatever the accumulation.
+    env = _env(tmp_path)
+    args = ["sft", "--config", str(ROOT / "configs" / "sft_debug.yaml"), f"model.name_or_path={tiny_model_dir}",
+            f"data.path={arith_dir / 'sft.jsonl'}", f"data.eval_path={arith_dir / 'test.jsonl'}",
+            "sft.max_steps=3", "sft.batch_size=8", "sft.gradient_accumulation_steps=2", "sft.eval_before=false",
+            "training.eval_interval=0", "data.num_eval_samples=8", "logging.progress_bar=false", "logging.plots=false"]
+    _run([*args, f"training.output_dir={tmp_path / 'one'}"], env, 1)
+    _run([*args, f"training.output_dir={tmp_path / 'two'}"], env, 2)
+    _assert_equal_and_moved(tmp_path / "one", tmp_path / "two", tiny_model_dir)
+    assert json.loads((tmp_path / "two" / "train_result.json").read_text())["world_size"] == 2
+
+
+def test_dpo_two_processes_equal_one(tiny_model_dir, arith_dir, tmp_path):
+    from rlhflab.data.preferences import write_arith_pairs
+
+    env = _env(tmp_path)
+    pairs = write_arith_pairs(tmp_path / "pairs", n_train=64, n_test=16)
+    # adam_eps 1e-6: Adam divides each gradient by its own size, so an element whose
+    # gradient is float noise around 0 (in both runs) would get a step of ~lr in a random
+    # direction; a larger epsilon keeps the comparison about the gradients themselves.
+    args = ["dpo", "--config", str(ROOT / "configs" / "dpo_debug.yaml"), f"model.name_or_path={tiny_model_dir}",
+            f"dataset.path={pairs['train']}", f"dataset.eval_path={pairs['test']}", "dpo.max_steps=3",
+            "dpo.batch_size=8", "dpo.mini_batch_size=4", "dpo.learning_rate=1e-3", "dpo.adam_eps=1e-6",
+            "dpo.task_eval_path=null", "training.eval_interval=0", "logging.progress_bar=false", "logging.plots=false"]
+    _run([*args, f"training.output_dir={tmp_path / 'one'}"], env, 1)
+    _run([*args, f"training.output_dir={tmp_path / 'two'}"], env, 2)
+    _assert_equal_and_moved(tmp_path / "one", tmp_path / "two", tiny_model_dir)
+    one = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    two = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    for a, b in zip(one, two, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+        assert a["rewards/accuracies"] == b["rewards/accuracies"]
+
+
+def test_reward_model_two_processes_equal_one(tiny_model_dir, tmp_path):
+    from rlhflab.data.preferences import write_arith_pairs
+
+    env = _env(tmp_path)
+    pairs = write_arith_pairs(tmp_path / "prefs", n_train=64, n_test=16)
+    args = ["rm", "--config", str(ROOT / "configs" / "rm_debug.yaml"), f"model.name_or_path={tiny_model_dir}",
+            f"data.path={pairs['train']}", f"data.eval_path={pairs['test']}", "rm.max_steps=3", "rm.batch_size=8",
+            "rm.gradient_accumulation_steps=2", "rm.eval_before=false", "rm.learning_rate=1e-3",
+            "rm.adam_eps=1e-6",  # as in the DPO test: keeps noise-level gradients from lr-sized steps
+            "training.eval_interval=0", "logging.progress_bar=false", "logging.plots=false"]
+    _run([*args, f"training.output_dir={tmp_path / 'one'}"], env, 1)
+    _run([*args, f"training.output_dir={tmp_path / 'two'}"], env, 2)
+    a, b = _weights(tmp_path / "one" / "final"), _weights(tmp_path / "two" / "final")
+    start = _weights(tiny_model_dir)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
+    assert max(float((a[k] - start[k]).abs().max()) for k in start if k in a) > 1e-4
+    assert json.loads((tmp_path / "two" / "train_result.json").read_text())["world_size"] == 2

@@ -412,3 +412,31 @@ def test_kv_bytes_and_dtype_from_the_config():
                               "float32") == 2 * 2 * 2 * 32 * 4
     assert resolve_dtype("auto", cfg) == "bfloat16" and resolve_dtype("auto", {}) == "float32"
     assert resolve_dtype("float16", cfg) == "float16"
+
+
+# --------------------------------------------------------------------------------------
+# PPO learns with the vLLM backend
+# --------------------------------------------------------------------------------------
+@engine_test
+def test_ppo_with_the_vllm_backend_learns_the_task(tmp_path_factory, tmp_path):
+    """A short PPO run sampling with vLLM raises held-out greedy accuracy by >= 15 points
+    from a supervised warm start on sloppy demonstrations (measured: 0% -> 68% in 15 steps)."""
+    from test_grpo_helpers import debug_config, easy_task, supervised_warm_start
+
+    from rlhflab.models.tiny import make_tiny_model
+    from rlhflab.trainers.ppo import PPORunConfig, train
+
+    task = easy_task(tmp_path_factory)
+    base, warm = tmp_path_factory.mktemp("vllm-ppo-base"), tmp_path_factory.mktemp("vllm-ppo-warm")
+    # head_dim 32: vLLM's CPU attention has no kernel for 16
+    make_tiny_model(base, hidden_size=128, num_layers=2, num_heads=4, vocab_size=512)
+    supervised_warm_start(base, task / "sft.jsonl", warm)
+    cfg = debug_config(PPORunConfig, "ppo_debug.yaml", warm, task, tmp_path / "run", "generation.backend=vllm",
+                       "generation.max_new_tokens=8", "training.total_steps=15", "training.eval_interval=15",
+                       "training.save_interval=0", "dataset.num_eval_samples=100", "ppo.rollout_samples=32",
+                       "ppo.batch_size=32", "ppo.mini_batch_size=16", "ppo.epochs=2", "ppo.learning_rate=1e-4")
+    res = train(cfg, quiet=True)
+    before, after = res.eval_before["eval/accuracy"], res.eval_after["eval/accuracy"]
+    assert after >= before + 0.15, (before, after)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][1:]
+    assert all(0 <= r["rollout/logprob_gap"] < 1e-3 for r in rows)  # vLLM's sampler agrees with the trainer

@@ -36,6 +36,32 @@ ALIASES: dict[str, str] = {
 }
 
 
+# Names other tools (the tutorial seed's course config, TRL) give rlhflab's knobs: an
+# unknown key with one of these names is answered with rlhflab's key (docs/knobs.md has
+# the table). A bare name maps within its own section; a dotted one names the section.
+FOREIGN_KEYS: dict[str, str] = {
+    "clip_ratio": "clip_eps", "cliprange": "clip_eps", "clip_range": "clip_eps",
+    "clip_range_value": "value_clip", "cliprange_value": "value_clip",
+    "kl_coef": "kl_coeff", "init_kl_coef": "kl_coeff", "vf_coef": "vf_coeff", "ent_coef": "entropy_coeff",
+    "gae_lambda": "lam", "lambda": "lam", "num_ppo_epochs": "epochs", "ppo_epochs": "epochs",
+    "num_generations": "group_size", "rloo_k": "k",
+    "training.num_samples": "dataset.num_samples", "training.learning_rate": "<method>.learning_rate",
+    "ppo.response_length": "generation.max_new_tokens", "ppo.temperature": "generation.temperature",
+    "training.batch_size": "<method>.batch_size", "training.epochs": "<method>.epochs",
+}
+
+
+def _foreign_hint(prefix: str, name: str, fields: dict) -> str | None:
+    """rlhflab's key for a name another tool uses, when there is one."""
+    dotted = f"{prefix}.{name}" if prefix else str(name)
+    target = FOREIGN_KEYS.get(dotted) or FOREIGN_KEYS.get(str(name))
+    if target is None:
+        return None
+    if "." not in target:  # a key of the same section
+        return f"{prefix + '.' if prefix else ''}{target}" if target in fields else None
+    return target
+
+
 def _rename_aliases(node: DictConfig, where: str) -> DictConfig:
     """One layer (a file or an override) with its old key names replaced by the new ones."""
     for old, new in ALIASES.items():
@@ -245,10 +271,14 @@ def _build(cls: type[T], data: dict, prefix: str, errors: list[str]) -> T:
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else str(name)
         if name not in fields:
+            foreign = _foreign_hint(prefix, str(name), fields)
             near = difflib.get_close_matches(str(name), list(fields), n=1, cutoff=0.6)
-            hint = f"; did you mean {prefix + '.' if prefix else ''}{near[0]}?" if near else (
-                f"; valid keys: {', '.join(fields)}"
-            )
+            if foreign and not (near and foreign == f"{prefix + '.' if prefix else ''}{near[0]}"):
+                hint = f"; did you mean {foreign}? ({name} is its name elsewhere; docs/knobs.md maps the names)"
+            elif near:
+                hint = f"; did you mean {prefix + '.' if prefix else ''}{near[0]}?"
+            else:
+                hint = f"; valid keys: {', '.join(fields)}"
             errors.append(f"{key}: unknown key{hint}")
             continue
         kwargs[name] = _coerce(value, hints[name], key, errors)

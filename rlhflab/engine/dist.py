@@ -32,6 +32,27 @@ import torch
 from rlhflab.errors import UserError
 
 
+class Forward(torch.nn.Module):
+    """`fn(model, *args)` as a module's forward: a data-parallel wrapper (DDP, FSDP) hooks
+    a module's forward, so a loss computed from a model's parts (its decoder and head,
+    as SFT's chunked NLL or DPO's sequence log-probs do) goes through one of these."""
+
+    def __init__(self, model: torch.nn.Module, fn):
+        super().__init__()
+        self.model = model
+        self.fn = fn
+
+    def forward(self, *args, **kwargs):
+        return self.fn(self.model, *args, **kwargs)
+
+
+def even_share(rows: Sequence, world_size: int, rank: int) -> list:
+    """This rank's contiguous share of a batch's rows; a remainder that does not divide
+    is dropped (at most world_size − 1 rows, only in the last batch of an epoch)."""
+    size = len(rows) // world_size
+    return list(rows[rank * size : (rank + 1) * size])
+
+
 def launched_world_size() -> int:
     """WORLD_SIZE as torchrun / accelerate launch set it (1 without a launcher)."""
     try:
@@ -115,6 +136,11 @@ class Dist:
     def barrier(self) -> None:
         if self.distributed:
             self.accelerator.wait_for_everyone()
+
+    @property
+    def device(self) -> torch.device | None:
+        """The accelerator's device for this rank (None in one process: the config decides)."""
+        return self.accelerator.device if self.accelerator is not None else None
 
     def _device(self) -> torch.device:
         return self.accelerator.device if self.accelerator is not None else torch.device("cpu")

@@ -52,6 +52,8 @@ from rlhflab.data.chat import resolve_use_chat_template, response_end_id
 from rlhflab.data.loading import read_rows
 from rlhflab.data.prompts import format_prompt, load_prompts
 from rlhflab.errors import UserError
+from rlhflab.engine.dist import Forward, default_threads, even_share, init_dist
+from rlhflab.engine.update import inner
 from rlhflab.evaluate import evaluate_policy, save_samples
 from rlhflab.metrics import MetricsLogger
 from rlhflab.models.actor_critic import PolicyOnly, Reference, response_hidden
@@ -336,7 +338,8 @@ def dpo_micro_batch_loss(actor: PolicyOnly, pairs: Sequence[TokenizedPair], ref_
     """The DPO loss of b pairs (mean over them) from one forward pass over 2b rows,
     plus `sft_coeff` times the chosen responses' mean NLL per token."""
     batch = pair_batch(pairs, pad_token_id, device)
-    lp = policy_sequence_logprobs(actor, batch)  # (2b,)
+    # (2b,); through the data-parallel wrapper when the actor comes as Forward(actor, ...)
+    lp = actor(batch) if isinstance(inner(actor), Forward) else policy_sequence_logprobs(actor, batch)
     b = len(pairs)
     out = ops.dpo_loss(lp[:b], lp[b:], ref_chosen, ref_rejected, sec.beta, sec.loss_kind, sec.label_smoothing)
     nll = -lp[:b].sum() / batch.response_mask[:b].sum().clamp(min=1)
@@ -403,11 +406,15 @@ def _evaluate(models: PolicyModels, eval_tok, eval_cache, task_examples, task_sc
 def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, quiet: bool = False) -> TrainResult:
     """Run DPO as configured; returns where the outputs went and the metric history."""
     t, sec, d = cfg.training, cfg.dpo, cfg.dataset
-    say = (lambda *a: None) if quiet else print
-    set_threads(t.num_threads)
+    dist = init_dist(t.device)
+    say = (lambda *a: None) if quiet or not dist.is_main else print
+    set_threads(t.num_threads or default_threads(dist, t.device))
+    if dist.distributed:
+        dist.local(sec.batch_size, "dpo.batch_size")
     # Checked before anything is loaded or written: the checkpoint (state, layout, files)
     # and an output folder holding another run.
-    resume_dir = check_resume_dir(resume, method="dpo", lora=cfg.lora.enabled, critic="none")
+    resume_dir = check_resume_dir(resume, method="dpo", lora=cfg.lora.enabled, critic="none",
+                                  world_size=dist.world_size)
     out_dir = check_output_dir(t.output_dir, resume=resume_dir is not None, overwrite=t.overwrite)
     seed_everything(t.seed)
     models = build_models(cfg.model, cfg.lora, t.device, need_reference=True, resume_dir=resume_dir)
@@ -422,8 +429,9 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     else:
         train_pairs, eval_pairs = _split(train_pairs, sec.eval_fraction, t.seed)
         eval_pairs = eval_pairs[: d.num_eval_samples] if d.num_eval_samples else eval_pairs
-    prepare_output_dir(out_dir, resume=resume_dir is not None, overwrite=t.overwrite)
-    save_effective_config(effective if effective is not None else cfg, out_dir)
+    dist.on_main(lambda: prepare_output_dir(out_dir, resume=resume_dir is not None, overwrite=t.overwrite))
+    if dist.is_main:
+        save_effective_config(effective if effective is not None else cfg, out_dir)
     probe = make_probe_batch(tok, [p.prompt + p.chosen for p in train_pairs[:4]], models.device)
     tok_args = (tok, d.max_prompt_length, sec.max_response_length, sec.append_eos,
                 response_end_id(tok, resolve_use_chat_template(d.use_chat_template, tok)))
@@ -451,19 +459,34 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     if sec.max_steps is not None:
         total_steps = min(total_steps, sec.max_steps)
     optimizer, scheduler = make_optimization(models.actor.trainable_parameters(), sec, total_steps)
-    start_step = restore_trainer_state(resume_dir, optimizer, scheduler) if resume_dir is not None else 0
+    # The sequence log-probs as a module's forward, wrapped for the launcher's strategy.
+    logprob_model, optimizer = dist.prepare(Forward(models.actor, policy_sequence_logprobs), optimizer)
+    start_step = 0
+    if resume_dir is not None:
+        start_step = restore_trainer_state(resume_dir, optimizer, scheduler, rank=dist.rank)
 
-    logger = MetricsLogger(out_dir, cfg.logging.report_to, cfg.logging.run_name, cfg.logging.wandb_project,
-                           config=dataclasses.asdict(cfg), resume=resume_dir is not None,
-                           resume_step=start_step if resume_dir is not None else None)
-    result = TrainResult(out_dir, out_dir / "final", unit="pairs", models=models, state={"ref_cache": train_cache})
-    if t.eval_interval and start_step == 0:
+    logger = None
+    if dist.is_main:
+        logger = MetricsLogger(out_dir, cfg.logging.report_to, cfg.logging.run_name, cfg.logging.wandb_project,
+                               config=dataclasses.asdict(cfg), resume=resume_dir is not None,
+                               resume_step=start_step if resume_dir is not None else None)
+    result = TrainResult(out_dir, out_dir / "final", unit="pairs", world_size=dist.world_size, is_main=dist.is_main,
+                         models=models, state={"ref_cache": train_cache})
+    if t.eval_interval and start_step == 0 and dist.is_main:  # evaluation on the main process
         result.eval_before = _evaluate(models, eval_tok, eval_cache, task_examples, task_scorer, cfg, out_dir, 0)
         logger.log(0, {**result.eval_before, **timer.metrics()})
         say("step 0 (before training): " + format_metrics(result.eval_before))
 
+    def save(folder: Path, at: int) -> None:
+        """Rank 0: the checkpoint, once its forward pass is checked finite."""
+        check_finite_model(models.policy, probe, step=at, knob="dpo.learning_rate", lr=sec.learning_rate)
+        save_checkpoint(folder, models.actor, tok, optimizer=optimizer, scheduler=scheduler, step=at, method="dpo",
+                        rank_rng=None)
+        if folder.name.startswith("step_"):
+            prune_checkpoints(out_dir, t.keep_last_checkpoints)
+
     from tqdm import tqdm
-    bar = tqdm(total=total_steps, initial=start_step, disable=quiet or not cfg.logging.progress_bar,
+    bar = tqdm(total=total_steps, initial=start_step, disable=quiet or not cfg.logging.progress_bar or not dist.is_main,
                desc="dpo", dynamic_ncols=True)
     params = models.actor.trainable_parameters()
     step, total_pairs, total_seconds = 0, 0, 0.0
@@ -478,56 +501,60 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
                 continue
             timer = Timer()
             t0 = time.perf_counter()
-            idx = order[start : start + sec.batch_size].tolist()
+            # This rank's share of the batch (the whole batch in one process).
+            global_idx = order[start : start + sec.batch_size].tolist()
+            idx = even_share(global_idx, dist.world_size, dist.rank)
+            n_batch = len(idx) * dist.world_size
             with timer("reference"):
                 ref_c, ref_r = train_cache.get(idx)
             # 3. update: micro-batches of pairs, their losses weighted to the batch mean.
             stats = []
             with timer("update"):
-                for m in range(0, len(idx), sec.mini_batch_size):
-                    sl = slice(m, m + sec.mini_batch_size)
+                starts = range(0, len(idx), dist.local(sec.mini_batch_size, "dpo.mini_batch_size"))
+                for j, m in enumerate(starts):
+                    sl = slice(m, m + sec.mini_batch_size // dist.world_size)
                     mb = idx[sl]
-                    loss, st = dpo_micro_batch_loss(models.actor, [train_tok[i] for i in mb], ref_c[sl],
-                                                    ref_r[sl], sec, pad, models.device)
-                    check_finite_step(step, loss=float(loss.detach()), knob="dpo.learning_rate",
-                                      lr=optimizer.param_groups[0]["lr"])
-                    (loss * len(mb) / len(idx)).backward()
+                    with dist.accumulating(logprob_model, last=j == len(starts) - 1):
+                        loss, st = dpo_micro_batch_loss(logprob_model, [train_tok[i] for i in mb], ref_c[sl],
+                                                        ref_r[sl], sec, pad, models.device)
+                        bad = dist.sum(float(not torch.isfinite(loss)))
+                        check_finite_step(step, loss=float("nan") if bad else float(loss.detach()),
+                                          knob="dpo.learning_rate", lr=optimizer.param_groups[0]["lr"])
+                        dist.backward(loss * len(mb) / n_batch * dist.scale)
                     stats.append((len(mb), st))
                 max_norm = sec.max_grad_norm if sec.max_grad_norm is not None else float("inf")
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+                grad_norm = dist.clip_grad_norm_(params, max_norm)
                 check_finite_step(step, grad_norm=grad_norm, knob="dpo.learning_rate",
                                   lr=optimizer.param_groups[0]["lr"])
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
             seconds = time.perf_counter() - t0
-            total_pairs += len(idx)
+            total_pairs += n_batch
             total_seconds += seconds
-            # 4. log, evaluate, save.
-            chosen = torch.cat([s.chosen_rewards for _, s in stats])
-            rejected = torch.cat([s.rejected_rewards for _, s in stats])
-            metrics = {"loss": sum(n * s.loss for n, s in stats) / len(idx), **reward_metrics(chosen, rejected),
-                       "nll/chosen": sum(n * s.nll for n, s in stats) / len(idx),
-                       "logps/chosen": float(torch.cat([s.policy_chosen for _, s in stats]).mean()),
-                       "logps/rejected": float(torch.cat([s.policy_rejected for _, s in stats]).mean()),
+            # 4. log, evaluate, save (the batch's numbers, over every process).
+            parts = dist.gather([(n, s.loss, s.nll, s.chosen_rewards, s.rejected_rewards, s.policy_chosen,
+                                  s.policy_rejected) for n, s in stats])
+            rows = [r for part in parts for r in part]
+            cat = lambda i: torch.cat([r[i] for r in rows])  # noqa: E731
+            metrics = {"loss": sum(r[0] * r[1] for r in rows) / n_batch, **reward_metrics(cat(3), cat(4)),
+                       "nll/chosen": sum(r[0] * r[2] for r in rows) / n_batch,
+                       "logps/chosen": float(cat(5).mean()), "logps/rejected": float(cat(6).mean()),
                        "params/grad_norm": grad_norm, "lr": optimizer.param_groups[0]["lr"], "epoch": epoch,
-                       **timer.metrics(), "perf/pairs_per_s": len(idx) / seconds}
-            if t.eval_interval and (step % t.eval_interval == 0 or step == total_steps):
+                       **timer.metrics(), "perf/pairs_per_s": n_batch / seconds}
+            if dist.is_main and t.eval_interval and (step % t.eval_interval == 0 or step == total_steps):
                 metrics.update(_evaluate(models, eval_tok, eval_cache, task_examples, task_scorer, cfg, out_dir, step))
-            logger.log(step, metrics)
+            if logger is not None:
+                logger.log(step, metrics)
             result.history.append({"step": step, **metrics})
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['rewards/accuracies']:.2f}")
             if t.save_interval and step % t.save_interval == 0 and step < total_steps:
-                check_finite_model(models.policy, probe, step=step, knob="dpo.learning_rate", lr=sec.learning_rate)
-                save_checkpoint(out_dir / f"step_{step}", models.actor, tok, optimizer=optimizer,
-                                scheduler=scheduler, step=step, method="dpo")
-                prune_checkpoints(out_dir, t.keep_last_checkpoints)
+                dist.on_main(lambda: save(out_dir / f"step_{step}", step))
     bar.close()
-    check_finite_model(models.policy, probe, step=total_steps, knob="dpo.learning_rate", lr=sec.learning_rate)
-    save_checkpoint(result.final_dir, models.actor, tok, optimizer=optimizer, scheduler=scheduler,
-                    step=total_steps, method="dpo")
-    finish_run(logger, out_dir, models.device, cfg.logging.plots, PLOT_GROUPS)
+    dist.on_main(lambda: save(result.final_dir, total_steps))
+    if dist.is_main:
+        finish_run(logger, out_dir, models.device, cfg.logging.plots, PLOT_GROUPS)
     result.eval_after = last_eval(result.history)
     result.samples_per_s = total_pairs / total_seconds if total_seconds else 0.0
     return result

@@ -47,6 +47,7 @@ from rlhflab.config.schema import (CHAT_TEMPLATE_HELP, ChatTemplateUse, LoggingC
 from rlhflab.data import preferences as prefdata
 from rlhflab.data.chat import resolve_use_chat_template
 from rlhflab.data.loading import read_rows
+from rlhflab.engine.dist import Forward, default_threads, even_share, init_dist
 from rlhflab.errors import UserError
 from rlhflab.metrics import MetricsLogger
 from rlhflab.models.load import default_lora_targets, disable_dropout, load_tokenizer, resolve_device, resolve_dtype
@@ -349,6 +350,7 @@ class RMResult:
     steps: int = 0
     train_pairs: int = 0
     seconds: float = 0.0
+    is_main: bool = True             # False on the other processes of a multi-process run
 
 
 def save_reward_model(model, tokenizer, meta: RMMeta, folder: Path) -> None:
@@ -368,20 +370,24 @@ def save_reward_model(model, tokenizer, meta: RMMeta, folder: Path) -> None:
 def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
     """Train a reward model as configured; returns where it went and the before/after metrics."""
     t, r = cfg.training, cfg.rm
-    say = (lambda *a, **k: None) if quiet else print
-    set_threads(t.num_threads)
+    dist = init_dist(t.device)
+    say = (lambda *a, **k: None) if quiet or not dist.is_main else print
+    set_threads(t.num_threads or default_threads(dist, t.device))
+    if dist.distributed:
+        dist.local(r.batch_size, "rm.batch_size")
     # Refused before anything loads; written only once the model and the data have loaded.
     out_dir = check_output_dir(t.output_dir, overwrite=t.overwrite, resumable=False)
     seed_everything(t.seed)
-    device = resolve_device(t.device)
+    device = dist.device or resolve_device(t.device)
     start = time.perf_counter()
 
     # 1-2. data and model
     model, tok = build_reward_model(cfg, device)
     meta = RMMeta(append_eos=cfg.data.append_eos, add_special_tokens=False, max_length=cfg.data.max_length)
     data = load_rm_data(cfg.data, tok, t.seed, warn=say)
-    prepare_output_dir(out_dir, overwrite=t.overwrite, resumable=False)
-    save_effective_config(effective if effective is not None else cfg, out_dir)
+    dist.on_main(lambda: prepare_output_dir(out_dir, overwrite=t.overwrite, resumable=False))
+    if dist.is_main:
+        save_effective_config(effective if effective is not None else cfg, out_dir)
     probe = make_probe_batch(tok, [p.chosen for p in data.train[:4]], device)  # for check_finite_model
     cut = count_truncated(tok, data.train, meta)
     if cut:
@@ -391,22 +397,27 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
     total_steps = r.max_steps or max(1, math.ceil(groups_per_epoch * r.epochs))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, r.learning_rate, r.weight_decay, (r.adam_beta1, r.adam_beta2), r.adam_eps)
+    # The pairwise loss as a module's forward, wrapped for the launcher's strategy; each
+    # rank takes its share of every micro-batch of the one shuffle.
+    loss_model, optimizer = dist.prepare(
+        Forward(model, lambda m, pairs: _batch_loss(m, tok, pairs, meta, cfg, device)), optimizer)
     scheduler = make_scheduler(optimizer, total_steps, int(r.warmup_ratio * total_steps), r.lr_schedule,
                                r.min_learning_rate)
     say(f"rm: {len(data.train)} training pairs, {len(data.eval)} held out; {total_steps} optimizer steps; "
         f"{sum(p.numel() for p in params):,} trainable parameters")
 
     logger = MetricsLogger(out_dir, cfg.logging.report_to, cfg.logging.run_name, cfg.logging.wandb_project,
-                           config=dataclasses.asdict(cfg))
+                           config=dataclasses.asdict(cfg)) if dist.is_main else None
     result = RMResult(out_dir, out_dir / "final", out_dir / "final" / "adapter" if cfg.lora.enabled else None,
-                      train_pairs=len(data.train))
-    if r.eval_before and data.eval:
+                      train_pairs=len(data.train), is_main=dist.is_main)
+    if r.eval_before and data.eval and dist.is_main:  # evaluation on the main process, which alone writes
         result.eval_before = evaluate_rm(model, tok, data.eval, meta, t.eval_batch_size, device)
         logger.log(0, result.eval_before)
         say("step 0 (before training): " + format_metrics(result.eval_before))
 
     from tqdm import tqdm
-    bar = tqdm(total=total_steps, disable=quiet or not cfg.logging.progress_bar, desc="rm", dynamic_ncols=True)
+    bar = tqdm(total=total_steps, disable=quiet or not cfg.logging.progress_bar or not dist.is_main, desc="rm",
+               dynamic_ncols=True)
     step, epoch = 0, 0
     win_loss, win_acc, win_n, win_norms = 0.0, 0.0, 0, []
     last_eval: dict[str, float] = {}
@@ -418,19 +429,22 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
         for g in range(0, len(micro), r.gradient_accumulation_steps):
             if step >= total_steps:
                 break
-            group = micro[g : g + r.gradient_accumulation_steps]
-            n_group = sum(len(b) for b in group)
+            group = [even_share(b, dist.world_size, dist.rank) for b in micro[g : g + r.gradient_accumulation_steps]]
+            n_group = sum(len(b) for b in group) * dist.world_size
             # 3. update: each micro-batch's mean loss weighted by its share of the group.
             lr = optimizer.param_groups[0]["lr"]
-            for b in group:
-                out = _batch_loss(model, tok, b, meta, cfg, device)
-                check_finite_step(step + 1, loss=float(out.loss.detach()), knob="rm.learning_rate", lr=lr)
-                (out.loss * (len(b) / n_group)).backward()
+            for i, b in enumerate(group):
+                with dist.accumulating(loss_model, last=i == len(group) - 1):
+                    out = loss_model(b)
+                    bad = dist.sum(float(not torch.isfinite(out.loss)))
+                    check_finite_step(step + 1, loss=float("nan") if bad else float(out.loss.detach()),
+                                      knob="rm.learning_rate", lr=lr)
+                    dist.backward(out.loss * (len(b) / n_group) * dist.scale)
                 win_loss += float(out.loss.detach()) * len(b)
                 win_acc += float(out.accuracy) * len(b) if math.isfinite(float(out.accuracy)) else 0.0
                 win_n += len(b)
             max_norm = r.max_grad_norm if r.max_grad_norm is not None else float("inf")
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            grad_norm = dist.clip_grad_norm_(params, max_norm)
             check_finite_step(step + 1, grad_norm=grad_norm, knob="rm.learning_rate", lr=lr)
             win_norms.append(grad_norm)
             optimizer.step()
@@ -441,14 +455,16 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
             # 5. log, evaluate
             metrics: dict[str, float] = {}
             if step % r.logging_steps == 0 or step == total_steps:
+                win_loss, win_acc, win_n = dist.sum(win_loss), dist.sum(win_acc), int(dist.sum(float(win_n)))
                 metrics.update({"train/loss": win_loss / max(win_n, 1), "train/accuracy": win_acc / max(win_n, 1),
                                 "params/grad_norm": sum(win_norms) / len(win_norms),
                                 "lr": optimizer.param_groups[0]["lr"], "epoch": step / groups_per_epoch})
                 win_loss, win_acc, win_n, win_norms = 0.0, 0.0, 0, []
-            if data.eval and ((t.eval_interval and step % t.eval_interval == 0) or step == total_steps):
+            if dist.is_main and data.eval and ((t.eval_interval and step % t.eval_interval == 0)
+                                               or step == total_steps):
                 last_eval = evaluate_rm(model, tok, data.eval, meta, t.eval_batch_size, device)
                 metrics.update(last_eval)
-            if metrics:
+            if metrics and dist.is_main:
                 logger.log(step, metrics)
                 result.history.append({"step": step, **metrics})
                 if "train/loss" in metrics:
@@ -459,14 +475,20 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
         meta.score_mean, meta.score_std = last_eval["eval/score_mean"], max(last_eval["eval/score_std"], 1e-6)
         meta.extra = {"eval_accuracy": last_eval["eval/accuracy"]}
     model.eval()
-    check_finite_model(model, probe, step=step, knob="rm.learning_rate", lr=r.learning_rate)
-    save_reward_model(model, tok, meta, result.final_dir)
-    finish_run(logger, out_dir, device, cfg.logging.plots, PLOT_GROUPS)
+
+    def save() -> None:  # rank 0, once the forward pass is checked finite
+        check_finite_model(model, probe, step=step, knob="rm.learning_rate", lr=r.learning_rate)
+        save_reward_model(model, tok, meta, result.final_dir)
+
+    dist.on_main(save)
     result.eval_after = last_eval or None
     result.steps = step
     result.seconds = time.perf_counter() - start
-    write_train_result(out_dir, eval_before=result.eval_before, eval_after=result.eval_after, steps=step,
-                       train_pairs=result.train_pairs, seconds=result.seconds)
+    if dist.is_main:
+        finish_run(logger, out_dir, device, cfg.logging.plots, PLOT_GROUPS)
+        write_train_result(out_dir, eval_before=result.eval_before, eval_after=result.eval_after, steps=step,
+                           train_pairs=result.train_pairs, seconds=result.seconds, world_size=dist.world_size)
+    dist.barrier()
     return result
 
 
@@ -481,6 +503,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg, effective = load_config(args.config, RMRunConfig, args.overrides)
     res = train_rm(cfg, effective=effective)
+    if not res.is_main:
+        return 0
     print(f"done in {res.seconds:.0f}s: reward model in {res.final_dir}"
           + (f" (adapter in {res.adapter_dir})" if res.adapter_dir else ""))
     print_before_after(res.eval_before, res.eval_after)

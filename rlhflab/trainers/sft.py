@@ -48,6 +48,8 @@ from rlhflab.config.schema import (CHAT_TEMPLATE_HELP, ChatTemplateUse, LoggingC
 from rlhflab.data import sft as sftdata
 from rlhflab.data.chat import resolve_use_chat_template
 from rlhflab.data.loading import read_rows
+from rlhflab.engine.dist import Dist, Forward, default_threads, even_share, init_dist
+from rlhflab.engine.update import inner
 from rlhflab.errors import UserError
 from rlhflab.metrics import MetricsLogger
 from rlhflab.models.actor_critic import decoder_and_head
@@ -182,20 +184,26 @@ def batch_nll(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, labe
     return ResponseNLL(total, int((target != sftdata.IGNORE_INDEX).sum()))
 
 
-def accumulate_group(model, group: Sequence[dict[str, torch.Tensor]], device: torch.device) -> "GroupNLL":
+def accumulate_group(model, group: Sequence[dict[str, torch.Tensor]], device: torch.device,
+                     dist: Dist | None = None) -> "GroupNLL":
     """Backward over a group of micro-batches whose loss is the group's token-mean NLL.
 
     Each micro-batch's summed NLL is divided by the response-token count of the whole
-    group, so the accumulated gradient equals that of one batch holding every row.
+    group (over every process), so the accumulated gradient equals that of one batch
+    holding every row. `model` is a causal LM, or `Forward(lm, batch_nll)` as the
+    data-parallel wrapper sees it. Returns the group's totals over every process.
     """
-    n_tokens = sum(int((b["labels"][:, 1:] != sftdata.IGNORE_INDEX).sum()) for b in group)
+    dist = dist or Dist()
+    nll_of = model if isinstance(inner(model), Forward) else Forward(model, batch_nll)
+    n_tokens = int(dist.sum(float(sum(int((b["labels"][:, 1:] != sftdata.IGNORE_INDEX).sum()) for b in group))))
     total = 0.0
-    for b in group:
+    for i, b in enumerate(group):
         b = {k: v.to(device) for k, v in b.items()}
-        nll = batch_nll(model, b["input_ids"], b["attention_mask"], b["labels"])
-        (nll.total / max(n_tokens, 1)).backward()
+        with dist.accumulating(nll_of, last=i == len(group) - 1):
+            nll = nll_of(b["input_ids"], b["attention_mask"], b["labels"])
+            dist.backward(nll.total / max(n_tokens, 1) * dist.scale)
         total += float(nll.total.detach())
-    return GroupNLL(total, n_tokens)
+    return GroupNLL(dist.sum(total), n_tokens)
 
 
 @dataclass(frozen=True)
@@ -353,6 +361,7 @@ class SFTResult:
     steps: int = 0
     train_rows: int = 0
     seconds: float = 0.0
+    is_main: bool = True                 # False on the other processes of a multi-process run
 
 
 def build_model(cfg: SFTRunConfig, device: torch.device):
@@ -388,20 +397,24 @@ def _save(model, tokenizer, folder: Path, merged: bool) -> None:
 def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResult:
     """Run SFT as configured; returns where the model went and the before/after metrics."""
     t, s = cfg.training, cfg.sft
-    say = (lambda *a, **k: None) if quiet else print
-    set_threads(t.num_threads)
+    dist = init_dist(t.device)
+    say = (lambda *a, **k: None) if quiet or not dist.is_main else print
+    set_threads(t.num_threads or default_threads(dist, t.device))
+    if dist.distributed:
+        dist.local(s.batch_size, "sft.batch_size")
     # An output folder holding another run is refused before anything is loaded; the
     # folder is written only once the model and the data have loaded.
     out_dir = check_output_dir(t.output_dir, overwrite=t.overwrite, resumable=False)
     seed_everything(t.seed)
-    device = resolve_device(t.device)
+    device = dist.device or resolve_device(t.device)
     start = time.perf_counter()
 
     # 1-2. data and model
     model, tok = build_model(cfg, device)
     data = load_sft_data(cfg.data, tok, t.seed, warn=say)
-    prepare_output_dir(out_dir, overwrite=t.overwrite, resumable=False)
-    save_effective_config(effective if effective is not None else cfg, out_dir)
+    dist.on_main(lambda: prepare_output_dir(out_dir, overwrite=t.overwrite, resumable=False))
+    if dist.is_main:
+        save_effective_config(effective if effective is not None else cfg, out_dir)
     # A few training rows, run through the model before each save: a checkpoint whose
     # forward pass is not finite is never written.
     probe = {k: v.to(device) for k, v in sftdata.collate(data.train[:4], tok.pad_token_id).items() if k != "labels"}
@@ -409,6 +422,9 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
     total_steps = s.max_steps or max(1, math.ceil(groups_per_epoch * s.epochs))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, s.learning_rate, s.weight_decay, (s.adam_beta1, s.adam_beta2), s.adam_eps)
+    # Under several processes the loss module is wrapped for the launcher's strategy, and
+    # each rank takes its share of every micro-batch (the same rows one process would use).
+    nll_model, optimizer = dist.prepare(Forward(model, batch_nll), optimizer)
     scheduler = make_scheduler(optimizer, total_steps, int(s.warmup_ratio * total_steps), s.lr_schedule,
                                s.min_learning_rate)
     n_trainable = sum(p.numel() for p in params)
@@ -416,16 +432,24 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
         f"{n_trainable:,} trainable parameters")
 
     logger = MetricsLogger(out_dir, cfg.logging.report_to, cfg.logging.run_name, cfg.logging.wandb_project,
-                           config=dataclasses.asdict(cfg))
+                           config=dataclasses.asdict(cfg)) if dist.is_main else None
     result = SFTResult(out_dir, out_dir / "final", out_dir / "final" / "adapter" if cfg.lora.enabled else None,
-                       train_rows=len(data.train))
-    if s.eval_before:
+                       train_rows=len(data.train), is_main=dist.is_main)
+    if s.eval_before and dist.is_main:  # evaluation on the main process, which alone writes
         result.eval_before = evaluate_sft(model, tok, data, cfg, device, out_dir, 0)
         logger.log(0, result.eval_before)
         say("step 0 (before training): " + format_metrics(result.eval_before))
 
+    def save(folder: Path, at: int) -> None:
+        """Rank 0: the model, once its forward pass is checked finite (a failure stops every rank)."""
+        check_finite_model(model, probe, step=at, knob="sft.learning_rate", lr=s.learning_rate)
+        _save(model, tok, folder, merged=s.save_merged)
+        if folder.name.startswith("step_"):
+            prune_checkpoints(out_dir, t.keep_last_checkpoints)
+
     from tqdm import tqdm
-    bar = tqdm(total=total_steps, disable=quiet or not cfg.logging.progress_bar, desc="sft", dynamic_ncols=True)
+    bar = tqdm(total=total_steps, disable=quiet or not cfg.logging.progress_bar or not dist.is_main, desc="sft",
+               dynamic_ncols=True)
     step, epoch = 0, 0
     window_nll, window_tokens, window_norms, window_start = 0.0, 0, [], time.perf_counter()
     last_eval: dict[str, float] = {}
@@ -435,15 +459,16 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
         for g in range(0, len(micro), s.gradient_accumulation_steps):
             if step >= total_steps:
                 break
-            group = [sftdata.collate(b, tok.pad_token_id) for b in micro[g : g + s.gradient_accumulation_steps]]
+            group = [sftdata.collate(even_share(b, dist.world_size, dist.rank), tok.pad_token_id)
+                     for b in micro[g : g + s.gradient_accumulation_steps]]
             # 3. update: backward over the group, then clip and step.
-            nll = accumulate_group(model, group, device)
+            nll = accumulate_group(nll_model, group, device, dist)
             lr = optimizer.param_groups[0]["lr"]
             check_finite_step(step + 1, loss=nll.total, knob="sft.learning_rate", lr=lr)
             window_nll += nll.total
             window_tokens += nll.tokens
             max_norm = s.max_grad_norm if s.max_grad_norm is not None else float("inf")
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            grad_norm = dist.clip_grad_norm_(params, max_norm)
             check_finite_step(step + 1, grad_norm=grad_norm, knob="sft.learning_rate", lr=lr)
             window_norms.append(grad_norm)
             optimizer.step()
@@ -460,27 +485,26 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
                                 "lr": optimizer.param_groups[0]["lr"], "epoch": step / groups_per_epoch,
                                 "perf/tokens_per_s": window_tokens / max(elapsed, 1e-9)})
                 window_nll, window_tokens, window_norms, window_start = 0.0, 0, [], time.perf_counter()
-            if (t.eval_interval and step % t.eval_interval == 0) or step == total_steps:
+            if dist.is_main and ((t.eval_interval and step % t.eval_interval == 0) or step == total_steps):
                 last_eval = evaluate_sft(model, tok, data, cfg, device, out_dir, step)
                 metrics.update(last_eval)
-            if metrics:
+            if metrics and dist.is_main:
                 logger.log(step, metrics)
                 result.history.append({"step": step, **metrics})
                 if "train/loss" in metrics:
                     bar.set_postfix(loss=f"{metrics['train/loss']:.3f}")
             if t.save_interval and step % t.save_interval == 0 and step < total_steps:
-                check_finite_model(model, probe, step=step, knob="sft.learning_rate", lr=s.learning_rate)
-                _save(model, tok, out_dir / f"step_{step}", merged=s.save_merged)
-                prune_checkpoints(out_dir, t.keep_last_checkpoints)
+                dist.on_main(lambda: save(out_dir / f"step_{step}", step))
     bar.close()
-    check_finite_model(model, probe, step=step, knob="sft.learning_rate", lr=s.learning_rate)
-    _save(model, tok, result.final_dir, merged=s.save_merged)
-    finish_run(logger, out_dir, device, cfg.logging.plots, PLOT_GROUPS)
+    dist.on_main(lambda: save(result.final_dir, step))
     result.eval_after = last_eval or None
     result.steps = step
     result.seconds = time.perf_counter() - start
-    write_train_result(out_dir, eval_before=result.eval_before, eval_after=result.eval_after, steps=step,
-                       train_rows=result.train_rows, seconds=result.seconds)
+    if dist.is_main:
+        finish_run(logger, out_dir, device, cfg.logging.plots, PLOT_GROUPS)
+        write_train_result(out_dir, eval_before=result.eval_before, eval_after=result.eval_after, steps=step,
+                           train_rows=result.train_rows, seconds=result.seconds, world_size=dist.world_size)
+    dist.barrier()
     return result
 
 
@@ -495,6 +519,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg, effective = load_config(args.config, SFTRunConfig, args.overrides)
     res = train_sft(cfg, effective=effective)
+    if not res.is_main:
+        return 0
     print(f"done in {res.seconds:.0f}s: {res.output_dir} (model in {res.final_dir}"
           + (f", adapter in {res.adapter_dir})" if res.adapter_dir else ")"))
     print_before_after(res.eval_before, res.eval_after)
