@@ -51,6 +51,8 @@ CHAT_TEMPLATE_HELP = ("auto: use the tokenizer's chat template when it has one (
                       "true: require one (error without); false: plain templates")
 Device = Literal["cpu", "cuda", "auto"]
 KLKind = Literal["k1", "k2", "k3", "abs", "mse"]
+# YAML 1.1 reads a bare `no` as false: both spellings mean no autocast.
+MixedPrecision = Union[Literal[False], Literal["no", "bf16", "fp16"]]
 
 
 @dataclass
@@ -268,6 +270,13 @@ class TrainingConfig:
     eval_batch_size: int = f(64, "prompts per batch during greedy evaluation", gt=0)
     keep_last_checkpoints: Optional[int] = f(None, "keep only the newest N step_N/ folders; null keeps all", gt=0)
     num_threads: Optional[int] = f(None, "torch CPU threads; null leaves torch's default", gt=0)
+    mixed_precision: MixedPrecision = f(
+        "no", "no, or bf16: forward passes under bfloat16 autocast with float32 weights (docs/precision.md); "
+              "fp16 is refused (no loss scaler)")
+
+    def __post_init__(self) -> None:
+        if self.mixed_precision is False:
+            self.mixed_precision = "no"
 
 
 @dataclass

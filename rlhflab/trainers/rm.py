@@ -50,6 +50,7 @@ from rlhflab.data.loading import read_rows
 from rlhflab.errors import UserError
 from rlhflab.metrics import MetricsLogger
 from rlhflab.models.load import default_lora_targets, disable_dropout, load_tokenizer, resolve_device, resolve_dtype
+from rlhflab.models.precision import autocast, check_mixed_precision
 from rlhflab.rewards.model import META_FILE, RMMeta, encode, score_head, sequence_scores
 from rlhflab.trainers.common import (finish_run, format_metrics, make_optimizer, make_scheduler,
                                      prepare_output_dir, print_before_after, seed_everything, set_threads,
@@ -376,6 +377,7 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
     save_effective_config(effective if effective is not None else cfg, out_dir)
     seed_everything(t.seed)
     device = resolve_device(t.device)
+    check_mixed_precision(t.mixed_precision, device)
     start = time.perf_counter()
 
     # 1-2. data and model
@@ -421,7 +423,8 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
             n_group = sum(len(b) for b in group)
             # 3. update: each micro-batch's mean loss weighted by its share of the group.
             for b in group:
-                out = _batch_loss(model, tok, b, meta, cfg, device)
+                with autocast(t.mixed_precision, device):  # the score head stays float32 (sequence_scores)
+                    out = _batch_loss(model, tok, b, meta, cfg, device)
                 if not torch.isfinite(out.loss):
                     raise FloatingPointError(f"rm loss is {float(out.loss)} at step {step + 1}; lower rm.learning_rate")
                 (out.loss * (len(b) / n_group)).backward()

@@ -54,6 +54,7 @@ from rlhflab.models.actor_critic import decoder_and_head
 from rlhflab.models.checkpoint import prune_checkpoints, save_policy
 from rlhflab.models.head import linear_lm_head
 from rlhflab.models.load import add_lora, load_model, resolve_device
+from rlhflab.models.precision import autocast, check_mixed_precision
 from rlhflab.trainers.common import (finish_run, format_metrics, make_optimizer, make_scheduler,
                                      prepare_output_dir, print_before_after, seed_everything, set_threads,
                                      write_train_result)
@@ -182,17 +183,20 @@ def batch_nll(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, labe
     return ResponseNLL(total, int((target != sftdata.IGNORE_INDEX).sum()))
 
 
-def accumulate_group(model, group: Sequence[dict[str, torch.Tensor]], device: torch.device) -> "GroupNLL":
+def accumulate_group(model, group: Sequence[dict[str, torch.Tensor]], device: torch.device,
+                     mixed_precision: str = "no") -> "GroupNLL":
     """Backward over a group of micro-batches whose loss is the group's token-mean NLL.
 
     Each micro-batch's summed NLL is divided by the response-token count of the whole
-    group, so the accumulated gradient equals that of one batch holding every row.
+    group, so the accumulated gradient equals that of one batch holding every row. The
+    forward runs under `mixed_precision`'s autocast (the chunked cross-entropy stays float32).
     """
     n_tokens = sum(int((b["labels"][:, 1:] != sftdata.IGNORE_INDEX).sum()) for b in group)
     total = 0.0
     for b in group:
         b = {k: v.to(device) for k, v in b.items()}
-        nll = batch_nll(model, b["input_ids"], b["attention_mask"], b["labels"])
+        with autocast(mixed_precision, device):
+            nll = batch_nll(model, b["input_ids"], b["attention_mask"], b["labels"])
         (nll.total / max(n_tokens, 1)).backward()
         total += float(nll.total.detach())
     return GroupNLL(total, n_tokens)
@@ -398,6 +402,7 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
     save_effective_config(effective if effective is not None else cfg, out_dir)
     seed_everything(t.seed)
     device = resolve_device(t.device)
+    check_mixed_precision(t.mixed_precision, device)
     start = time.perf_counter()
 
     # 1-2. data and model
@@ -435,7 +440,7 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
                 break
             group = [sftdata.collate(b, tok.pad_token_id) for b in micro[g : g + s.gradient_accumulation_steps]]
             # 3. update: backward over the group, then clip and step.
-            nll = accumulate_group(model, group, device)
+            nll = accumulate_group(model, group, device, t.mixed_precision)
             if not math.isfinite(nll.total):
                 raise FloatingPointError(f"sft loss is {nll.total} at step {step + 1}; lower sft.learning_rate")
             window_nll += nll.total
