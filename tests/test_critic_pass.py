@@ -4,12 +4,10 @@ step as the joint pass, with one model's activations alive at a time instead of 
 from __future__ import annotations
 
 import copy
-import json
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
+from memory_helpers import tensor_peak_bytes
 
 from rlhflab.data.prompts import load_prompts, step_prompts
 from rlhflab.engine.minibatch import loss_mask_of, select
@@ -58,21 +56,6 @@ def test_the_critic_apart_takes_the_same_step_as_the_joint_pass(critic_setup):
     assert st_apart.total == pytest.approx(st_apart.policy + 0.5 * st_apart.value, rel=1e-6)
 
 
-def _tensor_peak_mib(fn) -> float:
-    """Peak bytes of CPU tensors allocated during fn() (torch.profiler's running total), MiB."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        events = sorted((e for e in json.loads(path.read_text())["traceEvents"]
-                         if e.get("name") == "[memory]"), key=lambda e: e["ts"])
-    start = events[0]["args"]["Total Allocated"] - events[0]["args"]["Bytes"]
-    return (max(e["args"]["Total Allocated"] for e in events) - start) / 2**20
-
-
 def test_the_critic_apart_holds_one_models_activations_at_a_time(critic_setup):
     cfg, actor, mb, n = critic_setup
     peaks = {}
@@ -81,7 +64,7 @@ def test_the_critic_apart_holds_one_models_activations_at_a_time(critic_setup):
         params = model.trainable_parameters()
         opt = make_optimizer(params, 1e-3)
         update_group(model, [mb], opt, params, cfg.ppo, 1.0, math_, n)  # Adam state exists before measuring
-        peaks[name] = _tensor_peak_mib(lambda: update_group(model, [mb], opt, params, cfg.ppo, 1.0, math_, n))
+        peaks[name] = tensor_peak_bytes(lambda: update_group(model, [mb], opt, params, cfg.ppo, 1.0, math_, n)) / 2**20
     # Both hold the gradients of both models at the end; the joint pass holds both graphs
     # at once on top. Profiled (the same in repeated runs): apart 9.21 MiB, joint 15.96 MiB.
     assert peaks["apart"] < 0.75 * peaks["joint"], peaks

@@ -140,6 +140,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 grad_w.addmm_(g_z.t(), h)
             if need_b:
                 grad_b += g_z.sum(0)
+            del logp, p, g_z  # before the next chunk's logits exist: two chunks alive at most, not three
         return (grad_h, grad_w.to(weight.dtype) if need_w else None,
                 grad_b.to(bias.dtype) if need_b else None, None, None, None, None)
 
