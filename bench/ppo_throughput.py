@@ -57,6 +57,7 @@ SIDES = {
     "rlhflab-critic-bf16": ("rlhflab (separate critic) bf16", "bf16"),
     "trl-bf16": (f"trl {TRL_VERSION} bf16", "bf16"),
     "rlhflab-bf16": ("rlhflab (value head) bf16", "bf16"),
+    "rlhflab-bf16-weights": ("rlhflab (value head) bf16 weights", "bf16-weights"),  # model.torch_dtype
 }
 DEFAULT_SIDES = ("rlhflab", "rlhflab-critic", "trl", "rlhflab-critic-bf16", "trl-bf16")
 LABELS = {name: label for name, (label, _) in SIDES.items()}
@@ -99,7 +100,8 @@ class RlhflabSide:
         from rlhflab.trainers.ppo import PPORunConfig
 
         s, cfg = self.s, PPORunConfig()
-        cfg.model.name_or_path, cfg.model.torch_dtype = s.model_dir, "float32"
+        cfg.model.name_or_path = s.model_dir
+        cfg.model.torch_dtype = "bfloat16" if self.precision == "bf16-weights" else "float32"
         cfg.model.gradient_checkpointing, cfg.model.critic, cfg.model.reference = False, self.critic, "copy"
         cfg.lora.enabled = False
         cfg.dataset.max_prompt_length = 128
