@@ -52,7 +52,7 @@ CHAT_TEMPLATE_HELP = ("auto: use the tokenizer's chat template when it has one (
 Device = Literal["cpu", "cuda", "auto"]
 KLKind = Literal["k1", "k2", "k3", "abs", "mse"]
 # YAML 1.1 reads a bare `no` as false: both spellings mean no autocast.
-MixedPrecision = Union[Literal[False], Literal["no", "bf16", "fp16"]]
+MixedPrecision = Literal["no", "bf16", "fp16", False]
 
 
 @dataclass
