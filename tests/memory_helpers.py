@@ -8,7 +8,12 @@ from pathlib import Path
 
 
 def tensor_peak_bytes(fn) -> int:
-    """Peak bytes of CPU tensors allocated while fn() runs and still live at that moment.
+    """Peak bytes of CPU tensors allocated while fn() runs (see `tensor_bytes`)."""
+    return tensor_bytes(fn)[0]
+
+
+def tensor_bytes(fn) -> tuple[int, int]:
+    """(peak, still held at the end): bytes of CPU tensors allocated while fn() runs.
 
     torch.profiler(profile_memory=True) records every allocation and free with the running
     total; the peak of the total minus its value before the call is the call's own peak,
@@ -24,4 +29,4 @@ def tensor_peak_bytes(fn) -> int:
         events = sorted((e for e in json.loads(path.read_text())["traceEvents"]
                          if e.get("name") == "[memory]"), key=lambda e: e["ts"])
     start = events[0]["args"]["Total Allocated"] - events[0]["args"]["Bytes"]
-    return max(e["args"]["Total Allocated"] for e in events) - start
+    return max(e["args"]["Total Allocated"] for e in events) - start, events[-1]["args"]["Total Allocated"] - start

@@ -64,6 +64,8 @@ class ModelConfig:
     torch_dtype: Dtype = f("float32", "weights dtype: float32, bfloat16, float16 or auto")
     trust_remote_code: bool = f(False, "allow model code from the hub (only for models you trust)")
     gradient_checkpointing: bool = f(False, "recompute activations in backward to save memory")
+    lean_mlp: bool = f(True, "gated MLPs (Llama, Qwen2, Mistral, Gemma) keep 2 of their 4 intermediate tensors for "
+                             "backward and recompute the rest: the same function, less memory (rlhflab/models/lean.py)")
     critic: Literal["value_head", "separate"] = f(
         "value_head", "value_head: one head on the shared base; separate: a critic model of its own")
     critic_name_or_path: Optional[str] = f(None, "base of a separate critic; null means the policy's base")

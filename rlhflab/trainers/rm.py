@@ -50,6 +50,7 @@ from rlhflab.data.loading import read_rows
 from rlhflab.errors import UserError
 from rlhflab.metrics import MetricsLogger
 from rlhflab.models.load import default_lora_targets, disable_dropout, load_tokenizer, resolve_device, resolve_dtype
+from rlhflab.models.lean import lean_mlp
 from rlhflab.models.precision import autocast, check_mixed_precision
 from rlhflab.rewards.model import META_FILE, RMMeta, encode, score_head, sequence_scores
 from rlhflab.trainers.common import (finish_run, format_metrics, make_optimizer, make_scheduler,
@@ -272,6 +273,8 @@ def build_reward_model(cfg: RMRunConfig, device: torch.device):
         lcfg = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                           target_modules=targets, task_type="SEQ_CLS", modules_to_save=[head_name], bias="none")
         model = get_peft_model(model, lcfg)
+    if m.lean_mlp:
+        lean_mlp(model)
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         if cfg.lora.enabled:

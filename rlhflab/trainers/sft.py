@@ -54,6 +54,7 @@ from rlhflab.models.actor_critic import decoder_and_head
 from rlhflab.models.checkpoint import prune_checkpoints, save_policy
 from rlhflab.models.head import linear_lm_head
 from rlhflab.models.load import add_lora, load_model, resolve_device
+from rlhflab.models.lean import lean_mlp
 from rlhflab.models.precision import autocast, check_mixed_precision
 from rlhflab.trainers.common import (finish_run, format_metrics, make_optimizer, make_scheduler,
                                      prepare_output_dir, print_before_after, seed_everything, set_threads,
@@ -365,6 +366,8 @@ def build_model(cfg: SFTRunConfig, device: torch.device):
                             trust_remote_code=m.trust_remote_code, tokenizer=m.tokenizer)
     if cfg.lora.enabled:
         model = add_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
+    if m.lean_mlp:
+        lean_mlp(model)
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         if cfg.lora.enabled:
