@@ -8,7 +8,12 @@ size 8, 32 completions per step (4 prompts), responses of up to 16 new tokens,
 temperature 1, one optimizer step per generation batch (fully on-policy), the same
 learning rate, `beta` and clip, fused AdamW, no gradient checkpointing (TRL turns it on
 by default since 1.0; it is switched off here to match). Each runs in a fresh subprocess, so its peak memory is
-its own: peak RSS of the process on CPU, `torch.cuda.max_memory_allocated` on CUDA.
+its own. On CPU it is measured as bench/ppo_throughput.py does: a priming run of one
+step (thrown away) loads what the libraries import lazily, then the peak resident set
+(VmHWM) is reset and the peak of the measured run is taken above the resident set at
+that point, so the libraries' import footprint (TRL's imports are about 190 MiB larger
+than rlhflab's) is not counted; the whole-process `ru_maxrss` is shown beside it. On
+CUDA: `torch.cuda.max_memory_allocated`.
 The first step of each is a warm-up and is not timed; completions/s is the
 completions of the other steps over their wall time, from the end of the first step
 to the end of the last (generation, reward, forward, backward, optimizer, logging;
@@ -22,9 +27,10 @@ where TRL runs it 8 times; `--no-share-prompt` turns that off for comparison.
 
 TRL is not a dependency of rlhflab. Install it for this benchmark only:
 
-    pip install --no-deps --target .bench/trl-grpo trl requests charset_normalizer
+    .venv/bin/pip install --no-deps --target .bench/trl-grpo trl==1.16.0 requests charset_normalizer urllib3 certifi idna
 
-(TRL imports `requests` and `charset_normalizer`, which rlhflab's environment lacks.)
+(TRL imports `requests`, which needs `charset_normalizer`, `urllib3`, `certifi` and
+`idna`; rlhflab's environment does not promise any of them.)
 
 The last line reads
 `grpo_throughput: rlhflab X completions/s, trl Y completions/s, speed ratio Z, memory ratio W`
@@ -47,16 +53,38 @@ ROOT = Path(__file__).resolve().parents[1]
 TRL_DIR = ROOT / ".bench" / "trl-grpo"  # its own folder: another benchmark may pin another TRL in .bench/trl
 GROUP_SIZE, COMPLETIONS, MAX_NEW_TOKENS = 8, 32, 16
 TEMPLATE = "Question: {prompt}\nAnswer:"
-INSTALL_HINT = f"pip install --no-deps --target {TRL_DIR} trl requests charset_normalizer"
+TRL_VERSION = "1.16.0"
+INSTALL_HINT = (f"{ROOT / '.venv/bin/pip'} install --no-deps --target {TRL_DIR} trl=={TRL_VERSION} requests "
+                f"charset_normalizer urllib3 certifi idna")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402  (the bench folder is not a package)
 
 
-def _peak_memory_mb(device: str) -> float:
+def _baseline(device: str) -> float:
+    """After a priming run: free what it left, reset the peak mark, return the resident
+    set now (MiB) that the measured run's peak is taken above (CPU); 0 on CUDA, whose
+    counter is reset instead."""
+    import torch
+
+    _common.release_freed_memory()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        return 0.0
+    if not _common.reset_peak_rss():
+        raise SystemExit("grpo_throughput: cannot reset the peak RSS mark (/proc/self/clear_refs); Linux >= 4.0 needed")
+    return _common.rss_mb()
+
+
+def _memory(device: str, baseline: float) -> dict:
     import torch
 
     if device == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**20
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak = _common.peak_rss_mb() - baseline
+    return {"peak_memory_mb": peak, "baseline_rss_mb": baseline,
+            "process_peak_rss_mb": _common.lifetime_peak_rss_mb()}
 
 
 # --------------------------------------------------------------------------------------
@@ -71,6 +99,16 @@ def _rates(marks: list[tuple[float, float]]) -> dict:
 
 
 def run_rlhflab(a: argparse.Namespace) -> dict:
+    if a.prime:
+        _train_rlhflab(a, steps=1, out="rlhflab-prime")  # priming, thrown away
+    else:  # only the imports the run would make
+        from rlhflab.trainers import grpo, loop  # noqa: F401
+    baseline = _baseline(a.device)
+    out = _train_rlhflab(a, steps=a.steps, out="rlhflab")
+    return {**out, **_memory(a.device, baseline)}
+
+
+def _train_rlhflab(a: argparse.Namespace, steps: int, out: str) -> dict:
     from rlhflab.config import load_config
     from rlhflab.trainers import grpo
     from rlhflab.trainers.loop import PolicyMethod, run_policy_training
@@ -82,8 +120,8 @@ def run_rlhflab(a: argparse.Namespace) -> dict:
         f"grpo.mini_batch_size={COMPLETIONS}", "grpo.gradient_accumulation_steps=1", "grpo.epochs=1",
         f"grpo.learning_rate={a.lr}", f"grpo.beta={a.beta}", "grpo.clip_eps=0.2", "grpo.max_grad_norm=1.0",
         f"grpo.share_prompt={str(not a.no_share_prompt).lower()}",
-        f"training.total_steps={a.steps}", "training.eval_interval=0", "training.save_interval=0",
-        f"training.output_dir={a.out}/rlhflab", f"training.device={a.device}", f"training.num_threads={a.threads}",
+        f"training.total_steps={steps}", "training.eval_interval=0", "training.save_interval=0",
+        f"training.output_dir={a.out}/{out}", f"training.device={a.device}", f"training.num_threads={a.threads}",
         "logging.progress_bar=false", "logging.plots=false", "logging.doctor=false"])
     marks: list[tuple[float, float]] = []
 
@@ -94,12 +132,26 @@ def run_rlhflab(a: argparse.Namespace) -> dict:
 
     method = PolicyMethod("grpo", timed_step, need_reference=lambda c: c.grpo.beta > 0)
     res = run_policy_training(cfg, method, quiet=True)
+    if steps < 2:
+        return {}
     timed = res.history[1:]
-    return {**_rates(marks), "peak_memory_mb": _peak_memory_mb(a.device),
-            "mean_response_length": sum(h["rollout/response_length"] for h in timed) / len(timed)}
+    return {**_rates(marks), "mean_response_length": sum(h["rollout/response_length"] for h in timed) / len(timed)}
 
 
 def run_trl(a: argparse.Namespace) -> dict:
+    if a.prime:
+        _train_trl(a, steps=1, out="trl-prime")  # priming, thrown away
+    else:  # only the imports the run would make
+        sys.path.insert(0, str(TRL_DIR))
+        import datasets  # noqa: F401
+        import trl  # noqa: F401
+        from trl import GRPOTrainer  # noqa: F401
+    baseline = _baseline(a.device)
+    out = _train_trl(a, steps=a.steps, out="trl")
+    return {**out, **_memory(a.device, baseline)}
+
+
+def _train_trl(a: argparse.Namespace, steps: int, out: str) -> dict:
     sys.path.insert(0, str(TRL_DIR))
     import torch
     from datasets import Dataset
@@ -130,10 +182,10 @@ def run_trl(a: argparse.Namespace) -> dict:
     tok = AutoTokenizer.from_pretrained(a.model, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
     args = GRPOConfig(
-        output_dir=f"{a.out}/trl", per_device_train_batch_size=COMPLETIONS, num_generations=GROUP_SIZE,
+        output_dir=f"{a.out}/{out}", per_device_train_batch_size=COMPLETIONS, num_generations=GROUP_SIZE,
         gradient_accumulation_steps=1, num_iterations=1, max_completion_length=MAX_NEW_TOKENS,
         temperature=1.0, top_p=1.0, top_k=0, learning_rate=a.lr, lr_scheduler_type="constant",
-        beta=a.beta, epsilon=0.2, max_grad_norm=1.0, max_steps=a.steps, logging_steps=1,
+        beta=a.beta, epsilon=0.2, max_grad_norm=1.0, max_steps=steps, logging_steps=1,
         gradient_checkpointing=False,  # rlhflab's run does not checkpoint either
         save_strategy="no", report_to=[], use_cpu=a.device == "cpu", bf16=False, fp16=False,
         dataloader_num_workers=0, seed=42, disable_tqdm=True)
@@ -141,8 +193,9 @@ def run_trl(a: argparse.Namespace) -> dict:
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds,
                           processing_class=tok, callbacks=[cb])
     trainer.train()
-    return {**_rates(cb.marks), "peak_memory_mb": _peak_memory_mb(a.device),
-            "mean_response_length": sum(cb.lengths[1:]) / max(len(cb.lengths) - 1, 1)}
+    if steps < 2:
+        return {}
+    return {**_rates(cb.marks), "mean_response_length": sum(cb.lengths[1:]) / max(len(cb.lengths) - 1, 1)}
 
 
 # --------------------------------------------------------------------------------------
@@ -151,7 +204,8 @@ def run_trl(a: argparse.Namespace) -> dict:
 def _worker(which: str, a: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--worker", which, "--model", str(a.model), "--data", str(a.data),
            "--out", str(a.out), "--steps", str(a.steps), "--beta", str(a.beta), "--lr", str(a.lr),
-           "--device", a.device, "--threads", str(a.threads)] + (["--no-share-prompt"] if a.no_share_prompt else [])
+           "--device", a.device, "--threads", str(a.threads)] + (["--no-share-prompt"] if a.no_share_prompt else []) \
+        + ([] if a.prime else ["--no-prime"])
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -172,6 +226,9 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads in each worker")
     p.add_argument("--no-share-prompt", action="store_true",
                    help="run rlhflab with grpo.share_prompt=false (each prompt computed k times, as TRL does)")
+    p.add_argument("--no-prime", dest="prime", action="store_false",
+                   help="take the memory baseline right after the imports, without the priming run (what the "
+                        "libraries import lazily during the run then counts)")
     p.add_argument("--worker", choices=["rlhflab", "trl"], help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
@@ -181,6 +238,11 @@ def main() -> int:
 
     if not (TRL_DIR / "trl").is_dir():
         print(f"TRL is not installed for the benchmark; install it with:\n  {INSTALL_HINT}")
+        return 1
+    found = [d.name for d in TRL_DIR.glob("trl-*.dist-info")]
+    if f"trl-{TRL_VERSION}.dist-info" not in found:
+        print(f"grpo_throughput: {TRL_DIR} holds {found or 'no versioned trl'}, not trl {TRL_VERSION}; reinstall with:"
+              f"\n  {INSTALL_HINT} --upgrade", file=sys.stderr)
         return 1
     scratch = Path(a.out or tempfile.mkdtemp(prefix="grpo_bench_"))
     if a.model is None:
@@ -209,19 +271,24 @@ def main() -> int:
     speed = ours["completions_per_s"] / theirs["completions_per_s"]
     cpu_speed = ours["completions_per_cpu_s"] / theirs["completions_per_cpu_s"]
     memory = ours["peak_memory_mb"] / theirs["peak_memory_mb"]
-    mem_name = "peak CUDA MiB" if a.device == "cuda" else "peak RSS MiB"
+    mem_name = "peak CUDA MiB" if a.device == "cuda" else "peak RSS MiB above imports"
     print(f"model {a.model}; device {a.device}, {a.threads} thread(s); group {GROUP_SIZE}, {COMPLETIONS} "
           f"completions/step, <= {MAX_NEW_TOKENS} new tokens, beta {a.beta}; {a.steps} steps (first untimed); "
           f"median of {a.repeats} alternating runs; trl {trl.__version__}; rlhflab share_prompt "
-          f"{not a.no_share_prompt}")
-    print(f"| trainer | completions/s (wall) | completions per CPU-s | {mem_name} | mean response tokens "
-          f"| runs: completions/s (wall) |")
-    print("| --- | ---: | ---: | ---: | ---: | --- |")
+          f"{not a.no_share_prompt}; memory baseline {'after a priming run' if a.prime else 'after the imports'}; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print(f"| trainer | completions/s (wall) | completions per CPU-s | {mem_name} | process ru_maxrss MiB "
+          f"| mean response tokens | runs: completions/s (wall) | runs: {mem_name} |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |")
     for name, r in (("rlhflab", ours), ("trl", theirs)):
         runs = ", ".join(f"{x['completions_per_s']:.1f}" for x in results[name])
+        mems = ", ".join(f"{x['peak_memory_mb']:.0f}" for x in results[name])
         print(f"| {name} | {r['completions_per_s']:.1f} | {r['completions_per_cpu_s']:.1f} | "
-              f"{r['peak_memory_mb']:.0f} | {r['mean_response_length']:.1f} | {runs} |")
-    print(f"speed ratio by CPU time {cpu_speed:.2f} (less sensitive to other load on the machine)")
+              f"{r['peak_memory_mb']:.0f} | {r['process_peak_rss_mb']:.0f} | {r['mean_response_length']:.1f} | "
+              f"{runs} | {mems} |")
+    print(f"speed ratio by CPU time {cpu_speed:.2f} (less sensitive to other load on the machine); "
+          f"ratio of whole-process ru_maxrss (imports included) "
+          f"{ours['process_peak_rss_mb'] / theirs['process_peak_rss_mb']:.2f}")
     print(f"grpo_throughput: rlhflab {ours['completions_per_s']:.1f} completions/s, trl "
           f"{theirs['completions_per_s']:.1f} completions/s, speed ratio {speed:.2f}, memory ratio {memory:.2f}")
     return 0

@@ -4,8 +4,10 @@
     python bench/ppo_throughput.py --sides rlhflab # rlhflab only, no TRL needed
 
 Prints a table (episodes/s, seconds and tokens/s per phase, peak memory) and, last, the
-line `ppo_throughput: rlhflab X eps/s, trl Y eps/s, speed ratio Z, memory ratio W`
-(ratios are rlhflab / TRL; a side that did not run reads nan).
+line `ppo_throughput: rlhflab X eps/s, trl Y eps/s, speed ratio Z, memory ratio W, critic
+speed ratio Z2, critic memory ratio W2` (ratios are rlhflab / TRL in float32: Z, W with
+rlhflab's value head, Z2, W2 with its separate critic, like for like; a side that did not
+run reads nan). The bfloat16-autocast pair (TRL's PPOConfig default) is in the table.
 
 How it measures (bench/README.md says why):
 - Each side runs in a worker process of its own (spawned, so it shares no memory with
@@ -45,9 +47,20 @@ TRL_VERSION = "1.12.0"
 TRL_DIR = _common.BENCH_DIR / "trl"
 TRL_INSTALL = (f"{_common.REPO / '.venv/bin/pip'} install --no-deps --target {TRL_DIR} "
                f"trl=={TRL_VERSION}")
-SIDES = ("rlhflab", "rlhflab-critic", "trl")
-LABELS = {"rlhflab": "rlhflab (value head)", "rlhflab-critic": "rlhflab (separate critic)",
-          "trl": f"trl {TRL_VERSION} (experimental.ppo)"}
+# name: (label, precision). fp32: everything float32; bf16: bfloat16 autocast of the forward
+# passes with float32 weights on both sides (rlhflab's training.mixed_precision=bf16,
+# TRL's PPOConfig bf16=True, its default).
+SIDES = {
+    "rlhflab": ("rlhflab (value head)", "fp32"),
+    "rlhflab-critic": ("rlhflab (separate critic)", "fp32"),
+    "trl": (f"trl {TRL_VERSION} (experimental.ppo)", "fp32"),
+    "rlhflab-critic-bf16": ("rlhflab (separate critic) bf16", "bf16"),
+    "trl-bf16": (f"trl {TRL_VERSION} bf16", "bf16"),
+    "rlhflab-bf16": ("rlhflab (value head) bf16", "bf16"),
+    "rlhflab-bf16-weights": ("rlhflab (value head) bf16 weights", "bf16-weights"),  # model.torch_dtype
+}
+DEFAULT_SIDES = ("rlhflab", "rlhflab-critic", "trl", "rlhflab-critic-bf16", "trl-bf16")
+LABELS = {name: label for name, (label, _) in SIDES.items()}
 PHASES = ("generate", "score", "forward", "update", "other")
 
 
@@ -77,17 +90,18 @@ class BenchSettings:
 class RlhflabSide:
     """rlhflab's PPO step: `collect_rollout` (phases 1-4) then `ppo_update` (phase 5)."""
 
-    def __init__(self, s: BenchSettings, critic: str = "value_head"):
+    def __init__(self, s: BenchSettings, critic: str = "value_head", precision: str = "fp32"):
         import torch  # noqa: F401  (imported before the memory baseline)
 
         from rlhflab.trainers import ppo  # noqa: F401
-        self.s, self.critic = s, critic
+        self.s, self.critic, self.precision = s, critic, precision
 
     def config(self):
         from rlhflab.trainers.ppo import PPORunConfig
 
         s, cfg = self.s, PPORunConfig()
-        cfg.model.name_or_path, cfg.model.torch_dtype = s.model_dir, "float32"
+        cfg.model.name_or_path = s.model_dir
+        cfg.model.torch_dtype = "bfloat16" if self.precision == "bf16-weights" else "float32"
         cfg.model.gradient_checkpointing, cfg.model.critic, cfg.model.reference = False, self.critic, "copy"
         cfg.lora.enabled = False
         cfg.dataset.max_prompt_length = 128
@@ -105,6 +119,7 @@ class RlhflabSide:
         p.dual_clip, p.gamma, p.lam = None, s.gamma, s.lam
         p.whiten_advantages, p.whiten_rewards, p.loss_aggregation = True, False, "token_mean"
         cfg.training.device, cfg.training.seed, cfg.training.num_threads = "cpu", s.seed, s.threads
+        cfg.training.mixed_precision = "bf16" if self.precision == "bf16" else "no"
         errors = cfg.check() + cfg.generation.check() + cfg.ppo.check()  # what the YAML loader would say
         if errors:
             raise ValueError("bench config: " + "; ".join(errors))
@@ -238,14 +253,14 @@ class TrlSide:
     from `on_train_begin` to `on_train_end`, so per-run set-up is not counted.
     """
 
-    def __init__(self, s: BenchSettings):
+    def __init__(self, s: BenchSettings, precision: str = "fp32"):
         import torch  # noqa: F401
         import transformers  # noqa: F401
 
         from rlhflab.rewards import resolve_rule  # noqa: F401
         self.trl_ppo = trl_ppo = _import_trl()
         import datasets  # noqa: F401
-        self.s, self.trainer, self.reward = s, None, None
+        self.s, self.trainer, self.reward, self.precision = s, None, None, precision
         self.marks: dict = {}
         marks, wrapper_type = self.marks, trl_ppo.PolicyAndValueWrapper
         orig_gen, orig_reward, orig_forward = (trl_ppo.batch_generation, trl_ppo.get_reward, trl_ppo.forward)
@@ -292,6 +307,10 @@ class TrlSide:
         self.reward = reward = make_rule_reward_module(tok, answers)
         ds = Dataset.from_dict({"input_ids": [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]})
         self._out = tempfile.TemporaryDirectory(prefix="ppo_throughput_trl_")  # TRL insists on one
+        # TRL 1.12's PPOTrainer builds its own Accelerator(gradient_accumulation_steps=...),
+        # which reads the precision from the environment only: bf16=True alone leaves every
+        # pass in float32. This is what `accelerate launch --mixed_precision bf16` sets.
+        os.environ["ACCELERATE_MIXED_PRECISION"] = "bf16" if self.precision == "bf16" else "no"
         out_dir = self._out.name
         args = trl_ppo.PPOConfig(
             output_dir=str(out_dir), per_device_train_batch_size=s.episodes, gradient_accumulation_steps=1,
@@ -301,7 +320,7 @@ class TrlSide:
             learning_rate=s.learning_rate, lr_scheduler_type="constant", weight_decay=0.0,
             kl_coef=s.kl_coeff, kl_estimator="k1", vf_coef=s.vf_coeff, cliprange=s.clip_eps,
             cliprange_value=s.value_clip, gamma=s.gamma, lam=s.lam, whiten_rewards=False,
-            bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True,
+            bf16=self.precision == "bf16", fp16=False, gradient_checkpointing=False, use_cpu=True,
             num_sample_generations=0, report_to=[], save_strategy="no", logging_steps=1,
             disable_tqdm=True, seed=s.seed, dataloader_num_workers=0)
         self.trainer = trainer = trl_ppo.PPOTrainer(
@@ -360,13 +379,12 @@ def _held_tensors(modules, optimizer) -> list:
 # Workers: one process per side, stepped by the parent
 # --------------------------------------------------------------------------------------
 def make_side(name: str, s: BenchSettings):
-    if name == "rlhflab":
-        return RlhflabSide(s, "value_head")
-    if name == "rlhflab-critic":
-        return RlhflabSide(s, "separate")
-    if name == "trl":
-        return TrlSide(s)
-    raise ValueError(f"unknown side {name!r}; choose from {', '.join(SIDES)}")
+    if name not in SIDES:
+        raise ValueError(f"unknown side {name!r}; choose from {', '.join(SIDES)}")
+    precision = SIDES[name][1]
+    if name.startswith("trl"):
+        return TrlSide(s, precision)
+    return RlhflabSide(s, "separate" if name.startswith("rlhflab-critic") else "value_head", precision)
 
 
 def worker(name: str, settings: dict, conn, tensor_memory: bool = True) -> None:
@@ -497,10 +515,19 @@ def ratio(a: float, b: float) -> float:
 
 def final_line(summary: dict[str, dict]) -> str:
     nan = {"eps_per_s": float("nan"), "ppo_peak_mb": float("nan")}
-    r, t = summary.get("rlhflab", nan), summary.get("trl", nan)
+    r, t, c = summary.get("rlhflab", nan), summary.get("trl", nan), summary.get("rlhflab-critic", nan)
     return (f"ppo_throughput: rlhflab {r['eps_per_s']:.2f} eps/s, trl {t['eps_per_s']:.2f} eps/s, "
             f"speed ratio {ratio(r['eps_per_s'], t['eps_per_s']):.2f}, "
-            f"memory ratio {ratio(r['ppo_peak_mb'], t['ppo_peak_mb']):.2f}")
+            f"memory ratio {ratio(r['ppo_peak_mb'], t['ppo_peak_mb']):.2f}, "
+            f"critic speed ratio {ratio(c['eps_per_s'], t['eps_per_s']):.2f}, "
+            f"critic memory ratio {ratio(c['ppo_peak_mb'], t['ppo_peak_mb']):.2f}")
+
+
+# (rlhflab side, TRL side) pairs the report compares: the headline (value head), the
+# like-for-like (both with a separate critic), and the same in bfloat16 autocast.
+PAIRS = (("rlhflab", "trl", "value head vs TRL"), ("rlhflab-critic", "trl", "like for like (separate critics)"),
+         ("rlhflab-critic-bf16", "trl-bf16", "like for like, bf16 autocast"),
+         ("rlhflab-bf16", "trl-bf16", "value head vs TRL, bf16 autocast"))
 
 
 def format_report(result: dict, summary: dict[str, dict]) -> str:
@@ -508,7 +535,8 @@ def format_report(result: dict, summary: dict[str, dict]) -> str:
     lines = [
         f"PPO step: {s['episodes']} episodes x {s['response_length']} new tokens, {s['epochs']} epochs of "
         f"one {s['episodes']}-episode minibatch, KL {s['kl_coeff']} in the reward (k1, frozen-copy reference), "
-        f"lr {s['learning_rate']:g}, no grad clipping, float32, CPU, {s['threads']} threads "
+        f"lr {s['learning_rate']:g}, no grad clipping, float32 weights (bf16 rows: bfloat16 autocast), CPU, "
+        f"{s['threads']} threads "
         f"(OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}); tiny model {s['model_dir']}",
         f"medians of {result['repeats']} steps per side after {result['warmup']} warm-up steps, sides "
         f"interleaved step by step",
@@ -541,28 +569,23 @@ def format_report(result: dict, summary: dict[str, dict]) -> str:
         "phases    generate: sampling; score: the reward; forward: no-grad passes, KL-shaped rewards, GAE; "
         "update: the epochs; other: the rest of the step (TRL: its gc.collect calls, logging)",
     ]
-    if "rlhflab" in summary and "trl" in summary:
-        r, t = summary["rlhflab"], summary["trl"]
-        lines += ["", f"targets: speed ratio >= 2.00: {ratio(r['eps_per_s'], t['eps_per_s']):.2f} "
-                  f"(on CPU seconds {ratio(r['eps_per_cpu_s'], t['eps_per_cpu_s']):.2f}); "
-                  f"memory ratio <= 0.70: {ratio(r['ppo_peak_mb'], t['ppo_peak_mb']):.2f} "
-                  f"(tensor count {ratio(r.get('tensor_peak_mb', nan), t.get('tensor_peak_mb', nan)):.2f})"]
-    if "rlhflab-critic" in summary and "trl" in summary:
-        # The headline compares rlhflab's default (one model, a value head) with TRL, whose PPO
-        # always trains a separate value model; this row does the same work as TRL.
-        c, t = summary["rlhflab-critic"], summary["trl"]
-        lines += [f"like for like (rlhflab with a separate critic, two models as TRL): speed ratio "
-                  f"{ratio(c['eps_per_s'], t['eps_per_s']):.2f} (on CPU seconds "
-                  f"{ratio(c['eps_per_cpu_s'], t['eps_per_cpu_s']):.2f}); memory ratio "
-                  f"{ratio(c['ppo_peak_mb'], t['ppo_peak_mb']):.2f}"]
+    pairs = [(a, b, what) for a, b, what in PAIRS if a in summary and b in summary]
+    if pairs:
+        lines += ["", "ratios (rlhflab / TRL; targets: speed >= 2.00, memory <= 0.70)"]
+    for a, b, what in pairs:
+        r, t = summary[a], summary[b]
+        lines.append(f"  {what:<36} speed {ratio(r['eps_per_s'], t['eps_per_s']):.2f} "
+                     f"(on CPU seconds {ratio(r['eps_per_cpu_s'], t['eps_per_cpu_s']):.2f}), "
+                     f"memory {ratio(r['ppo_peak_mb'], t['ppo_peak_mb']):.2f} "
+                     f"(tensor count {ratio(r.get('tensor_peak_mb', nan), t.get('tensor_peak_mb', nan)):.2f})")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sides", default=",".join(SIDES),
-                    help=f"comma-separated, from {', '.join(SIDES)} (default: all)")
+    ap.add_argument("--sides", default=",".join(DEFAULT_SIDES),
+                    help=f"comma-separated, from {', '.join(SIDES)} (default: {','.join(DEFAULT_SIDES)})")
     ap.add_argument("--repeats", type=int, default=7, help="measured steps per side (median taken)")
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured steps per side first")
     ap.add_argument("--episodes", type=int, default=32)
@@ -580,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [x for x in sides if x not in SIDES]
     if unknown or not sides:
         ap.error(f"--sides: unknown {unknown}; choose from {', '.join(SIDES)}")
-    if "trl" in sides:
+    if any(x.startswith("trl") for x in sides):
         version = trl_installed()
         if version != TRL_VERSION:
             found = f"found trl {version}" if version else "trl is not installed"

@@ -17,7 +17,7 @@ import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 FINAL = re.compile(r"ppo_throughput: rlhflab (\S+) eps/s, trl (\S+) eps/s, "
-                   r"speed ratio (\S+), memory ratio (\S+)")
+                   r"speed ratio (\S+), memory ratio (\S+), critic speed ratio (\S+), critic memory ratio (\S+)")
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +48,7 @@ def test_rlhflab_only_run_prints_table_and_parsable_final_line(bench, tiny_model
     m = FINAL.fullmatch(lines[-1])
     assert m, lines[-1]
     assert float(m.group(1)) > 0
-    assert all(math.isnan(float(m.group(i))) for i in (2, 3, 4))  # no TRL side: nan, still parsable
+    assert all(math.isnan(float(m.group(i))) for i in (2, 3, 4, 5, 6))  # no TRL side: nan, still parsable
     assert any(line.startswith("rlhflab (value head)") for line in lines)
 
     result = json.loads(raw.read_text())

@@ -52,6 +52,8 @@ CHAT_TEMPLATE_HELP = ("auto: use the tokenizer's chat template when it has one (
                       "true: require one (error without); false: plain templates")
 Device = Literal["cpu", "cuda", "auto"]
 KLKind = Literal["k1", "k2", "k3", "abs", "mse"]
+# YAML 1.1 reads a bare `no` as false: both spellings mean no autocast.
+MixedPrecision = Literal["no", "bf16", "fp16", False]
 
 
 @dataclass
@@ -63,6 +65,8 @@ class ModelConfig:
     torch_dtype: Dtype = f("float32", "weights dtype: float32, bfloat16, float16 or auto")
     trust_remote_code: bool = f(False, "allow model code from the hub (only for models you trust)")
     gradient_checkpointing: bool = f(False, "recompute activations in backward to save memory")
+    lean_mlp: bool = f(True, "gated MLPs (Llama, Qwen2, Mistral, Gemma) keep 2 of their 4 intermediate tensors for "
+                             "backward and recompute the rest: the same function, less memory (rlhflab/models/lean.py)")
     critic: Literal["value_head", "separate"] = f(
         "value_head", "value_head: one head on the shared base; separate: a critic model of its own")
     critic_name_or_path: Optional[str] = f(None, "base of a separate critic; null means the policy's base")
@@ -332,6 +336,13 @@ class TrainingConfig:
     eval_batch_size: int = f(64, "prompts per batch during greedy evaluation", gt=0)
     keep_last_checkpoints: Optional[int] = f(None, "keep only the newest N step_N/ folders; null keeps all", gt=0)
     num_threads: Optional[int] = f(None, "torch CPU threads; null leaves torch's default", gt=0)
+    mixed_precision: MixedPrecision = f(
+        "no", "no, or bf16: forward passes under bfloat16 autocast with float32 weights (docs/precision.md); "
+              "fp16 is refused (no loss scaler)")
+
+    def __post_init__(self) -> None:
+        if self.mixed_precision is False:
+            self.mixed_precision = "no"
 
 
 @dataclass

@@ -140,12 +140,14 @@ def write_reviews(out_dir: str | Path, n_prompts: int = 2000, n_test: int = 200,
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
+    from rlhflab.cliargs import count, number, seed
+
     parser.add_argument("--out", default="outputs/reviews", help="output folder")
-    parser.add_argument("--prompts", type=int, default=2000, help="training prompts (and demonstrations)")
-    parser.add_argument("--labelled", type=int, default=4000, help="labelled sentences for the classifier")
-    parser.add_argument("--positive-share", type=float, default=0.3,
+    parser.add_argument("--prompts", type=count(), default=2000, help="training prompts (and demonstrations)")
+    parser.add_argument("--labelled", type=count(2), default=4000, help="labelled sentences for the classifier")
+    parser.add_argument("--positive-share", type=number(0.0, 1.0), default=0.3,
                         help="probability that a demonstration's first clause is positive")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed(), default=0)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,6 +17,12 @@ Exactness: every minibatch's loss is divided by the token (or sequence) count of
 whole accumulation group, so accumulation 1×8 equals 8×1 exactly. Under several
 processes the count is the global one (`engine.dist`), so N processes equal one.
 
+Memory: with a separate critic (`model.critic: separate`) the critic's forward and
+backward run first, then the policy's (`critic_pass`): the two models share no
+parameter, so the gradients are those of the summed loss, and only one model's
+activations are alive at a time. Under a data-parallel wrapper (one forward and one
+backward per wrapped module) and in learner mode the two run in one pass.
+
 `PPOMath` is the plug-in learner mode uses to run the learner's own functions.
 """
 
@@ -150,11 +156,33 @@ def inner(module):
     return getattr(module, "module", module)
 
 
+def critic_apart(actor, mb: MiniBatch, math_: PPOMath, dist: Dist) -> bool:
+    """Whether the separate critic takes its own pass before the policy's (see the module
+    docstring): a separate critic, values to fit, one unwrapped process, the engine's own
+    minibatch loss."""
+    return (mb.returns is not None and getattr(actor, "separate_critic", False) and not dist.distributed
+            and inner(actor) is actor and math_.minibatch_step is None)
+
+
+def critic_pass(actor, mb: MiniBatch, sec, math_: PPOMath, normalizer: float):
+    """The separate critic's forward and its clipped value loss (`math_.value_loss`), not
+    yet weighted by vf_coeff; the caller runs its backward before the policy's forward."""
+    values = actor.critic(mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask, mb.group_size,
+                          mixed_precision=actor.mixed_precision)                      # (b, T)
+    return math_.value_loss(values, mb.old_values, mb.returns, mb.loss_mask, sec.value_clip,
+                            aggregation=sec.loss_aggregation, normalizer=normalizer)
+
+
 def minibatch_loss(actor, mb: MiniBatch, sec, temperature: float, math_: PPOMath,
-                   normalizer: float) -> tuple[Tensor, MinibatchStats]:
+                   normalizer: float, value=None) -> tuple[Tensor, MinibatchStats]:
     """The loss of one minibatch (see the module docstring) and its stats. `actor` may be
-    wrapped for data parallelism: its forward is called, so the wrapper sees it."""
-    with_values = mb.returns is not None and getattr(inner(actor), "has_values", False)
+    wrapped for data parallelism: its forward is called, so the wrapper sees it.
+
+    `value`: the separate critic's value loss when `critic_pass` already ran (and its
+    backward): the forward then skips the critic, the returned loss is the policy's part
+    and the stats count both.
+    """
+    with_values = value is None and mb.returns is not None and getattr(inner(actor), "has_values", False)
     kw = {"lm_batch": mb.lm_batch} if mb.lm_batch is not None else {}
     out = actor(mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask, mb.group_size,
                 temperature=temperature, with_values=with_values, with_entropy=True,
@@ -168,8 +196,12 @@ def minibatch_loss(actor, mb: MiniBatch, sec, temperature: float, math_: PPOMath
     if out.lm_loss is not None:  # PPO-ptx: this minibatch's share of the group's mean LM loss
         total = total + sec.ptx_coeff * mb.lm_weight * out.lm_loss
         ptx = float(out.lm_loss.detach()) * mb.lm_weight
-    stats = MinibatchStats(float(t.policy), float(t.value), float(t.entropy), float(total.detach()),
-                           float(t.clip_frac), float(t.value_clip_frac), float(t.approx_kl),
+    value_part, value_clip, shown_total = t.value, t.value_clip_frac, float(total.detach())
+    if value is not None:  # the critic's part, already backpropagated by the caller
+        value_part, value_clip = value.loss.detach(), torch.as_tensor(value.clip_frac)
+        shown_total += sec.vf_coeff * float(value_part)
+    stats = MinibatchStats(float(t.policy), float(value_part), float(t.entropy), shown_total,
+                           float(t.clip_frac), float(value_clip), float(t.approx_kl),
                            float(t.clip_frac_low), float(t.clip_frac_high), float(t.kl), ptx=ptx,
                            kl_seq_sum=float(t.kl_seq_sum))
     return total, stats
@@ -202,7 +234,14 @@ def update_group(actor, minibatches: list[MiniBatch], optimizer, params: list, s
         if ptx is not None:
             mb.lm_batch, mb.lm_weight = next(ptx), 1.0 / (len(minibatches) * dist.world_size)
         with dist.accumulating(actor, last=i == len(minibatches) - 1):
-            loss, st = step_fn(actor, mb, sec, temperature, math_, normalizer)
+            extra = {}
+            if critic_apart(actor, mb, math_, dist):  # its activations are freed before the policy's pass
+                value = critic_pass(actor, mb, sec, math_, normalizer)
+                if not bool(torch.isfinite(value.loss)):
+                    raise FloatingPointError(f"loss/value is {float(value.loss)}")
+                (sec.vf_coeff * value.loss).backward()
+                extra["value"] = value
+            loss, st = step_fn(actor, mb, sec, temperature, math_, normalizer, **extra)
             _check_finite(loss, st, dist)
             dist.backward(loss * dist.scale)
         stats.append(st)

@@ -22,6 +22,12 @@ as in the full pass). The results equal the plain pass up to float rounding.
 
 The value head computes in float32 whatever the model dtype (values are regression
 targets of a few units; bfloat16's 8 bits of mantissa are too coarse for them).
+
+Mixed precision (`training.mixed_precision: bf16`): each module here runs its decoder
+under autocast (its `mixed_precision` attribute, set by `models.setup.build_models`) and
+computes the log-probs, entropy and values from the decoder's output in float32, so
+every caller (the engine, the scoring pass, the reference, TRPO, DPO) gets the same
+split without wrapping anything (`rlhflab.models.precision`).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from torch import Tensor, nn
 
 from rlhflab import ops
 from rlhflab.models.head import linear_lm_head
+from rlhflab.models.precision import autocast, float32_region
 
 
 class ValueHead(nn.Module):
@@ -48,7 +55,8 @@ class ValueHead(nn.Module):
         nn.init.zeros_(self.summary.bias)
 
     def forward(self, hidden: Tensor) -> Tensor:
-        return self.summary(hidden.float()).squeeze(-1)
+        with float32_region(hidden.device):  # float32 also inside an autocast region
+            return self.summary(hidden.float()).squeeze(-1)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -132,20 +140,21 @@ class ForwardOutput(NamedTuple):
     lm_loss: Tensor | None = None  # token-mean NLL of an extra LM batch (PPO-ptx), or None
 
 
-def lm_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+def lm_loss(model: nn.Module, batch: dict[str, Tensor], mixed_precision: str = "no") -> Tensor:
     """Token-mean next-token NLL of `model` on an LM batch (input_ids, attention_mask, and
     labels with -100 where nothing is trained); chunked over the vocabulary when the head
-    is a plain linear map."""
+    is a plain linear map. The decoder runs under `mixed_precision`'s autocast."""
     labels = batch["labels"][:, 1:]                                                    # (b, L-1)
     n = (labels != -100).sum().clamp(min=1)
     lin = linear_lm_head(model)
+    ids, am = batch["input_ids"], batch["attention_mask"]
     if lin is not None:
         decoder, _ = decoder_and_head(model)
-        hidden = _last_hidden(decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                      use_cache=False))[:, :-1]                        # (b, L-1, H)
+        with autocast(mixed_precision, ids.device):
+            hidden = _last_hidden(decoder(input_ids=ids, attention_mask=am, use_cache=False))[:, :-1]  # (b, L-1, H)
         return ops.chunked_cross_entropy(hidden, lin.weight, lin.bias, labels) / n
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   use_cache=False).logits[:, :-1]                                     # (b, L-1, V)
+    with autocast(mixed_precision, ids.device):
+        logits = model(input_ids=ids, attention_mask=am, use_cache=False).logits[:, :-1]  # (b, L-1, V)
     keep = labels != -100
     lp = ops.logprobs_from_logits(logits, labels.clamp(min=0))
     return -(lp * keep).sum() / n
@@ -160,7 +169,8 @@ def token_stats(hidden: Tensor, head: nn.Module, response_ids: Tensor, temperatu
     op computes them without ever holding more than one chunk of (B, T, V) logits, in the
     forward pass and in backward; otherwise (soft-capped or scaled logits, LoRA on the
     head) from the head's full logits. `entropy_grad=False` computes the entropy for
-    logging only, with no autograd graph.
+    logging only, with no autograd graph. Both ways compute in float32 (or the head's
+    own dtype), also inside an autocast region.
     """
     lin = linear_lm_head(model) if model is not None else None
     if lin is not None:
@@ -168,7 +178,7 @@ def token_stats(hidden: Tensor, head: nn.Module, response_ids: Tensor, temperatu
                                    with_entropy=with_entropy)
         entropy = out.entropy if (out.entropy is None or entropy_grad) else out.entropy.detach()
         return out.logprobs, entropy
-    logits = head(hidden)                                                              # (B, T, V)
+    logits = head_logits(head, hidden)                                                 # (B, T, V)
     if temperature != 1.0:
         logits = logits / temperature
     logprobs = ops.logprobs_from_logits(logits, response_ids)
@@ -180,6 +190,14 @@ def token_stats(hidden: Tensor, head: nn.Module, response_ids: Tensor, temperatu
             with torch.no_grad():
                 entropy = ops.entropy_from_logits(logits.detach())
     return logprobs, entropy
+
+
+def head_logits(head: nn.Module, hidden: Tensor) -> Tensor:
+    """head(hidden) (B, T, V) in the head's own dtype (float32 master weights: float32),
+    not in autocast's bfloat16: log-probs and their differences need the precision."""
+    dtype = next(head.parameters()).dtype
+    with float32_region(hidden.device):
+        return head(hidden.to(dtype))
 
 
 class ResponseOutput(NamedTuple):
@@ -195,11 +213,16 @@ def _split(input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> tuple[
 class PolicyOnly(nn.Module):
     """A causal LM behind the response interface, with no critic (GRPO, RLOO, DPO, ...)."""
 
-    def __init__(self, policy: nn.Module):
+    def __init__(self, policy: nn.Module, mixed_precision: str = "no"):
         super().__init__()
         self.policy = policy
         self.critic = None
         self.value_head = None
+        self.mixed_precision = mixed_precision  # "no" or "bf16": autocast of the decoder passes
+
+    def autocast(self, device: torch.device | str):
+        """The autocast region of this module's decoder passes (nothing under "no")."""
+        return autocast(self.mixed_precision, device)
 
     @property
     def has_values(self) -> bool:
@@ -219,14 +242,16 @@ class PolicyOnly(nn.Module):
         Shapes as in `response_hidden`. This is the module's `forward`, so a wrapper
         (DDP, FSDP) sees the whole pass.
         """
-        hidden = response_hidden(self.policy, prompt_ids, prompt_mask, response_ids, response_mask, group_size)
+        with self.autocast(prompt_ids.device):
+            hidden = response_hidden(self.policy, prompt_ids, prompt_mask, response_ids, response_mask,
+                                     group_size)
         _, head = decoder_and_head(self.policy)
         logprobs, entropy = token_stats(hidden, head, response_ids, temperature, with_entropy, entropy_grad,
                                         model=self.policy)
         values = None
         if with_values:
             values = self._values(hidden, prompt_ids, prompt_mask, response_ids, response_mask, group_size)
-        extra = lm_loss(self.policy, lm_batch) if lm_batch is not None else None
+        extra = lm_loss(self.policy, lm_batch, self.mixed_precision) if lm_batch is not None else None
         return ForwardOutput(logprobs, values, entropy, extra)
 
     def forward_response(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int,
@@ -236,10 +261,11 @@ class PolicyOnly(nn.Module):
         The full-logits view, for learner mode and DPO; training uses `forward`.
         """
         pi, pm, ri, rm = _split(input_ids, attention_mask, prompt_len)
-        hidden = response_hidden(self.policy, pi, pm, ri, rm)
+        with self.autocast(input_ids.device):
+            hidden = response_hidden(self.policy, pi, pm, ri, rm)
         _, head = decoder_and_head(self.policy)
         values = self._values(hidden, pi, pm, ri, rm, 1) if with_values else None
-        return ResponseOutput(head(hidden), values)
+        return ResponseOutput(head_logits(head, hidden), values)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
@@ -262,7 +288,8 @@ class ActorCritic(PolicyOnly):
 
     def _values(self, hidden, prompt_ids, prompt_mask, response_ids, response_mask, group_size):
         if self.critic is not None:
-            return self.critic(prompt_ids, prompt_mask, response_ids, response_mask, group_size)
+            return self.critic(prompt_ids, prompt_mask, response_ids, response_mask, group_size,
+                               mixed_precision=self.mixed_precision)
         return self.value_head(hidden)
 
     def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor,
@@ -282,10 +309,12 @@ class Critic(nn.Module):
         self.value_head = value_head or ValueHead(hidden_size_of(base))
 
     def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor,
-                group_size: int = 1) -> Tensor:
-        """Values (B, T) of the states before each response token."""
-        return self.value_head(response_hidden(self.base, prompt_ids, prompt_mask, response_ids,
-                                               response_mask, group_size))
+                group_size: int = 1, mixed_precision: str = "no") -> Tensor:
+        """Values (B, T) of the states before each response token (float32; the decoder
+        under `mixed_precision`'s autocast)."""
+        with autocast(mixed_precision, prompt_ids.device):
+            hidden = response_hidden(self.base, prompt_ids, prompt_mask, response_ids, response_mask, group_size)
+        return self.value_head(hidden)
 
 
 class Reference:
@@ -297,9 +326,10 @@ class Reference:
       copy in memory.
     """
 
-    def __init__(self, model: nn.Module | None, policy: nn.Module | None = None):
+    def __init__(self, model: nn.Module | None, policy: nn.Module | None = None, mixed_precision: str = "no"):
         self.model = model    # the frozen copy, or None with lora_disabled
         self.policy = policy  # the peft policy whose adapter is switched off
+        self.mixed_precision = mixed_precision  # autocast of its decoder pass, as the policy's
 
     @classmethod
     def frozen_copy(cls, policy: nn.Module) -> "Reference":
@@ -331,7 +361,8 @@ class Reference:
                  group_size: int = 1, temperature: float = 1.0) -> Tensor:
         """(B, T) log-probs of the response tokens under the reference."""
         with self.active() as model:
-            hidden = response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, group_size)
+            with autocast(self.mixed_precision, prompt_ids.device):
+                hidden = response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, group_size)
             _, head = decoder_and_head(model)
             return token_stats(hidden, head, response_ids, temperature, model=model)[0]
 
@@ -339,9 +370,10 @@ class Reference:
     def response_logits(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> Tensor:
         """(B, T, V) logits of the reference on the response part."""
         with self.active() as model:
-            hidden = response_hidden(model, *_split(input_ids, attention_mask, prompt_len))
+            with autocast(self.mixed_precision, input_ids.device):
+                hidden = response_hidden(model, *_split(input_ids, attention_mask, prompt_len))
             _, head = decoder_and_head(model)
-            return head(hidden)
+            return head_logits(head, hidden)
 
 
 def save_value_head(head: nn.Module, folder: str | Path, name: str = "value_head.safetensors") -> Path:

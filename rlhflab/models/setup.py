@@ -11,6 +11,11 @@ its models here, so a resume, LoRA and the reference follow one rule:
 - `need_reference=False` loads no reference at all (a KL weight of 0).
 - Dropout is switched off everywhere, so before the first update the ratio π/π_old is
   exactly 1.
+- `model.lean_mlp` switches the gated MLPs of the trained models (policy, separate critic)
+  to `models.lean.GatedMLP`: the same function, half the MLP's saved activations.
+- `mixed_precision` ("no" or "bf16", `training.mixed_precision`) is set on the actor and
+  the reference alike: their decoders run under the same autocast, so the old log-probs,
+  the reference's and the update's are computed the same way.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from torch import nn
 
 from rlhflab.models.actor_critic import (ActorCritic, Critic, PolicyOnly, Reference, ValueHead, hidden_size_of,
                                          load_value_head)
+from rlhflab.models.lean import lean_mlp
 from rlhflab.models.load import add_lora, disable_dropout, load_model, resolve_device
+from rlhflab.models.precision import check_mixed_precision
 
 CriticKind = Literal["value_head", "separate"]
 
@@ -42,10 +49,13 @@ class PolicyModels:
 
 
 def build_models(model_cfg, lora_cfg, device: str, *, need_reference: bool,
-                 critic: CriticKind | None = None, resume_dir: Path | None = None) -> PolicyModels:
+                 critic: CriticKind | None = None, resume_dir: Path | None = None,
+                 mixed_precision: str = "no") -> PolicyModels:
     """Policy (+LoRA), the critic (`critic`: value_head, separate or None) and, when
-    `need_reference`, the frozen reference; weights from `resume_dir` when resuming."""
+    `need_reference`, the frozen reference; weights from `resume_dir` when resuming.
+    `mixed_precision`: the autocast of every decoder pass ("no" or "bf16")."""
     dev = resolve_device(device)
+    check_mixed_precision(mixed_precision, dev)
     load_kw = dict(torch_dtype=model_cfg.torch_dtype, device=str(dev),
                    trust_remote_code=model_cfg.trust_remote_code, tokenizer=model_cfg.tokenizer)
     full_resume = resume_dir is not None and not lora_cfg.enabled
@@ -66,6 +76,8 @@ def build_models(model_cfg, lora_cfg, device: str, *, need_reference: bool,
         if need_reference:
             reference = Reference.lora_disabled(policy)
     disable_dropout(policy)
+    if model_cfg.lean_mlp:  # after LoRA: an adapted projection keeps the model's own MLP
+        lean_mlp(policy)
     if model_cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
     if critic is None:
@@ -75,6 +87,8 @@ def build_models(model_cfg, lora_cfg, device: str, *, need_reference: bool,
             model_cfg.critic_name_or_path or model_cfg.name_or_path)
         base = load_model(src, **load_kw)[0]
         disable_dropout(base)
+        if model_cfg.lean_mlp:
+            lean_mlp(base)
         head = ValueHead(hidden_size_of(base)).to(dev)
         if resume_dir is not None:
             load_value_head(head, resume_dir / "critic")
@@ -84,5 +98,8 @@ def build_models(model_cfg, lora_cfg, device: str, *, need_reference: bool,
         if resume_dir is not None:
             load_value_head(head, resume_dir)
         actor = ActorCritic(policy, value_head=head)
+    actor.mixed_precision = mixed_precision
+    if reference is not None:
+        reference.mixed_precision = mixed_precision
     actor.train()
     return PolicyModels(actor, reference, tok, dev)

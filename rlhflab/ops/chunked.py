@@ -22,6 +22,8 @@ input embedding; autograd adds the two gradients, nothing special is needed here
 Precision: each chunk is computed in float32 whatever the input dtype (float64 stays
 float64, which `torch.autograd.gradcheck` needs), and the results are float32. A
 bfloat16 weight is upcast once per call (a transient V x H float32 copy, not saved).
+Inside an autocast region (mixed precision) autocast is switched off for the op's
+forward and backward, so its matmuls stay float32 there too.
 
 Departures from the unchunked path (`logprobs_from_logits`, `entropy_from_logits`):
 none in value; the logits are recomputed in backward, which costs one more (N, H) x
@@ -96,6 +98,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logprobs: Tensor | None, g_entropy: Tensor | None):
+        with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):  # float32 under autocast too
+            return _ChunkedLogprobs._backward(ctx, g_logprobs, g_entropy)
+
+    @staticmethod
+    def _backward(ctx, g_logprobs: Tensor | None, g_entropy: Tensor | None):
         hidden, weight, bias, targets, log_z, entropy = ctx.saved_tensors
         if not ctx.with_entropy:
             g_entropy = None
@@ -133,6 +140,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 grad_w.addmm_(g_z.t(), h)
             if need_b:
                 grad_b += g_z.sum(0)
+            del logp, p, g_z  # before the next chunk's logits exist: two chunks alive at most, not three
         return (grad_h, grad_w.to(weight.dtype) if need_w else None,
                 grad_b.to(bias.dtype) if need_b else None, None, None, None, None)
 
@@ -162,8 +170,9 @@ def chunked_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, target
     lead = targets.shape
     flat_h = hidden.reshape(-1, hidden.shape[-1])                            # (N, H)
     flat_t = targets.reshape(-1)                                             # (N,)
-    logprobs, entropy = _ChunkedLogprobs.apply(flat_h, weight, bias, flat_t, float(temperature),
-                                               int(chunk), bool(with_entropy))
+    with torch.autocast(hidden.device.type, enabled=False):  # float32 chunks also under autocast
+        logprobs, entropy = _ChunkedLogprobs.apply(flat_h, weight, bias, flat_t, float(temperature),
+                                                   int(chunk), bool(with_entropy))
     return TokenLogprobs(logprobs.view(lead), entropy.view(lead) if with_entropy else None)
 
 

@@ -84,7 +84,9 @@ def sequence_scores(model: torch.nn.Module, input_ids: Tensor, attention_mask: T
     hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state      # (B, L, H)
     last = last_token_index(attention_mask)                                   # (B,)
     h = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]     # (B, H)
-    return score_head(model)(h).float()[:, 0]                                 # (B,)
+    head = score_head(model)
+    with torch.autocast(h.device.type, enabled=False):  # the head in its own dtype also under autocast
+        return head(h.to(next(head.parameters()).dtype)).float()[:, 0]       # (B,)
 
 
 def encode(tokenizer, texts: Sequence[str], meta: RMMeta, device: torch.device | str = "cpu") -> dict[str, Tensor]:

@@ -253,8 +253,9 @@ def policy_sequence_logprobs(actor: PolicyOnly, batch: ResponseBatch) -> Tensor:
         out = actor.forward_response(batch.input_ids, batch.attention_mask, batch.prompt_len)
         return sequence_logprobs(out.logits, batch)
     p = batch.prompt_len
-    hidden = response_hidden(actor.policy, batch.input_ids[:, :p], batch.attention_mask[:, :p],
-                             batch.response_ids, batch.response_mask)                            # (B, T, H)
+    with actor.autocast(batch.input_ids.device):  # training.mixed_precision; the head below is float32
+        hidden = response_hidden(actor.policy, batch.input_ids[:, :p], batch.attention_mask[:, :p],
+                                 batch.response_ids, batch.response_mask)                        # (B, T, H)
     real = batch.response_mask.bool()                                                            # (B, T)
     logprobs = torch.zeros(real.shape, dtype=torch.float32, device=hidden.device)                # (B, T)
     logprobs[real] = ops.chunked_logprobs(hidden[real], head.weight, head.bias,
@@ -417,7 +418,8 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
                                   world_size=dist.world_size)
     out_dir = check_output_dir(t.output_dir, resume=resume_dir is not None, overwrite=t.overwrite)
     seed_everything(t.seed)
-    models = build_models(cfg.model, cfg.lora, t.device, need_reference=True, resume_dir=resume_dir)
+    models = build_models(cfg.model, cfg.lora, t.device, need_reference=True, resume_dir=resume_dir,
+                          mixed_precision=t.mixed_precision)
     tok, pad = models.tokenizer, models.tokenizer.pad_token_id
 
     # 1. data: the export rows as they are; held-out pairs from eval_path or a split.

@@ -179,7 +179,7 @@ def build_run(cfg, method: PolicyMethod, *, resume_dir: Path | None = None, math
     under several processes the trained module is wrapped for the launcher's strategy."""
     train_cfg, sec, dist = cfg.training, getattr(cfg, method.name), dist or Dist()
     models = build_models(cfg.model, cfg.lora, train_cfg.device, need_reference=method.need_reference(cfg),
-                          critic=method.critic, resume_dir=resume_dir)
+                          critic=method.critic, resume_dir=resume_dir, mixed_precision=train_cfg.mixed_precision)
     scorer = build_reward(cfg.reward, models.device)
     checks = build_eval_checks(cfg.eval, models.device) if train_cfg.eval_interval else None
     params = (method.optimizer_params or (lambda actor: actor.trainable_parameters()))(models.actor)

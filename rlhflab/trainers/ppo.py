@@ -148,7 +148,7 @@ def build_models(cfg: PPORunConfig, resume_dir: Path | None = None) -> PolicyMod
     """PPO's models as a run builds them: the policy, its critic and (with a KL) the reference."""
     m = method(cfg)
     return setup.build_models(cfg.model, cfg.lora, cfg.training.device, need_reference=m.need_reference(cfg),
-                              critic=m.critic, resume_dir=resume_dir)
+                              critic=m.critic, resume_dir=resume_dir, mixed_precision=cfg.training.mixed_precision)
 
 
 def train(cfg: PPORunConfig, resume: str | Path | None = None, math_: PPOMath | None = None,

@@ -51,6 +51,8 @@ from rlhflab.engine.dist import Forward, default_threads, even_share, init_dist
 from rlhflab.errors import UserError
 from rlhflab.metrics import MetricsLogger
 from rlhflab.models.load import default_lora_targets, disable_dropout, load_tokenizer, resolve_device, resolve_dtype
+from rlhflab.models.lean import lean_mlp
+from rlhflab.models.precision import autocast, check_mixed_precision
 from rlhflab.rewards.model import META_FILE, RMMeta, encode, score_head, sequence_scores
 from rlhflab.models.checkpoint import atomic_folder
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, check_output_dir, finish_run,
@@ -276,6 +278,8 @@ def build_reward_model(cfg: RMRunConfig, device: torch.device):
         lcfg = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                           target_modules=targets, task_type="SEQ_CLS", modules_to_save=[head_name], bias="none")
         model = get_peft_model(model, lcfg)
+    if m.lean_mlp:
+        lean_mlp(model)
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         if cfg.lora.enabled:
@@ -379,6 +383,7 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
     out_dir = check_output_dir(t.output_dir, overwrite=t.overwrite, resumable=False)
     seed_everything(t.seed)
     device = dist.device or resolve_device(t.device)
+    check_mixed_precision(t.mixed_precision, device)
     start = time.perf_counter()
 
     # 1-2. data and model
@@ -435,7 +440,8 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
             lr = optimizer.param_groups[0]["lr"]
             for i, b in enumerate(group):
                 with dist.accumulating(loss_model, last=i == len(group) - 1):
-                    out = loss_model(b)
+                    with autocast(t.mixed_precision, device):  # the score head stays float32 (sequence_scores)
+                        out = loss_model(b)
                     bad = dist.sum(float(not torch.isfinite(out.loss)))
                     check_finite_step(step + 1, loss=float("nan") if bad else float(out.loss.detach()),
                                       knob="rm.learning_rate", lr=lr)

@@ -56,6 +56,8 @@ from rlhflab.models.actor_critic import decoder_and_head
 from rlhflab.models.checkpoint import atomic_folder, prune_checkpoints, save_policy
 from rlhflab.models.head import linear_lm_head
 from rlhflab.models.load import add_lora, load_model, resolve_device
+from rlhflab.models.lean import lean_mlp
+from rlhflab.models.precision import autocast, check_mixed_precision
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, check_output_dir, finish_run,
                                      format_metrics, make_optimizer, make_scheduler, prepare_output_dir,
                                      print_before_after, seed_everything, set_threads, write_train_result)
@@ -185,13 +187,14 @@ def batch_nll(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, labe
 
 
 def accumulate_group(model, group: Sequence[dict[str, torch.Tensor]], device: torch.device,
-                     dist: Dist | None = None) -> "GroupNLL":
+                     dist: Dist | None = None, mixed_precision: str = "no") -> "GroupNLL":
     """Backward over a group of micro-batches whose loss is the group's token-mean NLL.
 
     Each micro-batch's summed NLL is divided by the response-token count of the whole
     group (over every process), so the accumulated gradient equals that of one batch
     holding every row. `model` is a causal LM, or `Forward(lm, batch_nll)` as the
-    data-parallel wrapper sees it. Returns the group's totals over every process.
+    data-parallel wrapper sees it. The forward runs under `mixed_precision`'s autocast
+    (the chunked cross-entropy stays float32). Returns the group's totals over every process.
     """
     dist = dist or Dist()
     nll_of = model if isinstance(inner(model), Forward) else Forward(model, batch_nll)
@@ -200,7 +203,8 @@ def accumulate_group(model, group: Sequence[dict[str, torch.Tensor]], device: to
     for i, b in enumerate(group):
         b = {k: v.to(device) for k, v in b.items()}
         with dist.accumulating(nll_of, last=i == len(group) - 1):
-            nll = nll_of(b["input_ids"], b["attention_mask"], b["labels"])
+            with autocast(mixed_precision, device):
+                nll = nll_of(b["input_ids"], b["attention_mask"], b["labels"])
             dist.backward(nll.total / max(n_tokens, 1) * dist.scale)
         total += float(nll.total.detach())
     return GroupNLL(dist.sum(total), n_tokens)
@@ -370,6 +374,8 @@ def build_model(cfg: SFTRunConfig, device: torch.device):
                             trust_remote_code=m.trust_remote_code, tokenizer=m.tokenizer)
     if cfg.lora.enabled:
         model = add_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
+    if m.lean_mlp:
+        lean_mlp(model)
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         if cfg.lora.enabled:
@@ -407,6 +413,7 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
     out_dir = check_output_dir(t.output_dir, overwrite=t.overwrite, resumable=False)
     seed_everything(t.seed)
     device = dist.device or resolve_device(t.device)
+    check_mixed_precision(t.mixed_precision, device)
     start = time.perf_counter()
 
     # 1-2. data and model
@@ -462,7 +469,7 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
             group = [sftdata.collate(even_share(b, dist.world_size, dist.rank), tok.pad_token_id)
                      for b in micro[g : g + s.gradient_accumulation_steps]]
             # 3. update: backward over the group, then clip and step.
-            nll = accumulate_group(nll_model, group, device, dist)
+            nll = accumulate_group(nll_model, group, device, dist, t.mixed_precision)
             lr = optimizer.param_groups[0]["lr"]
             check_finite_step(step + 1, loss=nll.total, knob="sft.learning_rate", lr=lr)
             window_nll += nll.total

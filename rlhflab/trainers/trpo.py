@@ -212,9 +212,9 @@ def fit_values(actor, optimizer, roll: Rollout, sec: TRPOSection, step: int, see
             rows = order[s : s + sec.value_mini_batch_size]
             args = (roll.prompt_ids[rows], roll.prompt_mask[rows], roll.response_ids[rows], mask[rows])
             if actor.critic is not None:
-                values = actor.critic(*args)
+                values = actor.critic(*args, mixed_precision=actor.mixed_precision)
             else:  # the policy's features, detached: the value loss does not move the policy
-                with torch.no_grad():
+                with torch.no_grad(), actor.autocast(mask.device):
                     hidden = response_hidden(actor.policy, *args)
                 values = actor.value_head(hidden)
             vl = ops.value_loss(values, roll.values[rows], roll.returns[rows], mask[rows], sec.value_clip)
