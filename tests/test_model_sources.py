@@ -147,3 +147,17 @@ def test_adapter_folder_where_a_full_model_is_needed_is_named(adapter_dir, tiny_
     (moved / "adapter_config.json").write_text(cfg)
     with pytest.raises(UserError, match=r"is a LoRA adapter on the base model '.*gone', which does not exist"):
         load_model(str(moved))
+
+
+@pytest.mark.parametrize("kind, command", [("model", "rlhflab rm --config configs/rm_debug.yaml"),
+                                           ("classifier", "rlhflab classifier --config configs/classifier_debug.yaml")])
+def test_a_missing_learned_reward_names_the_command_that_trains_it(tmp_path, kind, command):
+    from rlhflab.errors import UserError
+    from rlhflab.models.load import check_model_source
+
+    missing = tmp_path / "runs" / "judge" / "final"
+    with pytest.raises(UserError) as exc:
+        check_model_source(str(missing), f"reward.sources[1] ({kind})")
+    msg = str(exc.value)
+    assert msg.startswith(f"reward.sources[1] ({kind}) path") and command in msg
+    assert f"training.output_dir={missing.parent}" in msg and "rlhflab sft" not in msg

@@ -87,7 +87,9 @@ def _missing_hint(name_or_path: str, kind: str) -> str:
     path = Path(name_or_path)
     if path.name == "final" or (path.name.startswith("step_") and path.name[5:].isdigit()):
         run = path.parent
-        if kind in ("reward model", "classifier"):
+        if "classifier" in kind:
+            make = f"`rlhflab classifier --config configs/classifier_debug.yaml training.output_dir={run}` (a classifier)"
+        elif kind == "reward model" or kind.endswith("(model)"):  # reward.sources[i] (model)
             make = f"`rlhflab rm --config configs/rm_debug.yaml training.output_dir={run}` (a reward model)"
         else:
             make = (f"`rlhflab sft --config configs/sft_debug.yaml training.output_dir={run}` (an SFT model; see "

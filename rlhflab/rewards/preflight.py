@@ -69,18 +69,20 @@ def _load(spec: str, key: str, plugin_dir):
         raise UserError(f"preflight of {key}: {exc}") from None
 
 
-def _check_sources(sources, prefix: str, plugin_dir, first_row) -> list[PreflightCall]:
-    """Model and classifier sources: the path exists; rules: imported and called once on
-    `first_row()` (example, "row 0 of FILE"), read only when a rule needs it."""
+def _check_sources(sources, prefix: str, plugin_dir, first_row, models: bool = True) -> list[PreflightCall]:
+    """Rules: imported and called once on `first_row()` (example, "row 0 of FILE"), read
+    only when a rule needs it; then (unless not `models`) model and classifier sources:
+    the path exists."""
     calls, row = [], None
     for i, source in enumerate(sources):
-        key = f"{prefix}[{i}]"
-        if source.type != "rule":
-            _check_model_source(source, key)
-            continue
-        fn = _load(source.name, key, plugin_dir)
-        row = row or first_row()
-        calls.append(_call_once(fn, key, source.name, *row, "reward"))
+        if source.type == "rule":
+            key = f"{prefix}[{i}]"
+            fn = _load(source.name, key, plugin_dir)
+            row = row or first_row()
+            calls.append(_call_once(fn, key, source.name, *row, "reward"))
+    for i, source in enumerate(sources):
+        if models and source.type != "rule":
+            _check_model_source(source, f"{prefix}[{i}]")
     return calls
 
 
@@ -96,7 +98,17 @@ def preflight(cfg, quiet: bool = False) -> list[PreflightCall]:
         examples, row = _rows(cfg.dataset, split)
         return examples[0], row
 
-    calls = _check_sources(cfg.reward.sources, "reward.sources", cfg.reward.plugin_dir, lambda: first("train"))
+    calls = _check_sources(cfg.reward.sources, "reward.sources", cfg.reward.plugin_dir, lambda: first("train"),
+                           models=False)
+    model = getattr(cfg, "model", None)
+    if model is not None and getattr(model, "name_or_path", None):
+        # The policy before the reward models: it is the input made first (ppo_rm_debug's SFT model).
+        from rlhflab.models.load import check_model_source
+
+        check_model_source(str(model.name_or_path), "model.name_or_path")
+    for i, source in enumerate(cfg.reward.sources):
+        if source.type != "rule":
+            _check_model_source(source, f"reward.sources[{i}]")
     eval_cfg = getattr(cfg, "eval", None)
     training = getattr(cfg, "training", None)
     evaluates = training is None or training.eval_interval > 0
