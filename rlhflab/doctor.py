@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Sequence
 
 from rlhflab.errors import UserError
+from rlhflab.metrics import read_metrics
 
 Severity = Literal["warn", "stop"]
 
@@ -413,41 +414,6 @@ class Doctor:
 
 # --------------------------------------------------------------------------- the CLI
 
-def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """Read metrics.jsonl: the records, and notes about lines that were skipped.
-
-    A partial last line (the run is still writing) is skipped quietly; a broken line
-    elsewhere is skipped with a note.
-    """
-    records: list[dict[str, Any]] = []
-    notes: list[str] = []
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    for i, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            if i == len(lines):
-                notes.append(f"line {i} is incomplete (the run may still be writing); skipped")
-            else:
-                notes.append(f"line {i} is not valid JSON; skipped")
-            continue
-        if not isinstance(row, dict):
-            notes.append(f"line {i} is not a JSON object; skipped")
-            continue
-        if "step" not in row:
-            row = {"step": len(records), **row}
-        step = row["step"]
-        if isinstance(step, float) and math.isfinite(step) and step.is_integer():
-            row["step"] = step = int(step)
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            notes.append(f"line {i}: step {json.dumps(step)[:20]} is not a whole number >= 0; skipped")
-            continue
-        records.append(row)
-    return records, notes
-
-
 def _find_metrics(run_dir: str) -> Path:
     p = Path(run_dir)
     if p.is_file():
@@ -643,7 +609,8 @@ def _config_from(overrides: Sequence[str], max_grad_norm: Optional[float]) -> Do
 def run(args) -> int:
     metrics_path = _find_metrics(args.run_dir)
     run_dir = metrics_path.parent
-    records, notes = read_metrics(metrics_path)
+    notes: list[str] = []
+    records = read_metrics(metrics_path, notes)
     if not records:
         raise UserError(f"{metrics_path}: no complete step yet; wait for the first step to be "
                         f"logged, or check that this is a training run's metrics file")

@@ -374,7 +374,8 @@ def test_cli_as_a_process_has_no_traceback(tmp_path):
 def test_read_metrics_skips_broken_lines(tmp_path):
     p = tmp_path / "metrics.jsonl"
     p.write_text('{"step": 0, "lr": 1}\nnot json\n[1, 2]\n{"lr": 2}\n{"step": 4, "lr"')
-    records, notes = read_metrics(p)
+    notes: list[str] = []
+    records = read_metrics(p, notes)
     assert [r["step"] for r in records] == [0, 1]     # a row without "step" gets its index
     assert notes == ["line 2 is not valid JSON; skipped", "line 3 is not a JSON object; skipped",
                      "line 5 is incomplete (the run may still be writing); skipped"]

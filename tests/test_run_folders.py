@@ -222,11 +222,11 @@ def test_sft_with_learning_rate_1e9_stops_with_one_line(tiny_sft_rm_dir, arith_d
 def test_dpo_with_learning_rate_1e9_stops_with_one_line(tiny_model_dir, arith_dir, tmp_path, capsys):
     import shutil
 
-    from rlhflab.trainers.dpo import write_arith_pairs
+    from rlhflab.data.preferences import write_off_by_one_pairs
 
     task = tmp_path / "task"
     shutil.copytree(arith_dir, task)
-    write_arith_pairs(task)
+    write_off_by_one_pairs(task)
     out = tmp_path / "dpo"
     rc = cli.main(["dpo", "--config", "configs/dpo_debug.yaml", f"model.name_or_path={tiny_model_dir}",
                    f"dataset.path={task / 'pairs_train.jsonl'}", f"dataset.eval_path={task / 'pairs_test.jsonl'}",

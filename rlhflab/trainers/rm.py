@@ -174,7 +174,9 @@ def pairwise_loss(chosen: Tensor, rejected: Tensor, margin: Tensor | None = None
 # 1. data
 # --------------------------------------------------------------------------------------
 @dataclass
-class PairTexts:
+class JoinedPair:
+    """A pair as the reward model scores it: each side's prompt and response joined."""
+
     chosen: str     # prompt + chosen response
     rejected: str   # prompt + rejected response
     margin: float   # 0.0 when the row has none
@@ -192,19 +194,19 @@ def _load_pairs(source: str, split: str, subset: str | None, d: PreferenceDataCo
     return pairs
 
 
-def to_texts(pairs: Sequence[prefdata.PreferencePair], tokenizer, d: PreferenceDataConfig) -> list[PairTexts]:
+def to_texts(pairs: Sequence[prefdata.PreferencePair], tokenizer, d: PreferenceDataConfig) -> list[JoinedPair]:
     use_chat = resolve_use_chat_template(d.use_chat_template, tokenizer, "data.use_chat_template")
     out = []
     for p in pairs:
-        prompt, chosen, rejected = prefdata.pair_texts(p, tokenizer, use_chat)
-        out.append(PairTexts(prompt + chosen, prompt + rejected, p.margin or 0.0, p.tie))
+        text = prefdata.pair_texts(p, tokenizer, use_chat)
+        out.append(JoinedPair(text.prompt + text.chosen, text.prompt + text.rejected, p.margin or 0.0, p.tie))
     return out
 
 
 @dataclass
 class RMData:
-    train: list[PairTexts]
-    eval: list[PairTexts]
+    train: list[JoinedPair]
+    eval: list[JoinedPair]
 
 
 def load_rm_data(d: PreferenceDataConfig, tokenizer, seed: int = 0, warn=print) -> RMData:
@@ -233,7 +235,7 @@ def load_rm_data(d: PreferenceDataConfig, tokenizer, seed: int = 0, warn=print) 
     return RMData(to_texts(train, tokenizer, d), to_texts(held, tokenizer, d))
 
 
-def count_truncated(tokenizer, texts: Sequence[PairTexts], meta: RMMeta) -> int:
+def count_truncated(tokenizer, texts: Sequence[JoinedPair], meta: RMMeta) -> int:
     n = 0
     for p in texts:
         for t in (p.chosen, p.rejected):
@@ -291,14 +293,14 @@ def build_reward_model(cfg: RMRunConfig, device: torch.device):
 # --------------------------------------------------------------------------------------
 # 3. update, 4. evaluate
 # --------------------------------------------------------------------------------------
-def pair_scores(model, tokenizer, pairs: Sequence[PairTexts], meta: RMMeta, device) -> tuple[Tensor, Tensor]:
+def pair_scores(model, tokenizer, pairs: Sequence[JoinedPair], meta: RMMeta, device) -> tuple[Tensor, Tensor]:
     """(chosen, rejected) scores, each (B,), from one forward over the 2B texts."""
     b = encode(tokenizer, [p.chosen for p in pairs] + [p.rejected for p in pairs], meta, device)
     scores = sequence_scores(model, b["input_ids"], b["attention_mask"])   # (2B,)
     return scores[: len(pairs)], scores[len(pairs):]
 
 
-def _batch_loss(model, tokenizer, pairs: Sequence[PairTexts], meta: RMMeta, cfg: RMRunConfig, device) -> RMLoss:
+def _batch_loss(model, tokenizer, pairs: Sequence[JoinedPair], meta: RMMeta, cfg: RMRunConfig, device) -> RMLoss:
     chosen, rejected = pair_scores(model, tokenizer, pairs, meta, device)
     margin = None
     if cfg.rm.margin_coeff:
@@ -308,7 +310,7 @@ def _batch_loss(model, tokenizer, pairs: Sequence[PairTexts], meta: RMMeta, cfg:
 
 
 @torch.no_grad()
-def evaluate_rm(model, tokenizer, pairs: Sequence[PairTexts], meta: RMMeta, batch_size: int,
+def evaluate_rm(model, tokenizer, pairs: Sequence[JoinedPair], meta: RMMeta, batch_size: int,
                 device) -> dict[str, float]:
     """Held-out accuracy (non-tie pairs), mean gap r_chosen − r_rejected, score mean/std."""
     was_training = model.training
