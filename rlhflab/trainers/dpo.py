@@ -63,8 +63,9 @@ from rlhflab.models.checkpoint import prune_checkpoints, restore_trainer_state, 
 from rlhflab.rewards import RuleScorer, resolve_rule
 from rlhflab.models.setup import PolicyModels, build_models
 from rlhflab.trainers.common import (Timer, TrainResult, check_finite_model, check_finite_step, check_output_dir,
-                                     check_resume_dir, finish_run, format_metrics, last_eval, make_optimization,
-                                     make_probe_batch, prepare_output_dir, seed_everything, set_threads)
+                                     check_resume_dir, finish_run, format_metrics, last_eval, log_step, make_doctor,
+                                     make_optimization, make_probe_batch, prepare_output_dir, seed_everything,
+                                     set_threads)
 
 
 # --------------------------------------------------------------------------------------
@@ -463,11 +464,15 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
         logger = MetricsLogger(out_dir, cfg.logging.report_to, cfg.logging.run_name, cfg.logging.wandb_project,
                                config=dataclasses.asdict(cfg), resume=resume_dir is not None,
                                resume_step=start_step if resume_dir is not None else None)
+    # The doctor reads each step's row (implicit-reward accuracy at chance, a growing margin,
+    # chosen and rejected log-probs falling together, overfitting, gradient spikes) and
+    # stops the run on a non-finite loss.
+    doctor = make_doctor(cfg.logging.doctor, sec.max_grad_norm, method="dpo") if dist.is_main else None
     result = TrainResult(out_dir, out_dir / "final", unit="pairs", world_size=dist.world_size, is_main=dist.is_main,
                          models=models, state={"ref_cache": train_cache})
     if t.eval_interval and start_step == 0 and dist.is_main:  # evaluation on the main process
         result.eval_before = _evaluate(models, eval_tok, eval_cache, task_examples, task_scorer, cfg, out_dir, 0)
-        logger.log(0, {**result.eval_before, **timer.metrics()})
+        log_step(logger, doctor, 0, {**result.eval_before, **timer.metrics()})
         say("step 0 (before training): " + format_metrics(result.eval_before))
 
     def save(folder: Path, at: int) -> None:
@@ -537,9 +542,9 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
                        **timer.metrics(), "perf/pairs_per_s": n_batch / seconds}
             if dist.is_main and t.eval_interval and (step % t.eval_interval == 0 or step == total_steps):
                 metrics.update(_evaluate(models, eval_tok, eval_cache, task_examples, task_scorer, cfg, out_dir, step))
-            if logger is not None:
-                logger.log(step, metrics)
             result.history.append({"step": step, **metrics})
+            if logger is not None:
+                log_step(logger, doctor, step, metrics)
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['rewards/accuracies']:.2f}")
             if t.save_interval and step % t.save_interval == 0 and step < total_steps:

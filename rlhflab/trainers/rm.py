@@ -56,9 +56,9 @@ from rlhflab.models.precision import autocast, check_mixed_precision
 from rlhflab.rewards.model import META_FILE, RMMeta, encode, score_head, sequence_scores
 from rlhflab.models.checkpoint import atomic_folder
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, check_output_dir, finish_run,
-                                     format_metrics, make_optimizer, make_scheduler, make_probe_batch,
-                                     prepare_output_dir, print_before_after, seed_everything, set_threads,
-                                     write_train_result)
+                                     format_metrics, log_step, make_doctor, make_optimizer, make_probe_batch,
+                                     make_scheduler, prepare_output_dir, print_before_after, seed_everything,
+                                     set_threads, write_train_result)
 
 
 # --------------------------------------------------------------------------------------
@@ -340,7 +340,7 @@ PLOT_GROUPS = {
     "loss": ["train/loss", "eval/loss"],
     "accuracy": ["train/accuracy", "eval/accuracy"],
     "scores": ["eval/score_gap", "eval/score_mean", "eval/score_std"],
-    "grad_norm": ["params/grad_norm"],
+    "grad_norm": ["params/grad_norm", "params/grad_norm_max"],
     "lr": ["lr"],
 }
 
@@ -415,11 +415,14 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
 
     logger = MetricsLogger(out_dir, cfg.logging.report_to, cfg.logging.run_name, cfg.logging.wandb_project,
                            config=dataclasses.asdict(cfg)) if dist.is_main else None
+    # The doctor reads each logged row (accuracy stuck at chance, a growing score gap,
+    # overfitting, gradient spikes) and stops the run on a non-finite loss.
+    doctor = make_doctor(cfg.logging.doctor, r.max_grad_norm, method="rm") if dist.is_main else None
     result = RMResult(out_dir, out_dir / "final", out_dir / "final" / "adapter" if cfg.lora.enabled else None,
                       train_pairs=len(data.train), is_main=dist.is_main)
     if r.eval_before and data.eval and dist.is_main:  # evaluation on the main process, which alone writes
         result.eval_before = evaluate_rm(model, tok, data.eval, meta, t.eval_batch_size, device)
-        logger.log(0, result.eval_before)
+        log_step(logger, doctor, 0, result.eval_before)
         say("step 0 (before training): " + format_metrics(result.eval_before))
 
     from tqdm import tqdm
@@ -466,6 +469,7 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
                 win_loss, win_acc, win_n = dist.sum(win_loss), dist.sum(win_acc), int(dist.sum(float(win_n)))
                 metrics.update({"train/loss": win_loss / max(win_n, 1), "train/accuracy": win_acc / max(win_n, 1),
                                 "params/grad_norm": sum(win_norms) / len(win_norms),
+                                "params/grad_norm_max": max(win_norms),
                                 "lr": optimizer.param_groups[0]["lr"], "epoch": step / groups_per_epoch})
                 win_loss, win_acc, win_n, win_norms = 0.0, 0.0, 0, []
             if dist.is_main and data.eval and ((t.eval_interval and step % t.eval_interval == 0)
@@ -473,8 +477,8 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
                 last_eval = evaluate_rm(model, tok, data.eval, meta, t.eval_batch_size, device)
                 metrics.update(last_eval)
             if metrics and dist.is_main:
-                logger.log(step, metrics)
                 result.history.append({"step": step, **metrics})
+                log_step(logger, doctor, step, metrics)
                 if "train/loss" in metrics:
                     bar.set_postfix(loss=f"{metrics['train/loss']:.3f}")
     bar.close()
