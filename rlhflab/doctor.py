@@ -32,7 +32,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping, Optional, Sequence
+from typing import Any, Callable, Literal, Mapping, NamedTuple, Optional, Sequence
 
 from rlhflab.errors import TrainingDiverged, UserError
 from rlhflab.metrics import read_metrics
@@ -288,6 +288,21 @@ def lr_knob(cfg: DoctorConfig) -> str:
     return cfg.lr_knob or f"{_section(cfg)}.learning_rate"
 
 
+class Fall(NamedTuple):
+    start: float   # mean of the first k values
+    recent: float  # mean of the last k values
+    k: int
+
+
+def _fall(xs: Sequence[float], window: int, avg_steps: int) -> Optional[Fall]:
+    """The start and recent means of a series once it has `window` values (None before):
+    k = `avg_steps`, at most half the values."""
+    if len(xs) < window:
+        return None
+    k = max(1, min(avg_steps, len(xs) // 2))
+    return Fall(_mean(xs[:k]), _mean(xs[-k:]), k)
+
+
 def _rule_non_finite(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
     what = non_finite(latest)
     return divergence_message(what, lr_knob(cfg), latest.get("lr")) if what else ""
@@ -331,10 +346,10 @@ def _rule_grad_norm(history: History, latest: dict[str, float], cfg: DoctorConfi
 
 def _rule_value_loss(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
     xs = _values(history, VALUE_LOSS)
-    if len(xs) < cfg.value_window:
+    fall = _fall(xs, cfg.value_window, cfg.value_avg_steps)
+    if fall is None:
         return None
-    k = max(1, min(cfg.value_avg_steps, len(xs) // 2))
-    start, recent = _mean(xs[:k]), _mean(xs[-k:])
+    start, recent, k = fall
     if recent < cfg.value_drop * start:
         return ""
     return (f"value loss has not fallen in {len(xs)} steps (mean {recent:.3g} over the last "
@@ -450,10 +465,10 @@ def _rule_grad_norm_spike(history: History, latest: dict[str, float], cfg: Docto
 
 def _rule_loss_flat(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
     xs = _values(history, TRAIN_LOSS)
-    if len(xs) < cfg.loss_window:
+    fall = _fall(xs, cfg.loss_window, cfg.loss_avg_steps)
+    if fall is None:
         return None
-    k = max(1, min(cfg.loss_avg_steps, len(xs) // 2))
-    start, recent = _mean(xs[:k]), _mean(xs[-k:])
+    start, recent, k = fall
     if recent < cfg.loss_drop * start:
         return ""
     return (f"training loss has not fallen in {len(xs)} logged values (mean {recent:.3g} over the last "

@@ -11,7 +11,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -86,6 +86,40 @@ def make_optimization(params: list[torch.nn.Parameter], sec, total_optimizer_ste
     scheduler = make_scheduler(optimizer, total_optimizer_steps, sec.warmup_steps, sec.lr_schedule,
                                sec.min_learning_rate)
     return optimizer, scheduler
+
+
+def train_and_held_out(d, read: Callable[[str, str, str | None], list], seed: int,
+                       unit: str = "rows") -> tuple[list, list]:
+    """The training and held-out rows of a data section (SFT's `data`, the reward
+    model's): `read(source, split, subset)` reads one file or hub split.
+
+    Held out: `d.eval_path`, else the hub's `d.eval_split`, else a seeded share
+    `d.eval_fraction` of the training rows (at least one), else none; `d.num_samples` and
+    `d.num_eval_samples` cut the two lists. `unit` names the rows in the error message.
+    """
+    source = d.path or d.name
+    train = read(source, d.split, d.subset)
+    if d.num_samples is not None:
+        train = train[: d.num_samples]
+    if d.eval_path:
+        held = read(d.eval_path, "train", None)
+    elif d.path is None and d.eval_split:
+        held = read(d.name, d.eval_split, d.subset)
+    elif d.eval_fraction > 0:
+        order = list(range(len(train)))
+        random.Random(seed).shuffle(order)
+        n_eval = max(1, int(round(len(train) * d.eval_fraction)))
+        if n_eval >= len(train):
+            raise UserError(f"{source}: {len(train)} {unit} leave nothing to train on after holding out "
+                            f"eval_fraction={d.eval_fraction}; lower data.eval_fraction or give data.eval_path")
+        held_idx = set(order[:n_eval])
+        held = [row for i, row in enumerate(train) if i in held_idx]
+        train = [row for i, row in enumerate(train) if i not in held_idx]
+    else:
+        held = []
+    if d.num_eval_samples is not None:
+        held = held[: d.num_eval_samples]
+    return train, held
 
 
 class Timer:

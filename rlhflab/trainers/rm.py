@@ -58,7 +58,7 @@ from rlhflab.models.checkpoint import atomic_folder
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, check_output_dir, finish_run,
                                      format_metrics, log_step, make_doctor, make_optimizer, make_probe_batch,
                                      make_scheduler, prepare_output_dir, print_before_after, seed_everything,
-                                     set_threads, write_train_result)
+                                     set_threads, train_and_held_out, write_train_result)
 
 
 # --------------------------------------------------------------------------------------
@@ -210,28 +210,8 @@ class RMData:
 
 
 def load_rm_data(d: PreferenceDataConfig, tokenizer, seed: int = 0, warn=print) -> RMData:
-    source = d.path or d.name
-    train = _load_pairs(source, d.split, d.subset, d, warn)
-    if d.num_samples is not None:
-        train = train[: d.num_samples]
-    if d.eval_path:
-        held = _load_pairs(d.eval_path, "train", None, d, warn)
-    elif d.path is None and d.eval_split:
-        held = _load_pairs(d.name, d.eval_split, d.subset, d, warn)
-    elif d.eval_fraction > 0:
-        order = list(range(len(train)))
-        random.Random(seed).shuffle(order)
-        n_eval = max(1, int(round(len(train) * d.eval_fraction)))
-        if n_eval >= len(train):
-            raise UserError(f"{source}: {len(train)} pairs leave nothing to train on after holding out "
-                            f"eval_fraction={d.eval_fraction}; lower data.eval_fraction or give data.eval_path")
-        held_idx = set(order[:n_eval])
-        held = [p for i, p in enumerate(train) if i in held_idx]
-        train = [p for i, p in enumerate(train) if i not in held_idx]
-    else:
-        held = []
-    if d.num_eval_samples is not None:
-        held = held[: d.num_eval_samples]
+    train, held = train_and_held_out(d, lambda src, split, subset: _load_pairs(src, split, subset, d, warn),
+                                     seed, unit="pairs")
     return RMData(to_texts(train, tokenizer, d), to_texts(held, tokenizer, d))
 
 

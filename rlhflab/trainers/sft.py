@@ -61,7 +61,7 @@ from rlhflab.models.precision import autocast, check_mixed_precision
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, check_output_dir, finish_run,
                                      format_metrics, log_step, make_doctor, make_optimizer, make_scheduler,
                                      prepare_output_dir, print_before_after, seed_everything, set_threads,
-                                     write_train_result)
+                                     train_and_held_out, write_train_result)
 
 
 # --------------------------------------------------------------------------------------
@@ -236,27 +236,7 @@ def _read(source: str, split: str, subset: str | None, d: SFTDataConfig, warn) -
 def load_sft_data(d: SFTDataConfig, tokenizer, seed: int = 0, warn=print) -> SFTData:
     """Train and held-out examples, tokenized; truncation reported through `warn`."""
     source = d.path or d.name
-    train = _read(source, d.split, d.subset, d, warn)
-    if d.num_samples is not None:
-        train = train[: d.num_samples]
-    if d.eval_path:
-        held = _read(d.eval_path, "train", None, d, warn)
-    elif d.path is None and d.eval_split:
-        held = _read(d.name, d.eval_split, d.subset, d, warn)
-    elif d.eval_fraction > 0:
-        order = list(range(len(train)))
-        random.Random(seed).shuffle(order)
-        n_eval = max(1, int(round(len(train) * d.eval_fraction)))
-        if n_eval >= len(train):
-            raise UserError(f"{source}: {len(train)} rows leave nothing to train on after holding out "
-                            f"eval_fraction={d.eval_fraction}; lower data.eval_fraction or give data.eval_path")
-        held_idx = set(order[:n_eval])
-        held = [ex for i, ex in enumerate(train) if i in held_idx]
-        train = [ex for i, ex in enumerate(train) if i not in held_idx]
-    else:
-        held = []
-    if d.num_eval_samples is not None:
-        held = held[: d.num_eval_samples]
+    train, held = train_and_held_out(d, lambda src, split, subset: _read(src, split, subset, d, warn), seed)
     use_chat = resolve_use_chat_template(d.use_chat_template, tokenizer, "data.use_chat_template")
     tpl = sftdata.Template(d.prompt_template, d.response_template, use_chat)
     tr = sftdata.tokenize_examples(train, tokenizer, tpl, d.max_seq_length)
