@@ -2,32 +2,40 @@
 
 Two ways in:
 
-- During training: ``doctor = Doctor(DoctorConfig(max_grad_norm=...))``, then
-  ``for f in doctor.observe(step, metrics): print(f)`` after each step. A rule reports
-  once when it starts firing and stays quiet until it clears, so a long bad stretch
-  prints one line, not one per step. A finding of severity ``"stop"`` (a NaN or an
-  infinity) means the trainer should stop and keep the last good checkpoint.
-  `check_finite(name, tensor)` raises `NonFiniteError` naming the tensor, for losses.
+- During training: every trainer (SFT, the reward model, DPO and the RL loop) makes a
+  ``Doctor(method=..., max_grad_norm=...)`` and feeds it each logged row
+  (`rlhflab.trainers.common.log_step`). A rule reports once when it starts firing and
+  stays quiet until it clears, so a long bad stretch prints one line, not one per step.
 - After (or during) a run: ``rlhflab doctor RUN_DIR`` replays ``metrics.jsonl`` through
-  the same rules, prints one line per rule (OK, or the finding and the step it first
-  fired) and draws ``doctor.png``, a trend plot of the key metrics.
+  the same rules (the method read from the run's effective_config.yaml), prints one line
+  per rule (OK, or the finding and the step it first fired) and draws ``doctor.png``.
 
-Every rule skips quietly when its metric is missing, so the same doctor serves PPO,
-GRPO, RLOO and (for the rules that apply) DPO/SFT. The thresholds are rules of thumb,
-not laws; each one lives in `DoctorConfig` with its reason, and `docs/metrics.md`
-explains each pattern.
+Each method gets the rules that apply to it (`RULE_SETS`): PPO/GRPO/RLOO and the other
+RL methods the clip, value, KL, entropy and reward rules; SFT a loss that does not fall
+and overfitting; the reward model and DPO pairwise accuracy stuck at chance and a margin
+that keeps growing (DPO also chosen and rejected log-probs falling together); SFT, RM
+and DPO a gradient-norm spike. Every rule skips quietly when its metric is missing.
+
+The one "stop" rule, `non_finite`, is also the only place the divergence decision is
+made: NaN or infinity in a loss or a gradient norm (`is_stop_metric`) stops the run
+with one line naming the step and the learning-rate knob (`divergence_message`). The
+trainers' `check_finite_step` (before ``optimizer.step()``, so a NaN never reaches the
+weights) and `check_finite_model` (before a save) raise the same `TrainingDiverged`.
+
+The thresholds are rules of thumb, not laws; each one lives in `DoctorConfig` with its
+reason, and `docs/metrics.md` explains each pattern.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Sequence
+from typing import Any, Callable, Literal, Mapping, NamedTuple, Optional, Sequence
 
-from rlhflab.errors import UserError
+from rlhflab.errors import TrainingDiverged, UserError
+from rlhflab.metrics import read_metrics
 
 Severity = Literal["warn", "stop"]
 
@@ -39,15 +47,30 @@ VALUE_LOSS = "loss/value"
 ENTROPY = "loss/entropy"
 POLICY_CLIP = "params/policy_clip_frac"
 GRAD_NORM = "params/grad_norm"
+GRAD_NORM_MAX = "params/grad_norm_max"  # SFT/RM: the largest per-step norm of a logging window
 KL_TO_REF = "params/kl_to_ref"
 EVAL_REWARD = "eval/reward_mean"  # the optimised reward on the held-out prompts; every other
                                   # eval/* metric (accuracy, eval.rewards) is a held-out check
+# SFT, reward model (RM) and DPO metrics
+TRAIN_LOSS = "train/loss"         # SFT and RM (DPO logs its training loss as "loss")
+EVAL_LOSS = "eval/loss"
+RM_ACCURACY = "train/accuracy"    # share of pairs with r(chosen) > r(rejected)
+RM_GAP = "eval/score_gap"         # held-out mean of r(chosen) - r(rejected)
+DPO_ACCURACY = "rewards/accuracies"
+DPO_MARGIN = "rewards/margins"    # mean of beta * (log-ratio of chosen - log-ratio of rejected)
+DPO_CHOSEN = "logps/chosen"       # the policy's sequence log-probs, batch means
+DPO_REJECTED = "logps/rejected"
+
 
 
 @dataclass
 class DoctorConfig:
-    """Thresholds of the rules. The defaults suit PPO/GRPO on a small LM; loosen them
-    for a run that is known to behave differently."""
+    """Thresholds of the rules. The defaults suit the debug runs of each method on a small
+    LM; loosen them for a run that is known to behave differently."""
+
+    # The trainer's method (ppo, grpo, sft, rm, dpo, ...): which rule set runs
+    # (`rule_set_for`) and whose section's knobs the advice names ("rl": ppo's).
+    method: str = "rl"
 
     # policy_clip_frac: PPO clips a token once its ratio leaves [1-eps, 1+eps]; a healthy
     # update clips a few percent of tokens. Above this for `clip_frac_patience` steps in a
@@ -93,6 +116,49 @@ class DoctorConfig:
     hack_check_drop: float = 0.15
     hack_reward_rise: float = 0.02
 
+    # --- the stop rule (every method)
+    # The config key a diverging run is told to lower; None: <method>.learning_rate
+    # (for the RL set: ppo.learning_rate).
+    lr_knob: Optional[str] = None
+    # --- SFT, RM, DPO
+    # grad_norm_spike: one logged pre-clip norm above `spike_factor` times the median of
+    # the previous `spike_history` (at least `spike_min_history` of them): one bad batch or
+    # a learning rate at the edge of stability. Healthy runs here vary by 3x at most.
+    spike_factor: float = 10.0
+    spike_history: int = 20
+    spike_min_history: int = 5
+    # loss_flat (SFT): after `loss_window` logged values, the mean of the last
+    # `loss_avg_steps` must be below `loss_drop` times the mean of the first ones.
+    loss_window: int = 6
+    loss_avg_steps: int = 2
+    loss_drop: float = 0.95
+    # overfitting: at `overfit_patience` evaluations in a row the held-out loss is more
+    # than `overfit_rise` (relative) above its best so far, while the training loss has
+    # fallen since the best. One high evaluation is not enough: the RM debug run's
+    # held-out loss once rose 16% (0.428 -> 0.497) and fell to 0.36 at the next.
+    overfit_rise: float = 0.1
+    overfit_patience: int = 2
+    # accuracy_at_chance (RM train/accuracy, DPO rewards/accuracies): after
+    # `chance_min_values` logged values, the mean of the last `chance_window` is at or
+    # below 0.5 + `chance_band`. Measured here: the RM debug runs' first 20 logs average
+    # 0.57 (they learn); a DPO run from the SFT model (held-out accuracy 0.59 -> 0.70)
+    # had 20-step means of 0.534-0.672, one from the untrained tiny model (which learns
+    # nothing) 0.472-0.544. So a window of 20 and a band of 0.03: a hint, not a verdict.
+    chance_min_values: int = 20
+    chance_window: int = 20
+    chance_band: float = 0.03
+    # margin_growth: the RM's held-out score gap (eval/score_gap, in reward units) or DPO's
+    # rewards/margins above `rm_margin_max` / `dpo_margin_max` and higher than at the
+    # previous logged value: the scores grow without bound (an over-confident model,
+    # whose rewards PPO can exploit).
+    rm_margin_max: float = 10.0
+    dpo_margin_max: float = 10.0
+    # logps_falling (DPO): the mean of the last `logp_avg_steps` chosen sequence log-probs
+    # is more than `logp_drop` nats below the mean of the first ones (the chosen responses
+    # became e^2 = 7x less likely), and the rejected fell too.
+    logp_avg_steps: int = 5
+    logp_drop: float = 2.0
+
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
@@ -116,21 +182,60 @@ class Finding:
         return f"doctor [{self.severity}] step {self.step} {self.rule}: {self.message}"
 
 
-class NonFiniteError(FloatingPointError):
-    """A loss or tensor holds NaN or infinity; the message names it."""
+# --------------------------------------------------------------------------- the stop rule
+# NaN or infinity in a loss or a gradient norm stops a run. The decision (`non_finite`)
+# and its wording (`divergence_message`) live here once; the trainers' check_finite_step
+# and check_finite_model, the live doctor and `rlhflab doctor` all use them.
+
+STOP_NAMES = {"loss": "the loss", GRAD_NORM: "the gradient norm"}  # how the message names them
 
 
-def check_finite(name: str, tensor: Any, step: int | None = None) -> None:
-    """Raise `NonFiniteError` if `tensor` (a torch tensor or a number) holds NaN or inf.
+def is_stop_metric(key: str) -> bool:
+    """A loss or a gradient norm: `loss`, `loss/*`, `*/loss`, `params/grad_norm` (and its window max)."""
+    return key == "loss" or key.startswith("loss/") or key.endswith("/loss") or key in (GRAD_NORM, GRAD_NORM_MAX)
 
-    Call it on each loss before ``backward()``: a NaN gradient step ruins the weights
-    of every later checkpoint, so failing here keeps the last saved one good. It costs
-    one device sync per call; call it on scalars, not on every activation.
+
+def non_finite(metrics: Mapping[str, Any]) -> str:
+    """'' when every loss and gradient norm in `metrics` is finite (None values are not
+    checked); else what is not, e.g. "the loss is nan" or "loss/value is inf"."""
+    bad = []
+    for key, value in metrics.items():
+        v = _as_float(value)
+        if v is not None and is_stop_metric(key) and not math.isfinite(v):
+            bad.append(f"{STOP_NAMES.get(key, key)} is {v}")
+    return ", ".join(bad[:4]) + (" ..." if len(bad) > 4 else "")
+
+
+def divergence_message(what: str, knob: str = "the learning rate", lr: float | None = None) -> str:
+    """The one wording of a stop: what is not finite, the knob to lower and its value now."""
+    now = f" (now {lr:g})" if lr is not None else ""
+    return (f"training diverged ({what}); lower {knob}{now}, or clip harder with a smaller max_grad_norm; "
+            f"no checkpoint with non-finite weights was saved")
+
+
+def stop_if_diverged(step: int, metrics: Mapping[str, Any], *, knob: str = "the learning rate",
+                     lr: float | None = None) -> None:
+    """Raise `TrainingDiverged` ("step N: training diverged (...)") when a loss or gradient
+    norm in `metrics` is NaN or infinite: the `non_finite` rule, applied before the
+    optimizer steps (`rlhflab.trainers.common.check_finite_step`)."""
+    what = non_finite(metrics)
+    if what:
+        raise TrainingDiverged(f"step {step}: {divergence_message(what, knob, lr)}")
+
+
+def check_finite(name: str, tensor: Any, step: int | None = None, *, knob: str = "the learning rate",
+                 lr: float | None = None) -> None:
+    """Raise `TrainingDiverged` if `tensor` (a torch tensor or a number) holds NaN or inf,
+    naming it and, for a tensor, where the first bad value is.
+
+    For a loop of your own: call it on each loss before ``backward()``; a NaN gradient
+    step ruins the weights of every later checkpoint. It costs one device sync per call;
+    call it on scalars, not on every activation.
     """
-    where = f" at step {step}" if step is not None else ""
-    if isinstance(tensor, (int, float)):
+    where = f"step {step}: " if step is not None else ""
+    if isinstance(tensor, (int, float)) and not isinstance(tensor, bool):
         if not math.isfinite(tensor):
-            raise NonFiniteError(f"{name} is {tensor}{where}; {_NONFINITE_ADVICE}")
+            raise TrainingDiverged(where + divergence_message(f"{name} is {float(tensor)}", knob, lr))
         return
     import torch
 
@@ -142,17 +247,12 @@ def check_finite(name: str, tensor: Any, step: int | None = None) -> None:
     n_bad = int((~finite).sum())
     n_nan = int(torch.isnan(tensor).sum())
     if tensor.dim() == 0:
-        what = f"is {tensor.item()}"
+        what = f"{name} is {tensor.item()}"
     else:
         first = tuple(int(i) for i in (~finite).nonzero()[0].tolist())
-        what = (f"has {n_bad} non-finite of {tensor.numel()} values ({n_nan} NaN, "
+        what = (f"{name} has {n_bad} non-finite of {tensor.numel()} values ({n_nan} NaN, "
                 f"{n_bad - n_nan} inf; first at index {first}, shape {tuple(tensor.shape)})")
-    raise NonFiniteError(f"{name} {what}{where}; {_NONFINITE_ADVICE}")
-
-
-_NONFINITE_ADVICE = ("stop and resume from the last good checkpoint (step_N/) with a lower "
-                     "learning rate; check the reward for NaN/inf and prefer bfloat16 or "
-                     "float32 over float16")
+    raise TrainingDiverged(where + divergence_message(what, knob, lr))
 
 
 # --------------------------------------------------------------------------- rules
@@ -178,14 +278,43 @@ def _slope(ys: Sequence[float]) -> float:
     return sum((i - xm) * (y - ym) for i, y in enumerate(ys)) / den if den else 0.0
 
 
+def _section(cfg: DoctorConfig) -> str:
+    """The config section whose knobs the advice names."""
+    return "ppo" if cfg.method == "rl" else cfg.method
+
+
+def lr_knob(cfg: DoctorConfig) -> str:
+    """The learning-rate key the advice names: cfg.lr_knob, else <section>.learning_rate."""
+    return cfg.lr_knob or f"{_section(cfg)}.learning_rate"
+
+
+class Fall(NamedTuple):
+    start: float   # mean of the first k values
+    recent: float  # mean of the last k values
+    k: int
+
+
+def _fall(xs: Sequence[float], window: int, avg_steps: int) -> Optional[Fall]:
+    """The start and recent means of a series once it has `window` values (None before):
+    k = `avg_steps`, at most half the values."""
+    if len(xs) < window:
+        return None
+    k = max(1, min(avg_steps, len(xs) // 2))
+    return Fall(_mean(xs[:k]), _mean(xs[-k:]), k)
+
+
 def _rule_non_finite(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
-    bad = [k for k, v in latest.items() if not math.isfinite(v)]
+    what = non_finite(latest)
+    return divergence_message(what, lr_knob(cfg), latest.get("lr")) if what else ""
+
+
+def _rule_nan_metric(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
+    bad = [k for k, v in latest.items() if not math.isfinite(v) and not is_stop_metric(k)]
     if not bad:
         return ""
     names = ", ".join(f"{k}={latest[k]}" for k in bad[:4]) + (" ..." if len(bad) > 4 else "")
-    return (f"non-finite metric(s): {names}; the trainer should stop. Resume from the last "
-            f"checkpoint saved before this step with a lower learning rate; check the reward "
-            f"for NaN/inf, and prefer bfloat16/float32 to float16")
+    return (f"non-finite metric(s) {names} (not a loss or gradient, so the run goes on): check the "
+            f"reward or the held-out data behind them (a held-out check with no rows to judge is NaN)")
 
 
 def _rule_clip_frac(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
@@ -197,7 +326,7 @@ def _rule_clip_frac(history: History, latest: dict[str, float], cfg: DoctorConfi
         return ""
     return (f"policy clip fraction {recent[-1]:.2f} has been above {cfg.clip_frac_max} for "
             f"{len(recent)} steps: each update moves the policy too far from the one that "
-            f"sampled the data. Lower ppo.learning_rate (e.g. by 3-10x) or ppo.epochs")
+            f"sampled the data. Lower {lr_knob(cfg)} (e.g. by 3-10x) or the update epochs")
 
 
 def _rule_grad_norm(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
@@ -217,10 +346,10 @@ def _rule_grad_norm(history: History, latest: dict[str, float], cfg: DoctorConfi
 
 def _rule_value_loss(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
     xs = _values(history, VALUE_LOSS)
-    if len(xs) < cfg.value_window:
+    fall = _fall(xs, cfg.value_window, cfg.value_avg_steps)
+    if fall is None:
         return None
-    k = max(1, min(cfg.value_avg_steps, len(xs) // 2))
-    start, recent = _mean(xs[:k]), _mean(xs[-k:])
+    start, recent, k = fall
     if recent < cfg.value_drop * start:
         return ""
     return (f"value loss has not fallen in {len(xs)} steps (mean {recent:.3g} over the last "
@@ -315,6 +444,126 @@ def _rule_reward_hacking(history: History, latest: dict[str, float], cfg: Doctor
     return "" if judged else None
 
 
+# ------------------------------------------------------------ SFT, reward model, DPO
+
+def _rule_grad_norm_spike(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
+    # SFT and RM log the mean norm of a window of steps, which would dilute one spike; the
+    # window's max is what a spike shows in.
+    pts = history.get(GRAD_NORM_MAX) or history.get(GRAD_NORM, [])
+    before = [v for _, v in pts[:-1]][-cfg.spike_history:]
+    if len(before) < cfg.spike_min_history:
+        return None
+    step, now = pts[-1]
+    median = sorted(before)[len(before) // 2]
+    if now <= cfg.spike_factor * median:
+        return ""
+    return (f"pre-clip gradient norm {now:.3g} at step {step} is {now / max(median, 1e-12):.0f}x the median "
+            f"({median:.3g}) of the {len(before)} logged before it: one batch pushed the weights hard. "
+            f"If it recurs, lower {lr_knob(cfg)} or {_section(cfg)}.max_grad_norm, and look for "
+            f"odd rows (very long or empty responses) in the data")
+
+
+def _rule_loss_flat(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
+    xs = _values(history, TRAIN_LOSS)
+    fall = _fall(xs, cfg.loss_window, cfg.loss_avg_steps)
+    if fall is None:
+        return None
+    start, recent, k = fall
+    if recent < cfg.loss_drop * start:
+        return ""
+    return (f"training loss has not fallen in {len(xs)} logged values (mean {recent:.3g} over the last "
+            f"{k} vs {start:.3g} at the start): the model is not learning the data. Raise "
+            f"{lr_knob(cfg)} (e.g. 3x), check that responses are not all masked or cut off "
+            f"(data.max_seq_length), and that the rows are what you expect; a model that already "
+            f"knows the data starts near its floor and can be left alone")
+
+
+def _train_loss_key(history: History) -> Optional[str]:
+    return next((k for k in (TRAIN_LOSS, "loss") if k in history), None)
+
+
+def _rule_overfitting(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
+    evals = history.get(EVAL_LOSS, [])
+    train_key = _train_loss_key(history)
+    if len(evals) < cfg.overfit_patience + 1 or train_key is None:
+        return None
+    train = history[train_key]
+
+    def train_at(step: int) -> float:  # the last training loss logged at or before `step`
+        earlier = [v for s, v in train if s <= step]
+        return earlier[-1] if earlier else train[0][1]
+
+    best_step, best = min(evals, key=lambda sv: sv[1])  # the earliest best
+    now_step, now = evals[-1]
+    recent = evals[-cfg.overfit_patience:]
+    rose = (len(recent) == cfg.overfit_patience and recent[0][0] > best_step
+            and all(_relative(v - best, best) > cfg.overfit_rise for _, v in recent))
+    train_fell = train_at(now_step) < train_at(best_step)
+    if not (rose and train_fell):
+        return ""
+    sec = _section(cfg)
+    stop = (f"lower {sec}.epochs (or {sec}.max_steps)" if cfg.method in ("sft", "rm", "dpo")
+            else "train for fewer steps")
+    return (f"held-out loss rose from {best:.3g} at step {best_step} to {now:.3g} at step {now_step} "
+            f"({len(recent)} evaluations above {1 + cfg.overfit_rise:g}x its best) while the training loss fell ({train_at(best_step):.3g} -> {train_at(now_step):.3g}): "
+            f"the model is memorising the training rows (overfitting). Prefer the model of step "
+            f"{best_step}; {stop}, add data, or raise {sec}.weight_decay")
+
+
+def _rule_accuracy_at_chance(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
+    key = DPO_ACCURACY if cfg.method == "dpo" else RM_ACCURACY
+    xs = _values(history, key)
+    if len(xs) < cfg.chance_min_values:
+        return None
+    recent = _mean(xs[-cfg.chance_window:])
+    if recent > 0.5 + cfg.chance_band:
+        return ""
+    if cfg.method == "dpo":
+        what = "implicit-reward accuracy"
+        check = ("dpo.beta is not tiny, and that chosen and rejected differ within "
+                 "dpo.max_response_length")
+    else:
+        what = "pairwise accuracy"
+        check = ("chosen and rejected are not swapped, and that the texts differ within data.max_length "
+                 "(they are cut from the left)")
+    return (f"{key}: {what} {recent:.2f} over the last {min(cfg.chance_window, len(xs))} logged values, "
+            f"after {len(xs)}: the model does not tell chosen from rejected (0.5 is chance). Raise "
+            f"{lr_knob(cfg)}; check that {check}")
+
+
+def _rule_margin_growth(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
+    key, limit = (DPO_MARGIN, cfg.dpo_margin_max) if cfg.method == "dpo" else (RM_GAP, cfg.rm_margin_max)
+    xs = _values(history, key)
+    if len(xs) < 2:
+        return None
+    if not (xs[-1] > limit and xs[-1] > xs[-2]):
+        return ""
+    if cfg.method == "dpo":
+        fix = (f"raise dpo.beta or switch to the bounded IPO loss (dpo.loss_kind=ipo), lower "
+               f"{lr_knob(cfg)}, or stop earlier")
+    else:
+        fix = (f"lower {lr_knob(cfg)} or rm.epochs (the model of an earlier evaluation may rank as "
+               f"well); when PPO uses this model, set reward.score_clip")
+    return (f"{key} is {xs[-1]:.3g} and still growing (above {limit:g}): the scores keep "
+            f"moving apart after the pairs are already ranked, an over-confident model whose rewards "
+            f"are easy to exploit. To stop it: {fix}")
+
+
+def _rule_logps_falling(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
+    chosen, rejected = _values(history, DPO_CHOSEN), _values(history, DPO_REJECTED)
+    k = cfg.logp_avg_steps
+    if min(len(chosen), len(rejected)) < 2 * k:
+        return None
+    c0, c1 = _mean(chosen[:k]), _mean(chosen[-k:])
+    r0, r1 = _mean(rejected[:k]), _mean(rejected[-k:])
+    if not (c0 - c1 > cfg.logp_drop and r1 < r0):
+        return ""
+    return (f"the policy's log-prob of the chosen responses fell from {c0:.3g} to {c1:.3g} (rejected: "
+            f"{r0:.3g} -> {r1:.3g}): DPO widens the gap by pushing both down, so probability moves "
+            f"to responses in neither set. Raise dpo.beta, lower {lr_knob(cfg)}, or add the chosen "
+            f"responses' NLL to the loss (dpo.sft_coeff, as RPO does)")
+
+
 @dataclass(frozen=True)
 class Rule:
     name: str
@@ -324,8 +573,17 @@ class Rule:
     check: Callable[[History, dict[str, float], DoctorConfig], Optional[str]] = field(repr=False)
 
 
+NON_FINITE = Rule("non_finite", "stop", "every loss and gradient norm", "every loss and gradient norm is finite",
+                  _rule_non_finite)
+NAN_METRIC = Rule("nan_metric", "warn", "every other metric", "every other metric is finite", _rule_nan_metric)
+GRAD_SPIKE = Rule("grad_norm_spike", "warn", f"{GRAD_NORM_MAX} (else {GRAD_NORM})", "no gradient norm far above the ones before it",
+                  _rule_grad_norm_spike)
+OVERFITTING = Rule("overfitting", "warn", f"{EVAL_LOSS} against the training loss",
+                   "held-out loss does not rise while the training loss falls", _rule_overfitting)
+
+# The RL methods (PPO, GRPO, RLOO, REINFORCE++, Dr. GRPO, TRPO).
 RULES: tuple[Rule, ...] = (
-    Rule("non_finite", "stop", "every metric", "every metric is finite", _rule_non_finite),
+    NON_FINITE, NAN_METRIC,
     Rule("policy_clip_frac", "warn", POLICY_CLIP, "policy clip fraction stays low", _rule_clip_frac),
     Rule("grad_norm", "warn", GRAD_NORM, "pre-clip gradient norm stays near max_grad_norm", _rule_grad_norm),
     Rule("value_loss", "warn", VALUE_LOSS, "value loss falls", _rule_value_loss),
@@ -335,6 +593,32 @@ RULES: tuple[Rule, ...] = (
     Rule("reward_hacking", "warn", f"{EVAL_REWARD} against eval/accuracy and eval.rewards",
          "held-out checks do not fall while the reward stays up", _rule_reward_hacking),
 )
+RULE_SETS: dict[str, tuple[Rule, ...]] = {
+    "rl": RULES,
+    "sft": (NON_FINITE, NAN_METRIC, GRAD_SPIKE,
+            Rule("loss_flat", "warn", TRAIN_LOSS, "training loss falls", _rule_loss_flat),
+            OVERFITTING),
+    "rm": (NON_FINITE, NAN_METRIC, GRAD_SPIKE,
+           Rule("accuracy_at_chance", "warn", RM_ACCURACY, "pairwise accuracy above chance",
+                _rule_accuracy_at_chance),
+           Rule("margin_growth", "warn", RM_GAP, "held-out score gap stays bounded", _rule_margin_growth),
+           OVERFITTING),
+    "dpo": (NON_FINITE, NAN_METRIC, GRAD_SPIKE,
+            Rule("accuracy_at_chance", "warn", DPO_ACCURACY, "implicit-reward accuracy above chance",
+                 _rule_accuracy_at_chance),
+            Rule("margin_growth", "warn", DPO_MARGIN, "reward margin stays bounded", _rule_margin_growth),
+            Rule("logps_falling", "warn", f"{DPO_CHOSEN}, {DPO_REJECTED}",
+                 "the chosen responses' log-prob does not collapse", _rule_logps_falling),
+            OVERFITTING),
+}
+
+
+def rule_set_for(method: str) -> str:
+    """The RULE_SETS key of a trainer's method: sft, rm and dpo have their own; every
+    other method (ppo, grpo, rloo, reinforce_pp, dr_grpo, trpo, ...) uses "rl"."""
+    return method if method in RULE_SETS else "rl"
+
+
 RULE_NAMES = tuple(r.name for r in RULES)
 
 
@@ -361,7 +645,7 @@ class Doctor:
     rule first fired, `findings` every finding returned so far.
     """
 
-    def __init__(self, config: DoctorConfig | None = None, *, rules: Sequence[Rule] = RULES,
+    def __init__(self, config: DoctorConfig | None = None, *, rules: Sequence[Rule] | None = None,
                  **thresholds: Any):
         # Doctor(max_grad_norm=0.5) is short for Doctor(DoctorConfig(max_grad_norm=0.5)).
         unknown = set(thresholds) - set(DoctorConfig.field_names())
@@ -369,7 +653,7 @@ class Doctor:
             raise TypeError(f"Doctor: unknown threshold(s) {sorted(unknown)}; "
                             f"known: {', '.join(DoctorConfig.field_names())}")
         self.config = dataclasses.replace(config or DoctorConfig(), **thresholds)
-        self.rules = tuple(rules)
+        self.rules = tuple(rules if rules is not None else RULE_SETS[rule_set_for(self.config.method)])
         self.history: History = {}
         self.active: dict[str, Finding] = {}
         self.first_fired: dict[str, int] = {}
@@ -413,41 +697,6 @@ class Doctor:
 
 # --------------------------------------------------------------------------- the CLI
 
-def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """Read metrics.jsonl: the records, and notes about lines that were skipped.
-
-    A partial last line (the run is still writing) is skipped quietly; a broken line
-    elsewhere is skipped with a note.
-    """
-    records: list[dict[str, Any]] = []
-    notes: list[str] = []
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    for i, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            if i == len(lines):
-                notes.append(f"line {i} is incomplete (the run may still be writing); skipped")
-            else:
-                notes.append(f"line {i} is not valid JSON; skipped")
-            continue
-        if not isinstance(row, dict):
-            notes.append(f"line {i} is not a JSON object; skipped")
-            continue
-        if "step" not in row:
-            row = {"step": len(records), **row}
-        step = row["step"]
-        if isinstance(step, float) and math.isfinite(step) and step.is_integer():
-            row["step"] = step = int(step)
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            notes.append(f"line {i}: step {json.dumps(step)[:20]} is not a whole number >= 0; skipped")
-            continue
-        records.append(row)
-    return records, notes
-
-
 def _find_metrics(run_dir: str) -> Path:
     p = Path(run_dir)
     if p.is_file():
@@ -464,39 +713,66 @@ def _find_metrics(run_dir: str) -> Path:
     return m
 
 
-def _max_grad_norm_from(run_dir: Path) -> Optional[float]:
-    """ppo.max_grad_norm (or any section's max_grad_norm) from effective_config.yaml."""
+def _effective_config(run_dir: Path) -> dict:
+    """The run's effective_config.yaml as a dict ({} when it is missing or unreadable)."""
     cfg_path = run_dir / "effective_config.yaml"
     if not cfg_path.is_file():
-        return None
+        return {}
     try:
         import yaml
 
         data = yaml.safe_load(cfg_path.read_text(encoding="utf-8"))
     except Exception:
-        return None
-    if not isinstance(data, dict):
-        return None
-    for section in data.values():
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _max_grad_norm_from(config: dict, method: str) -> Optional[float]:
+    """<method>.max_grad_norm (or any section's max_grad_norm) from the effective config."""
+    sections = [config.get(method)] + list(config.values())
+    for section in sections:
         if isinstance(section, dict) and "max_grad_norm" in section:
             v = section["max_grad_norm"]
             return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
     return None
 
 
+# The section only that method's config has; the RL methods are told apart by theirs.
+_METHOD_SECTIONS = ("sft", "rm", "dpo", "ppo", "grpo", "rloo", "reinforce_pp", "dr_grpo", "trpo")
+
+
+def guess_method(config: dict, records: Sequence[dict[str, Any]]) -> str:
+    """The run's method: the method section of its effective config, else from the metrics
+    it logs (DPO's rewards/margins, the RM's train/accuracy, SFT's train/loss), else "rl"."""
+    for name in _METHOD_SECTIONS:
+        if isinstance(config.get(name), dict):
+            return name
+    keys = {k for row in records for k in row}
+    for key, method in ((DPO_MARGIN, "dpo"), (RM_ACCURACY, "rm"), (TRAIN_LOSS, "sft")):
+        if key in keys:
+            return method
+    return "rl"
+
+
 PLOT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reward", (REWARD_MEAN, "eval/reward_mean", "eval/accuracy")),
+    ("loss", (TRAIN_LOSS, "loss", EVAL_LOSS)),
+    ("pairwise accuracy", (RM_ACCURACY, DPO_ACCURACY, "eval/rewards/accuracies")),
+    ("margin", (RM_GAP, DPO_MARGIN)),
+    ("sequence log-probs", (DPO_CHOSEN, DPO_REJECTED)),
     ("value loss", (VALUE_LOSS,)),
     ("KL to reference (nats per response)", (KL_TO_REF,)),
     ("entropy (nats per token)", (ENTROPY,)),
     ("update size: clip fractions, approx KL", (POLICY_CLIP, "params/value_clip_frac", "params/approx_kl")),
-    ("grad norm (pre-clip)", (GRAD_NORM,)),
+    ("grad norm (pre-clip)", (GRAD_NORM, GRAD_NORM_MAX)),
 )
 # the panel on which each rule's firing step is marked (non_finite: every panel)
 RULE_PANEL = {"reward_constant": "reward", "reward_hacking": "reward", "value_loss": "value loss",
               "kl_to_ref": "KL to reference (nats per response)", "entropy": "entropy (nats per token)",
               "policy_clip_frac": "update size: clip fractions, approx KL",
-              "grad_norm": "grad norm (pre-clip)"}
+              "grad_norm": "grad norm (pre-clip)", "grad_norm_spike": "grad norm (pre-clip)",
+              "loss_flat": "loss", "overfitting": "loss", "accuracy_at_chance": "pairwise accuracy",
+              "margin_growth": "margin", "logps_falling": "sequence log-probs"}
 
 
 def plot_trends(records: Sequence[dict[str, Any]], out: Path, findings: Sequence[Finding] = (),
@@ -513,7 +789,10 @@ def plot_trends(records: Sequence[dict[str, Any]], out: Path, findings: Sequence
                 xs, ys = series.setdefault(key, ([], []))
                 xs.append(int(row["step"]))
                 ys.append(v if math.isfinite(v) else math.nan)  # a gap in the line
-    held_out = sorted(k for k in series if k.startswith("eval/") and k not in PLOT_PANELS[0][1])
+    # Held-out checks (eval.rewards' metrics) join the reward panel of an RL run.
+    listed = {k for _, keys in PLOT_PANELS for k in keys}
+    held_out = (sorted(k for k in series if k.startswith("eval/") and k not in listed)
+                if EVAL_REWARD in series else [])
     panels = [(t, [k for k in (*keys, *(held_out if t == "reward" else ())) if k in series])
               for t, keys in PLOT_PANELS]
     panels = [(t, ks) for t, ks in panels if ks]
@@ -546,7 +825,7 @@ def plot_trends(records: Sequence[dict[str, Any]], out: Path, findings: Sequence
             if ys and max(ys) / min(ys) > 50:
                 ax.set_yscale("log")
         for f in findings:
-            if f.rule == "non_finite" or RULE_PANEL.get(f.rule) == panel_title:
+            if f.rule in ("non_finite", "nan_metric") or RULE_PANEL.get(f.rule) == panel_title:
                 ax.axvline(f.step, color="tab:red", lw=1, alpha=0.6)
         ax.set_title(panel_title, fontsize=9)
         ax.tick_params(labelsize=8)
@@ -576,7 +855,8 @@ def diagnose(records: Sequence[dict[str, Any]], config: DoctorConfig | None = No
 def format_report(doctor: Doctor, source: str, n_records: int, notes: Sequence[str] = ()) -> str:
     """One line per rule: OK, n/a (not enough data), or WARN/STOP with the first step."""
     skipped = f" ({len(notes)} malformed or incomplete rows skipped)" if notes else ""
-    lines = [f"doctor: {source}: {n_records} rows{skipped}, last step {doctor.last_step}"]
+    lines = [f"doctor: {source}: {n_records} rows{skipped}, last step {doctor.last_step}, "
+             f"{rule_set_for(doctor.config.method)} rules (method {doctor.config.method})"]
     shown = 5  # a file full of bad lines: the first few, then the count
     lines += [f"  note: {n}" for n in notes[:shown]]
     if len(notes) > shown:
@@ -610,6 +890,9 @@ def add_parser(parser) -> None:
     parser.add_argument("--out", default=None,
                         help="where to write the trend plot (default: RUN_DIR/doctor.png)")
     parser.add_argument("--no-plot", action="store_true", help="print the report only")
+    parser.add_argument("--method", default=None,
+                        help="the run's method (sft, rm, dpo, ppo, grpo, ...), which picks the rules; "
+                             "default: read from RUN_DIR/effective_config.yaml, else guessed from the metrics")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="change a threshold, e.g. --set clip_frac_max=0.4 (repeatable); "
                              f"keys: {', '.join(DoctorConfig.field_names())}")
@@ -617,8 +900,8 @@ def add_parser(parser) -> None:
                      "2 for a bad path or option.")
 
 
-def _config_from(overrides: Sequence[str], max_grad_norm: Optional[float]) -> DoctorConfig:
-    cfg = DoctorConfig()
+def _config_from(overrides: Sequence[str], max_grad_norm: Optional[float], method: str = "rl") -> DoctorConfig:
+    cfg = DoctorConfig(method=method)
     if max_grad_norm is not None:
         cfg.max_grad_norm = max_grad_norm
     fields = {f.name: f for f in dataclasses.fields(DoctorConfig)}
@@ -631,10 +914,17 @@ def _config_from(overrides: Sequence[str], max_grad_norm: Optional[float]) -> Do
             near = difflib.get_close_matches(key, list(fields), n=1)
             hint = f"; did you mean {near[0]}?" if near else f"; keys: {', '.join(fields)}"
             raise UserError(f"--set {item!r}: expected KEY=VALUE with a known key{hint}")
-        kind = int if isinstance(getattr(cfg, key), int) and key != "max_grad_norm" else float
+        if key == "method":
+            raise UserError(f"--set {item!r}: the rule set is chosen with --method {value.strip() or 'NAME'}")
+        current = getattr(cfg, key)
+        optional = key in ("max_grad_norm", "lr_knob")
+        if optional and value.strip().lower() in ("none", "null"):
+            setattr(cfg, key, None)
+            continue
+        kind = (str if isinstance(current, str) or key == "lr_knob"
+                else int if isinstance(current, int) and key != "max_grad_norm" else float)
         try:
-            setattr(cfg, key, None if value.strip().lower() in ("none", "null") and key == "max_grad_norm"
-                    else kind(value))
+            setattr(cfg, key, kind(value))
         except ValueError:
             raise UserError(f"--set {item!r}: {value!r} is not a valid {kind.__name__}") from None
     return cfg
@@ -643,11 +933,14 @@ def _config_from(overrides: Sequence[str], max_grad_norm: Optional[float]) -> Do
 def run(args) -> int:
     metrics_path = _find_metrics(args.run_dir)
     run_dir = metrics_path.parent
-    records, notes = read_metrics(metrics_path)
+    notes: list[str] = []
+    records = read_metrics(metrics_path, notes)
     if not records:
         raise UserError(f"{metrics_path}: no complete step yet; wait for the first step to be "
                         f"logged, or check that this is a training run's metrics file")
-    cfg = _config_from(args.overrides, _max_grad_norm_from(run_dir))
+    effective = _effective_config(run_dir)
+    method = args.method or guess_method(effective, records)
+    cfg = _config_from(args.overrides, _max_grad_norm_from(effective, method), method)
     doctor = diagnose(records, cfg)
     print(format_report(doctor, str(metrics_path), len(records), notes))
     if not args.no_plot:

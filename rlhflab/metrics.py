@@ -102,14 +102,37 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-def read_metrics(path: str | Path) -> list[dict]:
-    """Rows of a metrics.jsonl; a partial last line (a run still writing) is skipped."""
-    rows = []
-    for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
+def read_metrics(path: str | Path, notes: list[str] | None = None) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl, each a dict with a whole-number "step" >= 0.
+
+    A partial last line (the run is still writing) and broken lines elsewhere are
+    skipped; when `notes` is a list, one line per skipped line is appended to it (what
+    `rlhflab doctor` prints). A row without "step" gets its index among the rows kept.
+    """
+    rows: list[dict[str, Any]] = []
+    lines = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
+    skipped = notes if notes is not None else []
+    for i, line in enumerate(lines, start=1):
+        if not line.strip():
             continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            skipped.append(f"line {i} is incomplete (the run may still be writing); skipped" if i == len(lines)
+                           else f"line {i} is not valid JSON; skipped")
+            continue
+        if not isinstance(row, dict):
+            skipped.append(f"line {i} is not a JSON object; skipped")
+            continue
+        if "step" not in row:
+            row = {"step": len(rows), **row}
+        step = row["step"]
+        if isinstance(step, float) and math.isfinite(step) and step.is_integer():
+            row["step"] = step = int(step)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            skipped.append(f"line {i}: step {json.dumps(step)[:20]} is not a whole number >= 0; skipped")
+            continue
+        rows.append(row)
     return rows
 
 

@@ -34,11 +34,10 @@ def arch_models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     from rlhflab.data import arith, preferences
-    from rlhflab.trainers import dpo
 
     out = tmp_path_factory.mktemp("arch-data")
     arith.write_task(out, n_train=64, n_test=16)
-    dpo.write_arith_pairs(out)                                     # pairs_train.jsonl, pairs_test.jsonl
+    preferences.write_off_by_one_pairs(out)                                     # pairs_train.jsonl, pairs_test.jsonl
     preferences.write_arith_pairs(out / "rm", n_train=32, n_test=8, seed=0)
     return out
 

@@ -261,3 +261,35 @@ def test_names_from_the_tutorial_and_trl_get_rlhflabs_key():
     from rlhflab.trainers.grpo import GRPORunConfig
     with pytest.raises(ConfigError, match="grpo.num_generations: unknown key; did you mean grpo.group_size"):
         load_config(None, GRPORunConfig, ["grpo.num_generations=8"])
+
+
+def test_knobs_md_maps_exactly_the_loaders_foreign_keys():
+    # docs/knobs.md's table of other tools' names is FOREIGN_KEYS, row for row, and every
+    # key it points at exists: a bare key in some method's section, a dotted one in a run config.
+    import re
+
+    from rlhflab.config.loader import FOREIGN_KEYS
+    from rlhflab.trainers.dpo import DPORunConfig
+    from rlhflab.trainers.grpo import GRPORunConfig
+    from rlhflab.trainers.rloo import RLOORunConfig
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "knobs.md").read_text()
+    section = text.split("## The same knobs under other names", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([^`]+)` \| `([^`]+)` \| [^|]+ \|$", section, flags=re.M)
+    assert len(rows) == len(set(r[0] for r in rows)), "a name is listed twice"
+    assert dict(rows) == FOREIGN_KEYS
+
+    def fields(obj) -> set[str]:
+        return {f.name for f in dataclasses.fields(obj)}
+
+    runs = [PPORunConfig(), GRPORunConfig(), RLOORunConfig(), DPORunConfig()]
+    method_sections = [getattr(run, name) for run in runs for name in ("ppo", "grpo", "rloo", "dpo")
+                       if hasattr(run, name)]
+    for name, target in FOREIGN_KEYS.items():
+        if "." not in target:
+            assert any(target in fields(sec) for sec in method_sections), (name, target)
+        elif target.startswith("<method>."):
+            assert all(target.split(".", 1)[1] in fields(sec) for sec in method_sections), (name, target)
+        else:
+            section, key = target.split(".")
+            assert key in fields(getattr(PPORunConfig(), section)), (name, target)

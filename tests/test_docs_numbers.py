@@ -334,6 +334,19 @@ def test_doctor_table_matches_the_defaults():
     quoted("metrics.md", "is more than 15% below its best so far while `eval/reward_mean` is more than 2% above "
            "its first value and has not fallen more than 2% since that best",
            100 * c.hack_check_drop, 100 * c.hack_reward_rise, 100 * c.hack_reward_rise)
+    # the SFT, reward-model and DPO rules
+    quoted("metrics.md", "is above 10 × the median of the up to 20 before it (at least 5)",
+           c.spike_factor, c.spike_history, c.spike_min_history)
+    quoted("metrics.md", "after 6 logged values, the mean of the last 2 `train/loss` is not below 0.95 × the mean of "
+           "the first 2", c.loss_window, c.loss_avg_steps, c.loss_drop, c.loss_avg_steps)
+    quoted("metrics.md", "at 2 evaluations in a row `eval/loss` is more than 10% above its best so far",
+           c.overfit_patience, 100 * c.overfit_rise)
+    quoted("metrics.md", "after 20 logged values, the mean of the last 20 `train/accuracy` (DPO: `rewards/accuracies`) "
+           "is at most 0.5 + 0.03", c.chance_min_values, c.chance_window, 0.5, c.chance_band)
+    quoted("metrics.md", "`eval/score_gap` (DPO: `rewards/margins`) is above 10", c.rm_margin_max)
+    assert c.dpo_margin_max == c.rm_margin_max  # the table gives one limit for both
+    quoted("metrics.md", "the mean of the last 5 `logps/chosen` is more than 2 nats below the mean of the first 5",
+           c.logp_avg_steps, c.logp_drop, c.logp_avg_steps)
 
 
 # ------------------------------------------------------------- links and figures

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from rlhflab.cli import main
-from rlhflab.doctor import (RULE_NAMES, Doctor, DoctorConfig, Finding, NonFiniteError,
-                            check_finite, diagnose, read_metrics)
+from rlhflab.doctor import RULE_NAMES, Doctor, DoctorConfig, Finding, check_finite, diagnose
+from rlhflab.errors import TrainingDiverged
+from rlhflab.metrics import read_metrics
 
 
 def healthy_history(n: int = 40, seed: int = 0) -> list[dict]:
@@ -223,7 +224,8 @@ def test_non_finite_is_a_stop_naming_the_metric(bad):
     for row in rows[:13]:
         found += doctor.observe(row["step"], row)
     assert [(f.rule, f.severity, f.step) for f in found] == [("non_finite", "stop", 12)]
-    assert "loss/value" in found[0].message and found[0].stop
+    assert "loss/value is" in found[0].message and found[0].stop
+    assert "training diverged" in found[0].message and "lower ppo.learning_rate (now 1e-05)" in found[0].message
     assert doctor.should_stop
     # the NaN did not reach the other rules' history, and a finite step clears the stop
     assert all(math.isfinite(v) for _, v in doctor.history["loss/value"])
@@ -238,8 +240,8 @@ def test_missing_metrics_skip_rules():
     for t in range(30):
         found += doctor.observe(t, {"loss/dpo": 0.69 - 0.01 * t, "rewards/margin": 0.1 * t, "lr": 1e-6})
     assert found == []
-    assert doctor.state["non_finite"] == ""
-    assert all(doctor.state[n] is None for n in RULE_NAMES if n != "non_finite")
+    assert doctor.state["non_finite"] == "" and doctor.state["nan_metric"] == ""
+    assert all(doctor.state[n] is None for n in RULE_NAMES if n not in ("non_finite", "nan_metric"))
 
 
 def test_thresholds_as_keywords():
@@ -265,13 +267,14 @@ def test_check_finite_passes_finite_values():
 
 
 def test_check_finite_names_the_tensor():
-    with pytest.raises(NonFiniteError, match=r"loss/value is nan at step 7"):
-        check_finite("loss/value", torch.tensor(float("nan")), step=7)
+    with pytest.raises(TrainingDiverged, match=r"^step 7: training diverged \(loss/value is nan\); lower "
+                                               r"ppo.learning_rate \(now 0.1\)"):
+        check_finite("loss/value", torch.tensor(float("nan")), step=7, knob="ppo.learning_rate", lr=0.1)
     x = torch.zeros(2, 3)
     x[1, 2] = float("inf")
-    with pytest.raises(NonFiniteError, match=r"advantages has 1 non-finite of 6 values .*index \(1, 2\)"):
+    with pytest.raises(TrainingDiverged, match=r"advantages has 1 non-finite of 6 values .*index \(1, 2\)"):
         check_finite("advantages", x)
-    with pytest.raises(NonFiniteError, match="score is inf"):
+    with pytest.raises(TrainingDiverged, match="score is inf"):
         check_finite("score", float("inf"))
     with pytest.raises(TypeError):
         check_finite("loss", "1.0")
@@ -374,8 +377,204 @@ def test_cli_as_a_process_has_no_traceback(tmp_path):
 def test_read_metrics_skips_broken_lines(tmp_path):
     p = tmp_path / "metrics.jsonl"
     p.write_text('{"step": 0, "lr": 1}\nnot json\n[1, 2]\n{"lr": 2}\n{"step": 4, "lr"')
-    records, notes = read_metrics(p)
+    notes: list[str] = []
+    records = read_metrics(p, notes)
     assert [r["step"] for r in records] == [0, 1]     # a row without "step" gets its index
     assert notes == ["line 2 is not valid JSON; skipped", "line 3 is not a JSON object; skipped",
                      "line 5 is incomplete (the run may still be writing); skipped"]
     assert diagnose(records).steps == 2
+
+
+# ------------------------------------------------------------- SFT, reward model, DPO
+# Streams worked by hand: each rule fires on the row the arithmetic in the comment names,
+# and stays quiet on a healthy stream of the same method.
+
+def sft_history(n: int = 30) -> list[dict]:
+    """An SFT run that learns, logged every 10 steps: the loss falls from 2.0 towards
+    0.3, grad norms near 1, a held-out evaluation every 50 steps that falls too."""
+    rows = []
+    for i in range(n):
+        step = 10 * (i + 1)
+        rows.append({"step": step, "train/loss": 0.3 + 1.7 * math.exp(-i / 6),
+                     "params/grad_norm": 1.0 + 0.1 * (i % 3), "params/grad_norm_max": 1.5 + 0.2 * (i % 4),
+                     "lr": 1e-3})
+        if step % 50 == 0:
+            rows[-1]["eval/loss"] = 0.35 + 1.7 * math.exp(-i / 6)
+    return rows
+
+
+def replay_as(method: str, rows, **thresholds) -> tuple[Doctor, list[Finding]]:
+    doctor = Doctor(method=method, **thresholds)
+    found = []
+    for row in rows:
+        found += doctor.observe(row["step"], row)
+    return doctor, found
+
+
+def test_each_method_has_its_rule_set():
+    names = lambda m: [r.name for r in Doctor(method=m).rules]  # noqa: E731
+    assert names("sft") == ["non_finite", "nan_metric", "grad_norm_spike", "loss_flat", "overfitting"]
+    assert names("rm") == ["non_finite", "nan_metric", "grad_norm_spike", "accuracy_at_chance", "margin_growth",
+                           "overfitting"]
+    assert names("dpo") == ["non_finite", "nan_metric", "grad_norm_spike", "accuracy_at_chance", "margin_growth",
+                            "logps_falling", "overfitting"]
+    assert names("grpo") == names("rl") == list(RULE_NAMES)   # every RL method shares the RL rules
+
+
+def test_healthy_sft_stream_is_quiet_and_judged():
+    doctor, found = replay_as("sft", sft_history())
+    assert found == [], [str(f) for f in found]
+    assert all(v == "" for v in doctor.state.values()), doctor.state
+
+
+def test_sft_loss_not_falling():
+    # six logged losses; start = mean(2.00, 2.00) = 2.0, last two mean(1.97, 1.96) = 1.965,
+    # and 1.965 is not below 0.95 * 2.0 = 1.9: fires on the 6th value (step 60)
+    rows = [{"step": 10 * (i + 1), "train/loss": v} for i, v in enumerate([2.0, 2.0, 1.98, 1.99, 1.97, 1.96])]
+    _, found = replay_as("sft", rows)
+    assert [(f.rule, f.step) for f in found] == [("loss_flat", 60)]
+    assert "1.96" in found[0].message and "sft.learning_rate" in found[0].message
+    # 1.88 instead of 1.96: mean(1.97, 1.88) = 1.925 is still not below 1.9; 1.80 makes it 1.885: quiet
+    rows[-1]["train/loss"] = 1.80
+    assert replay_as("sft", rows)[1] == []
+
+
+def test_overfitting_needs_two_evaluations_above_the_best_while_training_loss_falls():
+    # eval/loss 1.0, 0.8 (best, step 100), 0.9, 0.95: 0.9 is 12.5% and 0.95 18.75% above
+    # 0.8, both > 10%, two in a row; train loss 0.77 at step 100 -> 0.51 at step 300: fires at 300
+    train = [{"step": s, "train/loss": 0.9 - 0.0013 * s} for s in range(10, 310, 10)]
+    evals = {0: 1.0, 100: 0.8, 200: 0.9, 300: 0.95}
+    rows = sorted(train + [{"step": 0}], key=lambda r: r["step"])
+    for r in rows:
+        if r["step"] in evals:
+            r["eval/loss"] = evals[r["step"]]
+    _, found = replay_as("sft", rows)
+    assert [(f.rule, f.step) for f in found] == [("overfitting", 300)]
+    assert "0.8 at step 100" in found[0].message and "Prefer the model of step 100" in found[0].message
+    assert "sft.epochs" in found[0].message
+    # one high evaluation then back down (0.9, then 0.78): a bump, not overfitting
+    for r in rows:
+        if r["step"] == 300:
+            r["eval/loss"] = 0.78
+    assert replay_as("sft", rows)[1] == []
+    # the training loss rising too (both worse): a different problem, not overfitting
+    for r in rows:
+        if r["step"] == 300:
+            r["eval/loss"] = 0.95
+        if "train/loss" in r:
+            r["train/loss"] = 0.5 + 0.001 * r["step"]
+    assert "overfitting" not in [f.rule for f in replay_as("sft", rows)[1]]
+
+
+def test_grad_norm_spike_against_the_median_before_it():
+    # norms 1.0 1.2 0.8 1.1 0.9: median 1.0; 12.0 > 10 x 1.0 fires, 9.0 does not
+    rows = [{"step": s + 1, "params/grad_norm": v} for s, v in enumerate([1.0, 1.2, 0.8, 1.1, 0.9, 12.0, 1.0])]
+    _, found = replay_as("dpo", rows)
+    assert [(f.rule, f.step) for f in found] == [("grad_norm_spike", 6)]
+    assert "12 at step 6 is 12x the median (1)" in found[0].message
+    rows[5]["params/grad_norm"] = 9.0
+    assert replay_as("dpo", rows)[1] == []
+    # SFT/RM log a window's mean and max: the spike is read from the max, which the mean hides
+    window = [{"step": 10 * (s + 1), "params/grad_norm": 1.0, "params/grad_norm_max": m}
+              for s, m in enumerate([2.0, 2.0, 2.0, 2.0, 2.0, 25.0])]  # 25 > 10 x 2
+    assert [(f.rule, f.step) for f in replay_as("sft", window)[1]] == [("grad_norm_spike", 60)]
+
+
+def test_rm_accuracy_stuck_at_chance():
+    # 20 logged accuracies alternating 0.48, 0.54: mean 0.51 <= 0.5 + 0.03: fires on the 20th
+    stuck = [{"step": 10 * (i + 1), "train/accuracy": 0.48 if i % 2 == 0 else 0.54} for i in range(24)]
+    doctor, found = replay_as("rm", stuck)
+    assert [(f.rule, f.step) for f in found] == [("accuracy_at_chance", 200)]
+    assert "0.51" in found[0].message and "rm.learning_rate" in found[0].message
+    assert doctor.state["accuracy_at_chance"]                    # still firing at the end
+    # a reward model that learns slowly (0.55 -> 0.9 over 24 logs) is left alone
+    learning = [{"step": 10 * (i + 1), "train/accuracy": 0.55 + 0.35 * i / 23} for i in range(24)]
+    doctor, found = replay_as("rm", learning)
+    assert found == [] and doctor.state["accuracy_at_chance"] == ""
+
+
+def test_dpo_implicit_reward_accuracy_at_chance_names_dpo_knobs():
+    rows = [{"step": s, "rewards/accuracies": 0.5} for s in range(1, 21)]
+    _, found = replay_as("dpo", rows)
+    assert [(f.rule, f.step) for f in found] == [("accuracy_at_chance", 20)]
+    assert "implicit-reward accuracy 0.50" in found[0].message and "dpo.beta" in found[0].message
+
+
+def test_margin_growth_fires_when_above_the_limit_and_still_rising():
+    # RM held-out gap 1, 4, 11 (> 10 and > 4: fires), 10.5 (falling: clears), 12 (fires again)
+    rows = [{"step": 50 * i, "eval/score_gap": v} for i, v in enumerate([1.0, 4.0, 11.0, 10.5, 12.0])]
+    doctor, found = replay_as("rm", rows)
+    assert [(f.rule, f.step) for f in found] == [("margin_growth", 100), ("margin_growth", 200)]
+    assert "reward.score_clip" in found[0].message
+    # DPO's rewards/margins with its own limit
+    rows = [{"step": s, "rewards/margins": m} for s, m in enumerate([0.5, 1.0, 2.0, 3.0], start=1)]
+    _, found = replay_as("dpo", rows, dpo_margin_max=2.5)
+    assert [(f.rule, f.step) for f in found] == [("margin_growth", 4)]
+    assert "dpo.beta" in found[0].message and "ipo" in found[0].message
+
+
+def test_dpo_chosen_and_rejected_logps_both_falling():
+    # chosen: five at -10.0, five at -12.5: mean drop 2.5 > 2 nats; rejected -12 -> -16: fires at step 10
+    chosen = [-10.0] * 5 + [-12.5] * 5
+    rejected = [-12.0] * 5 + [-16.0] * 5
+    rows = [{"step": s + 1, "logps/chosen": c, "logps/rejected": r} for s, (c, r) in enumerate(zip(chosen, rejected))]
+    _, found = replay_as("dpo", rows)
+    assert [(f.rule, f.step) for f in found] == [("logps_falling", 10)]
+    assert "-10 to -12.5" in found[0].message and "dpo.sft_coeff" in found[0].message
+    # the chosen falling by 1.5 nats only, or the rejected not falling: quiet
+    assert replay_as("dpo", [{**r, "logps/chosen": r["logps/chosen"] + (1.0 if i >= 5 else 0)}
+                             for i, r in enumerate(rows)])[1] == []
+    assert replay_as("dpo", [{**r, "logps/rejected": -12.0} for r in rows])[1] == []
+
+
+def test_nan_in_a_metric_that_is_not_a_loss_warns_without_stopping():
+    doctor, found = replay_as("rm", [{"step": 0, "eval/accuracy": float("nan"), "eval/loss": 0.7}])
+    assert [(f.rule, f.severity) for f in found] == [("nan_metric", "warn")] and not doctor.should_stop
+
+
+def test_the_stop_rule_and_check_finite_step_say_the_same_thing():
+    # one decision, one wording: the live doctor's finding and the trainers' pre-step check
+    from rlhflab.trainers.common import check_finite_step
+
+    _, found = replay_as("sft", [{"step": 3, "train/loss": 2.0}, {"step": 4, "loss": float("nan"), "lr": 1e9}])
+    assert [(f.rule, f.severity, f.step) for f in found] == [("non_finite", "stop", 4)]
+    with pytest.raises(TrainingDiverged) as exc:
+        check_finite_step(4, loss=float("nan"), knob="sft.learning_rate", lr=1e9)
+    assert str(exc.value) == f"step 4: {found[0].message}"
+    assert str(exc.value).startswith("step 4: training diverged (the loss is nan); lower sft.learning_rate (now 1e+09)")
+
+
+def test_log_step_writes_the_row_then_stops_on_a_stop_finding(tmp_path, capsys):
+    from rlhflab.metrics import MetricsLogger
+    from rlhflab.trainers.common import log_step, make_doctor
+
+    logger = MetricsLogger(tmp_path)
+    doctor = make_doctor(True, 1.0, method="rm")
+    rows = [{"train/loss": 0.7, "params/grad_norm": 1.0, "params/grad_norm_max": 1.0 + 0.1 * i} for i in range(5)]
+    for step, row in enumerate(rows, start=1):
+        log_step(logger, doctor, step, row)
+    log_step(logger, doctor, 6, {"train/loss": 0.7, "params/grad_norm": 2.0, "params/grad_norm_max": 30.0})
+    assert "doctor [warn] step 6 grad_norm_spike" in capsys.readouterr().out   # a warning is printed
+    with pytest.raises(TrainingDiverged, match=r"^step 7: training diverged \(train/loss is inf\); lower "
+                                               r"rm.learning_rate \(now 0.001\)"):
+        log_step(logger, doctor, 7, {"train/loss": float("inf"), "lr": 1e-3})
+    logger.close()
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6, 7]  # the row is kept
+    assert make_doctor(False, 1.0, method="sft") is None
+
+
+def test_cli_picks_the_rules_from_the_effective_config(tmp_path, capsys):
+    run_dir = write_run(tmp_path, sft_history(), config_text="sft:\n  max_grad_norm: 1.0\n  learning_rate: 0.001\n")
+    assert main(["doctor", str(run_dir), "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    assert "sft rules (method sft)" in out and " loss_flat " in out and " value_loss " not in out
+    # --method overrides; without a config the metrics decide (train/accuracy: the RM)
+    assert main(["doctor", str(run_dir), "--no-plot", "--method", "ppo"]) == 0
+    assert "rl rules (method ppo)" in capsys.readouterr().out
+    (run_dir / "effective_config.yaml").unlink()
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "train/accuracy": 0.5, "train/loss": 0.69})
+                                                   + "\n" for i in range(25)))
+    assert main(["doctor", str(run_dir)]) == 1
+    out = capsys.readouterr().out
+    assert "rm rules (method rm)" in out and "WARN  accuracy_at_chance" in out
+    assert (run_dir / "doctor.png").is_file()   # the SFT/RM/DPO panels are drawn

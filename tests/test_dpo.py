@@ -13,6 +13,7 @@ import torch
 from rlhflab.config import load_config
 from rlhflab.config.schema import DatasetConfig
 from rlhflab.data.arith import write_jsonl
+from rlhflab.data.preferences import PairText, write_off_by_one_pairs
 from rlhflab.errors import ConfigError, UserError
 from rlhflab.models.actor_critic import Reference, ResponseOutput
 from rlhflab.models.load import load_model
@@ -36,7 +37,7 @@ def pairs_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("pairs")
     for split in ("train", "test"):
         shutil.copy(easy_task(tmp_path_factory) / f"{split}.jsonl", out / f"{split}.jsonl")
-    dpo.write_arith_pairs(out)  # chosen right, rejected off by one (up or down)
+    write_off_by_one_pairs(out)  # chosen right, rejected off by one (up or down)
     return out
 
 
@@ -85,7 +86,7 @@ def test_reads_the_label_export_as_it_is(tmp_path):
     warnings = []
     pairs = read_preference_pairs(str(path), DatasetConfig(prompt_field="prompt", prompt_template=TEMPLATE),
                                   warn=warnings.append)
-    assert [p.pair_id for p in pairs] == [7, "b"]
+    assert [p.chosen for p in pairs] == [" 4", " 2"]  # the tie row left out, the order kept
     assert pairs[0].prompt == "Question: 2 + 2?\nAnswer:" and pairs[0].chosen == " 4" and pairs[0].rejected == " 5"
     assert warnings and "1 tie rows left out" in warnings[0]
     # The conversational form (chosen/rejected as messages) is read too; no chat template
@@ -102,7 +103,7 @@ def test_reads_the_label_export_as_it_is(tmp_path):
 
 def test_tokenize_appends_eos_and_truncates(model_dir):
     _, tok = load_model(str(model_dir))
-    pair = dpo.PreferencePair("Question: 1 + 1?\nAnswer:", " 1 + 1 = 2\n#### 2", " 1 + 1 = 3\n#### 3")
+    pair = PairText("Question: 1 + 1?\nAnswer:", " 1 + 1 = 2\n#### 2", " 1 + 1 = 3\n#### 3")
     (full,) = tokenize_pairs([pair], tok, max_prompt_length=64, max_response_length=64)
     assert full.chosen_ids[-1] == tok.eos_token_id and full.rejected_ids[-1] == tok.eos_token_id
     (cut,) = tokenize_pairs([pair], tok, max_prompt_length=3, max_response_length=4)

@@ -146,11 +146,10 @@ def length_mod3(prompt: str, response: str, example: dict) -> float:
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     from rlhflab.data import arith, preferences
-    from rlhflab.trainers import dpo
 
     out = tmp_path_factory.mktemp("precision-data")
     arith.write_task(out, n_train=64, n_test=16)
-    dpo.write_arith_pairs(out)
+    preferences.write_off_by_one_pairs(out)
     preferences.write_arith_pairs(out / "rm", n_train=32, n_test=8, seed=0)
     return out
 

@@ -113,11 +113,11 @@ def _tree(folder):
 
 @pytest.mark.slow
 def test_dpo_resume_checks_before_touching_the_run(tiny_model_dir, arith_dir, tmp_path, capsys):
-    from rlhflab.trainers.dpo import write_arith_pairs
+    from rlhflab.data.preferences import write_off_by_one_pairs
 
     task = tmp_path / "task"
     shutil.copytree(arith_dir, task)
-    write_arith_pairs(task)
+    write_off_by_one_pairs(task)
     out = tmp_path / "dpo"
     args = ["dpo", "--config", "configs/dpo_debug.yaml", f"model.name_or_path={tiny_model_dir}",
             f"dataset.path={task / 'pairs_train.jsonl'}", f"dataset.eval_path={task / 'pairs_test.jsonl'}",

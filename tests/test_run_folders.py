@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -218,15 +219,84 @@ def test_sft_with_learning_rate_1e9_stops_with_one_line(tiny_sft_rm_dir, arith_d
         assert _finite_forward(folder), folder
 
 
+def test_sft_whose_learning_rate_blows_up_mid_run_stops_and_keeps_the_good_checkpoints(
+        tiny_sft_rm_dir, arith_dir, tmp_path, capsys, monkeypatch):
+    # Steps 1-2 train at sft.learning_rate (1e-3); from step 3 the schedule multiplies it
+    # by 1e12 (1e9): that update ruins the weights (here step 4's gradient norm is nan).
+    # The run stops in one line naming sft.learning_rate; step_1/ and step_2/ stay as they
+    # were saved, every checkpoint kept computes finite logits, no final/ is written.
+    from rlhflab.trainers import sft
+
+    def blow_up(optimizer, total_steps, *args, **kwargs):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0 if i < 2 else 1e12)
+
+    monkeypatch.setattr(sft, "make_scheduler", blow_up)
+    out = tmp_path / "sft"
+    rc = cli.main(sft_args(tiny_sft_rm_dir, arith_dir, out, "sft.max_steps=6", "training.save_interval=1",
+                           "sft.logging_steps=1", "training.keep_last_checkpoints=10"))
+    err = capsys.readouterr().err
+    line = last_line(err)
+    assert rc == 2 and "Traceback" not in err
+    assert line.startswith("error: step ") and "training diverged" in line and "lower sft.learning_rate" in line
+    kept = [p.name for p in checkpoint_steps(out)]
+    assert kept[:2] == ["step_1", "step_2"] and not (out / "final").exists()
+    for folder in checkpoint_steps(out):
+        assert _finite_forward(folder), folder
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows][:2] == [1, 2] and all(math.isfinite(r["train/loss"]) for r in rows[:2])
+
+
+def test_sft_rm_and_dpo_feed_every_logged_row_to_the_doctor(tiny_sft_rm_dir, arith_dir, tmp_path, monkeypatch):
+    # Each trainer makes its method's doctor and passes it every row it logs (the same rows
+    # metrics.jsonl gets), so the rules run live as they do in the RL loop.
+    from rlhflab.data.preferences import write_arith_pairs, write_off_by_one_pairs
+    from rlhflab.doctor import Doctor
+    from rlhflab.trainers import common, dpo, rm, sft
+
+    seen: dict[str, list[int]] = {}
+
+    class Recorder(Doctor):
+        def observe(self, step, metrics):
+            seen.setdefault(self.config.method, []).append(step)
+            return super().observe(step, metrics)
+
+    def recording_doctor(enabled, max_grad_norm, kl_knob="ppo.kl_coeff", *, method="rl", lr_knob=None):
+        assert enabled and max_grad_norm == 1.0
+        return Recorder(max_grad_norm=max_grad_norm, method=method, lr_knob=lr_knob)
+
+    for module in (sft, rm, dpo):
+        monkeypatch.setattr(module, "make_doctor", recording_doctor)
+    assert cli.main(sft_args(tiny_sft_rm_dir, arith_dir, tmp_path / "sft", "sft.logging_steps=1")) == 0
+    prefs = write_arith_pairs(tmp_path / "prefs", n_train=32, n_test=8)
+    assert cli.main(["rm", "--config", str(ROOT / "configs" / "rm_debug.yaml"), f"model.name_or_path={tiny_sft_rm_dir}",
+                     f"data.path={prefs['train']}", f"data.eval_path={prefs['test']}", "rm.max_steps=2",
+                     "rm.logging_steps=1", f"training.output_dir={tmp_path / 'rm'}", "logging.progress_bar=false",
+                     "logging.plots=false", "training.num_threads=1"]) == 0
+    task = tmp_path / "task"
+    task.mkdir()
+    for name in ("train.jsonl", "test.jsonl"):
+        (task / name).write_bytes((arith_dir / name).read_bytes())
+    write_off_by_one_pairs(task)
+    assert cli.main(["dpo", "--config", str(ROOT / "configs" / "dpo_debug.yaml"), f"model.name_or_path={tiny_sft_rm_dir}",
+                     f"dataset.path={task / 'pairs_train.jsonl'}", f"dataset.eval_path={task / 'pairs_test.jsonl'}",
+                     f"training.output_dir={tmp_path / 'dpo'}", "dataset.num_samples=16", "dataset.num_eval_samples=4",
+                     "dpo.batch_size=4", "dpo.mini_batch_size=4", "dpo.max_steps=2", "training.save_interval=0",
+                     "training.eval_interval=0", "dpo.task_eval_path=null", "logging.progress_bar=false",
+                     "logging.plots=false", "training.num_threads=1"]) == 0
+    for method in ("sft", "rm", "dpo"):
+        logged = [r["step"] for r in read_metrics(tmp_path / method / "metrics.jsonl")]
+        assert seen[method] == logged and logged[-2:] == [1, 2], (method, seen)
+
+
 @pytest.mark.slow
 def test_dpo_with_learning_rate_1e9_stops_with_one_line(tiny_model_dir, arith_dir, tmp_path, capsys):
     import shutil
 
-    from rlhflab.trainers.dpo import write_arith_pairs
+    from rlhflab.data.preferences import write_off_by_one_pairs
 
     task = tmp_path / "task"
     shutil.copytree(arith_dir, task)
-    write_arith_pairs(task)
+    write_off_by_one_pairs(task)
     out = tmp_path / "dpo"
     rc = cli.main(["dpo", "--config", "configs/dpo_debug.yaml", f"model.name_or_path={tiny_model_dir}",
                    f"dataset.path={task / 'pairs_train.jsonl'}", f"dataset.eval_path={task / 'pairs_test.jsonl'}",

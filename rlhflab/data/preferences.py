@@ -26,13 +26,16 @@ chosen and rejected responses are identical carry no preference and are skipped.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from rlhflab.errors import UserError
 
 
 @dataclass
 class PreferencePair:
+    """One row of a preference file as read: the fields as they are, before any
+    template (see `PairText` for the texts a model reads)."""
+
     prompt: Any          # str, or a list of messages (conversational)
     chosen: Any          # str, or a list of messages (the completion only)
     rejected: Any
@@ -143,10 +146,18 @@ def _completion_text(messages: list[dict]) -> str:
     return "\n\n".join(m["content"] for m in messages)
 
 
-def pair_texts(pair: PreferencePair, tokenizer=None, use_chat_template: bool = True) -> tuple[str, str, str]:
-    """(prompt text, chosen response text, rejected response text) as the model reads them."""
+class PairText(NamedTuple):
+    """A pair as a model reads it: the prompt text (templated) and the two response texts."""
+
+    prompt: str
+    chosen: str
+    rejected: str
+
+
+def pair_texts(pair: PreferencePair, tokenizer=None, use_chat_template: bool = True) -> PairText:
+    """The prompt and the chosen and rejected response texts as the model reads them."""
     if not pair.conversational:
-        return pair.prompt, pair.chosen, pair.rejected
+        return PairText(pair.prompt, pair.chosen, pair.rejected)
     from rlhflab.data import sft as sftdata
 
     tpl = sftdata.Template(use_chat_template=use_chat_template)
@@ -157,7 +168,7 @@ def pair_texts(pair: PreferencePair, tokenizer=None, use_chat_template: bool = T
             msgs = [{"role": "user", "content": ""}] + msgs
         prompt, response, _ = sftdata.format_example(sftdata.SFTExample(msgs, pair.index), tokenizer, tpl)
         out.append((prompt, response))
-    return out[0][0], out[0][1], out[1][1]
+    return PairText(out[0][0], out[0][1], out[1][1])
 
 
 # --------------------------------------------------------------------------------------
@@ -224,6 +235,50 @@ def write_arith_pairs(out_dir, n_train: int = 2000, n_test: int = 200, seed: int
     train = arith.make_split(n_train, seed, exclude={r["question"] for r in test})
     return {"train": arith.write_jsonl(arith_pairs(train, seed + 3, template), out / "train.jsonl"),
             "test": arith.write_jsonl(arith_pairs(test, seed + 4, template), out / "test.jsonl")}
+
+
+def off_by_one_pairs(rows: Sequence[dict], seed: int = 0) -> list[dict]:
+    """Export-format rows from arithmetic-task rows, for DPO's demo: chosen is the right
+    worked answer, rejected the same line with the result off by one, up or down at
+    random (down only when the result is above 0). Prompts are the bare questions; DPO's
+    `dataset.prompt_template` formats them.
+
+    Both directions, because a rejected answer that is always one too high teaches the
+    shortcut "smaller digits are better", which the implicit reward learns as readily
+    as "right is better" and which shifts every digit the policy writes, operands too.
+    (`arith_pairs` makes harder pairs, three kinds of wrong, for the reward model.)
+    """
+    import random as _random
+
+    rng = _random.Random(seed)
+    out = []
+    for i, row in enumerate(rows):
+        a, op, b, result = row["a"], row["op"], row["b"], row["result"]
+        wrong = result + (1 if result == 0 or rng.random() < 0.5 else -1)
+        out.append({"prompt": row["question"],
+                    "chosen": f" {a} {op} {b} = {result}\n#### {result}",
+                    "rejected": f" {a} {op} {b} = {wrong}\n#### {wrong}",
+                    "margin": 1.0, "pair_id": i, "n_labels": 1})
+    return out
+
+
+def write_off_by_one_pairs(task_dir) -> dict:
+    """pairs_train.jsonl and pairs_test.jsonl (`off_by_one_pairs`) beside an existing
+    task's train.jsonl and test.jsonl (`rlhflab make-data`); `rlhflab dpo --make-arith-pairs`."""
+    from pathlib import Path
+
+    from rlhflab.data import arith
+    from rlhflab.data.loading import read_rows
+
+    task_dir = Path(task_dir)
+    out = {}
+    for split in ("train", "test"):
+        src = task_dir / f"{split}.jsonl"
+        if not src.is_file():
+            raise UserError(f"{src} not found; make the task first with `rlhflab make-data --out {task_dir}`")
+        rows = off_by_one_pairs(read_rows(str(src)), seed=0 if split == "train" else 1)
+        out[split] = arith.write_jsonl(rows, task_dir / f"pairs_{split}.jsonl")
+    return out
 
 
 def policy_pairs(model, tokenizer, rows: Sequence[dict], n: int = 4, seed: int = 0,

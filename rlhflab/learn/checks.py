@@ -29,7 +29,10 @@ from rlhflab.learn.exercises import BY_NUMBER, doc_link
 RTOL, ATOL = 1e-4, 1e-5
 
 
-class Finding(NamedTuple):
+class CheckFinding(NamedTuple):
+    """What a failed learner-mode check found in the learner's code (not to be confused
+    with `rlhflab.doctor.Finding`, a metric-health rule firing during training)."""
+
     what: str            # what differs, with numbers
     diagnosis: str = ""  # the mistake that explains it, when one is recognised
     hint: str = ""       # what to do
@@ -40,7 +43,7 @@ class CheckFailed(AssertionError):
     """A check's verdict on the learner's code; the grader reports it as a failure."""
 
     def __init__(self, what: str, diagnosis: str = "", hint: str = "", docs: str = ""):
-        self.finding = Finding(what, diagnosis, hint, docs)
+        self.finding = CheckFinding(what, diagnosis, hint, docs)
         super().__init__("\n".join(x for x in (what, diagnosis and f"diagnosis: {diagnosis}",
                                               hint and f"hint: {hint}", docs and f"read: {docs}") if x))
 

@@ -30,7 +30,7 @@ class CheckResult:
     exercise: int
     name: str
     passed: bool
-    finding: object | None = None    # checks.Finding when the check failed
+    finding: object | None = None    # checks.CheckFinding when the check failed
     output: str = ""                 # what the learner's code printed
 
 
@@ -51,7 +51,7 @@ class Report:
 
 def run_check(check, workspace) -> tuple[CheckResult, bool]:
     """Run one check; (its result, whether it failed by an error of the grader itself)."""
-    from rlhflab.learn.checks import CheckFailed, Finding
+    from rlhflab.learn.checks import CheckFailed, CheckFinding
 
     printed = io.StringIO()
     finding, internal = None, False
@@ -61,7 +61,7 @@ def run_check(check, workspace) -> tuple[CheckResult, bool]:
         except CheckFailed as exc:
             finding = exc.finding
         except Exception as exc:  # a bug of the grader itself, not of the learner
-            finding = Finding(f"internal error in the grader: {type(exc).__name__}: {exc}",
+            finding = CheckFinding(f"internal error in the grader: {type(exc).__name__}: {exc}",
                               hint="this is rlhflab's fault, not yours; please report it")
             internal = True
     return CheckResult(check.id, check.exercise, check.name, finding is None, finding, printed.getvalue()), internal

@@ -11,7 +11,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -86,6 +86,40 @@ def make_optimization(params: list[torch.nn.Parameter], sec, total_optimizer_ste
     scheduler = make_scheduler(optimizer, total_optimizer_steps, sec.warmup_steps, sec.lr_schedule,
                                sec.min_learning_rate)
     return optimizer, scheduler
+
+
+def train_and_held_out(d, read: Callable[[str, str, str | None], list], seed: int,
+                       unit: str = "rows") -> tuple[list, list]:
+    """The training and held-out rows of a data section (SFT's `data`, the reward
+    model's): `read(source, split, subset)` reads one file or hub split.
+
+    Held out: `d.eval_path`, else the hub's `d.eval_split`, else a seeded share
+    `d.eval_fraction` of the training rows (at least one), else none; `d.num_samples` and
+    `d.num_eval_samples` cut the two lists. `unit` names the rows in the error message.
+    """
+    source = d.path or d.name
+    train = read(source, d.split, d.subset)
+    if d.num_samples is not None:
+        train = train[: d.num_samples]
+    if d.eval_path:
+        held = read(d.eval_path, "train", None)
+    elif d.path is None and d.eval_split:
+        held = read(d.name, d.eval_split, d.subset)
+    elif d.eval_fraction > 0:
+        order = list(range(len(train)))
+        random.Random(seed).shuffle(order)
+        n_eval = max(1, int(round(len(train) * d.eval_fraction)))
+        if n_eval >= len(train):
+            raise UserError(f"{source}: {len(train)} {unit} leave nothing to train on after holding out "
+                            f"eval_fraction={d.eval_fraction}; lower data.eval_fraction or give data.eval_path")
+        held_idx = set(order[:n_eval])
+        held = [row for i, row in enumerate(train) if i in held_idx]
+        train = [row for i, row in enumerate(train) if i not in held_idx]
+    else:
+        held = []
+    if d.num_eval_samples is not None:
+        held = held[: d.num_eval_samples]
+    return train, held
 
 
 class Timer:
@@ -286,19 +320,21 @@ def make_probe_batch(tokenizer, texts: list[str], device: torch.device | str) ->
 
 
 def diverged(step: int, what: str, knob: str, lr: float | None) -> TrainingDiverged:
-    now = f" (now {lr:g})" if lr is not None else ""
-    return TrainingDiverged(f"step {step}: training diverged ({what}); lower {knob}{now}, or clip harder "
-                            f"with a smaller max_grad_norm; no checkpoint with non-finite weights was saved")
+    """The one-line stop of a run at `step`, in the doctor's wording (`divergence_message`)."""
+    from rlhflab.doctor import divergence_message
+
+    return TrainingDiverged(f"step {step}: {divergence_message(what, knob, lr)}")
 
 
 def check_finite_step(step: int, *, loss: float | None = None, grad_norm: float | None = None,
                       knob: str = "the learning rate", lr: float | None = None) -> None:
-    """Raise `TrainingDiverged` when the loss or the (pre-clip) gradient norm of `step` is
-    not finite. Call it after backward and before `optimizer.step()`, so a NaN gradient
-    never reaches the weights. `knob` is the config key to lower (e.g. sft.learning_rate)."""
-    for name, value in (("loss", loss), ("gradient norm", grad_norm)):
-        if value is not None and not math.isfinite(float(value)):
-            raise diverged(step, f"the {name} is {float(value)}", knob, lr)
+    """The doctor's stop rule on one step: raise `TrainingDiverged` when the loss or the
+    (pre-clip) gradient norm is not finite. Call it after backward and before
+    `optimizer.step()`, so a NaN gradient never reaches the weights. `knob` is the config
+    key to lower (e.g. sft.learning_rate)."""
+    from rlhflab.doctor import GRAD_NORM, stop_if_diverged
+
+    stop_if_diverged(step, {"loss": loss, GRAD_NORM: grad_norm}, knob=knob, lr=lr)
 
 
 @torch.no_grad()
@@ -320,21 +356,29 @@ def check_finite_model(model: torch.nn.Module, probe_batch: dict[str, torch.Tens
                               f"so this step is not saved", knob, lr)
 
 
-def make_doctor(enabled: bool, max_grad_norm: float | None, kl_knob: str = "ppo.kl_coeff"):
-    """The training doctor for an RL loop, or None when `logging.doctor` is off."""
+def make_doctor(enabled: bool, max_grad_norm: float | None, kl_knob: str = "ppo.kl_coeff", *,
+                method: str = "rl", lr_knob: str | None = None):
+    """The training doctor of a run, or None when `logging.doctor` is off. `method` (sft,
+    rm, dpo, or an RL method's name) picks its rules and the section its advice names;
+    `lr_knob` is the key a diverging run is told to lower (default <method>.learning_rate)."""
     if not enabled:
         return None
     from rlhflab.doctor import Doctor
 
-    return Doctor(max_grad_norm=max_grad_norm, kl_knob=kl_knob)
+    return Doctor(max_grad_norm=max_grad_norm, kl_knob=kl_knob, method=method, lr_knob=lr_knob)
 
 
 def log_step(logger, doctor, step: int, metrics: dict) -> None:
-    """Phase 6's bookkeeping: the step's metrics to every sink, and the doctor's new
-    findings printed above the progress bar."""
+    """Phase 6's bookkeeping: the step's metrics to every sink, then the doctor's new
+    findings printed above the progress bar. A "stop" finding (a non-finite loss or
+    gradient norm) raises `TrainingDiverged` after the row is written, before anything
+    is saved, so the newest checkpoint on disk is the last good one."""
     logger.log(step, metrics)
-    if doctor is not None:
-        from tqdm import tqdm
+    if doctor is None:
+        return
+    from tqdm import tqdm
 
-        for finding in doctor.observe(step, metrics):
-            tqdm.write(str(finding))
+    for finding in doctor.observe(step, metrics):
+        if finding.stop:
+            raise TrainingDiverged(f"step {step}: {finding.message}")
+        tqdm.write(str(finding))

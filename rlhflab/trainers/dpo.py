@@ -50,6 +50,7 @@ from rlhflab.config.schema import (DatasetConfig, GenerationConfig, LoggingConfi
                                    OptimizerFields, TrainingConfig, check_reference, f)
 from rlhflab.data.chat import resolve_use_chat_template, response_end_id
 from rlhflab.data.loading import read_rows
+from rlhflab.data.preferences import PairText, pair_texts, parse_pairs, write_off_by_one_pairs
 from rlhflab.data.prompts import format_prompt, load_prompts
 from rlhflab.errors import UserError
 from rlhflab.engine.dist import Forward, default_threads, even_share, init_dist
@@ -62,8 +63,9 @@ from rlhflab.models.checkpoint import prune_checkpoints, restore_trainer_state, 
 from rlhflab.rewards import RuleScorer, resolve_rule
 from rlhflab.models.setup import PolicyModels, build_models
 from rlhflab.trainers.common import (Timer, TrainResult, check_finite_model, check_finite_step, check_output_dir,
-                                     check_resume_dir, finish_run, format_metrics, last_eval, make_optimization,
-                                     make_probe_batch, prepare_output_dir, seed_everything, set_threads)
+                                     check_resume_dir, finish_run, format_metrics, last_eval, log_step, make_doctor,
+                                     make_optimization, make_probe_batch, prepare_output_dir, seed_everything,
+                                     set_threads)
 
 
 # --------------------------------------------------------------------------------------
@@ -125,16 +127,8 @@ class DPORunConfig:
 # --------------------------------------------------------------------------------------
 # 1. Data
 # --------------------------------------------------------------------------------------
-@dataclass
-class PreferencePair:
-    prompt: str    # as the model sees it (template or chat template applied)
-    chosen: str
-    rejected: str
-    pair_id: object = None
-
-
 def read_preference_pairs(source: str, dataset_cfg: DatasetConfig, tokenizer=None,
-                          limit: int | None = None, warn=print) -> list[PreferencePair]:
+                          limit: int | None = None, warn=print) -> list[PairText]:
     """The export's rows as text pairs (`rlhflab.data.preferences` parses them: the
     standard and the conversational forms); ties carry no preference and are left out.
 
@@ -142,8 +136,6 @@ def read_preference_pairs(source: str, dataset_cfg: DatasetConfig, tokenizer=Non
     app's export, whose prompts are already what the policy saw); conversational rows are
     rendered with the chat template by `pair_texts`.
     """
-    from rlhflab.data.preferences import pair_texts, parse_pairs
-
     d = dataset_cfg
     rows = read_rows(source, d.split, d.subset)
     if d.prompt_field != "prompt":  # the export names it "prompt"; a file may call it otherwise
@@ -155,10 +147,10 @@ def read_preference_pairs(source: str, dataset_cfg: DatasetConfig, tokenizer=Non
     for p in report.pairs:
         if p.tie:
             continue
-        prompt, chosen, rejected = pair_texts(p, tokenizer, use_chat)
+        text = pair_texts(p, tokenizer, use_chat)
         if not p.conversational:
-            prompt = format_prompt(prompt, d.prompt_template, tokenizer, use_chat)
-        pairs.append(PreferencePair(prompt, chosen, rejected, p.pair_id if p.pair_id is not None else p.index))
+            text = text._replace(prompt=format_prompt(text.prompt, d.prompt_template, tokenizer, use_chat))
+        pairs.append(text)
     if report.ties:
         warn(f"{source}: {report.ties} tie rows left out (no preference to learn)")
     if not pairs:
@@ -173,7 +165,7 @@ class TokenizedPair:
     rejected_ids: list[int]
 
 
-def tokenize_pairs(pairs: Sequence[PreferencePair], tokenizer, max_prompt_length: int,
+def tokenize_pairs(pairs: Sequence[PairText], tokenizer, max_prompt_length: int,
                    max_response_length: int, append_eos: bool = True,
                    end_token_id: int | None = None) -> list[TokenizedPair]:
     """Prompt and responses tokenized separately (as at generation time) and truncated.
@@ -381,7 +373,7 @@ def evaluate_pairs(actor: PolicyOnly, pairs: Sequence[TokenizedPair], cache: Ref
 # --------------------------------------------------------------------------------------
 # The loop
 # --------------------------------------------------------------------------------------
-def _split(pairs: list[PreferencePair], fraction: float, seed: int) -> tuple[list, list]:
+def _split(pairs: list[PairText], fraction: float, seed: int) -> tuple[list, list]:
     g = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(pairs), generator=g).tolist()
     n_eval = int(round(len(pairs) * fraction))
@@ -472,11 +464,15 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
         logger = MetricsLogger(out_dir, cfg.logging.report_to, cfg.logging.run_name, cfg.logging.wandb_project,
                                config=dataclasses.asdict(cfg), resume=resume_dir is not None,
                                resume_step=start_step if resume_dir is not None else None)
+    # The doctor reads each step's row (implicit-reward accuracy at chance, a growing margin,
+    # chosen and rejected log-probs falling together, overfitting, gradient spikes) and
+    # stops the run on a non-finite loss.
+    doctor = make_doctor(cfg.logging.doctor, sec.max_grad_norm, method="dpo") if dist.is_main else None
     result = TrainResult(out_dir, out_dir / "final", unit="pairs", world_size=dist.world_size, is_main=dist.is_main,
                          models=models, state={"ref_cache": train_cache})
     if t.eval_interval and start_step == 0 and dist.is_main:  # evaluation on the main process
         result.eval_before = _evaluate(models, eval_tok, eval_cache, task_examples, task_scorer, cfg, out_dir, 0)
-        logger.log(0, {**result.eval_before, **timer.metrics()})
+        log_step(logger, doctor, 0, {**result.eval_before, **timer.metrics()})
         say("step 0 (before training): " + format_metrics(result.eval_before))
 
     def save(folder: Path, at: int) -> None:
@@ -546,9 +542,9 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
                        **timer.metrics(), "perf/pairs_per_s": n_batch / seconds}
             if dist.is_main and t.eval_interval and (step % t.eval_interval == 0 or step == total_steps):
                 metrics.update(_evaluate(models, eval_tok, eval_cache, task_examples, task_scorer, cfg, out_dir, step))
-            if logger is not None:
-                logger.log(step, metrics)
             result.history.append({"step": step, **metrics})
+            if logger is not None:
+                log_step(logger, doctor, step, metrics)
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['rewards/accuracies']:.2f}")
             if t.save_interval and step % t.save_interval == 0 and step < total_steps:
@@ -586,7 +582,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.make_arith_pairs:
-        for split, path in write_arith_pairs(args.make_arith_pairs).items():
+        for split, path in write_off_by_one_pairs(args.make_arith_pairs).items():
             print(f"{split:>5}: {path}")
         return 0
     if not args.config:
@@ -594,44 +590,3 @@ def run(args: argparse.Namespace) -> int:
     cfg, effective = load_config(args.config, DPORunConfig, args.overrides)
     train(cfg, resume=args.resume, effective=effective).report(skip_missing=True)
     return 0
-
-
-# --------------------------------------------------------------------------------------
-# Demo pairs from the arithmetic task
-# --------------------------------------------------------------------------------------
-def arith_preference_pairs(rows: Sequence[dict], seed: int = 0) -> list[dict]:
-    """Export-format rows from arithmetic-task rows: chosen is the right worked answer,
-    rejected the same line off by one, up or down at random (down only when the result
-    is above 0).
-
-    Both directions, because a rejected answer that is always one too high teaches the
-    shortcut "smaller digits are better", which the implicit reward learns as readily
-    as "right is better" and which shifts every digit the policy writes, operands too.
-    """
-    import random
-
-    rng = random.Random(seed)
-    out = []
-    for i, row in enumerate(rows):
-        a, op, b, result = row["a"], row["op"], row["b"], row["result"]
-        wrong = result + (1 if result == 0 or rng.random() < 0.5 else -1)
-        out.append({"prompt": row["question"],
-                    "chosen": f" {a} {op} {b} = {result}\n#### {result}",
-                    "rejected": f" {a} {op} {b} = {wrong}\n#### {wrong}",
-                    "margin": 1.0, "pair_id": i, "n_labels": 1})
-    return out
-
-
-def write_arith_pairs(task_dir: str | Path) -> dict[str, Path]:
-    """pairs_train.jsonl and pairs_test.jsonl beside the task's train.jsonl and test.jsonl."""
-    from rlhflab.data.arith import write_jsonl
-
-    task_dir = Path(task_dir)
-    out = {}
-    for split in ("train", "test"):
-        src = task_dir / f"{split}.jsonl"
-        if not src.is_file():
-            raise UserError(f"{src} not found; make the task first with `rlhflab make-data --out {task_dir}`")
-        rows = arith_preference_pairs(read_rows(str(src)), seed=0 if split == "train" else 1)
-        out[split] = write_jsonl(rows, task_dir / f"pairs_{split}.jsonl")
-    return out

@@ -56,9 +56,9 @@ from rlhflab.models.precision import autocast, check_mixed_precision
 from rlhflab.rewards.model import META_FILE, RMMeta, encode, score_head, sequence_scores
 from rlhflab.models.checkpoint import atomic_folder
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, check_output_dir, finish_run,
-                                     format_metrics, make_optimizer, make_scheduler, make_probe_batch,
-                                     prepare_output_dir, print_before_after, seed_everything, set_threads,
-                                     write_train_result)
+                                     format_metrics, log_step, make_doctor, make_optimizer, make_probe_batch,
+                                     make_scheduler, prepare_output_dir, print_before_after, seed_everything,
+                                     set_threads, train_and_held_out, write_train_result)
 
 
 # --------------------------------------------------------------------------------------
@@ -174,7 +174,9 @@ def pairwise_loss(chosen: Tensor, rejected: Tensor, margin: Tensor | None = None
 # 1. data
 # --------------------------------------------------------------------------------------
 @dataclass
-class PairTexts:
+class JoinedPair:
+    """A pair as the reward model scores it: each side's prompt and response joined."""
+
     chosen: str     # prompt + chosen response
     rejected: str   # prompt + rejected response
     margin: float   # 0.0 when the row has none
@@ -192,48 +194,28 @@ def _load_pairs(source: str, split: str, subset: str | None, d: PreferenceDataCo
     return pairs
 
 
-def to_texts(pairs: Sequence[prefdata.PreferencePair], tokenizer, d: PreferenceDataConfig) -> list[PairTexts]:
+def to_texts(pairs: Sequence[prefdata.PreferencePair], tokenizer, d: PreferenceDataConfig) -> list[JoinedPair]:
     use_chat = resolve_use_chat_template(d.use_chat_template, tokenizer, "data.use_chat_template")
     out = []
     for p in pairs:
-        prompt, chosen, rejected = prefdata.pair_texts(p, tokenizer, use_chat)
-        out.append(PairTexts(prompt + chosen, prompt + rejected, p.margin or 0.0, p.tie))
+        text = prefdata.pair_texts(p, tokenizer, use_chat)
+        out.append(JoinedPair(text.prompt + text.chosen, text.prompt + text.rejected, p.margin or 0.0, p.tie))
     return out
 
 
 @dataclass
 class RMData:
-    train: list[PairTexts]
-    eval: list[PairTexts]
+    train: list[JoinedPair]
+    eval: list[JoinedPair]
 
 
 def load_rm_data(d: PreferenceDataConfig, tokenizer, seed: int = 0, warn=print) -> RMData:
-    source = d.path or d.name
-    train = _load_pairs(source, d.split, d.subset, d, warn)
-    if d.num_samples is not None:
-        train = train[: d.num_samples]
-    if d.eval_path:
-        held = _load_pairs(d.eval_path, "train", None, d, warn)
-    elif d.path is None and d.eval_split:
-        held = _load_pairs(d.name, d.eval_split, d.subset, d, warn)
-    elif d.eval_fraction > 0:
-        order = list(range(len(train)))
-        random.Random(seed).shuffle(order)
-        n_eval = max(1, int(round(len(train) * d.eval_fraction)))
-        if n_eval >= len(train):
-            raise UserError(f"{source}: {len(train)} pairs leave nothing to train on after holding out "
-                            f"eval_fraction={d.eval_fraction}; lower data.eval_fraction or give data.eval_path")
-        held_idx = set(order[:n_eval])
-        held = [p for i, p in enumerate(train) if i in held_idx]
-        train = [p for i, p in enumerate(train) if i not in held_idx]
-    else:
-        held = []
-    if d.num_eval_samples is not None:
-        held = held[: d.num_eval_samples]
+    train, held = train_and_held_out(d, lambda src, split, subset: _load_pairs(src, split, subset, d, warn),
+                                     seed, unit="pairs")
     return RMData(to_texts(train, tokenizer, d), to_texts(held, tokenizer, d))
 
 
-def count_truncated(tokenizer, texts: Sequence[PairTexts], meta: RMMeta) -> int:
+def count_truncated(tokenizer, texts: Sequence[JoinedPair], meta: RMMeta) -> int:
     n = 0
     for p in texts:
         for t in (p.chosen, p.rejected):
@@ -291,14 +273,14 @@ def build_reward_model(cfg: RMRunConfig, device: torch.device):
 # --------------------------------------------------------------------------------------
 # 3. update, 4. evaluate
 # --------------------------------------------------------------------------------------
-def pair_scores(model, tokenizer, pairs: Sequence[PairTexts], meta: RMMeta, device) -> tuple[Tensor, Tensor]:
+def pair_scores(model, tokenizer, pairs: Sequence[JoinedPair], meta: RMMeta, device) -> tuple[Tensor, Tensor]:
     """(chosen, rejected) scores, each (B,), from one forward over the 2B texts."""
     b = encode(tokenizer, [p.chosen for p in pairs] + [p.rejected for p in pairs], meta, device)
     scores = sequence_scores(model, b["input_ids"], b["attention_mask"])   # (2B,)
     return scores[: len(pairs)], scores[len(pairs):]
 
 
-def _batch_loss(model, tokenizer, pairs: Sequence[PairTexts], meta: RMMeta, cfg: RMRunConfig, device) -> RMLoss:
+def _batch_loss(model, tokenizer, pairs: Sequence[JoinedPair], meta: RMMeta, cfg: RMRunConfig, device) -> RMLoss:
     chosen, rejected = pair_scores(model, tokenizer, pairs, meta, device)
     margin = None
     if cfg.rm.margin_coeff:
@@ -308,7 +290,7 @@ def _batch_loss(model, tokenizer, pairs: Sequence[PairTexts], meta: RMMeta, cfg:
 
 
 @torch.no_grad()
-def evaluate_rm(model, tokenizer, pairs: Sequence[PairTexts], meta: RMMeta, batch_size: int,
+def evaluate_rm(model, tokenizer, pairs: Sequence[JoinedPair], meta: RMMeta, batch_size: int,
                 device) -> dict[str, float]:
     """Held-out accuracy (non-tie pairs), mean gap r_chosen − r_rejected, score mean/std."""
     was_training = model.training
@@ -338,7 +320,7 @@ PLOT_GROUPS = {
     "loss": ["train/loss", "eval/loss"],
     "accuracy": ["train/accuracy", "eval/accuracy"],
     "scores": ["eval/score_gap", "eval/score_mean", "eval/score_std"],
-    "grad_norm": ["params/grad_norm"],
+    "grad_norm": ["params/grad_norm", "params/grad_norm_max"],
     "lr": ["lr"],
 }
 
@@ -413,11 +395,14 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
 
     logger = MetricsLogger(out_dir, cfg.logging.report_to, cfg.logging.run_name, cfg.logging.wandb_project,
                            config=dataclasses.asdict(cfg)) if dist.is_main else None
+    # The doctor reads each logged row (accuracy stuck at chance, a growing score gap,
+    # overfitting, gradient spikes) and stops the run on a non-finite loss.
+    doctor = make_doctor(cfg.logging.doctor, r.max_grad_norm, method="rm") if dist.is_main else None
     result = RMResult(out_dir, out_dir / "final", out_dir / "final" / "adapter" if cfg.lora.enabled else None,
                       train_pairs=len(data.train), is_main=dist.is_main)
     if r.eval_before and data.eval and dist.is_main:  # evaluation on the main process, which alone writes
         result.eval_before = evaluate_rm(model, tok, data.eval, meta, t.eval_batch_size, device)
-        logger.log(0, result.eval_before)
+        log_step(logger, doctor, 0, result.eval_before)
         say("step 0 (before training): " + format_metrics(result.eval_before))
 
     from tqdm import tqdm
@@ -464,6 +449,7 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
                 win_loss, win_acc, win_n = dist.sum(win_loss), dist.sum(win_acc), int(dist.sum(float(win_n)))
                 metrics.update({"train/loss": win_loss / max(win_n, 1), "train/accuracy": win_acc / max(win_n, 1),
                                 "params/grad_norm": sum(win_norms) / len(win_norms),
+                                "params/grad_norm_max": max(win_norms),
                                 "lr": optimizer.param_groups[0]["lr"], "epoch": step / groups_per_epoch})
                 win_loss, win_acc, win_n, win_norms = 0.0, 0.0, 0, []
             if dist.is_main and data.eval and ((t.eval_interval and step % t.eval_interval == 0)
@@ -471,8 +457,8 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
                 last_eval = evaluate_rm(model, tok, data.eval, meta, t.eval_batch_size, device)
                 metrics.update(last_eval)
             if metrics and dist.is_main:
-                logger.log(step, metrics)
                 result.history.append({"step": step, **metrics})
+                log_step(logger, doctor, step, metrics)
                 if "train/loss" in metrics:
                     bar.set_postfix(loss=f"{metrics['train/loss']:.3f}")
     bar.close()

@@ -59,8 +59,9 @@ from rlhflab.models.load import add_lora, load_model, resolve_device
 from rlhflab.models.lean import lean_mlp
 from rlhflab.models.precision import autocast, check_mixed_precision
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, check_output_dir, finish_run,
-                                     format_metrics, make_optimizer, make_scheduler, prepare_output_dir,
-                                     print_before_after, seed_everything, set_threads, write_train_result)
+                                     format_metrics, log_step, make_doctor, make_optimizer, make_scheduler,
+                                     prepare_output_dir, print_before_after, seed_everything, set_threads,
+                                     train_and_held_out, write_train_result)
 
 
 # --------------------------------------------------------------------------------------
@@ -235,27 +236,7 @@ def _read(source: str, split: str, subset: str | None, d: SFTDataConfig, warn) -
 def load_sft_data(d: SFTDataConfig, tokenizer, seed: int = 0, warn=print) -> SFTData:
     """Train and held-out examples, tokenized; truncation reported through `warn`."""
     source = d.path or d.name
-    train = _read(source, d.split, d.subset, d, warn)
-    if d.num_samples is not None:
-        train = train[: d.num_samples]
-    if d.eval_path:
-        held = _read(d.eval_path, "train", None, d, warn)
-    elif d.path is None and d.eval_split:
-        held = _read(d.name, d.eval_split, d.subset, d, warn)
-    elif d.eval_fraction > 0:
-        order = list(range(len(train)))
-        random.Random(seed).shuffle(order)
-        n_eval = max(1, int(round(len(train) * d.eval_fraction)))
-        if n_eval >= len(train):
-            raise UserError(f"{source}: {len(train)} rows leave nothing to train on after holding out "
-                            f"eval_fraction={d.eval_fraction}; lower data.eval_fraction or give data.eval_path")
-        held_idx = set(order[:n_eval])
-        held = [ex for i, ex in enumerate(train) if i in held_idx]
-        train = [ex for i, ex in enumerate(train) if i not in held_idx]
-    else:
-        held = []
-    if d.num_eval_samples is not None:
-        held = held[: d.num_eval_samples]
+    train, held = train_and_held_out(d, lambda src, split, subset: _read(src, split, subset, d, warn), seed)
     use_chat = resolve_use_chat_template(d.use_chat_template, tokenizer, "data.use_chat_template")
     tpl = sftdata.Template(d.prompt_template, d.response_template, use_chat)
     tr = sftdata.tokenize_examples(train, tokenizer, tpl, d.max_seq_length)
@@ -349,7 +330,7 @@ PLOT_GROUPS = {
     "loss": ["train/loss", "eval/loss"],
     "perplexity": ["eval/perplexity"],
     "generation": ["eval/rougeL", "eval/exact_match", "eval/accuracy"],
-    "grad_norm": ["params/grad_norm"],
+    "grad_norm": ["params/grad_norm", "params/grad_norm_max"],
     "lr": ["lr"],
 }
 
@@ -440,11 +421,14 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
 
     logger = MetricsLogger(out_dir, cfg.logging.report_to, cfg.logging.run_name, cfg.logging.wandb_project,
                            config=dataclasses.asdict(cfg)) if dist.is_main else None
+    # The doctor reads each logged row (loss not falling, overfitting, gradient spikes) and
+    # stops the run on a non-finite loss, as check_finite_step does before each update.
+    doctor = make_doctor(cfg.logging.doctor, s.max_grad_norm, method="sft") if dist.is_main else None
     result = SFTResult(out_dir, out_dir / "final", out_dir / "final" / "adapter" if cfg.lora.enabled else None,
                        train_rows=len(data.train), is_main=dist.is_main)
     if s.eval_before and dist.is_main:  # evaluation on the main process, which alone writes
         result.eval_before = evaluate_sft(model, tok, data, cfg, device, out_dir, 0)
-        logger.log(0, result.eval_before)
+        log_step(logger, doctor, 0, result.eval_before)
         say("step 0 (before training): " + format_metrics(result.eval_before))
 
     def save(folder: Path, at: int) -> None:
@@ -489,6 +473,7 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
                 elapsed = time.perf_counter() - window_start
                 metrics.update({"train/loss": window_nll / max(window_tokens, 1),
                                 "params/grad_norm": sum(window_norms) / len(window_norms),
+                                "params/grad_norm_max": max(window_norms),
                                 "lr": optimizer.param_groups[0]["lr"], "epoch": step / groups_per_epoch,
                                 "perf/tokens_per_s": window_tokens / max(elapsed, 1e-9)})
                 window_nll, window_tokens, window_norms, window_start = 0.0, 0, [], time.perf_counter()
@@ -496,8 +481,8 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
                 last_eval = evaluate_sft(model, tok, data, cfg, device, out_dir, step)
                 metrics.update(last_eval)
             if metrics and dist.is_main:
-                logger.log(step, metrics)
                 result.history.append({"step": step, **metrics})
+                log_step(logger, doctor, step, metrics)
                 if "train/loss" in metrics:
                     bar.set_postfix(loss=f"{metrics['train/loss']:.3f}")
             if t.save_interval and step % t.save_interval == 0 and step < total_steps:
