@@ -274,7 +274,9 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
     elif dist.distributed:  # each rank its own random stream (the seeded sampler does not use it)
         torch.manual_seed(train_cfg.seed * 1_000_003 + dist.rank)
 
-    doctor = make_doctor(cfg.logging.doctor, sec.max_grad_norm, f"{method.name}.{sec.KL_KNOB}") if dist.is_main else None
+    knob = f"{method.name}.{method.step_knob}"  # what a divergence message tells the user to lower
+    doctor = (make_doctor(cfg.logging.doctor, sec.max_grad_norm, f"{method.name}.{sec.KL_KNOB}",
+                          method=method.name, lr_knob=knob) if dist.is_main else None)
     logger = None
     if dist.is_main:
         logger = MetricsLogger(out_dir, cfg.logging.report_to, cfg.logging.run_name, cfg.logging.wandb_project,
@@ -289,7 +291,6 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
         if doctor is not None:  # the held-out checks' starting point, for the reward_hacking rule
             doctor.observe(0, result.eval_before)
 
-    knob = f"{method.name}.{method.step_knob}"
     probe = make_probe_batch(models.tokenizer, [e.prompt for e in train_examples[:4]], models.device)
 
     def save(folder: Path, step: int) -> None:
