@@ -141,13 +141,13 @@ def test_label_generate_with_vllm_stores_n_distinct_responses_as_hf_does(tiny_mo
     texts = [f"Question: {a} + {b}\nAnswer:" for a, b in ((1, 2), (3, 4), (5, 1), (2, 2), (6, 3))]
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in texts))
     dbs = {}
-    for backend in ("hf", "vllm"):
-        dbs[backend] = tmp_path / f"{backend}.db"
-        # 5 prompts in batches of 2: three calls; temperature 1 on an untrained model
+    for name, backend, batch in (("hf", "hf", 2), ("vllm", "vllm", 2), ("vllm-one-batch", "vllm", 5)):
+        dbs[name] = tmp_path / f"{name}.db"
+        # 5 prompts in batches of 2 (three calls) or in one; temperature 1 on an untrained model
         assert main(["label", "generate", "--model", str(tiny_model_dir), "--prompts", str(prompts),
-                     "--n", "4", "--out", str(dbs[backend]), "--backend", backend, "batch_size=2",
+                     "--n", "4", "--out", str(dbs[name]), "--backend", backend, f"batch_size={batch}",
                      "generation.max_new_tokens=12"]) == 0
-        assert f"{dbs[backend]}: " in capsys.readouterr().out
+        assert f"{dbs[name]}: " in capsys.readouterr().out
 
     def content(db: Path) -> dict:
         conn = sqlite3.connect(db)
@@ -167,6 +167,8 @@ def test_label_generate_with_vllm_stores_n_distinct_responses_as_hf_does(tiny_mo
     assert vl["per_prompt"] == hf["per_prompt"] == {p: 4 for p in texts}
     assert vl["pairs"] == hf["pairs"] == 5 * comb(4, 2) == 30
     assert set(vl["responses"]).isdisjoint(hf["responses"])  # samples of their own, not copies of hf's
+    # each prompt's samples are seeded by (seed, prompt index): the batching changes nothing
+    assert sorted(content(dbs["vllm-one-batch"])["responses"]) == sorted(vl["responses"])
 
 
 # --------------------------------------------------------------------------------------
