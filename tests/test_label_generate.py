@@ -99,3 +99,18 @@ def test_bad_model_path_is_a_user_error(prompts, tmp_path, capsys):
     assert main(["label", "generate", "--model", "x", "--prompts", str(prompts), "--n", "1",
                  "--out", str(tmp_path / "x.db")]) == 2
     assert "n: must be >= 2" in capsys.readouterr().err
+
+
+def test_seeded_sampling_makes_the_samples_independent_of_batch_size(tiny, prompts, tmp_path):
+    """generation.seeded_sampling keys each row's noise by (seed, its index in the run):
+    3 prompts one at a time or all in one call give the same responses."""
+    texts = {}
+    for batch in (1, 3):
+        db = tmp_path / f"b{batch}.db"
+        assert main(["label", "generate", "--model", str(tiny), "--prompts", str(prompts), "--n", "3",
+                     "--out", str(db), "generation.max_new_tokens=8", "generation.seeded_sampling=true",
+                     f"batch_size={batch}"]) == 0
+        conn = labeldb.connect(db)
+        texts[batch] = sorted(t for (t,) in conn.execute("SELECT text FROM responses"))
+        conn.close()
+    assert len(texts[1]) >= 6 and texts[1] == texts[3]

@@ -53,23 +53,23 @@ def read_prompts(path: str | Path) -> list[str]:
 
 
 def sample_responses(model, tokenizer, prompts: list[str], n: int, gen: GenerationConfig, *,
-                     engine=None, seed: int | None = None, row_offset: int = 0) -> list[list[str]]:
+                     engine=None, seed: int | None = None, first_prompt: int = 0) -> list[list[str]]:
     """n sampled continuations for each prompt: a list (per prompt) of n strings.
 
     `engine`: a `VLLMEngine` that samples instead of `model` (generation.backend=vllm).
     Either way the responses are a `Rollout`'s: cut after the first EOS (or end of turn),
     decoded without special tokens. `seed`: the samples of each row (hf,
-    generation.seeded_sampling) or each prompt (vllm, always) keyed by (seed, its index),
-    the rows of this call numbered from `row_offset`, so they do not depend on batch_size.
+    generation.seeded_sampling) or of each prompt (vllm) keyed by (seed, its index in the
+    whole run, prompts[0] being number `first_prompt`), so they do not depend on batch_size.
     """
     kw = dict(n=n, max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,
               temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p)
     if engine is not None:
-        roll = engine.generate(prompts, seed=seed, row_offset=row_offset // n, **kw)
+        roll = engine.generate(prompts, seed=seed, row_offset=first_prompt, **kw)
     else:
         from rlhflab.rollout import generate
         roll = generate(model, tokenizer, prompts, batch_size=len(prompts) * n, seed=seed,
-                        row_offset=row_offset, **kw)
+                        row_offset=first_prompt * n, **kw)
     return [roll.responses[i * n:(i + 1) * n] for i in range(len(prompts))]  # rows i*n.. answer prompt i
 
 
@@ -111,7 +111,7 @@ def generate_pairs(cfg: LabelGenerateConfig, prompts_path: str | Path,
         for start in range(0, len(prompts), cfg.batch_size):
             batch = prompts[start:start + cfg.batch_size]
             samples = sample_responses(model, tokenizer, batch, cfg.n, gen, engine=engine, seed=seed,
-                                       row_offset=start * cfg.n)
+                                       first_prompt=start)
             with labeldb.transaction(conn):
                 for prompt, responses in zip(batch, samples, strict=True):
                     labeldb.add_candidates(conn, prompt, responses, source,
