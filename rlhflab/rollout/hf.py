@@ -3,8 +3,9 @@
 Seeded sampling (`generation.seeded_sampling`): instead of `generate`'s multinomial
 draw from the batch's shared random stream, each row's token is the argmax of its
 processed logits (temperature, top-k, top-p) plus Gumbel noise keyed by (seed, step,
-the row's index in the whole step) (`rlhflab.ops.sampling`): the same distribution,
-and the same samples whatever the batch size or the number of processes.
+the row's index in the whole step, the response position) (`rlhflab.ops.sampling`): the
+same distribution, and the same samples whatever the batch size, the number of
+processes, or the other prompts' lengths (which set the batch's left padding).
 
 `n` > 1 answers per prompt (GRPO, RLOO groups) share the prompt: each prompt is
 prefilled once (all but its last token) and its KV cache repeated n times before
