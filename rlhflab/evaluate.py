@@ -1,4 +1,4 @@
-"""Held-out evaluation with greedy decoding: mean reward, accuracy, and checks you choose.
+"""Held-out evaluation: mean reward, accuracy, and checks you choose.
 
 What each metric means:
 
@@ -10,8 +10,12 @@ What each metric means:
 - ``eval/<metric>``: each ``eval.rewards`` source, measured and never optimised: the true
   check beside a learned reward, so reward hacking shows (the doctor warns about it).
 
-`rlhflab eval --model PATH --data test.jsonl [--correct my_rewards:exact]` runs it from the
-command line.
+The trainers evaluate with greedy decoding (`evaluate_policy`). `rlhflab eval --model PATH
+--data test.jsonl [--correct my_rewards:exact]` runs it from the command line, greedy by
+default or sampled (``--sample --temperature T``), with either generation backend:
+``--backend hf`` (Hugging Face ``generate``) or ``--backend vllm`` (a vLLM engine on the
+model folder; docs/rollout_backends.md). Both hand their responses to the same
+`score_rollout`, so the metrics are computed the same way whoever generated.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 from rlhflab.data.prompts import PromptExample
 from rlhflab.rewards.gsm8k import ground_truth, is_correct, parse_number
 from rlhflab.rewards.plugins import call_plugin, load_function
-from rlhflab.rollout import generate
+from rlhflab.rollout import Rollout, generate
 
 
 @dataclass
@@ -110,6 +114,12 @@ def evaluate_policy(model, tokenizer, examples: list[PromptExample], scorer, *,
     roll = generate(model, tokenizer, [e.prompt for e in examples], max_new_tokens=max_new_tokens,
                     greedy=True, max_prompt_length=max_prompt_length, batch_size=batch_size,
                     examples=[e.row for e in examples])
+    return score_rollout(roll, scorer, checks)
+
+
+def score_rollout(roll: Rollout, scorer, checks: EvalChecks | None = None) -> EvalResult:
+    """The evaluation of responses already generated (by either backend): the reward's
+    mean, accuracy by `accuracy_rule`, the eval-only rewards, and every sample."""
     scores = scorer.score(roll.prompts, roll.responses, roll.examples)
     correct = judge(checks, roll.prompts, roll.responses, roll.examples)
     extra_scores = {name: s.score(roll.prompts, roll.responses, roll.examples).float()
@@ -156,14 +166,30 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                         help="accuracy: module:function or file.py:function returning True when a response is "
                              "right; default: the GSM8K checker when every answer is a number, else none")
     parser.add_argument("--samples", default=None, help="write every response (jsonl) here")
+    parser.add_argument("--batch-size", type=count(), default=64,
+                        help="hf: responses per generate call; vllm: sequences the engine holds at once "
+                             "(default: %(default)s)")
+    from rlhflab.cliargs import number, seed
+    from rlhflab.generate import add_backend_options
+
+    parser.add_argument("--sample", action="store_true",
+                        help="sample instead of greedy decoding (accuracy then estimates pass@1 at --temperature)")
+    parser.add_argument("--temperature", type=number(0.0, lo_open=True), default=1.0,
+                        help="sampling temperature, > 0 (with --sample; default: %(default)s)")
+    parser.add_argument("--top-p", type=number(0.0, 1.0, lo_open=True), default=1.0,
+                        help="nucleus sampling mass in (0, 1] (with --sample; default: %(default)s)")
+    parser.add_argument("--seed", type=seed(), default=0, help="sampling seed (default: %(default)s)")
+    add_backend_options(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from rlhflab.config.schema import DatasetConfig
     from rlhflab.data.prompts import load_prompts
+    from rlhflab.generate import check_backend_options
     from rlhflab.models.load import load_model
     from rlhflab.rewards import RuleScorer, resolve_rule
 
+    check_backend_options(args)
     # The plug-ins first (and once on the first row), so a typo fails before the model loads.
     ds = DatasetConfig(path=None, eval_path=args.data, prompt_field=args.prompt_field,
                        answer_field=args.answer_field, prompt_template=args.template,
@@ -176,15 +202,36 @@ def run(args: argparse.Namespace) -> int:
     scorer.score([e.prompt for e in first], probe, [e.row for e in first])
     judge(checks, [e.prompt for e in first], probe, [e.row for e in first])
 
-    model, tok = load_model(args.model, device=args.device)
-    examples = load_prompts(ds, tok, split="eval")
-    res = evaluate_policy(model, tok, examples, scorer, max_new_tokens=args.max_new_tokens, checks=checks)
+    sampling = dict(max_new_tokens=args.max_new_tokens, greedy=not args.sample, temperature=args.temperature,
+                    top_p=args.top_p)
+    if args.backend == "vllm":  # only the tokenizer here: the engine loads the weights itself
+        from rlhflab.generate import CLI_OPTIONS
+        from rlhflab.models.load import load_tokenizer
+        from rlhflab.rollout.vllm import engine_for_folder
+
+        tok = load_tokenizer(args.model, kind="model")
+        examples = load_prompts(ds, tok, split="eval")
+        prompts = [e.prompt for e in examples]
+        engine = engine_for_folder(args.model, tok, prompts, max_new_tokens=args.max_new_tokens,
+                                   max_num_seqs=min(args.batch_size, len(prompts)), seed=args.seed,
+                                   kv_cache_gb=args.kv_cache_gb, gpu_memory_utilization=args.gpu_memory_utilization,
+                                   options=CLI_OPTIONS)
+        roll = engine.generate(prompts, examples=[e.row for e in examples], seed=args.seed, **sampling)
+    else:
+        model, tok = load_model(args.model, device=args.device)
+        examples = load_prompts(ds, tok, split="eval")
+        torch.manual_seed(args.seed)
+        roll = generate(model, tok, [e.prompt for e in examples], batch_size=args.batch_size,
+                        examples=[e.row for e in examples], **sampling)
+    res = score_rollout(roll, scorer, checks)
     rule = accuracy_rule(checks, [e.row for e in examples])
     if res.accuracy is not None:
         print(f"accuracy     {res.accuracy:.3f}   by {rule}")
     else:
         print("accuracy     n/a   (the answers are not numbers; give --correct module:function)")
-    print(f"reward_mean  {res.reward_mean:.3f}   ({len(examples)} examples, reward {args.reward})")
+    how = f"sampled at temperature {args.temperature:g}" if args.sample else "greedy"
+    print(f"reward_mean  {res.reward_mean:.3f}   ({len(examples)} examples, reward {args.reward}, {how}, "
+          f"backend {args.backend})")
     for s in res.samples[:3]:
         print(f"--- {s['prompt']!r}\n    {s['response']!r}  score={s['score']:.3g}")
     if args.samples:

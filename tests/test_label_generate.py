@@ -4,6 +4,7 @@ import json
 from math import comb
 
 import pytest
+import torch
 from label_helpers import tiny_model
 
 from rlhflab.cli import main
@@ -57,11 +58,15 @@ def test_generate_samples_n_per_prompt_and_stores_all_pairs(tiny, prompts, tmp_p
     assert main(argv) == 0
     assert "3 rows" in capsys.readouterr().out  # the duplicate prompt is dropped
 
-    # sampling settings come from the config (file + dotted override); 3 prompts in batches of 2
+    # sampling settings come from the config (file + dotted override); 3 prompts in batches of 2,
+    # each prompt's row repeated n = 4 times (rlhflab.rollout.generate): 2 x 4 rows, then 1 x 4
     assert len(calls) == 2
+    assert [kw["input_ids"].shape[0] for kw in calls] == [8, 4]
     for kw in calls:
-        assert kw["do_sample"] is True and kw["num_return_sequences"] == 4
+        assert kw["do_sample"] is True
         assert (kw["max_new_tokens"], kw["temperature"], kw["top_p"], kw["top_k"]) == (12, 1.3, 0.95, 50)
+        ids = kw["input_ids"]
+        assert torch.equal(ids[0::4], ids[3::4])  # rows [4i, 4i+4) answer prompt i
 
     conn = labeldb.connect(db)
     assert labeldb.count(conn, "prompts") == 3
@@ -94,3 +99,18 @@ def test_bad_model_path_is_a_user_error(prompts, tmp_path, capsys):
     assert main(["label", "generate", "--model", "x", "--prompts", str(prompts), "--n", "1",
                  "--out", str(tmp_path / "x.db")]) == 2
     assert "n: must be >= 2" in capsys.readouterr().err
+
+
+def test_seeded_sampling_makes_the_samples_independent_of_batch_size(tiny, prompts, tmp_path):
+    """generation.seeded_sampling keys each row's noise by (seed, its index in the run):
+    3 prompts one at a time or all in one call give the same responses."""
+    texts = {}
+    for batch in (1, 3):
+        db = tmp_path / f"b{batch}.db"
+        assert main(["label", "generate", "--model", str(tiny), "--prompts", str(prompts), "--n", "3",
+                     "--out", str(db), "generation.max_new_tokens=8", "generation.seeded_sampling=true",
+                     f"batch_size={batch}"]) == 0
+        conn = labeldb.connect(db)
+        texts[batch] = sorted(t for (t,) in conn.execute("SELECT text FROM responses"))
+        conn.close()
+    assert len(texts[1]) >= 6 and texts[1] == texts[3]

@@ -1,6 +1,6 @@
 """`rlhflab label {generate,import,serve,stats,export}`: human preference collection.
 
-    rlhflab label generate --model PATH --prompts prompts.jsonl --n 4 --out pairs.db
+    rlhflab label generate --model PATH --prompts prompts.jsonl --n 4 --out pairs.db [--backend vllm]
     rlhflab label import pairs.jsonl --db pairs.db
     rlhflab label serve --db pairs.db [--port 8765] [--token T]
     rlhflab label stats --db pairs.db [--json]
@@ -33,6 +33,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", required=True, help='jsonl file, one {"prompt": ...} per line')
     p.add_argument("--n", type=int, help="responses per prompt, at least 2 (sets n, which the config checks; default 4)")
     p.add_argument("--out", required=True, help="SQLite file to create or add to")
+    p.add_argument("--backend", choices=("hf", "vllm"),
+                   help="who samples (sets generation.backend): hf, Hugging Face generate (the default), or "
+                        "vllm, a vLLM engine on the model folder (size its KV cache with generation.kv_cache_gb)")
     p.add_argument("--config", help="YAML with generation: (temperature, top_p, max_new_tokens...) "
                                     "and other keys of `label generate`")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
@@ -96,6 +99,8 @@ def _generate(args: argparse.Namespace) -> int:
         overrides.append(f"model.name_or_path={args.model}")
     if args.n is not None:
         overrides.append(f"n={args.n}")
+    if args.backend is not None:
+        overrides.append(f"generation.backend={args.backend}")
     cfg, _ = load_config(args.config, LabelGenerateConfig, overrides)
     result = generate_pairs(cfg, args.prompts, args.out)
     print(f"{args.out}: {result.summary()}")

@@ -1,9 +1,12 @@
 """`rlhflab label generate`: sample N responses per prompt and store candidate pairs.
 
-Prompts are fed to the model as plain text (format them in the file the way the policy
-expects, e.g. "User: ...\\nAssistant:"). Sampling settings come from the `generation:`
-section of the config (temperature, top_k, top_p, max/min_new_tokens). Identical samples
-of one prompt are stored once, and every two distinct responses make a pair (or
+Prompts are fed to the model as plain text, tokenised without special tokens as every
+rlhflab rollout is (format them in the file the way the policy expects, e.g.
+"User: ...\\nAssistant:"). Sampling settings come from the `generation:` section of the
+config (temperature, top_k, top_p, max/min_new_tokens), and so does who samples:
+`generation.backend: hf` (Hugging Face `generate`, the default) or `vllm` (a vLLM engine
+on the model folder, started once; `kv_cache_gb`, `gpu_memory_utilization`). Identical
+samples of one prompt are stored once, and every two distinct responses make a pair (or
 `pairs_per_prompt` of them drawn at random). Each batch of prompts is one transaction,
 so an interrupted run keeps the batches it finished; running again adds only new pairs.
 """
@@ -49,43 +52,66 @@ def read_prompts(path: str | Path) -> list[str]:
     return list(dict.fromkeys(prompts))
 
 
-def sample_responses(model, tokenizer, prompts: list[str], n: int,
-                     gen: GenerationConfig) -> list[list[str]]:
-    """n sampled continuations for each prompt: a list (per prompt) of n strings."""
-    import torch
+def sample_responses(model, tokenizer, prompts: list[str], n: int, gen: GenerationConfig, *,
+                     engine=None, seed: int | None = None, first_prompt: int = 0) -> list[list[str]]:
+    """n sampled continuations for each prompt: a list (per prompt) of n strings.
 
-    enc = tokenizer(prompts, return_tensors="pt", padding=True).to(model.device)  # (B, L)
-    kwargs = dict(do_sample=True, num_return_sequences=n, max_new_tokens=gen.max_new_tokens,
-                  min_new_tokens=gen.min_new_tokens, temperature=gen.temperature,
-                  top_p=gen.top_p, top_k=gen.top_k, pad_token_id=tokenizer.pad_token_id)
-    with torch.no_grad():
-        out = model.generate(**enc, **kwargs)  # (B * n, L + T), rows grouped by prompt
-    new_tokens = out[:, enc["input_ids"].shape[1]:]  # (B * n, T): left padding aligns the prompts
-    texts = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
-    return [texts[i * n:(i + 1) * n] for i in range(len(prompts))]
+    `engine`: a `VLLMEngine` that samples instead of `model` (generation.backend=vllm).
+    Either way the responses are a `Rollout`'s: cut after the first EOS (or end of turn),
+    decoded without special tokens. `seed`: the samples of each row (hf,
+    generation.seeded_sampling) or of each prompt (vllm) keyed by (seed, its index in the
+    whole run, prompts[0] being number `first_prompt`), so they do not depend on batch_size.
+    """
+    kw = dict(n=n, max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,
+              temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p)
+    if engine is not None:
+        roll = engine.generate(prompts, seed=seed, row_offset=first_prompt, **kw)
+    else:
+        from rlhflab.rollout import generate
+        roll = generate(model, tokenizer, prompts, batch_size=len(prompts) * n, seed=seed,
+                        row_offset=first_prompt * n, **kw)
+    return [roll.responses[i * n:(i + 1) * n] for i in range(len(prompts))]  # rows i*n.. answer prompt i
 
 
 def generate_pairs(cfg: LabelGenerateConfig, prompts_path: str | Path,
                    out_db: str | Path) -> labeldb.AddResult:
-    """Sample, then store prompts, responses and pairs in `out_db` (created if new)."""
+    """Sample, then store prompts, responses and pairs in `out_db` (created if new).
+
+    With generation.backend=vllm the engine starts (or fails, e.g. vLLM missing) before
+    the database is opened, so a failed start leaves no new file behind.
+    """
     prompts = read_prompts(prompts_path)  # a bad file fails before torch is imported
 
     import torch
 
-    from rlhflab.models.load import load_model
-
+    m, gen = cfg.model, cfg.generation
     torch.manual_seed(cfg.seed)
-    model, tokenizer = load_model(cfg.model.name_or_path, torch_dtype=cfg.model.torch_dtype,
-                                  device=cfg.device, trust_remote_code=cfg.model.trust_remote_code,
-                                  tokenizer=cfg.model.tokenizer)
-    model.eval()
-    source = str(cfg.model.name_or_path)
+    model = engine = None
+    if gen.backend == "vllm":  # the engine loads the weights itself: only the tokenizer here
+        from rlhflab.models.load import load_tokenizer
+        from rlhflab.rollout.vllm import engine_for_folder
+
+        tokenizer = load_tokenizer(m.tokenizer or m.name_or_path, m.trust_remote_code, kind="model")
+        engine = engine_for_folder(m.name_or_path, tokenizer, prompts, max_new_tokens=gen.max_new_tokens,
+                                   max_num_seqs=min(cfg.batch_size, len(prompts)) * cfg.n, dtype=m.torch_dtype,
+                                   seed=cfg.seed, kv_cache_gb=gen.kv_cache_gb,
+                                   gpu_memory_utilization=gen.gpu_memory_utilization,
+                                   trust_remote_code=m.trust_remote_code)
+    else:
+        from rlhflab.models.load import load_model
+
+        model, tokenizer = load_model(m.name_or_path, torch_dtype=m.torch_dtype, device=cfg.device,
+                                      trust_remote_code=m.trust_remote_code, tokenizer=m.tokenizer)
+        model.eval()
+    seed = cfg.seed if gen.seeded_sampling or engine is not None else None
+    source = str(m.name_or_path)
     conn = labeldb.connect(out_db, create=True)
     result = labeldb.AddResult()
     try:
         for start in range(0, len(prompts), cfg.batch_size):
             batch = prompts[start:start + cfg.batch_size]
-            samples = sample_responses(model, tokenizer, batch, cfg.n, cfg.generation)
+            samples = sample_responses(model, tokenizer, batch, cfg.n, gen, engine=engine, seed=seed,
+                                       first_prompt=start)
             with labeldb.transaction(conn):
                 for prompt, responses in zip(batch, samples, strict=True):
                     labeldb.add_candidates(conn, prompt, responses, source,

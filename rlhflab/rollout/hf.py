@@ -3,8 +3,9 @@
 Seeded sampling (`generation.seeded_sampling`): instead of `generate`'s multinomial
 draw from the batch's shared random stream, each row's token is the argmax of its
 processed logits (temperature, top-k, top-p) plus Gumbel noise keyed by (seed, step,
-the row's index in the whole step) (`rlhflab.ops.sampling`): the same distribution,
-and the same samples whatever the batch size or the number of processes.
+the row's index in the whole step, the response position) (`rlhflab.ops.sampling`): the
+same distribution, and the same samples whatever the batch size, the number of
+processes, or the other prompts' lengths (which set the batch's left padding).
 
 `n` > 1 answers per prompt (GRPO, RLOO groups) share the prompt: each prompt is
 prefilled once (all but its last token) and its KV cache repeated n times before
@@ -25,17 +26,22 @@ from rlhflab.rollout import Rollout, collate, eos_ids_of, finish_rollout
 
 
 class SeededGumbel:
-    """A logits processor adding per-row counter-based Gumbel noise (see the module docstring)."""
+    """A logits processor adding per-row counter-based Gumbel noise (see the module docstring).
 
-    def __init__(self, keys: torch.Tensor):
+    The noise is keyed by the response position (tokens generated so far), not by the
+    padded sequence length, which depends on the longest prompt in the batch."""
+
+    def __init__(self, keys: torch.Tensor, prompt_len: int = 0):
         self.keys = keys  # (B,) int64
+        self.prompt_len = prompt_len  # P: the padded prompt width of this generate call
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        noise = ops.gumbel_noise(self.keys.to(scores.device), input_ids.shape[1], scores.shape[-1])
+        position = input_ids.shape[1] - self.prompt_len
+        noise = ops.gumbel_noise(self.keys.to(scores.device), position, scores.shape[-1])
         return scores + noise.to(scores.dtype)
 
 
-def _seeded_processors(keys: torch.Tensor, temperature: float, top_k: int, top_p: float):
+def _seeded_processors(keys: torch.Tensor, temperature: float, top_k: int, top_p: float, prompt_len: int):
     from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
                                                         TopKLogitsWarper, TopPLogitsWarper)
     procs = [TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []
@@ -43,7 +49,7 @@ def _seeded_processors(keys: torch.Tensor, temperature: float, top_k: int, top_p
         procs.append(TopKLogitsWarper(top_k))
     if top_p < 1.0:
         procs.append(TopPLogitsWarper(top_p))
-    return LogitsProcessorList([*procs, SeededGumbel(keys)])
+    return LogitsProcessorList([*procs, SeededGumbel(keys, prompt_len)])
 
 
 @torch.no_grad()
@@ -92,7 +98,7 @@ def generate(model, tokenizer, prompts: Sequence[str], *, n: int = 1, max_new_to
             rows = row_offset + start * n + torch.arange(ids_n.shape[0])
             call_kw.update(do_sample=False, temperature=None, top_k=None, top_p=None,
                            logits_processor=_seeded_processors(ops.row_keys(seed, step, rows), temperature,
-                                                               top_k, top_p))
+                                                               top_k, top_p, prompt_len=ids_n.shape[1]))
         out = model.generate(input_ids=ids_n, attention_mask=am_n, **call_kw)
         rows = examples[start : start + per_call]
         parts.append(finish_rollout(out, ids_n, am_n, tokenizer, eos, [p for p in chunk for _ in range(n)],

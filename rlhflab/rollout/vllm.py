@@ -45,7 +45,9 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
+import tempfile
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -296,7 +298,9 @@ class VLLMEngine:
                       enable_sleep_mode=enable_sleep and not on_cpu)
         if kv_cache_gb is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
-        with _keep_process_state(), _hide_unscannable_modules():
+        with _keep_process_state(), _hide_unscannable_modules(), warnings.catch_warnings():
+            # vLLM's start-up scan touches deprecated torch attributes (FutureWarning, twice)
+            warnings.simplefilter("ignore", FutureWarning)
             try:
                 llm = vllm.LLM(**kwargs)
             except ValueError as exc:  # vLLM's own checks (memory, lengths): one line
@@ -317,9 +321,17 @@ class VLLMEngine:
     def generate(self, prompts: Sequence[str], *, n: int = 1, max_new_tokens: int,
                  min_new_tokens: int = 0, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, greedy: bool = False, max_prompt_length: int | None = None,
-                 examples: Sequence[dict] | None = None) -> Rollout:
+                 examples: Sequence[dict] | None = None, seed: int | None = None,
+                 row_offset: int = 0) -> Rollout:
         """`n` responses per prompt, in the layout of `rlhflab.rollout.generate`, plus
-        `sample_logprobs` (B, T). Rows [i*n, (i+1)*n) answer prompt i."""
+        `sample_logprobs` (B, T). Rows [i*n, (i+1)*n) answer prompt i.
+
+        seed: sampled responses reproducible whatever ran before: prompt i draws its n
+            samples from a generator of its own, seeded by (seed, row_offset + i)
+            (`ops.row_keys`), so prompts split over several calls (with row_offset
+            counting the prompts before) sample as in one. None: vLLM's shared stream,
+            which follows torch's global random state.
+        """
         from vllm import SamplingParams
 
         if self.asleep:
@@ -342,6 +354,12 @@ class VLLMEngine:
             temperature=0.0 if greedy else temperature, top_k=0 if greedy else top_k,
             top_p=1.0 if greedy else top_p, stop_token_ids=list(self.eos), logprobs=0,
             detokenize=False)
+        if seed is not None and not greedy:  # one seeded request per prompt (copies == 1 here)
+            from rlhflab.ops import row_keys
+            keys = row_keys(seed, 0, row_offset + torch.arange(len(rows))).tolist()
+            params = [params.clone() for _ in keys]
+            for p, key in zip(params, keys):
+                p.seed = int(key)
         outs = self.llm.generate([{"prompt_token_ids": r} for r in rows for _ in range(copies)],
                                  params, use_tqdm=False)
 
@@ -392,6 +410,89 @@ class VLLMEngine:
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
+
+    def close(self) -> None:
+        """Shut the engine down and free its memory now, not at garbage collection: a
+        command that serves several models in turn (`rlhflab generate`) holds one at a time."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown()
+        self.llm = None
+        import gc
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------------------
+# Commands that only generate: eval, generate, label generate
+# --------------------------------------------------------------------------------------
+def engine_for_folder(name_or_path: str, tokenizer, prompts: Sequence[str], *, max_new_tokens: int,
+                      max_num_seqs: int, max_prompt_length: int | None = None, dtype: str = "float32",
+                      seed: int = 0, kv_cache_gb: float | None = None, gpu_memory_utilization: float = 0.9,
+                      trust_remote_code: bool = False, options: dict[str, str] | None = None) -> VLLMEngine:
+    """A `VLLMEngine` on a saved model, for a command that generates and never trains.
+
+    Sized for these prompts: ``max_model_len`` is the longest prompt (as `generate`
+    tokenises it) plus `max_new_tokens`, and the KV cache holds `max_num_seqs` such
+    sequences (vLLM queues the rest). No weights are pushed: the engine loads the folder.
+
+    A LoRA adapter folder (adapter_config.json, no config.json; `models.load.adapter_base`)
+    is merged into its base by `load_model`, exactly as the hf backend loads it, and saved
+    to a temporary folder that is deleted once the engine has read it. vLLM could serve the
+    adapter itself (``enable_lora``), but that fixes a largest rank at start-up and adds
+    LoRA kernels to every step; the merged folder is the very model ``--backend hf`` runs,
+    for one extra copy on disk while the engine starts.
+
+    options: the command's names for the generation settings, e.g.
+        ``{"generation.backend": "--backend", "generation.kv_cache_gb": "--kv-cache-gb"}``:
+        errors name what the user typed. None: the config keys, as `label generate` reads them.
+    """
+    tokenizer.truncation_side = "left"  # as `generate` and `VLLMEngine.generate` cut prompts
+    lengths = [len(ids) for ids in tokenizer(list(prompts), add_special_tokens=False,
+                                              truncation=max_prompt_length is not None,
+                                              max_length=max_prompt_length)["input_ids"]]
+    max_model_len = max(lengths, default=0) + max_new_tokens
+    kwargs = dict(max_model_len=max_model_len, seed=seed, kv_cache_gb=kv_cache_gb,
+                  gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max(1, max_num_seqs),
+                  trust_remote_code=trust_remote_code)
+    try:
+        return _start(name_or_path, tokenizer, max_model_len, max_new_tokens, dtype, kwargs)
+    except UserError as exc:
+        message = str(exc)
+        for key, option in (options or {}).items():
+            message = message.replace(f"{key}=", f"{option} ").replace(key, option)
+        raise UserError(message) from None
+
+
+def _start(name_or_path: str, tokenizer, max_model_len: int, max_new_tokens: int, dtype: str,
+           kwargs: dict) -> VLLMEngine:
+    from rlhflab.models.load import adapter_base, load_model
+
+    if adapter_base(name_or_path) is None:
+        config = read_model_config(name_or_path)
+        _check_context(config, max_model_len, max_new_tokens, name_or_path)
+        return VLLMEngine.create(name_or_path, tokenizer, dtype=resolve_dtype(dtype, config), **kwargs)
+    merged = Path(tempfile.mkdtemp(prefix="rlhflab-merged-"))
+    try:
+        model, _ = load_model(name_or_path, torch_dtype=dtype, trust_remote_code=kwargs["trust_remote_code"])
+        model.save_pretrained(merged)
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        del model
+        _check_context(read_model_config(str(merged)), max_model_len, max_new_tokens, name_or_path)
+        return VLLMEngine.create(str(merged), tokenizer, dtype=dtype, **kwargs)
+    finally:
+        shutil.rmtree(merged, ignore_errors=True)
+
+
+def _check_context(config: dict, max_model_len: int, max_new_tokens: int, model_path: str) -> None:
+    """The longest prompt plus the new tokens must fit the model's context (said in the
+    command's own words; `VLLMEngine.create` would name the trainers' settings)."""
+    limit = (config.get("text_config") or config).get("max_position_embeddings")
+    if limit and max_model_len > limit:
+        raise UserError(f"generation.backend=vllm: the longest prompt ({max_model_len - max_new_tokens} tokens) + "
+                        f"{max_new_tokens} new tokens exceeds the context of {model_path!r} ({limit}, "
+                        f"max_position_embeddings); lower generation.max_new_tokens or shorten the prompts")
 
 
 def _kv_message(have: float, need: int, seqs: int, length: int, per_token: int, on_cpu: bool) -> str:
