@@ -226,16 +226,13 @@ class ClassifierResult:
 
 
 def save_classifier(model, tokenizer, folder: Path) -> None:
-    """A plain HF sequence-classification folder, written to a temporary name first."""
-    import shutil
-    tmp = folder.with_name(folder.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if folder.exists():
-        shutil.rmtree(folder)
-    tmp.rename(folder)
+    """A plain HF sequence-classification folder, written to a temporary name first (a
+    full disk or a read-only folder: one line naming it, an earlier save left intact)."""
+    from rlhflab.models.checkpoint import atomic_folder
+
+    with atomic_folder(folder, "save the classifier to") as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
 
 
 def train_classifier(cfg: ClassifierRunConfig, effective=None, quiet: bool = False) -> ClassifierResult:
