@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -52,6 +53,14 @@ def _inputs(work: Path) -> tuple[Path, Path]:
     return model, data
 
 
+def _free_port() -> int:
+    """A TCP port nobody listens on now: the rendezvous's default 29500 may be taken by
+    another distributed job on the machine (the launch then fails with EADDRINUSE)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _run(processes: int, model: Path, data: Path, out: Path, a: argparse.Namespace) -> float:
     args = ["ppo", "--config", str(REPO / "configs" / "ppo_debug.yaml"), f"model.name_or_path={model}",
             f"dataset.path={data / 'train.jsonl'}", f"dataset.eval_path={data / 'test.jsonl'}",
@@ -64,7 +73,8 @@ def _run(processes: int, model: Path, data: Path, out: Path, a: argparse.Namespa
         cmd = [str(VENV_BIN / "rlhflab"), *args]
     else:
         cmd = [str(VENV_BIN / "accelerate"), "launch", "--config_file",
-               str(REPO / "configs" / "accelerate" / "cpu_2proc.yaml"), "-m", "rlhflab", *args]
+               str(REPO / "configs" / "accelerate" / "cpu_2proc.yaml"), "--main_process_port", str(_free_port()),
+               "-m", "rlhflab", *args]
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1"}
     env.pop("WORLD_SIZE", None)
     if out.exists():
