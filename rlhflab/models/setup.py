@@ -122,14 +122,15 @@ def map_large_allocations(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     space is given back only from its top. A training step frees and re-allocates
     hundreds of 1-32 MiB gradients and activations, so freed memory stays resident: at
     Qwen2.5-0.5B's size, 1.15 GiB at the second optimizer step's peak (11.20 GiB above
-    the baseline, 10.05 GiB with this). The cost is a page fault per fresh page of such
-    blocks (about 3% more CPU time in that step). Process-wide; later calls change nothing.
+    the baseline, 10.04-10.05 GiB with this: bench/real_scale.py). The cost is a page
+    fault per fresh page of such blocks (about 3% more CPU time over that step).
+    Process-wide; calling it again is harmless.
     """
     import ctypes
 
     try:
         mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc (macOS, Windows)
+    except (OSError, AttributeError, TypeError):  # not glibc (macOS, Windows)
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return mallopt(M_MMAP_THRESHOLD, threshold) == 1
