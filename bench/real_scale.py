@@ -17,14 +17,20 @@ weights and AdamW (fused).
     lora   a LoRA adapter (r 8, q/v projections) trains; the reference is the policy with
            its adapter off (`model.reference: lora_disabled`), no second copy
 
+After the step, a second optimizer step on the same rollout (`update_2`: a second
+PPO epoch) measures what every later step of a run holds: Adam's moments exist from the
+start of its backward pass, where the first step makes them only after it. The peak is
+the most over all phases, `update_2` included (`--no-second-update` leaves it out).
+
 Each variant runs in a fresh process. Memory is the peak resident set (VmHWM) above the
 resident set once the libraries are imported and warmed up (a priming step on a small
 model of the same architecture, thrown away), as bench/ppo_throughput.py measures it;
 the peak is also taken per phase (the kernel's mark is reset as each phase starts).
 `logits` is the largest number of bytes held at one time by tensors whose last
 dimension is the vocabulary (parameters excluded), counted exactly by a
-TorchDispatchMode over the whole step: the chunked log-prob op's chunks and generation's
-last-token logits.
+TorchDispatchMode over the step (not over `update_2`: under a Python dispatch mode
+autograd sums a tied weight's two gradients out of place, a (V, H) copy the run without
+it never makes): the chunked log-prob op's chunks and generation's last-token logits.
 
 Full fine-tuning holds about 9.9 GB of weights, gradients, Adam moments and the reference
 copy in float32 before any activation, so it needs about 12 GiB free: the script refuses
@@ -52,7 +58,7 @@ MODEL_DIR = _common.BENCH_DIR / "qwen2-0.5b-shaped"
 QWEN2_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                  intermediate_size=4864, vocab_size=151_936, max_position_embeddings=32_768,
                  rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
-PHASES = ("generate", "score", "forward", "update")
+PHASES = ("generate", "score", "forward", "update", "update_2")
 VARIANTS = ("full", "lora")
 GIB = 2**30
 
@@ -248,6 +254,12 @@ def worker(variant: str, a) -> dict:
         with timer("update"):
             upd = run_update(run, roll, 1)
     step_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    if a.second_update:
+        # A run's later optimizer steps hold Adam's moments from the start of their
+        # backward pass; the first creates them only after it. Outside the meter: under a
+        # Python dispatch mode autograd sums a tied weight's two gradients out of place.
+        with timer("update_2"):
+            run_update(run, roll, 2)
     peak = max(timer.peak_mb.values())  # every part of the step is inside a phase
     moved = sum(int(not torch.equal(p, dict(actor.named_parameters())[n])) for n, p in before.items())
     return {
@@ -286,6 +298,7 @@ def run_worker(variant: str, a) -> dict:
     cmd = [sys.executable, __file__, "--worker", variant, "--model-dir", str(a.model_dir), "--threads", str(a.threads),
            "--episodes", str(a.episodes), "--prompt-len", str(a.prompt_len), "--response-len", str(a.response_len),
            "--epochs", str(a.epochs), "--mixed-precision", a.mixed_precision]
+    cmd += [] if a.second_update else ["--no-second-update"]
     cmd += [] if a.gradient_checkpointing else ["--no-gradient-checkpointing"]
     cmd += [] if a.logits_meter else ["--no-logits-meter"]
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
@@ -314,7 +327,9 @@ def report(results: dict[str, dict], a) -> str:
     for name, r in results.items():
         lines.append(f"{name:<6} " + " ".join(f"{r['phase_peak_mb'].get(p, float('nan')) / 1024:>10.2f}"
                                               for p in PHASES))
-    lines += ["", "build GiB: RSS after loading the policy, value head and reference (and, for full, before Adam's "
+    lines += ["", "update_2: a second optimizer step on the same rollout (a second PPO epoch), Adam's moments "
+              "alive from its start, as in every step of a run after the first; peak GiB is the most of all phases",
+              "build GiB: RSS after loading the policy, value head and reference (and, for full, before Adam's "
               "moments exist: they are made at the first optimizer step)",
               "logits MiB: most bytes held at once by tensors whose last dimension is the vocabulary "
               "(chunks of the log-prob op, generation's next-token logits); share: of the step's peak"]
@@ -344,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mixed-precision", choices=["no", "bf16"], default="no")
     ap.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false",
                     help="keep every activation (default: model.gradient_checkpointing on)")
+    ap.add_argument("--no-second-update", dest="second_update", action="store_false",
+                    help="skip the second optimizer step on the same rollout (default: taken, and in the peak)")
     ap.add_argument("--no-logits-meter", dest="logits_meter", action="store_false",
                     help="skip the exact count of vocabulary-sized tensors (it adds a Python call per op)")
     ap.add_argument("--model-dir", default=str(MODEL_DIR), help="built there when missing")

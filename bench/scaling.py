@@ -11,7 +11,8 @@ with the machine's cores as torch threads, then 2 processes under `accelerate la
 (configs/accelerate/cpu_2proc.yaml, gloo) with the cores shared equally. Each run's
 episodes/s is its `train_result.json` figure (every step, the first included, on both
 sides alike); the table shows the median and the range over `--repeats` runs and the
-ratio 2 processes / 1 process. On one 2-core CPU, two
+ratio 2 processes / 1 process, and each run's peak resident memory (the process's, or
+rank 0's, lifetime `ru_maxrss` with the imports: `peak_memory_mb.txt`). On one 2-core CPU, two
 processes cannot be faster than one using both cores for its matmuls: the ratio
 measures the cost of the distribution itself (communication and the duplicated Python
 work), which on a GPU node is what stays small next to the per-rank compute.
@@ -30,6 +31,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -52,7 +54,16 @@ def _inputs(work: Path) -> tuple[Path, Path]:
     return model, data
 
 
-def _run(processes: int, model: Path, data: Path, out: Path, a: argparse.Namespace) -> float:
+def _free_port() -> int:
+    """A TCP port nobody listens on now: the rendezvous's default 29500 may be taken by
+    another distributed job on the machine (the launch then fails with EADDRINUSE)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(processes: int, model: Path, data: Path, out: Path, a: argparse.Namespace) -> tuple[float, float]:
+    """One `rlhflab ppo` run: (episodes/s, the peak resident MiB of the process or of rank 0)."""
     args = ["ppo", "--config", str(REPO / "configs" / "ppo_debug.yaml"), f"model.name_or_path={model}",
             f"dataset.path={data / 'train.jsonl'}", f"dataset.eval_path={data / 'test.jsonl'}",
             f"training.output_dir={out}", f"training.total_steps={a.steps}", "training.eval_interval=0",
@@ -64,7 +75,8 @@ def _run(processes: int, model: Path, data: Path, out: Path, a: argparse.Namespa
         cmd = [str(VENV_BIN / "rlhflab"), *args]
     else:
         cmd = [str(VENV_BIN / "accelerate"), "launch", "--config_file",
-               str(REPO / "configs" / "accelerate" / "cpu_2proc.yaml"), "-m", "rlhflab", *args]
+               str(REPO / "configs" / "accelerate" / "cpu_2proc.yaml"), "--main_process_port", str(_free_port()),
+               "-m", "rlhflab", *args]
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1"}
     env.pop("WORLD_SIZE", None)
     if out.exists():
@@ -72,7 +84,8 @@ def _run(processes: int, model: Path, data: Path, out: Path, a: argparse.Namespa
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"scaling: {processes}-process run failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    return json.loads((out / "train_result.json").read_text())["episodes_per_s"]
+    eps = json.loads((out / "train_result.json").read_text())["episodes_per_s"]
+    return eps, float((out / "peak_memory_mb.txt").read_text())  # ru_maxrss, imports included
 
 
 def memory_table(sizes: list[float], ranks: int) -> None:
@@ -105,17 +118,21 @@ def main(argv=None) -> int:
     if not a.memory_only:
         work = Path(tempfile.mkdtemp(prefix="rlhflab-scaling-"))
         model, data = _inputs(work)
-        rates = {1: [], 2: []}
+        rates, peaks = {1: [], 2: []}, {1: [], 2: []}
         for r in range(a.repeats):
             for n in (1, 2):
-                rates[n].append(_run(n, model, data, work / f"run{n}_{r}", a))
-                print(f"run {r + 1}/{a.repeats}, {n} process(es): {rates[n][-1]:.2f} episodes/s", flush=True)
+                eps, peak = _run(n, model, data, work / f"run{n}_{r}", a)
+                rates[n].append(eps)
+                peaks[n].append(peak)
+                print(f"run {r + 1}/{a.repeats}, {n} process(es): {eps:.2f} episodes/s, peak RSS {peak:.0f} MiB",
+                      flush=True)
         med = {n: statistics.median(v) for n, v in rates.items()}
         print(f"\n## PPO episodes/s, {a.episodes} episodes per step, {a.steps} steps, {os.cpu_count()} CPU cores\n")
-        print("| processes | episodes/s (median) | range |")
-        print("| --- | --- | --- |")
+        print("| processes | episodes/s (median) | range | peak RSS MiB per process (rank 0), range |")
+        print("| --- | --- | --- | --- |")
         for n in (1, 2):
-            print(f"| {n} | {med[n]:.2f} | {min(rates[n]):.2f}-{max(rates[n]):.2f} |")
+            print(f"| {n} | {med[n]:.2f} | {min(rates[n]):.2f}-{max(rates[n]):.2f} | "
+                  f"{min(peaks[n]):.0f}-{max(peaks[n]):.0f} |")
         shutil.rmtree(work, ignore_errors=True)
     memory_table(a.params, a.ranks)
     if not a.memory_only:
