@@ -155,6 +155,10 @@ def load_classifier_data(d: ClassifierDataConfig, seed: int = 0) -> ClassifierDa
 # --------------------------------------------------------------------------------------
 def build_classifier(cfg: ClassifierRunConfig, labels: list[str], device: torch.device):
     """(model, tokenizer): the base with a fresh `len(labels)`-way head."""
+    if device.type == "cpu":  # freed gradient/activation buffers go back to the system (models/setup.py)
+        from rlhflab.models.setup import map_large_allocations
+
+        map_large_allocations()
     from transformers import AutoModelForSequenceClassification
 
     from rlhflab.models.load import _load_error

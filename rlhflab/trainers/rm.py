@@ -228,6 +228,10 @@ def count_truncated(tokenizer, texts: Sequence[JoinedPair], meta: RMMeta) -> int
 # --------------------------------------------------------------------------------------
 def build_reward_model(cfg: RMRunConfig, device: torch.device):
     """(model, tokenizer): the base LM with a fresh scalar head, LoRA-wrapped if asked."""
+    if device.type == "cpu":  # freed gradient/activation buffers go back to the system (models/setup.py)
+        from rlhflab.models.setup import map_large_allocations
+
+        map_large_allocations()
     from transformers import AutoModelForSequenceClassification
 
     from rlhflab.models.load import _load_error, reject_adapter

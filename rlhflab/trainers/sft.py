@@ -350,6 +350,10 @@ class SFTResult:
 
 
 def build_model(cfg: SFTRunConfig, device: torch.device):
+    if device.type == "cpu":  # freed gradient/activation buffers go back to the system (models/setup.py)
+        from rlhflab.models.setup import map_large_allocations
+
+        map_large_allocations()
     m = cfg.model
     model, tok = load_model(m.name_or_path, torch_dtype=m.torch_dtype, device=str(device),
                             trust_remote_code=m.trust_remote_code, tokenizer=m.tokenizer)
