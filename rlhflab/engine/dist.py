@@ -22,6 +22,7 @@ count must be summed over ranks, so the engine multiplies it by the world size b
 
 from __future__ import annotations
 
+import atexit
 import os
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -229,4 +230,13 @@ def init_dist(device: str = "auto") -> Dist:
         raise UserError(f"the launcher's accelerate config cannot start here ({first}); check the "
                         f"--config_file you gave `accelerate launch` (configs/accelerate/ has working ones)") from None
     local = int(os.environ.get("LOCAL_WORLD_SIZE", acc.num_processes))
+    atexit.register(_close_process_group)
     return Dist(acc.process_index, acc.num_processes, local, acc)
+
+
+def _close_process_group() -> None:
+    """Destroy the process group before the interpreter exits: a rank that leaves with
+    it alive can abort in the collective library's threads ("terminate called without an
+    active exception", SIGABRT) after its work is done, which fails the launch."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

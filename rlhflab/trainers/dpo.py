@@ -555,6 +555,7 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
         finish_run(logger, out_dir, models.device, cfg.logging.plots, PLOT_GROUPS)
     result.eval_after = last_eval(result.history)
     result.samples_per_s = total_pairs / total_seconds if total_seconds else 0.0
+    dist.barrier()  # every rank leaves together, once rank 0 has written the run
     return result
 
 
