@@ -33,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "dr-grpo": ("rlhflab.trainers.dr_grpo", "Dr. GRPO: GRPO without the std and length normalisations"),
     "trpo": ("rlhflab.trainers.trpo", "TRPO (teaching): natural-gradient step by conjugate gradient, KL line search"),
     "dpo": ("rlhflab.trainers.dpo", "DPO/IPO/hinge on offline preference pairs"),
-    "eval": ("rlhflab.evaluate", "greedy accuracy and mean reward of a model on a task split"),
+    "eval": ("rlhflab.evaluate", "accuracy and mean reward of a model on a task split (greedy or sampled; hf or vllm)"),
     "tpo": ("rlhflab.tpo", "test-time preference optimisation: resample with feedback from a reward, no training"),
     "learn": ("rlhflab.learn.cli", "learner mode: PPO exercises, grader, reference solutions"),
     "doctor": ("rlhflab.doctor", "health report of a run from its metrics.jsonl"),
