@@ -105,12 +105,14 @@ def tensor_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def profiled_tensor_peak_mb(fn) -> float:
-    """Peak bytes of CPU tensors allocated while `fn()` runs and still live, in MiB.
+def profiled_tensor_bytes(fn) -> tuple[int, int]:
+    """(peak, still held at the end): bytes of CPU tensors allocated while `fn()` runs.
 
     torch.profiler(profile_memory=True) records every CPU allocation and free with the
     running total of the bytes allocated since profiling began; the peak of that total
-    is the call's own peak. Tensors that existed before the call are not in it.
+    minus its value before the call is the call's own peak, exact and the same from run
+    to run (no allocator slack, unlike RSS). Tensors that existed before the call are not
+    in it. (0, 0) when nothing was allocated. The tests use it too (tests/memory_helpers.py).
     """
     import json
     import tempfile
@@ -126,9 +128,16 @@ def profiled_tensor_peak_mb(fn) -> float:
                          if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0),
                         key=lambda e: e["ts"])
     if not events:
-        return float("nan")
+        return 0, 0
     start = events[0]["args"]["Total Allocated"] - events[0]["args"]["Bytes"]
-    return (max(e["args"]["Total Allocated"] for e in events) - start) / 2**20
+    return max(e["args"]["Total Allocated"] for e in events) - start, events[-1]["args"]["Total Allocated"] - start
+
+
+def profiled_tensor_peak_mb(fn) -> float:
+    """Peak MiB of CPU tensors allocated while `fn()` runs (`profiled_tensor_bytes`); nan
+    when the profiler saw no allocation."""
+    peak, _ = profiled_tensor_bytes(fn)
+    return peak / 2**20 if peak else float("nan")
 
 
 def lifetime_peak_rss_mb() -> float:
