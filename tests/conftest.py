@@ -5,6 +5,7 @@
 - `arith_dir`: the arithmetic task (200 train / 40 test rows), written once per session.
 - `tiny_sft_rm_dir`: the SFT/RM/generate/reward-source/pipeline tests' tiny Llama (64
   hidden, 2 layers, 4 heads), built once per session in `<basetemp>/tiny-sft-rm`.
+- `tiny_lora_adapter_dir`: a LoRA adapter folder (adapter only) on that model.
 - `ppo_cfg`: a factory for a `PPORunConfig` from `configs/ppo_debug.yaml` pointed at the
   two folders above, with small settings and extra dotted overrides.
 
@@ -50,6 +51,26 @@ def tiny_sft_rm_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.getbasetemp() / "tiny-sft-rm"
     make_tiny_model(path, hidden_size=64, num_layers=2, num_heads=4)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_adapter_dir(tiny_sft_rm_dir, tmp_path_factory) -> Path:
+    """A LoRA adapter on `tiny_sft_rm_dir`, saved alone (adapter_config.json, no
+    config.json), with B drawn non-zero (std 0.5) so that it changes the outputs. Read only."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlhflab.models.load import add_lora
+
+    torch.manual_seed(0)
+    model = add_lora(AutoModelForCausalLM.from_pretrained(str(tiny_sft_rm_dir)), r=4)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    out = tmp_path_factory.mktemp("adapter-only")
+    model.save_pretrained(out)
+    assert (out / "adapter_config.json").is_file() and not (out / "config.json").exists()
+    return out
 
 
 def small_overrides(model_dir: Path, data_dir: Path, out_dir: Path) -> list[str]:

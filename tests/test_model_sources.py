@@ -99,21 +99,9 @@ def test_rm_and_ppo_rm_debug_configs_say_what_to_run_first(tmp_path, monkeypatch
 
 
 @pytest.fixture(scope="module")
-def adapter_dir(tiny_sft_rm_dir, tmp_path_factory) -> Path:
+def adapter_dir(tiny_lora_adapter_dir) -> Path:
     """A LoRA adapter on the tiny model (B non-zero, so it changes the outputs), saved alone."""
-    from transformers import AutoModelForCausalLM
-
-    from rlhflab.models.load import add_lora
-
-    torch.manual_seed(0)
-    model = add_lora(AutoModelForCausalLM.from_pretrained(str(tiny_sft_rm_dir)), r=4)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.5)
-    out = tmp_path_factory.mktemp("adapter-only")
-    model.save_pretrained(out)
-    assert (out / "adapter_config.json").is_file() and not (out / "config.json").exists()
-    return out
+    return tiny_lora_adapter_dir
 
 
 def test_adapter_folder_loads_as_its_base_with_the_adapter_merged(tiny_sft_rm_dir, adapter_dir):

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from rlhflab.errors import UserError
 from rlhflab.generate import compare, read_prompt_file, render
@@ -18,19 +17,9 @@ def tiny(tiny_sft_rm_dir) -> Path:
 
 
 @pytest.fixture(scope="module")
-def adapter(tiny, tmp_path_factory) -> Path:
+def adapter(tiny_lora_adapter_dir) -> Path:
     """A LoRA adapter folder on the tiny model, with non-zero B so it changes the outputs."""
-    from transformers import AutoModelForCausalLM
-
-    from rlhflab.models.load import add_lora
-    torch.manual_seed(0)
-    model = add_lora(AutoModelForCausalLM.from_pretrained(str(tiny)), r=4)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.5)
-    out = tmp_path_factory.mktemp("adapter")
-    model.save_pretrained(out)
-    return out
+    return tiny_lora_adapter_dir
 
 
 def test_prompts_from_dataset_files_of_any_layout(tmp_path):
