@@ -69,10 +69,9 @@ def _load(spec: str, key: str, plugin_dir):
         raise UserError(f"preflight of {key}: {exc}") from None
 
 
-def _check_sources(sources, prefix: str, plugin_dir, first_row, models: bool = True) -> list[PreflightCall]:
-    """Rules: imported and called once on `first_row()` (example, "row 0 of FILE"), read
-    only when a rule needs it; then (unless not `models`) model and classifier sources:
-    the path exists."""
+def _call_rules(sources, prefix: str, plugin_dir, first_row) -> list[PreflightCall]:
+    """Each rule source imported and called once on `first_row()` (example, "row 0 of
+    FILE"), which is read only when a rule needs it."""
     calls, row = [], None
     for i, source in enumerate(sources):
         if source.type == "rule":
@@ -80,10 +79,14 @@ def _check_sources(sources, prefix: str, plugin_dir, first_row, models: bool = T
             fn = _load(source.name, key, plugin_dir)
             row = row or first_row()
             calls.append(_call_once(fn, key, source.name, *row, "reward"))
-    for i, source in enumerate(sources):
-        if models and source.type != "rule":
-            _check_model_source(source, f"{prefix}[{i}]")
     return calls
+
+
+def _check_model_sources(sources, prefix: str) -> None:
+    """Each model and classifier source: its path exists (nothing is loaded)."""
+    for i, source in enumerate(sources):
+        if source.type != "rule":
+            _check_model_source(source, f"{prefix}[{i}]")
 
 
 def preflight(cfg, quiet: bool = False) -> list[PreflightCall]:
@@ -98,17 +101,14 @@ def preflight(cfg, quiet: bool = False) -> list[PreflightCall]:
         examples, row = _rows(cfg.dataset, split)
         return examples[0], row
 
-    calls = _check_sources(cfg.reward.sources, "reward.sources", cfg.reward.plugin_dir, lambda: first("train"),
-                           models=False)
+    calls = _call_rules(cfg.reward.sources, "reward.sources", cfg.reward.plugin_dir, lambda: first("train"))
     model = getattr(cfg, "model", None)
     if model is not None and getattr(model, "name_or_path", None):
         # The policy before the reward models: it is the input made first (ppo_rm_debug's SFT model).
         from rlhflab.models.load import check_model_source
 
         check_model_source(str(model.name_or_path), "model.name_or_path")
-    for i, source in enumerate(cfg.reward.sources):
-        if source.type != "rule":
-            _check_model_source(source, f"reward.sources[{i}]")
+    _check_model_sources(cfg.reward.sources, "reward.sources")
     eval_cfg = getattr(cfg, "eval", None)
     training = getattr(cfg, "training", None)
     evaluates = training is None or training.eval_interval > 0
@@ -120,7 +120,8 @@ def preflight(cfg, quiet: bool = False) -> list[PreflightCall]:
             fn = _load(eval_cfg.correct, "eval.correct", eval_cfg.plugin_dir)
             calls.append(_call_once(fn, "eval.correct", eval_cfg.correct, examples[0], row, "check"))
             checks = EvalChecks(fn, eval_cfg.correct)
-        calls += _check_sources(eval_cfg.rewards, "eval.rewards", eval_cfg.plugin_dir, lambda: (examples[0], row))
+        calls += _call_rules(eval_cfg.rewards, "eval.rewards", eval_cfg.plugin_dir, lambda: (examples[0], row))
+        _check_model_sources(eval_cfg.rewards, "eval.rewards")
         rule = accuracy_rule(checks, [e.row for e in examples])
         note = (f"eval/accuracy: {rule}" if rule else
                 "eval/accuracy: not logged (the held-out rows have no numeric answers for the GSM8K checker); "
