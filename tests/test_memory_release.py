@@ -19,7 +19,9 @@ SCRIPT = """
 import sys, torch
 from rlhflab.models.setup import map_large_allocations
 if sys.argv[1] == "mapped":
-    assert map_large_allocations()
+    assert map_large_allocations(torch.device("cpu"))
+if sys.argv[1] == "gpu-run":  # a run on another device leaves the allocator as it is
+    assert not map_large_allocations(torch.device("meta"))
 def rss_mib():
     with open("/proc/self/status") as fh:
         return next(int(l.split()[1]) for l in fh if l.startswith("VmRSS:")) / 1024
@@ -46,3 +48,5 @@ def test_freed_16mib_blocks_leave_the_resident_set():
     assert retained_mib("default") > 256
     # with each block mapped on its own, freeing unmaps it: the 8 MiB of pins and noise remain
     assert retained_mib("mapped") < 64
+    # asked for a run whose tensors live on another device, nothing is set: as the default
+    assert retained_mib("gpu-run") > 256

@@ -62,8 +62,7 @@ def build_models(model_cfg, lora_cfg, device: str, *, need_reference: bool,
     `mixed_precision`: the autocast of every decoder pass ("no" or "bf16")."""
     dev = resolve_device(device)
     check_mixed_precision(mixed_precision, dev)
-    if dev.type == "cpu":
-        map_large_allocations()
+    map_large_allocations(dev)
     load_kw = dict(torch_dtype=model_cfg.torch_dtype, device=str(dev),
                    trust_remote_code=model_cfg.trust_remote_code, tokenizer=model_cfg.tokenizer)
     full_resume = resume_dir is not None and not lora_cfg.enabled
@@ -113,9 +112,11 @@ def build_models(model_cfg, lora_cfg, device: str, *, need_reference: bool,
     return PolicyModels(actor, reference, tok, dev)
 
 
-def map_large_allocations(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
+def map_large_allocations(device: torch.device | None = None, threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     """Have glibc serve every allocation of `threshold` bytes or more from its own
     mapping, which `free` returns to the system; True when set (glibc only, else a no-op).
+    Every trainer calls it with its device: a run whose tensors live on a GPU (`device`
+    not the CPU) leaves the allocator as it is.
 
     glibc's default threshold moves: each time a mapped block is freed it rises to that
     block's size (up to 32 MiB), and later blocks below it come from the heap, whose freed
@@ -126,6 +127,8 @@ def map_large_allocations(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     fault per fresh page of such blocks (about 3% more CPU time over that step).
     Process-wide; calling it again is harmless.
     """
+    if device is not None and device.type != "cpu":
+        return False
     import ctypes
 
     try:

@@ -39,6 +39,7 @@ from rlhflab.data.loading import read_rows, require_fields
 from rlhflab.errors import UserError
 from rlhflab.metrics import MetricsLogger
 from rlhflab.models.load import disable_dropout, load_tokenizer, resolve_device, resolve_dtype
+from rlhflab.models.setup import map_large_allocations
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, check_output_dir, finish_run,
                                      format_metrics, make_optimizer, make_probe_batch, make_scheduler,
                                      prepare_output_dir, print_before_after, seed_everything, set_threads,
@@ -155,10 +156,7 @@ def load_classifier_data(d: ClassifierDataConfig, seed: int = 0) -> ClassifierDa
 # --------------------------------------------------------------------------------------
 def build_classifier(cfg: ClassifierRunConfig, labels: list[str], device: torch.device):
     """(model, tokenizer): the base with a fresh `len(labels)`-way head."""
-    if device.type == "cpu":  # freed gradient/activation buffers go back to the system (models/setup.py)
-        from rlhflab.models.setup import map_large_allocations
-
-        map_large_allocations()
+    map_large_allocations(device)  # on CPU, freed large buffers go back to the system
     from transformers import AutoModelForSequenceClassification
 
     from rlhflab.models.load import _load_error

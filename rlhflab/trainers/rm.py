@@ -53,6 +53,7 @@ from rlhflab.metrics import MetricsLogger
 from rlhflab.models.load import default_lora_targets, disable_dropout, load_tokenizer, resolve_device, resolve_dtype
 from rlhflab.models.lean import lean_mlp
 from rlhflab.models.precision import autocast, check_mixed_precision
+from rlhflab.models.setup import map_large_allocations
 from rlhflab.rewards.model import META_FILE, RMMeta, encode, score_head, sequence_scores
 from rlhflab.models.checkpoint import atomic_folder
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, check_output_dir, finish_run,
@@ -228,10 +229,7 @@ def count_truncated(tokenizer, texts: Sequence[JoinedPair], meta: RMMeta) -> int
 # --------------------------------------------------------------------------------------
 def build_reward_model(cfg: RMRunConfig, device: torch.device):
     """(model, tokenizer): the base LM with a fresh scalar head, LoRA-wrapped if asked."""
-    if device.type == "cpu":  # freed gradient/activation buffers go back to the system (models/setup.py)
-        from rlhflab.models.setup import map_large_allocations
-
-        map_large_allocations()
+    map_large_allocations(device)  # on CPU, freed large buffers go back to the system
     from transformers import AutoModelForSequenceClassification
 
     from rlhflab.models.load import _load_error, reject_adapter

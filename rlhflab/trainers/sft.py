@@ -58,6 +58,7 @@ from rlhflab.models.head import linear_lm_head
 from rlhflab.models.load import add_lora, load_model, resolve_device
 from rlhflab.models.lean import lean_mlp
 from rlhflab.models.precision import autocast, check_mixed_precision
+from rlhflab.models.setup import map_large_allocations
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, check_output_dir, finish_run,
                                      format_metrics, log_step, make_doctor, make_optimizer, make_scheduler,
                                      prepare_output_dir, print_before_after, seed_everything, set_threads,
@@ -350,10 +351,7 @@ class SFTResult:
 
 
 def build_model(cfg: SFTRunConfig, device: torch.device):
-    if device.type == "cpu":  # freed gradient/activation buffers go back to the system (models/setup.py)
-        from rlhflab.models.setup import map_large_allocations
-
-        map_large_allocations()
+    map_large_allocations(device)  # on CPU, freed large buffers go back to the system
     m = cfg.model
     model, tok = load_model(m.name_or_path, torch_dtype=m.torch_dtype, device=str(device),
                             trust_remote_code=m.trust_remote_code, tokenizer=m.tokenizer)
