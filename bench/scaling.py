@@ -6,9 +6,11 @@ strategy needs per GPU.
     .venv/bin/python bench/scaling.py --memory-only --params 0.5e9 7e9
 
 Part 1 (measured): `rlhflab ppo` on the project's tiny model and the arithmetic task,
-the same global rollout (episodes per step), minibatch and seed in both runs; 1 process
+the same global rollout (episodes per step), minibatch and seed in every run; 1 process
 with the machine's cores as torch threads, then 2 processes under `accelerate launch`
-(configs/accelerate/cpu_2proc.yaml, gloo) with the cores shared equally. Each run's
+with the cores shared equally: DDP (configs/accelerate/cpu_2proc.yaml, gloo) and FSDP2
+(configs/accelerate/fsdp_cpu.yaml: the trained module sharded over the 2 ranks during the
+update, its weights gathered whole for generation and scoring). Each run's
 episodes/s is its `train_result.json` figure (every step, the first included, on both
 sides alike); the table shows the median and the range over `--repeats` runs and the
 ratio 2 processes / 1 process, and each run's peak resident memory (the process's, or
@@ -22,7 +24,8 @@ Part 2 (arithmetic, not measured): bytes per parameter for weights, gradients, A
 ZeRO-3 (everything trained sharded over N ranks), ZeRO-2 (gradients and Adam sharded)
 and LoRA (only the adapter trains), for the model sizes given.
 
-Last line: `scaling: 1 process X eps/s, 2 processes Y eps/s, ratio Z (tiny model, 64 episodes/step)`.
+Last line: `scaling: 1 process X eps/s, 2 processes Y eps/s, ratio Z (tiny model, 64 episodes/step);
+FSDP2 2 processes W eps/s, ratio V`.
 """
 
 from __future__ import annotations
@@ -62,8 +65,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(processes: int, model: Path, data: Path, out: Path, a: argparse.Namespace) -> tuple[float, float]:
+SIDES = {"1": None, "2 DDP": "cpu_2proc.yaml", "2 FSDP2": "fsdp_cpu.yaml"}  # side -> accelerate config
+
+
+def _run(side: str, model: Path, data: Path, out: Path, a: argparse.Namespace) -> tuple[float, float]:
     """One `rlhflab ppo` run: (episodes/s, the peak resident MiB of the process or of rank 0)."""
+    processes = 1 if SIDES[side] is None else 2
     args = ["ppo", "--config", str(REPO / "configs" / "ppo_debug.yaml"), f"model.name_or_path={model}",
             f"dataset.path={data / 'train.jsonl'}", f"dataset.eval_path={data / 'test.jsonl'}",
             f"training.output_dir={out}", f"training.total_steps={a.steps}", "training.eval_interval=0",
@@ -75,7 +82,7 @@ def _run(processes: int, model: Path, data: Path, out: Path, a: argparse.Namespa
         cmd = [str(VENV_BIN / "rlhflab"), *args]
     else:
         cmd = [str(VENV_BIN / "accelerate"), "launch", "--config_file",
-               str(REPO / "configs" / "accelerate" / "cpu_2proc.yaml"), "--main_process_port", str(_free_port()),
+               str(REPO / "configs" / "accelerate" / SIDES[side]), "--main_process_port", str(_free_port()),
                "-m", "rlhflab", *args]
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1"}
     env.pop("WORLD_SIZE", None)
@@ -83,7 +90,7 @@ def _run(processes: int, model: Path, data: Path, out: Path, a: argparse.Namespa
         shutil.rmtree(out)
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode:
-        raise SystemExit(f"scaling: {processes}-process run failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        raise SystemExit(f"scaling: the {side} run failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     eps = json.loads((out / "train_result.json").read_text())["episodes_per_s"]
     return eps, float((out / "peak_memory_mb.txt").read_text())  # ru_maxrss, imports included
 
@@ -118,26 +125,27 @@ def main(argv=None) -> int:
     if not a.memory_only:
         work = Path(tempfile.mkdtemp(prefix="rlhflab-scaling-"))
         model, data = _inputs(work)
-        rates, peaks = {1: [], 2: []}, {1: [], 2: []}
-        for r in range(a.repeats):
-            for n in (1, 2):
-                eps, peak = _run(n, model, data, work / f"run{n}_{r}", a)
-                rates[n].append(eps)
-                peaks[n].append(peak)
-                print(f"run {r + 1}/{a.repeats}, {n} process(es): {eps:.2f} episodes/s, peak RSS {peak:.0f} MiB",
+        rates, peaks = {side: [] for side in SIDES}, {side: [] for side in SIDES}
+        for r in range(a.repeats):  # the sides interleaved, so a change in the machine's load hits each alike
+            for side in SIDES:
+                eps, peak = _run(side, model, data, work / f"run{side.replace(' ', '_')}_{r}", a)
+                rates[side].append(eps)
+                peaks[side].append(peak)
+                print(f"run {r + 1}/{a.repeats}, {side} process(es): {eps:.2f} episodes/s, peak RSS {peak:.0f} MiB",
                       flush=True)
-        med = {n: statistics.median(v) for n, v in rates.items()}
+        med = {side: statistics.median(v) for side, v in rates.items()}
         print(f"\n## PPO episodes/s, {a.episodes} episodes per step, {a.steps} steps, {os.cpu_count()} CPU cores\n")
         print("| processes | episodes/s (median) | range | peak RSS MiB per process (rank 0), range |")
         print("| --- | --- | --- | --- |")
-        for n in (1, 2):
-            print(f"| {n} | {med[n]:.2f} | {min(rates[n]):.2f}-{max(rates[n]):.2f} | "
-                  f"{min(peaks[n]):.0f}-{max(peaks[n]):.0f} |")
+        for side in SIDES:
+            print(f"| {side} | {med[side]:.2f} | {min(rates[side]):.2f}-{max(rates[side]):.2f} | "
+                  f"{min(peaks[side]):.0f}-{max(peaks[side]):.0f} |")
         shutil.rmtree(work, ignore_errors=True)
     memory_table(a.params, a.ranks)
     if not a.memory_only:
-        print(f"\nscaling: 1 process {med[1]:.2f} eps/s, 2 processes {med[2]:.2f} eps/s, "
-              f"ratio {med[2] / med[1]:.2f} (tiny model, {a.episodes} episodes/step)")
+        one, ddp, fsdp = med["1"], med["2 DDP"], med["2 FSDP2"]
+        print(f"\nscaling: 1 process {one:.2f} eps/s, 2 processes {ddp:.2f} eps/s, ratio {ddp / one:.2f} "
+              f"(tiny model, {a.episodes} episodes/step); FSDP2 2 processes {fsdp:.2f} eps/s, ratio {fsdp / one:.2f}")
     return 0
 
 

@@ -1,5 +1,6 @@
 """Several processes equal one: 2 CPU processes (gloo, `accelerate launch` with
-configs/accelerate/cpu_2proc.yaml) against 1 process, from the same seed and prompts.
+configs/accelerate/cpu_2proc.yaml for DDP and configs/accelerate/fsdp_cpu.yaml for FSDP2)
+against 1 process, from the same seed and prompts.
 
 The runs use seeded sampling (`generation.seeded_sampling`), so each response is the same
 whichever process samples it, and settings where every optimizer step sees the whole
@@ -21,10 +22,11 @@ import torch
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
-# RLHFLAB_ACCELERATE_CONFIG=configs/accelerate/fsdp.yaml runs the same checks under another
-# strategy on a machine that has it (docs/scaling.md); CI uses the 2-process CPU config.
-CONFIG = os.environ.get("RLHFLAB_ACCELERATE_CONFIG", str(ROOT / "configs" / "accelerate" / "cpu_2proc.yaml"))
-LAUNCH = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", CONFIG, "-m", "rlhflab"]
+# RLHFLAB_ACCELERATE_CONFIG=configs/accelerate/ddp.yaml (or fsdp.yaml) runs the "ddp" cases under
+# that config on a machine that has it (docs/scaling.md); CI uses the 2-process CPU configs.
+CONFIGS = {"ddp": os.environ.get("RLHFLAB_ACCELERATE_CONFIG", str(ROOT / "configs" / "accelerate" / "cpu_2proc.yaml")),
+           "fsdp": str(ROOT / "configs" / "accelerate" / "fsdp_cpu.yaml")}
+STRATEGIES = pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 REWARD = "def length_mod3(prompt, response, example):\n    return float(len(response) % 3)\n"
 
 pytestmark = pytest.mark.slow
@@ -38,10 +40,16 @@ def _env(tmp_path: Path) -> dict:
     return env
 
 
-def _run(args: list[str], env: dict, processes: int) -> subprocess.CompletedProcess:
-    cmd = (LAUNCH if processes == 2 else [sys.executable, "-m", "rlhflab"]) + args
+def _launch(strategy: str) -> list[str]:
+    return [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", CONFIGS[strategy],
+            "-m", "rlhflab"]
+
+
+def _run(args: list[str], env: dict, processes: int, strategy: str = "ddp",
+         expect: int = 0) -> subprocess.CompletedProcess:
+    cmd = (_launch(strategy) if processes == 2 else [sys.executable, "-m", "rlhflab"]) + args
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.returncode == expect, out.stdout[-3000:] + out.stderr[-3000:]
     return out
 
 
@@ -69,20 +77,31 @@ def _assert_equal_and_moved(one: Path, two: Path, start: Path) -> None:
     assert "value_head.summary.weight" not in a or (one / "final" / "value_head.safetensors").exists()
 
 
+PPO_STEP = ["ppo.rollout_samples=32", "ppo.batch_size=16", "ppo.mini_batch_size=8",
+            "ppo.gradient_accumulation_steps=4", "ppo.epochs=2", "ppo.kl_coeff=0.1"]
+
+
+@STRATEGIES
 @pytest.mark.parametrize("method, settings", [
-    ("ppo", ["ppo.rollout_samples=32", "ppo.batch_size=16", "ppo.mini_batch_size=8",
-             "ppo.gradient_accumulation_steps=4", "ppo.epochs=2", "ppo.kl_coeff=0.1"]),
+    ("ppo", PPO_STEP),
+    ("ppo", [*PPO_STEP, "model.critic=separate"]),
     ("grpo", ["grpo.prompts_per_step=8", "grpo.group_size=4", "grpo.batch_size=16", "grpo.mini_batch_size=8",
               "grpo.gradient_accumulation_steps=4", "grpo.epochs=2", "grpo.beta=0.1",
               "grpo.advantage_scale=batch"]),
 ])
-def test_two_processes_equal_one(method, settings, tiny_model_dir, arith_dir, tmp_path):
+def test_two_processes_equal_one(strategy, method, settings, tiny_model_dir, arith_dir, tmp_path):
+    if strategy == "ddp" and "model.critic=separate" in settings:
+        pytest.skip("the separate critic is checked under FSDP, where it is sharded on its own")
     env = _env(tmp_path)
     args = [method, "--config", str(ROOT / "configs" / f"{method}_debug.yaml"), *_common(tiny_model_dir, arith_dir),
             "training.total_steps=1", *settings]
     _run([*args, f"training.output_dir={tmp_path / 'one'}"], env, 1)
-    _run([*args, f"training.output_dir={tmp_path / 'two'}"], env, 2)
+    _run([*args, f"training.output_dir={tmp_path / 'two'}"], env, 2, strategy)
     _assert_equal_and_moved(tmp_path / "one", tmp_path / "two", tiny_model_dir)
+    if "model.critic=separate" in settings:  # the critic's own weights and head, gathered as well
+        for name in ("model.safetensors", "value_head.safetensors"):
+            a, b = (load_file(str(tmp_path / run / "final" / "critic" / name)) for run in ("one", "two"))
+            assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
     one = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
     two = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     # The step's statistics are global: the same rewards, and the same losses up to rounding.
@@ -94,13 +113,17 @@ def test_two_processes_equal_one(method, settings, tiny_model_dir, arith_dir, tm
     assert json.loads((tmp_path / "one" / "train_result.json").read_text())["world_size"] == 1
 
 
-def test_ppo_debug_end_to_end_on_two_processes_and_resume(tiny_model_dir, arith_dir, tmp_path):
+@STRATEGIES
+def test_ppo_debug_end_to_end_on_two_processes_and_resume(strategy, tiny_model_dir, arith_dir, tmp_path):
+    # Under FSDP this also checks what a sharded run gathers: the evaluation (rank 0's
+    # batch of 8 against nothing on rank 1: whole weights, no collective), the full weights
+    # and the name-keyed optimizer state in step_N/, and an exact resume from them.
     env = _env(tmp_path)
     out = tmp_path / "run"
     args = ["ppo", "--config", str(ROOT / "configs" / "ppo_debug.yaml"), *_common(tiny_model_dir, arith_dir),
             "training.total_steps=3", "training.save_interval=1", "training.eval_interval=3",
             "dataset.num_eval_samples=8", f"training.output_dir={out}"]
-    res = _run(args, env, 2)
+    res = _run(args, env, 2, strategy)
     assert res.stdout.count("done: ") == 1                       # one process reports
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]             # each row once
@@ -111,10 +134,11 @@ def test_ppo_debug_end_to_end_on_two_processes_and_resume(tiny_model_dir, arith_
     assert len((out / "eval" / "step_3.jsonl").read_text().splitlines()) == 8  # every eval row once
     state = torch.load(out / "step_2" / "trainer_state.pt", weights_only=False)
     assert len(state["rank_rng"]) == 2
+    assert json.loads((out / "step_2" / "rlhflab.json").read_text())["fsdp"] == (strategy == "fsdp")
     # Resume from step_2/ at 2 processes into a fresh folder: the final weights equal the
     # uninterrupted run's, and the metrics continue from step 3.
     again = tmp_path / "again"
-    _run([*args[:-1], f"training.output_dir={again}", "--resume", str(out / "step_2")], env, 2)
+    _run([*args[:-1], f"training.output_dir={again}", "--resume", str(out / "step_2")], env, 2, strategy)
     a, b = _weights(out / "final"), _weights(again / "final")
     assert max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0
     assert [json.loads(x)["step"] for x in (again / "metrics.jsonl").read_text().splitlines()] == [3]
@@ -124,23 +148,43 @@ def test_ppo_debug_end_to_end_on_two_processes_and_resume(tiny_model_dir, arith_
                               "--resume", str(out / "step_2")], env=env, capture_output=True, text=True)
     assert refused.returncode == 2 and not other.exists()
     assert "saved by a run of 2 processes and this run has 1" in refused.stderr and "Traceback" not in refused.stderr
+    if strategy == "fsdp":  # an FSDP checkpoint under the DDP config: refused before anything is written
+        ddp = tmp_path / "ddp"
+        res = _run([*args[:-1], f"training.output_dir={ddp}", "--resume", str(out / "step_2")], env, 2, "ddp",
+                   expect=1)
+        assert "saved under an FSDP accelerate config" in res.stderr and not ddp.exists()
 
 
-def test_sft_two_processes_equal_one(tiny_model_dir, arith_dir, tmp_path):
+def test_what_a_strategy_cannot_run_is_refused_before_models_load(tiny_model_dir, arith_dir, tmp_path):
+    env = _env(tmp_path)
+    res = _run(["ppo", "--config", str(ROOT / "configs" / "ppo_debug.yaml"), *_common(tiny_model_dir, arith_dir),
+                "lora.enabled=true", f"training.output_dir={tmp_path / 'out'}"], env, 2, "fsdp", expect=1)
+    assert "error: lora.enabled under FSDP" in res.stderr and "ddp.yaml" in res.stderr
+    assert "Loading weights" not in res.stderr and not (tmp_path / "out").exists()
+    res = _run(["trpo", "--config", str(ROOT / "configs" / "trpo_debug.yaml"), *_common(tiny_model_dir, arith_dir),
+                f"training.output_dir={tmp_path / 'trpo'}"], env, 2, "ddp", expect=1)
+    assert "error: trpo: the teaching TRPO runs in one process" in res.stderr
+    assert "Loading weights" not in res.stderr and not (tmp_path / "trpo").exists()
+
+
+@STRATEGIES
+def test_sft_two_processes_equal_one(strategy, tiny_model_dir, arith_dir, tmp_path):
     # Each rank takes its half of every micro-batch of the one shuffle: every optimizer
     # step sees the rows one process would, whatever the accumulation.
     env = _env(tmp_path)
     args = ["sft", "--config", str(ROOT / "configs" / "sft_debug.yaml"), f"model.name_or_path={tiny_model_dir}",
             f"data.path={arith_dir / 'sft.jsonl'}", f"data.eval_path={arith_dir / 'test.jsonl'}",
             "sft.max_steps=3", "sft.batch_size=8", "sft.gradient_accumulation_steps=2", "sft.eval_before=false",
-            "training.eval_interval=0", "data.num_eval_samples=8", "logging.progress_bar=false", "logging.plots=false"]
+            "training.eval_interval=0", "data.num_eval_samples=8", "logging.progress_bar=false", "logging.plots=false",
+            "sft.num_eval_generate=4"]
     _run([*args, f"training.output_dir={tmp_path / 'one'}"], env, 1)
-    _run([*args, f"training.output_dir={tmp_path / 'two'}"], env, 2)
+    _run([*args, f"training.output_dir={tmp_path / 'two'}"], env, 2, strategy)
     _assert_equal_and_moved(tmp_path / "one", tmp_path / "two", tiny_model_dir)
     assert json.loads((tmp_path / "two" / "train_result.json").read_text())["world_size"] == 2
 
 
-def test_dpo_two_processes_equal_one(tiny_model_dir, arith_dir, tmp_path):
+@STRATEGIES
+def test_dpo_two_processes_equal_one(strategy, tiny_model_dir, arith_dir, tmp_path):
     from rlhflab.data.preferences import write_arith_pairs
 
     env = _env(tmp_path)
@@ -153,7 +197,7 @@ def test_dpo_two_processes_equal_one(tiny_model_dir, arith_dir, tmp_path):
             "dpo.batch_size=8", "dpo.mini_batch_size=4", "dpo.learning_rate=1e-3", "dpo.adam_eps=1e-6",
             "dpo.task_eval_path=null", "training.eval_interval=0", "logging.progress_bar=false", "logging.plots=false"]
     _run([*args, f"training.output_dir={tmp_path / 'one'}"], env, 1)
-    _run([*args, f"training.output_dir={tmp_path / 'two'}"], env, 2)
+    _run([*args, f"training.output_dir={tmp_path / 'two'}"], env, 2, strategy)
     _assert_equal_and_moved(tmp_path / "one", tmp_path / "two", tiny_model_dir)
     one = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
     two = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
@@ -162,7 +206,8 @@ def test_dpo_two_processes_equal_one(tiny_model_dir, arith_dir, tmp_path):
         assert a["rewards/accuracies"] == b["rewards/accuracies"]
 
 
-def test_reward_model_two_processes_equal_one(tiny_model_dir, tmp_path):
+@STRATEGIES
+def test_reward_model_two_processes_equal_one(strategy, tiny_model_dir, tmp_path):
     from rlhflab.data.preferences import write_arith_pairs
 
     env = _env(tmp_path)
@@ -173,7 +218,7 @@ def test_reward_model_two_processes_equal_one(tiny_model_dir, tmp_path):
             "rm.adam_eps=1e-6",  # as in the DPO test: keeps noise-level gradients from lr-sized steps
             "training.eval_interval=0", "logging.progress_bar=false", "logging.plots=false"]
     _run([*args, f"training.output_dir={tmp_path / 'one'}"], env, 1)
-    _run([*args, f"training.output_dir={tmp_path / 'two'}"], env, 2)
+    _run([*args, f"training.output_dir={tmp_path / 'two'}"], env, 2, strategy)
     a, b = _weights(tmp_path / "one" / "final"), _weights(tmp_path / "two" / "final")
     start = _weights(tiny_model_dir)
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5

@@ -13,7 +13,19 @@ what the algorithms need on top:
 - sharding: each rank takes a contiguous, equal share of the step's prompts or rows;
 - the backward pass under gradient accumulation (`no_sync` on every micro-batch but the
   last of a group) and the gradient-norm clip of the whole, possibly sharded, model;
-- the main process (`is_main`), which alone writes to disk.
+- the main process (`is_main`), which alone writes to disk;
+- under FSDP2, the moves between sharded and whole weights (below).
+
+FSDP2. Under a launcher config with `distributed_type: FSDP` accelerate shards the trained
+module itself on GPUs; on a CPU (gloo) accelerate runs plain DDP instead, so `prepare`
+calls torch's own `fully_shard` (one unit per decoder layer, then the root), the layout
+accelerate gives it on GPUs. Either way the trained module's parameters, gradients and
+Adam state are 1/N per rank during the update. Everything else a step does (generation,
+the scoring passes, evaluation, the finite-weights probe, the vLLM weight push) runs on
+whole weights: `hold_whole` gathers every unit once and keeps it gathered (its forward then
+runs no collective, so ranks may decode different lengths or batch counts), and `sharded`
+frees the copies for the update. Checkpoints gather a full state dict to rank 0
+(`full_state`), which writes the same folders as one process.
 
 Data-parallel gradients are averaged over ranks by DDP/FSDP. A loss divided by a global
 count must be summed over ranks, so the engine multiplies it by the world size before
@@ -70,6 +82,10 @@ class Dist:
     world_size: int = 1
     local_world_size: int = 1
     accelerator: Any = None  # an accelerate.Accelerator when launched with several processes
+    fsdp_here: bool = False  # FSDP asked for on a CPU: `prepare` shards with torch's fully_shard
+    reshard_after_forward: bool = True  # the config's fsdp_reshard_after_forward
+    trained: list | None = None  # under FSDP: the optimizer's (sharded) parameters, which `prepare` made
+    whole_now: bool = False  # under FSDP: the trained module's units are gathered (`hold_whole`)
 
     @property
     def is_main(self) -> bool:
@@ -84,6 +100,8 @@ class Dist:
         """no, ddp, fsdp or deepspeed."""
         if self.accelerator is None:
             return "no"
+        if self.fsdp_here:
+            return "fsdp"
         kind = str(self.accelerator.distributed_type).rsplit(".", 1)[-1].lower()
         return {"fsdp": "fsdp", "deepspeed": "deepspeed"}.get(kind, "ddp")
 
@@ -168,9 +186,15 @@ class Dist:
         """The module wrapped for the strategy (DDP, FSDP, DeepSpeed), and the optimizer."""
         if not self.distributed:
             return module, optimizer
-        if optimizer is None:
+        if self.fsdp_here:
+            _fully_shard(module, self.world_size, self.reshard_after_forward, optimizer)
+        elif optimizer is None:
             return self.accelerator.prepare(module), None
-        return self.accelerator.prepare(module, optimizer)
+        else:
+            module, optimizer = self.accelerator.prepare(module, optimizer)
+        if self.strategy == "fsdp" and optimizer is not None:  # the parameters sharding made replace the old
+            self.trained = [p for group in optimizer.param_groups for p in group["params"]]
+        return module, optimizer
 
     def unwrap(self, module: torch.nn.Module) -> torch.nn.Module:
         return self.accelerator.unwrap_model(module) if self.distributed else module
@@ -182,10 +206,96 @@ class Dist:
 
     @contextmanager
     def accumulating(self, module: torch.nn.Module, last: bool) -> Iterator[None]:
-        """No gradient all-reduce on a micro-batch that is not the last of its group."""
+        """No gradient all-reduce on a micro-batch that is not the last of its group
+        (FSDP2: no reduce-scatter; the unsharded gradients accumulate until the last)."""
+        units = fsdp_units(module) if self.distributed else []
+        if units:
+            units[0].set_requires_gradient_sync(last)  # recursive: every unit
+            yield
+            return
         ctx = self.accelerator.no_sync(module) if (self.distributed and not last) else nullcontext()
         with ctx:
             yield
+
+    # ---------------------------------------------------------------- FSDP2: whole or sharded
+    def hold_whole(self, module: torch.nn.Module) -> None:
+        """Gather every FSDP2 unit of `module` and keep it gathered (no-op otherwise):
+        forward passes then run on whole weights without collectives."""
+        units = fsdp_units(module)
+        if units:
+            # FSDP2 sets itself up on the root's first forward; gathering a unit before that
+            # would make the unit a root of its own, so the set-up runs here first.
+            units[0]._get_fsdp_state()._lazy_init()
+        for unit in units:
+            unit.unshard()
+            unit.set_reshard_after_forward(False, recurse=False)
+        self.whole_now = bool(units)
+
+    def release(self, module: torch.nn.Module) -> None:
+        """Shard every FSDP2 unit of `module` again, with the config's resharding after
+        each forward pass (the root keeps its gathered weights until backward, as FSDP2's
+        own default)."""
+        units = fsdp_units(module)
+        if units and hasattr(units[0], "reset_iter_state"):
+            # Forward passes on whole weights (rank 0's evaluation, decoding of different
+            # lengths) are recorded per rank for the backward's prefetch order; left there,
+            # the ranks would prefetch different units in the next backward and deadlock.
+            units[0].reset_iter_state()
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(self.reshard_after_forward, recurse=False)
+        if units:
+            units[0].set_reshard_after_forward(False, recurse=False)
+        self.whole_now = False
+
+    @contextmanager
+    def sharded(self, module: torch.nn.Module) -> Iterator[None]:
+        """`module` sharded inside (an update, a checkpoint's gathering), then as it was."""
+        was_whole = self.whole_now
+        if was_whole:
+            self.release(module)
+        try:
+            yield
+        finally:
+            if was_whole:
+                self.hold_whole(module)
+
+    @contextmanager
+    def whole(self, module: torch.nn.Module) -> Iterator[None]:
+        """`module`'s weights whole on every rank inside (an evaluation on rank 0, the
+        finite-weights probe before a save), then as it was; every rank enters it."""
+        was_whole = self.whole_now
+        if not was_whole:
+            self.hold_whole(module)
+        try:
+            yield
+        finally:
+            if not was_whole:
+                self.release(module)
+
+    def full_state(self, module: torch.nn.Module, optimizer=None) -> tuple[dict | None, dict | None]:
+        """Under FSDP2 the module's full state dict (and the optimizer's, keyed by parameter
+        name), gathered to rank 0 (None on the others); a collective every rank calls.
+        (None, None) for any other strategy: the module's own state is whole there."""
+        if not fsdp_units(module):
+            return None, None
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        with self.sharded(module):
+            model_state = get_model_state_dict(module, options=opts)
+            optim_state = get_optimizer_state_dict(module, optimizer, options=opts) if optimizer is not None else None
+        return (model_state, optim_state) if self.is_main else (None, None)
+
+    def load_optimizer(self, module: torch.nn.Module, optimizer, state: dict) -> None:
+        """A saved optimizer state into `optimizer`: the full, name-keyed state an FSDP2 run
+        saved (each rank keeps its shard), or the plain state dict of any other run."""
+        if not fsdp_units(module):
+            optimizer.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        with self.sharded(module):
+            set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.distributed:
@@ -194,7 +304,13 @@ class Dist:
             loss.backward()
 
     def clip_grad_norm_(self, params: list, max_norm: float) -> float:
-        """Clip the global gradient norm; returns the norm before clipping."""
+        """Clip the global gradient norm; returns the norm before clipping. Under FSDP the
+        parameters are the sharded ones `prepare` made (a list taken before it is stale)."""
+        if self.trained is not None:
+            params = self.trained
+        if self.fsdp_here:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         if self.distributed:
             return float(self.accelerator.clip_grad_norm_(params, max_norm))
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
@@ -223,6 +339,9 @@ def init_dist(device: str = "auto") -> Dist:
     except ImportError:  # pragma: no cover - accelerate is a dependency
         raise UserError("several processes need accelerate (pip install accelerate)") from None
     cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    fsdp_here, reshard = cpu and _env_flag("ACCELERATE_USE_FSDP"), _env_flag("FSDP_RESHARD_AFTER_FORWARD", True)
+    if fsdp_here:
+        check_fsdp_on_cpu()
     try:
         acc = Accelerator(cpu=cpu)
     except (ImportError, ValueError, RuntimeError) as exc:
@@ -231,7 +350,61 @@ def init_dist(device: str = "auto") -> Dist:
                         f"--config_file you gave `accelerate launch` (configs/accelerate/ has working ones)") from None
     local = int(os.environ.get("LOCAL_WORLD_SIZE", acc.num_processes))
     atexit.register(_close_process_group)
-    return Dist(acc.process_index, acc.num_processes, local, acc)
+    return Dist(acc.process_index, acc.num_processes, local, acc, fsdp_here, reshard)
+
+
+def _env_flag(name: str, default: bool = False) -> bool:
+    return os.environ.get(name, str(default)).strip().lower() in ("1", "true", "yes")
+
+
+def check_fsdp_on_cpu() -> None:
+    """What an FSDP launcher config may ask for on a CPU (gloo): FSDP2, no offload."""
+    if os.environ.get("FSDP_VERSION", "1").strip() != "2":
+        raise UserError("fsdp_config.fsdp_version: FSDP on a CPU runs FSDP2 (torch's fully_shard); set "
+                        "fsdp_version: 2 in the accelerate config (configs/accelerate/fsdp_cpu.yaml has it)")
+    if _env_flag("FSDP_OFFLOAD_PARAMS"):
+        raise UserError("fsdp_config.fsdp_offload_params: the parameters already live on the CPU; set it to false")
+
+
+def fsdp_units(module: torch.nn.Module) -> list:
+    """The FSDP2 units in `module`, the outermost first ([] when it is not sharded)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return []
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def _layer_classes(module: torch.nn.Module) -> set[str]:
+    """The decoder-layer classes of the transformers models inside `module` (their
+    `_no_split_modules`): one FSDP unit each, as accelerate's TRANSFORMER_BASED_WRAP does."""
+    names: set[str] = set()
+    for m in module.modules():
+        names.update(getattr(m, "_no_split_modules", None) or ())
+    return names
+
+
+def _fully_shard(module: torch.nn.Module, world_size: int, reshard_after_forward: bool, optimizer=None) -> None:
+    """torch's FSDP2 on `module` over every rank (a unit per decoder layer, then the root),
+    then the optimizer pointed at the sharded parameters, which replace the old ones."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    names = {id(p): n for n, p in module.named_parameters()}
+    order = ([[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+             if optimizer is not None else [])
+    layers = _layer_classes(module)
+    if not layers:
+        raise UserError(f"FSDP: {type(module).__name__} holds no transformers model whose decoder layers "
+                        f"FSDP can shard one by one; use configs/accelerate/cpu_2proc.yaml (DDP)")
+    mesh = init_device_mesh("cpu", (world_size,))
+    for sub in list(module.modules()):
+        if type(sub).__name__ in layers:
+            fully_shard(sub, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    now = dict(module.named_parameters())
+    for group, group_names in zip(optimizer.param_groups if optimizer is not None else [], order):
+        group["params"] = [now[n] for n in group_names]
 
 
 def _close_process_group() -> None:
@@ -240,3 +413,13 @@ def _close_process_group() -> None:
     active exception", SIGABRT) after its work is done, which fails the launch."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def check_strategy(dist: Dist, lora: bool, method: str) -> None:
+    """What the launcher's strategy does not run, refused in one line before any model loads."""
+    if method == "trpo" and dist.distributed:
+        raise UserError("trpo: the teaching TRPO runs in one process; use ppo or grpo under accelerate launch")
+    if dist.strategy == "fsdp" and lora:
+        raise UserError("lora.enabled under FSDP: the frozen base is whole on every rank anyway and only the "
+                        "adapter trains; launch with configs/accelerate/ddp.yaml (cpu_2proc.yaml on a CPU), "
+                        "or set lora.enabled=false to shard a full fine-tune")

@@ -60,9 +60,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_policy(policy: torch.nn.Module, tokenizer, folder: Path) -> None:
-    """The policy as a plain HF folder; a LoRA adapter is saved beside it and merged in."""
-    if hasattr(policy, "peft_config"):
+def save_policy(policy: torch.nn.Module, tokenizer, folder: Path, state: dict | None = None) -> None:
+    """The policy as a plain HF folder; a LoRA adapter is saved beside it and merged in.
+    `state`: the policy's full state dict when the module itself holds shards (FSDP)."""
+    if state is not None:
+        unwrap(policy).save_pretrained(folder, state_dict=untied(unwrap(policy), state))
+    elif hasattr(policy, "peft_config"):
         policy.save_pretrained(folder / "adapter")
         import copy
         merged = copy.deepcopy(policy).merge_and_unload()
@@ -134,21 +137,34 @@ def _kept(folder: Path) -> str | None:
     return f"the previous checkpoint {earlier[-1]}" if earlier else None
 
 
-def checkpoint_layout(actor_critic, method: str | None = None, world_size: int | None = None) -> dict[str, Any]:
+def untied(model: torch.nn.Module, state: dict) -> dict:
+    """`state` without the second name of a tied parameter (a tied LM head): a gathered
+    state dict holds a copy under each name, where the model's own holds one tensor."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    drop = {extra for group in names.values() for extra in group[1:]}
+    return {k: v for k, v in state.items() if k not in drop}
+
+
+def checkpoint_layout(actor_critic, method: str | None = None, world_size: int | None = None,
+                      fsdp: bool = False) -> dict[str, Any]:
     """What a resume must match: the method, LoRA on or off, the critic layout
-    (value_head, separate, or none for a critic-free trainer) and the process count."""
+    (value_head, separate, or none for a critic-free trainer), the process count and
+    whether FSDP saved it (its optimizer state is keyed by parameter name)."""
     if world_size is None:
         dist = torch.distributed
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     critic = ("separate" if actor_critic.critic is not None else
               "value_head" if actor_critic.value_head is not None else "none")
     return {"method": method, "lora": hasattr(actor_critic.policy, "peft_config"), "critic": critic,
-            "world_size": world_size}
+            "world_size": world_size, "fsdp": fsdp}
 
 
 def save_checkpoint(folder: str | Path, actor_critic, tokenizer, *, optimizer=None,
                     scheduler=None, step: int | None = None, extra: dict | None = None,
-                    rank_rng: list | None = None, method: str | None = None) -> Path:
+                    rank_rng: list | None = None, method: str | None = None,
+                    state: dict | None = None, optimizer_state: dict | None = None) -> Path:
     """Write a checkpoint atomically (temporary folder, then rename).
 
     `actor_critic` needs `.policy`, `.critic` and `.value_head`; with both of the last two
@@ -156,29 +172,51 @@ def save_checkpoint(folder: str | Path, actor_critic, tokenizer, *, optimizer=No
     holds every rank's random state under several processes. `method` (ppo, grpo, rloo,
     dpo, ...) is recorded with the layout, so that `check_resume` can tell a run of
     another method that it cannot continue this one.
+
+    Under FSDP the modules hold shards: `state` is `actor_critic`'s full state dict and
+    `optimizer_state` the optimizer's, keyed by parameter name (`Dist.full_state`); the
+    folders written are the same as one process writes.
     """
     folder = Path(folder)
     method = method or (extra or {}).get("method")
-    layout = checkpoint_layout(actor_critic, method, world_size=len(rank_rng) if rank_rng else None)
+    layout = checkpoint_layout(actor_critic, method, world_size=len(rank_rng) if rank_rng else None,
+                               fsdp=optimizer_state is not None)
     with atomic_folder(folder) as tmp:
-        _write_checkpoint(tmp, actor_critic, tokenizer, optimizer, scheduler, step, extra, layout, rank_rng)
+        _write_checkpoint(tmp, actor_critic, tokenizer, optimizer, scheduler, step, extra, layout, rank_rng,
+                          state, optimizer_state)
     return folder
 
 
+def state_part(state: dict | None, prefix: str) -> dict | None:
+    """The entries of a full state dict under `prefix` ("policy.", "critic.base.", ...), renamed."""
+    if state is None:
+        return None
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def _save_head(head: torch.nn.Module, folder: Path, state: dict | None) -> None:
+    if state is None:
+        save_value_head(head, folder)
+    else:
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in state.items()}, str(folder / VALUE_HEAD_FILE))
+
+
 def _write_checkpoint(tmp: Path, actor_critic, tokenizer, optimizer, scheduler, step, extra, layout,
-                      rank_rng=None) -> None:
-    save_policy(actor_critic.policy, tokenizer, tmp)
+                      rank_rng=None, full: dict | None = None, optimizer_state: dict | None = None) -> None:
+    save_policy(actor_critic.policy, tokenizer, tmp, state_part(full, "policy."))
     if actor_critic.critic is not None:
         critic_dir = tmp / "critic"
         critic_dir.mkdir()
-        unwrap(actor_critic.critic.base).save_pretrained(critic_dir)
+        base, part = unwrap(actor_critic.critic.base), state_part(full, "critic.base.")
+        base.save_pretrained(critic_dir, state_dict=untied(base, part) if part is not None else None)
         if tokenizer is not None:  # critic/ loads on its own (load_model wants a tokenizer)
             tokenizer.save_pretrained(critic_dir)
-        save_value_head(actor_critic.critic.value_head, critic_dir)
+        _save_head(actor_critic.critic.value_head, critic_dir, state_part(full, "critic.value_head."))
     elif actor_critic.value_head is not None:
-        save_value_head(actor_critic.value_head, tmp)
+        _save_head(actor_critic.value_head, tmp, state_part(full, "value_head."))
     if optimizer is not None:
-        state = {"step": step, "optimizer": optimizer.state_dict(),
+        state = {"step": step, "optimizer": optimizer_state if optimizer_state is not None else optimizer.state_dict(),
                  "scheduler": scheduler.state_dict() if scheduler is not None else None,
                  "rng": rng_state(), "extra": extra or {}, "layout": layout}
         if rank_rng is not None:  # several processes: every rank's random state, in rank order
@@ -228,7 +266,7 @@ def recorded_layout(folder: str | Path, state: dict | None = None) -> dict[str, 
     layout: dict[str, Any] = {}
     for source in sources:
         if isinstance(source, dict):
-            layout.update({k: source[k] for k in ("method", "lora", "critic", "world_size")
+            layout.update({k: source[k] for k in ("method", "lora", "critic", "world_size", "fsdp")
                            if source.get(k) is not None})
     if layout.get("lora") is None:
         layout["lora"] = (folder / "adapter").is_dir()
@@ -245,7 +283,7 @@ def _describe_critic(critic: str) -> str:
 
 
 def check_resume(folder: str | Path, *, method: str, lora: bool, critic: str,
-                 world_size: int | None = None) -> None:
+                 world_size: int | None = None, fsdp: bool | None = None) -> None:
     """Check a checkpoint before a resumed run touches anything; a `UserError` names the problem.
 
     - the folder and its ``trainer_state.pt`` exist and the state loads (a truncated file
@@ -285,6 +323,11 @@ def check_resume(folder: str | Path, *, method: str, lora: bool, critic: str,
         raise UserError(f"--resume {folder}: the checkpoint was saved by a run of {rec['world_size']} processes and "
                         f"this run has {world_size}; resume it with {rec['world_size']} processes (its optimizer "
                         f"and data order are per process), {start_new}")
+    if fsdp is not None and bool(rec.get("fsdp", False)) != fsdp:
+        how = "under an FSDP" if rec.get("fsdp") else "without an FSDP"
+        raise UserError(f"--resume {folder}: the checkpoint was saved {how} accelerate config and this run is "
+                        f"{'' if fsdp else 'not '}sharded; resume it with the config that saved it (the optimizer "
+                        f"state is kept differently), {start_new}")
     _check_files(folder, lora, critic)
 
 
@@ -311,11 +354,12 @@ def _check_files(folder: Path, lora: bool, critic: str) -> None:
                         f"in part?): restore the file(s), or {_other_checkpoint(folder)}")
 
 
-def restore_trainer_state(folder: str | Path, optimizer, scheduler, rank: int = 0) -> int:
+def restore_trainer_state(folder: str | Path, optimizer, scheduler, rank: int = 0, load_optimizer=None) -> int:
     """Load a checkpoint's optimizer, scheduler and RNG states in place; returns its step.
-    Under several processes rank r takes its own saved random state."""
+    Under several processes rank r takes its own saved random state. `load_optimizer(state)`
+    replaces `optimizer.load_state_dict` (FSDP: `Dist.load_optimizer`)."""
     state = load_trainer_state(folder)
-    optimizer.load_state_dict(state["optimizer"])
+    (load_optimizer or optimizer.load_state_dict)(state["optimizer"])
     if state.get("scheduler"):
         scheduler.load_state_dict(state["scheduler"])
     ranks = state.get("rank_rng")

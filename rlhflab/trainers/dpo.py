@@ -53,13 +53,13 @@ from rlhflab.data.loading import read_rows
 from rlhflab.data.preferences import PairText, pair_texts, parse_pairs, write_off_by_one_pairs
 from rlhflab.data.prompts import format_prompt, load_prompts
 from rlhflab.errors import UserError
-from rlhflab.engine.dist import Forward, default_threads, even_share, init_dist
+from rlhflab.engine.dist import Forward, check_strategy, default_threads, even_share, init_dist
 from rlhflab.engine.update import inner
 from rlhflab.evaluate import evaluate_policy, save_samples
 from rlhflab.metrics import MetricsLogger
 from rlhflab.models.actor_critic import PolicyOnly, Reference, response_hidden
 from rlhflab.models.head import linear_lm_head
-from rlhflab.models.checkpoint import prune_checkpoints, restore_trainer_state, save_checkpoint
+from rlhflab.models.checkpoint import prune_checkpoints, restore_trainer_state, save_checkpoint, state_part
 from rlhflab.rewards import RuleScorer, resolve_rule
 from rlhflab.models.setup import PolicyModels, build_models
 from rlhflab.trainers.common import (Timer, TrainResult, check_finite_model, check_finite_step, check_output_dir,
@@ -400,6 +400,7 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     """Run DPO as configured; returns where the outputs went and the metric history."""
     t, sec, d = cfg.training, cfg.dpo, cfg.dataset
     dist = init_dist(t.device)
+    check_strategy(dist, cfg.lora.enabled, "dpo")
     say = (lambda *a: None) if quiet or not dist.is_main else print
     set_threads(t.num_threads or default_threads(dist, t.device))
     if dist.distributed:
@@ -407,7 +408,7 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     # Checked before anything is loaded or written: the checkpoint (state, layout, files)
     # and an output folder holding another run.
     resume_dir = check_resume_dir(resume, method="dpo", lora=cfg.lora.enabled, critic="none",
-                                  world_size=dist.world_size)
+                                  world_size=dist.world_size, fsdp=dist.strategy == "fsdp")
     out_dir = check_output_dir(t.output_dir, resume=resume_dir is not None, overwrite=t.overwrite)
     seed_everything(t.seed)
     models = build_models(cfg.model, cfg.lora, t.device, need_reference=True, resume_dir=resume_dir,
@@ -457,7 +458,8 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     logprob_model, optimizer = dist.prepare(Forward(models.actor, policy_sequence_logprobs), optimizer)
     start_step = 0
     if resume_dir is not None:
-        start_step = restore_trainer_state(resume_dir, optimizer, scheduler, rank=dist.rank)
+        start_step = restore_trainer_state(resume_dir, optimizer, scheduler, rank=dist.rank,
+                                           load_optimizer=lambda st: dist.load_optimizer(logprob_model, optimizer, st))
 
     logger = None
     if dist.is_main:
@@ -470,18 +472,28 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     doctor = make_doctor(cfg.logging.doctor, sec.max_grad_norm, method="dpo") if dist.is_main else None
     result = TrainResult(out_dir, out_dir / "final", unit="pairs", world_size=dist.world_size, is_main=dist.is_main,
                          models=models, state={"ref_cache": train_cache})
-    if t.eval_interval and start_step == 0 and dist.is_main:  # evaluation on the main process
-        result.eval_before = _evaluate(models, eval_tok, eval_cache, task_examples, task_scorer, cfg, out_dir, 0)
-        log_step(logger, doctor, 0, {**result.eval_before, **timer.metrics()})
-        say("step 0 (before training): " + format_metrics(result.eval_before))
+    if t.eval_interval and start_step == 0:  # evaluation on the main process
+        with dist.whole(logprob_model):  # FSDP: whole weights on every rank while rank 0 evaluates
+            if dist.is_main:
+                result.eval_before = _evaluate(models, eval_tok, eval_cache, task_examples, task_scorer, cfg,
+                                               out_dir, 0)
+                log_step(logger, doctor, 0, {**result.eval_before, **timer.metrics()})
+                say("step 0 (before training): " + format_metrics(result.eval_before))
 
     def save(folder: Path, at: int) -> None:
         """Rank 0: the checkpoint, once its forward pass is checked finite."""
-        check_finite_model(models.policy, probe, step=at, knob="dpo.learning_rate", lr=sec.learning_rate)
-        save_checkpoint(folder, models.actor, tok, optimizer=optimizer, scheduler=scheduler, step=at, method="dpo",
-                        rank_rng=None)
-        if folder.name.startswith("step_"):
-            prune_checkpoints(out_dir, t.keep_last_checkpoints)
+        state, optimizer_state = dist.full_state(logprob_model, optimizer)  # FSDP: gathered to rank 0
+
+        def write() -> None:
+            check_finite_model(models.policy, probe, step=at, knob="dpo.learning_rate", lr=sec.learning_rate)
+            save_checkpoint(folder, models.actor, tok, optimizer=optimizer, scheduler=scheduler, step=at,
+                            method="dpo", rank_rng=None, state=state_part(state, "model."),
+                            optimizer_state=optimizer_state)
+            if folder.name.startswith("step_"):
+                prune_checkpoints(out_dir, t.keep_last_checkpoints)
+
+        with dist.whole(logprob_model):
+            dist.on_main(write)
 
     from tqdm import tqdm
     bar = tqdm(total=total_steps, initial=start_step, disable=quiet or not cfg.logging.progress_bar or not dist.is_main,
@@ -540,17 +552,20 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
                        "logps/chosen": float(cat(5).mean()), "logps/rejected": float(cat(6).mean()),
                        "params/grad_norm": grad_norm, "lr": optimizer.param_groups[0]["lr"], "epoch": epoch,
                        **timer.metrics(), "perf/pairs_per_s": n_batch / seconds}
-            if dist.is_main and t.eval_interval and (step % t.eval_interval == 0 or step == total_steps):
-                metrics.update(_evaluate(models, eval_tok, eval_cache, task_examples, task_scorer, cfg, out_dir, step))
+            if t.eval_interval and (step % t.eval_interval == 0 or step == total_steps):
+                with dist.whole(logprob_model):
+                    if dist.is_main:
+                        metrics.update(_evaluate(models, eval_tok, eval_cache, task_examples, task_scorer, cfg,
+                                                 out_dir, step))
             result.history.append({"step": step, **metrics})
             if logger is not None:
                 log_step(logger, doctor, step, metrics)
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['rewards/accuracies']:.2f}")
             if t.save_interval and step % t.save_interval == 0 and step < total_steps:
-                dist.on_main(lambda: save(out_dir / f"step_{step}", step))
+                save(out_dir / f"step_{step}", step)
     bar.close()
-    dist.on_main(lambda: save(result.final_dir, total_steps))
+    save(result.final_dir, total_steps)
     if dist.is_main:
         finish_run(logger, out_dir, models.device, cfg.logging.plots, PLOT_GROUPS)
     result.eval_after = last_eval(result.history)

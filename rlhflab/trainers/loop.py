@@ -20,7 +20,7 @@ import torch
 from rlhflab import ops
 from rlhflab.config import save_effective_config
 from rlhflab.data.prompts import load_prompts, step_prompts
-from rlhflab.engine.dist import Dist, default_threads, init_dist
+from rlhflab.engine.dist import Dist, check_strategy, default_threads, init_dist
 from rlhflab.engine.update import PPOMath, policy_update
 from rlhflab.evaluate import EvalChecks, EvalResult, build_eval_checks, evaluate_policy, save_samples
 from rlhflab.metrics import MetricsLogger
@@ -185,6 +185,7 @@ def build_run(cfg, method: PolicyMethod, *, resume_dir: Path | None = None, math
     params = (method.optimizer_params or (lambda actor: actor.trainable_parameters()))(models.actor)
     optimizer, scheduler = make_optimization(params, sec, train_cfg.total_steps * sec.optimizer_steps_per_rollout())
     train_model, optimizer = dist.prepare(models.actor, optimizer)
+    dist.hold_whole(train_model)  # FSDP: whole weights for everything but the update
     backend = make_backend(cfg.generation, models.policy, models.tokenizer,
                            max_prompt_length=cfg.dataset.max_prompt_length, batch_size=sec.batch_size,
                            seed=train_cfg.seed, rank=dist.rank)
@@ -201,11 +202,12 @@ def build_run(cfg, method: PolicyMethod, *, resume_dir: Path | None = None, math
 
 def run_update(run: RLRun, roll: Rollout, step: int) -> dict[str, float]:
     """5. update: the shared engine on the rollout's advantages."""
-    cfg = run.cfg
-    return policy_update(run.train_model or run.models.actor, run.optimizer, run.scheduler, roll, run.sec,
-                         temperature=cfg.generation.temperature, step=step, seed=cfg.training.seed,
-                         max_new_tokens=cfg.generation.max_new_tokens, math_=run.math, ptx=run.ptx_batches(step),
-                         dist=run.dist)
+    cfg, model = run.cfg, run.train_model or run.models.actor
+    with run.dist.sharded(model):  # FSDP: the update on shards (a no-op otherwise)
+        return policy_update(model, run.optimizer, run.scheduler, roll, run.sec,
+                             temperature=cfg.generation.temperature, step=step, seed=cfg.training.seed,
+                             max_new_tokens=cfg.generation.max_new_tokens, math_=run.math,
+                             ptx=run.ptx_batches(step), dist=run.dist)
 
 
 def evaluate(run: RLRun, examples, out_dir: Path, step: int, quiet: bool = False, n_show: int = 2) -> dict:
@@ -254,8 +256,10 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
     # Everything is checked before anything is written: the checkpoint to resume (it loads,
     # its method, LoRA, critic and world size match), and the output folder (another run
     # there is never trained over).
+    check_strategy(dist, cfg.lora.enabled, method.name)
     resume_dir = check_resume_dir(resume, method=method.name, lora=cfg.lora.enabled,
-                                  critic=method.critic or "none", world_size=dist.world_size)
+                                  critic=method.critic or "none", world_size=dist.world_size,
+                                  fsdp=dist.strategy == "fsdp")
     check_output_dir(train_cfg.output_dir, resume=resume_dir is not None, overwrite=train_cfg.overwrite)
     seed_everything(train_cfg.seed)
 
@@ -270,7 +274,8 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
         save_effective_config(effective if effective is not None else cfg, out_dir)
     start_step = 0
     if resume_dir is not None:
-        start_step = restore_trainer_state(resume_dir, optimizer, scheduler, rank=dist.rank)
+        start_step = restore_trainer_state(resume_dir, optimizer, scheduler, rank=dist.rank,
+                                           load_optimizer=lambda st: dist.load_optimizer(run.train_model, optimizer, st))
     elif dist.distributed:  # each rank its own random stream (the seeded sampler does not use it)
         torch.manual_seed(train_cfg.seed * 1_000_003 + dist.rank)
 
@@ -295,9 +300,11 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
 
     def save(folder: Path, step: int) -> None:
         rng = dist.gather(rng_state())  # every rank's random state, for an exact resume
+        state, optimizer_state = dist.full_state(run.train_model, optimizer)  # FSDP: gathered to rank 0
         if dist.is_main:
             save_checkpoint(folder, models.actor, models.tokenizer, optimizer=optimizer, scheduler=scheduler,
-                            step=step, method=method.name, rank_rng=rng if dist.distributed else None)
+                            step=step, method=method.name, rank_rng=rng if dist.distributed else None,
+                            state=state, optimizer_state=optimizer_state)
         dist.barrier()
 
     from tqdm import tqdm
@@ -353,6 +360,7 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
     result.eval_after = last_eval(result.history)
     result.samples_per_s = total_samples / total_seconds if total_seconds else 0.0
     result.models = models
+    dist.barrier()  # every rank leaves together, once rank 0 has written the run
     return result
 
 

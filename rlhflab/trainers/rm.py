@@ -47,7 +47,7 @@ from rlhflab.config.schema import (CHAT_TEMPLATE_HELP, ChatTemplateUse, LoggingC
 from rlhflab.data import preferences as prefdata
 from rlhflab.data.chat import resolve_use_chat_template
 from rlhflab.data.loading import read_rows
-from rlhflab.engine.dist import Forward, default_threads, even_share, init_dist
+from rlhflab.engine.dist import Forward, check_strategy, default_threads, even_share, init_dist
 from rlhflab.errors import UserError
 from rlhflab.metrics import MetricsLogger
 from rlhflab.models.load import default_lora_targets, disable_dropout, load_tokenizer, resolve_device, resolve_dtype
@@ -55,7 +55,7 @@ from rlhflab.models.lean import lean_mlp
 from rlhflab.models.precision import autocast, check_mixed_precision
 from rlhflab.models.setup import map_large_allocations
 from rlhflab.rewards.model import META_FILE, RMMeta, encode, score_head, sequence_scores
-from rlhflab.models.checkpoint import atomic_folder
+from rlhflab.models.checkpoint import atomic_folder, state_part, untied
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, check_output_dir, finish_run,
                                      format_metrics, log_step, make_doctor, make_optimizer, make_probe_batch,
                                      make_scheduler, prepare_output_dir, print_before_after, seed_everything,
@@ -341,12 +341,15 @@ class RMResult:
     is_main: bool = True             # False on the other processes of a multi-process run
 
 
-def save_reward_model(model, tokenizer, meta: RMMeta, folder: Path) -> None:
+def save_reward_model(model, tokenizer, meta: RMMeta, folder: Path, state: dict | None = None) -> None:
     """A plain HF sequence-classification folder (LoRA merged; adapter in adapter/), written
-    then renamed; a failed save leaves the previous folder as it was."""
+    then renamed; a failed save leaves the previous folder as it was. `state`: the model's
+    full state dict when the module holds shards (FSDP)."""
     import copy
     with atomic_folder(folder, "save the reward model to") as tmp:
-        if hasattr(model, "peft_config"):
+        if state is not None:
+            model.save_pretrained(tmp, state_dict=untied(model, state))
+        elif hasattr(model, "peft_config"):
             model.save_pretrained(tmp / "adapter")
             copy.deepcopy(model).merge_and_unload().save_pretrained(tmp)
         else:
@@ -359,6 +362,7 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
     """Train a reward model as configured; returns where it went and the before/after metrics."""
     t, r = cfg.training, cfg.rm
     dist = init_dist(t.device)
+    check_strategy(dist, cfg.lora.enabled, "rm")
     say = (lambda *a, **k: None) if quiet or not dist.is_main else print
     set_threads(t.num_threads or default_threads(dist, t.device))
     if dist.distributed:
@@ -402,10 +406,12 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
     doctor = make_doctor(cfg.logging.doctor, r.max_grad_norm, method="rm") if dist.is_main else None
     result = RMResult(out_dir, out_dir / "final", out_dir / "final" / "adapter" if cfg.lora.enabled else None,
                       train_pairs=len(data.train), is_main=dist.is_main)
-    if r.eval_before and data.eval and dist.is_main:  # evaluation on the main process, which alone writes
-        result.eval_before = evaluate_rm(model, tok, data.eval, meta, t.eval_batch_size, device)
-        log_step(logger, doctor, 0, result.eval_before)
-        say("step 0 (before training): " + format_metrics(result.eval_before))
+    if r.eval_before and data.eval:  # evaluation on the main process, which alone writes
+        with dist.whole(loss_model):  # FSDP: whole weights on every rank while rank 0 evaluates
+            if dist.is_main:
+                result.eval_before = evaluate_rm(model, tok, data.eval, meta, t.eval_batch_size, device)
+                log_step(logger, doctor, 0, result.eval_before)
+                say("step 0 (before training): " + format_metrics(result.eval_before))
 
     from tqdm import tqdm
     bar = tqdm(total=total_steps, disable=quiet or not cfg.logging.progress_bar or not dist.is_main, desc="rm",
@@ -454,10 +460,11 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
                                 "params/grad_norm_max": max(win_norms),
                                 "lr": optimizer.param_groups[0]["lr"], "epoch": step / groups_per_epoch})
                 win_loss, win_acc, win_n, win_norms = 0.0, 0.0, 0, []
-            if dist.is_main and data.eval and ((t.eval_interval and step % t.eval_interval == 0)
-                                               or step == total_steps):
-                last_eval = evaluate_rm(model, tok, data.eval, meta, t.eval_batch_size, device)
-                metrics.update(last_eval)
+            if data.eval and ((t.eval_interval and step % t.eval_interval == 0) or step == total_steps):
+                with dist.whole(loss_model):
+                    if dist.is_main:
+                        last_eval = evaluate_rm(model, tok, data.eval, meta, t.eval_batch_size, device)
+                        metrics.update(last_eval)
             if metrics and dist.is_main:
                 result.history.append({"step": step, **metrics})
                 log_step(logger, doctor, step, metrics)
@@ -470,11 +477,14 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
         meta.extra = {"eval_accuracy": last_eval["eval/accuracy"]}
     model.eval()
 
+    state, _ = dist.full_state(loss_model)  # FSDP: the full weights, gathered to rank 0
+
     def save() -> None:  # rank 0, once the forward pass is checked finite
         check_finite_model(model, probe, step=step, knob="rm.learning_rate", lr=r.learning_rate)
-        save_reward_model(model, tok, meta, result.final_dir)
+        save_reward_model(model, tok, meta, result.final_dir, state_part(state, "model."))
 
-    dist.on_main(save)
+    with dist.whole(loss_model):
+        dist.on_main(save)
     result.eval_after = last_eval or None
     result.steps = step
     result.seconds = time.perf_counter() - start

@@ -48,12 +48,12 @@ from rlhflab.config.schema import (CHAT_TEMPLATE_HELP, ChatTemplateUse, LoggingC
 from rlhflab.data import sft as sftdata
 from rlhflab.data.chat import resolve_use_chat_template
 from rlhflab.data.loading import read_rows
-from rlhflab.engine.dist import Dist, Forward, default_threads, even_share, init_dist
+from rlhflab.engine.dist import Dist, Forward, check_strategy, default_threads, even_share, init_dist
 from rlhflab.engine.update import inner
 from rlhflab.errors import UserError
 from rlhflab.metrics import MetricsLogger
 from rlhflab.models.actor_critic import decoder_and_head
-from rlhflab.models.checkpoint import atomic_folder, prune_checkpoints, save_policy
+from rlhflab.models.checkpoint import atomic_folder, prune_checkpoints, save_policy, state_part
 from rlhflab.models.head import linear_lm_head
 from rlhflab.models.load import add_lora, load_model, resolve_device
 from rlhflab.models.lean import lean_mlp
@@ -368,9 +368,10 @@ def build_model(cfg: SFTRunConfig, device: torch.device):
     return model, tok
 
 
-def _save(model, tokenizer, folder: Path, merged: bool) -> None:
+def _save(model, tokenizer, folder: Path, merged: bool, state: dict | None = None) -> None:
     """A plain HF folder (merged under LoRA, adapter in adapter/), written then renamed;
-    a failed save leaves the previous folder as it was."""
+    a failed save leaves the previous folder as it was. `state`: the model's full state
+    dict when the module holds shards (FSDP)."""
     model.config.use_cache = True
     try:
         with atomic_folder(folder, "save the model to") as tmp:
@@ -378,7 +379,7 @@ def _save(model, tokenizer, folder: Path, merged: bool) -> None:
                 model.save_pretrained(tmp / "adapter")
                 tokenizer.save_pretrained(tmp)
             else:
-                save_policy(model, tokenizer, tmp)
+                save_policy(model, tokenizer, tmp, state)
     finally:
         model.config.use_cache = False
 
@@ -387,6 +388,7 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
     """Run SFT as configured; returns where the model went and the before/after metrics."""
     t, s = cfg.training, cfg.sft
     dist = init_dist(t.device)
+    check_strategy(dist, cfg.lora.enabled, "sft")
     say = (lambda *a, **k: None) if quiet or not dist.is_main else print
     set_threads(t.num_threads or default_threads(dist, t.device))
     if dist.distributed:
@@ -428,17 +430,25 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
     doctor = make_doctor(cfg.logging.doctor, s.max_grad_norm, method="sft") if dist.is_main else None
     result = SFTResult(out_dir, out_dir / "final", out_dir / "final" / "adapter" if cfg.lora.enabled else None,
                        train_rows=len(data.train), is_main=dist.is_main)
-    if s.eval_before and dist.is_main:  # evaluation on the main process, which alone writes
-        result.eval_before = evaluate_sft(model, tok, data, cfg, device, out_dir, 0)
-        log_step(logger, doctor, 0, result.eval_before)
-        say("step 0 (before training): " + format_metrics(result.eval_before))
+    if s.eval_before:  # evaluation on the main process, which alone writes
+        with dist.whole(nll_model):  # FSDP: whole weights on every rank while rank 0 evaluates
+            if dist.is_main:
+                result.eval_before = evaluate_sft(model, tok, data, cfg, device, out_dir, 0)
+                log_step(logger, doctor, 0, result.eval_before)
+                say("step 0 (before training): " + format_metrics(result.eval_before))
 
     def save(folder: Path, at: int) -> None:
         """Rank 0: the model, once its forward pass is checked finite (a failure stops every rank)."""
-        check_finite_model(model, probe, step=at, knob="sft.learning_rate", lr=s.learning_rate)
-        _save(model, tok, folder, merged=s.save_merged)
-        if folder.name.startswith("step_"):
-            prune_checkpoints(out_dir, t.keep_last_checkpoints)
+        state, _ = dist.full_state(nll_model)  # FSDP: the full weights, gathered to rank 0
+
+        def write() -> None:
+            check_finite_model(model, probe, step=at, knob="sft.learning_rate", lr=s.learning_rate)
+            _save(model, tok, folder, merged=s.save_merged, state=state_part(state, "model."))
+            if folder.name.startswith("step_"):
+                prune_checkpoints(out_dir, t.keep_last_checkpoints)
+
+        with dist.whole(nll_model):
+            dist.on_main(write)
 
     from tqdm import tqdm
     bar = tqdm(total=total_steps, disable=quiet or not cfg.logging.progress_bar or not dist.is_main, desc="sft",
@@ -479,18 +489,20 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
                                 "lr": optimizer.param_groups[0]["lr"], "epoch": step / groups_per_epoch,
                                 "perf/tokens_per_s": window_tokens / max(elapsed, 1e-9)})
                 window_nll, window_tokens, window_norms, window_start = 0.0, 0, [], time.perf_counter()
-            if dist.is_main and ((t.eval_interval and step % t.eval_interval == 0) or step == total_steps):
-                last_eval = evaluate_sft(model, tok, data, cfg, device, out_dir, step)
-                metrics.update(last_eval)
+            if (t.eval_interval and step % t.eval_interval == 0) or step == total_steps:
+                with dist.whole(nll_model):
+                    if dist.is_main:
+                        last_eval = evaluate_sft(model, tok, data, cfg, device, out_dir, step)
+                        metrics.update(last_eval)
             if metrics and dist.is_main:
                 result.history.append({"step": step, **metrics})
                 log_step(logger, doctor, step, metrics)
                 if "train/loss" in metrics:
                     bar.set_postfix(loss=f"{metrics['train/loss']:.3f}")
             if t.save_interval and step % t.save_interval == 0 and step < total_steps:
-                dist.on_main(lambda: save(out_dir / f"step_{step}", step))
+                save(out_dir / f"step_{step}", step)
     bar.close()
-    dist.on_main(lambda: save(result.final_dir, step))
+    save(result.final_dir, step)
     result.eval_after = last_eval or None
     result.steps = step
     result.seconds = time.perf_counter() - start

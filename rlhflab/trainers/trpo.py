@@ -42,7 +42,6 @@ from rlhflab import ops
 from rlhflab.config.schema import (DatasetConfig, EvalConfig, GenerationConfig, KLKind, LoggingConfig, LoRAConfig,
                                    ModelConfig, OptimizerFields, RewardConfig, TrainingConfig, check_reference, f)
 from rlhflab.engine.scoring import score_rollout
-from rlhflab.errors import UserError
 from rlhflab.models.actor_critic import response_hidden
 from rlhflab.rollout import Rollout
 from rlhflab.trainers.common import Timer, TrainResult
@@ -233,8 +232,6 @@ def fit_values(actor, optimizer, roll: Rollout, sec: TRPOSection, step: int, see
 def trpo_step(run: RLRun, examples, step: int, timer: Timer) -> dict[str, float]:
     """Phases 1-5 of one TRPO step; returns its metrics."""
     cfg, sec, models = run.cfg, run.sec, run.models
-    if run.dist.distributed:
-        raise UserError("trpo: the teaching TRPO runs in one process; use ppo or grpo under accelerate launch")
     temp = cfg.generation.temperature
     # 1. rollout: one response per prompt.
     with timer("generate"):
