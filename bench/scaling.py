@@ -20,9 +20,10 @@ measures the cost of the distribution itself (communication and the duplicated P
 work), which on a GPU node is what stays small next to the per-rank compute.
 
 Part 2 (arithmetic, not measured): bytes per parameter for weights, gradients, Adam state
-(fp32, two moments), the frozen reference and a separate critic, under DDP, FSDP /
-ZeRO-3 (everything trained sharded over N ranks), ZeRO-2 (gradients and Adam sharded)
-and LoRA (only the adapter trains), for the model sizes given.
+(fp32, two moments), the frozen reference and a separate critic, under DDP, ZeRO-2
+(gradients and Adam sharded), FSDP2 as rlhflab runs it (sharded for the update, weights
+whole between updates), the fully sharded bound (ZeRO-3), and LoRA (only the adapter
+trains), for the model sizes given.
 
 Last line: `scaling: 1 process X eps/s, 2 processes Y eps/s, ratio Z (tiny model, 64 episodes/step);
 FSDP2 2 processes W eps/s, ratio V`.
@@ -96,20 +97,29 @@ def _run(side: str, model: Path, data: Path, out: Path, a: argparse.Namespace) -
 
 
 def memory_table(sizes: list[float], ranks: int) -> None:
-    """GiB per GPU for each strategy, fp32 master weights and Adam, a bf16 frozen reference."""
+    """GiB per GPU for each strategy, fp32 master weights and Adam, a bf16 frozen reference.
+
+    FSDP2 as rlhflab runs it holds the policy's weights whole on every rank between updates
+    (generation, scoring, evaluation) and shards weights, gradients and Adam for the update:
+    its peak is in the rollout, whole fp32 weights (4 B) beside the shards of the weights and
+    Adam (12 B / N; the gradients are freed after each step), which is ZeRO-2's figure.
+    The fully sharded column is the bound a strategy reaches that never gathers a whole
+    model (ZeRO-3 with layer-by-layer gathers in generation too): 16 B / N."""
     gib = 2**30
     print(f"\n## memory per GPU, {ranks} GPUs (GiB; weights fp32 4 B, grads 4 B, Adam 8 B, bf16 reference 2 B)\n")
-    print("| parameters | DDP | DDP + critic | ZeRO-2 | FSDP / ZeRO-3 | FSDP + critic | LoRA (ref = adapter off) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| parameters | DDP | DDP + critic | ZeRO-2 | FSDP2 (rlhflab) | FSDP2 + critic | fully sharded (bound) "
+          "| LoRA (ref = adapter off) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for p in sizes:
         train = 16 * p                      # weights + grads + Adam (2 moments), fp32
         ref = 2 * p                         # a frozen bf16 copy, unsharded on every rank
         ddp = train + ref
         zero2 = 4 * p + 12 * p / ranks + ref
-        fsdp = train / ranks + ref
+        fsdp = 4 * p + 12 * p / ranks + ref  # whole weights in the rollout + the shards of weights and Adam
+        bound = train / ranks + ref
         lora = 2 * p                        # bf16 base (its adapter-off pass is the reference) + a tiny adapter
         print(f"| {p / 1e9:.1f}B | {ddp / gib:.1f} | {(ddp + train) / gib:.1f} | {zero2 / gib:.1f} | "
-              f"{fsdp / gib:.1f} | {(fsdp + train / ranks) / gib:.1f} | {lora / gib:.1f} |")
+              f"{fsdp / gib:.1f} | {(fsdp + 4 * p + 12 * p / ranks) / gib:.1f} | {bound / gib:.1f} | {lora / gib:.1f} |")
 
 
 def main(argv=None) -> int:

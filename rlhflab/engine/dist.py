@@ -20,12 +20,14 @@ FSDP2. Under a launcher config with `distributed_type: FSDP` accelerate shards t
 module itself on GPUs; on a CPU (gloo) accelerate runs plain DDP instead, so `prepare`
 calls torch's own `fully_shard` (one unit per decoder layer, then the root), the layout
 accelerate gives it on GPUs. Either way the trained module's parameters, gradients and
-Adam state are 1/N per rank during the update. Everything else a step does (generation,
-the scoring passes, evaluation, the finite-weights probe, the vLLM weight push) runs on
-whole weights: `hold_whole` gathers every unit once and keeps it gathered (its forward then
-runs no collective, so ranks may decode different lengths or batch counts), and `sharded`
-frees the copies for the update. Checkpoints gather a full state dict to rank 0
-(`full_state`), which writes the same folders as one process.
+Adam state are 1/N per rank during the update. Everything else an RL step does
+(generation, the scoring passes, evaluation, the finite-weights probe) runs with
+the root unit gathered (embeddings, LM head, value head) and the decoder layers sharded,
+each gathered for its own forward: every rank runs the same passes (HF generation in
+lockstep), and a rank never holds more than one layer's full weights beyond its shards
+(`hold(module, "root")`). The evaluation SFT, DPO and the reward model run on rank 0
+alone, and the probe before their saves, gather the whole module for a moment (`holding(module, "whole")`). Checkpoints gather a full state
+dict to rank 0 (`full_state`), which writes the same folders as one process.
 
 Data-parallel gradients are averaged over ranks by DDP/FSDP. A loss divided by a global
 count must be summed over ranks, so the engine multiplies it by the world size before
@@ -85,7 +87,7 @@ class Dist:
     fsdp_here: bool = False  # FSDP asked for on a CPU: `prepare` shards with torch's fully_shard
     reshard_after_forward: bool = True  # the config's fsdp_reshard_after_forward
     trained: list | None = None  # under FSDP: the optimizer's (sharded) parameters, which `prepare` made
-    whole_now: bool = False  # under FSDP: the trained module's units are gathered (`hold_whole`)
+    held: str = "sharded"  # under FSDP: which units of the trained module are kept gathered (`hold`)
 
     @property
     def is_main(self) -> bool:
@@ -217,61 +219,50 @@ class Dist:
         with ctx:
             yield
 
-    # ---------------------------------------------------------------- FSDP2: whole or sharded
-    def hold_whole(self, module: torch.nn.Module) -> None:
-        """Gather every FSDP2 unit of `module` and keep it gathered (no-op otherwise):
-        forward passes then run on whole weights without collectives."""
-        units = fsdp_units(module)
-        if units:
-            # FSDP2 sets itself up on the root's first forward; gathering a unit before that
-            # would make the unit a root of its own, so the set-up runs here first.
-            units[0]._get_fsdp_state()._lazy_init()
-        for unit in units:
-            unit.unshard()
-            unit.set_reshard_after_forward(False, recurse=False)
-        self.whole_now = bool(units)
+    # ---------------------------------------------------------------- FSDP2: what is gathered when
+    def hold(self, module: torch.nn.Module, what: str) -> None:
+        """Put `module`'s FSDP2 units in one of three states (no-op without FSDP):
 
-    def release(self, module: torch.nn.Module) -> None:
-        """Shard every FSDP2 unit of `module` again, with the config's resharding after
-        each forward pass (the root keeps its gathered weights until backward, as FSDP2's
-        own default)."""
+        - "sharded": every unit sharded, gathered layer by layer inside a forward through
+          the root and freed after it (the update);
+        - "root": the root unit (embeddings, LM head, final norm, value head) gathered and
+          kept, the decoder layers sharded and gathered one at a time in their forward:
+          any submodule's forward (generation, the scoring pass) works without the root's
+          forward, and every rank must run the same forward passes (decoding in lockstep);
+        - "whole": every unit gathered and kept: forward passes run no collective, so one
+          rank may run them alone (rank 0's evaluation, the probe before a save).
+        """
         units = fsdp_units(module)
-        if units and hasattr(units[0], "reset_iter_state"):
-            # Forward passes on whole weights (rank 0's evaluation, decoding of different
-            # lengths) are recorded per rank for the backward's prefetch order; left there,
-            # the ranks would prefetch different units in the next backward and deadlock.
-            units[0].reset_iter_state()
+        if not units:
+            return
+        root = units[0]
+        root._get_fsdp_state()._lazy_init()  # FSDP2's set-up from the root, as its first forward does
+        if hasattr(root, "reset_iter_state"):
+            # Forward passes record their order per rank for the next backward's prefetch;
+            # after passes one rank ran alone, the ranks would prefetch different units.
+            root.reset_iter_state()
         for unit in units:
             unit.reshard()
             unit.set_reshard_after_forward(self.reshard_after_forward, recurse=False)
-        if units:
-            units[0].set_reshard_after_forward(False, recurse=False)
-        self.whole_now = False
+        root.set_reshard_after_forward(False, recurse=False)  # FSDP2's own default for the root
+        keep = {"sharded": [], "root": [root], "whole": units}[what]
+        for unit in keep:
+            unit.unshard()
+            unit.set_reshard_after_forward(False, recurse=False)
+        lockstep = what != "whole"
+        for sub in module.modules():  # what `rollout.hf` reads to decode in step with the other ranks
+            sub._rlhflab_lockstep = lockstep
+        self.held = what
 
     @contextmanager
-    def sharded(self, module: torch.nn.Module) -> Iterator[None]:
-        """`module` sharded inside (an update, a checkpoint's gathering), then as it was."""
-        was_whole = self.whole_now
-        if was_whole:
-            self.release(module)
+    def holding(self, module: torch.nn.Module, what: str) -> Iterator[None]:
+        """`hold(module, what)` inside, the previous state after (every rank enters it)."""
+        before = self.held
+        self.hold(module, what)
         try:
             yield
         finally:
-            if was_whole:
-                self.hold_whole(module)
-
-    @contextmanager
-    def whole(self, module: torch.nn.Module) -> Iterator[None]:
-        """`module`'s weights whole on every rank inside (an evaluation on rank 0, the
-        finite-weights probe before a save), then as it was; every rank enters it."""
-        was_whole = self.whole_now
-        if not was_whole:
-            self.hold_whole(module)
-        try:
-            yield
-        finally:
-            if not was_whole:
-                self.release(module)
+            self.hold(module, before)
 
     def full_state(self, module: torch.nn.Module, optimizer=None) -> tuple[dict | None, dict | None]:
         """Under FSDP2 the module's full state dict (and the optimizer's, keyed by parameter
@@ -282,7 +273,7 @@ class Dist:
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                              get_optimizer_state_dict)
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        with self.sharded(module):
+        with self.holding(module, "sharded"):
             model_state = get_model_state_dict(module, options=opts)
             optim_state = get_optimizer_state_dict(module, optimizer, options=opts) if optimizer is not None else None
         return (model_state, optim_state) if self.is_main else (None, None)
@@ -294,7 +285,7 @@ class Dist:
             optimizer.load_state_dict(state)
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-        with self.sharded(module):
+        with self.holding(module, "sharded"):
             set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -415,11 +406,16 @@ def _close_process_group() -> None:
         torch.distributed.destroy_process_group()
 
 
-def check_strategy(dist: Dist, lora: bool, method: str) -> None:
+def check_strategy(dist: Dist, lora: bool, method: str, backend: str = "hf") -> None:
     """What the launcher's strategy does not run, refused in one line before any model loads."""
     if method == "trpo" and dist.distributed:
         raise UserError("trpo: the teaching TRPO runs in one process; use ppo or grpo under accelerate launch")
-    if dist.strategy == "fsdp" and lora:
+    if dist.strategy != "fsdp":
+        return
+    if lora:
         raise UserError("lora.enabled under FSDP: the frozen base is whole on every rank anyway and only the "
                         "adapter trains; launch with configs/accelerate/ddp.yaml (cpu_2proc.yaml on a CPU), "
                         "or set lora.enabled=false to shard a full fine-tune")
+    if backend != "hf":
+        raise UserError(f"generation.backend={backend} under FSDP: the engine's weight push is not written for "
+                        f"sharded weights yet; set generation.backend=hf, or launch with configs/accelerate/ddp.yaml")

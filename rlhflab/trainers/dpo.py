@@ -473,7 +473,7 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     result = TrainResult(out_dir, out_dir / "final", unit="pairs", world_size=dist.world_size, is_main=dist.is_main,
                          models=models, state={"ref_cache": train_cache})
     if t.eval_interval and start_step == 0:  # evaluation on the main process
-        with dist.whole(logprob_model):  # FSDP: whole weights on every rank while rank 0 evaluates
+        with dist.holding(logprob_model, "whole"):  # FSDP: whole weights on every rank while rank 0 evaluates
             if dist.is_main:
                 result.eval_before = _evaluate(models, eval_tok, eval_cache, task_examples, task_scorer, cfg,
                                                out_dir, 0)
@@ -492,7 +492,7 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
             if folder.name.startswith("step_"):
                 prune_checkpoints(out_dir, t.keep_last_checkpoints)
 
-        with dist.whole(logprob_model):
+        with dist.holding(logprob_model, "whole"):
             dist.on_main(write)
 
     from tqdm import tqdm
@@ -553,7 +553,7 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
                        "params/grad_norm": grad_norm, "lr": optimizer.param_groups[0]["lr"], "epoch": epoch,
                        **timer.metrics(), "perf/pairs_per_s": n_batch / seconds}
             if t.eval_interval and (step % t.eval_interval == 0 or step == total_steps):
-                with dist.whole(logprob_model):
+                with dist.holding(logprob_model, "whole"):
                     if dist.is_main:
                         metrics.update(_evaluate(models, eval_tok, eval_cache, task_examples, task_scorer, cfg,
                                                  out_dir, step))

@@ -185,7 +185,7 @@ def build_run(cfg, method: PolicyMethod, *, resume_dir: Path | None = None, math
     params = (method.optimizer_params or (lambda actor: actor.trainable_parameters()))(models.actor)
     optimizer, scheduler = make_optimization(params, sec, train_cfg.total_steps * sec.optimizer_steps_per_rollout())
     train_model, optimizer = dist.prepare(models.actor, optimizer)
-    dist.hold_whole(train_model)  # FSDP: whole weights for everything but the update
+    dist.hold(train_model, "root")  # FSDP: decoder layers gathered one at a time outside the update
     backend = make_backend(cfg.generation, models.policy, models.tokenizer,
                            max_prompt_length=cfg.dataset.max_prompt_length, batch_size=sec.batch_size,
                            seed=train_cfg.seed, rank=dist.rank)
@@ -203,7 +203,7 @@ def build_run(cfg, method: PolicyMethod, *, resume_dir: Path | None = None, math
 def run_update(run: RLRun, roll: Rollout, step: int) -> dict[str, float]:
     """5. update: the shared engine on the rollout's advantages."""
     cfg, model = run.cfg, run.train_model or run.models.actor
-    with run.dist.sharded(model):  # FSDP: the update on shards (a no-op otherwise)
+    with run.dist.holding(model, "sharded"):  # FSDP: every unit sharded for the update (a no-op otherwise)
         return policy_update(model, run.optimizer, run.scheduler, roll, run.sec,
                              temperature=cfg.generation.temperature, step=step, seed=cfg.training.seed,
                              max_new_tokens=cfg.generation.max_new_tokens, math_=run.math,
@@ -219,11 +219,13 @@ def evaluate(run: RLRun, examples, out_dir: Path, step: int, quiet: bool = False
     size = cfg.training.eval_batch_size
     batches = [examples[i : i + size] for i in range(0, len(examples), size)]
     mine = [b for i, b in enumerate(batches) if i % dist.world_size == dist.rank]
+    # FSDP decodes in lockstep: a rank short of a batch decodes batch 0 again and drops it.
+    spare = -(-len(batches) // dist.world_size) - len(mine) if dist.strategy == "fsdp" else 0
     parts = [evaluate_policy(run.models.policy, run.models.tokenizer, b, run.scorer,
                              max_new_tokens=cfg.generation.max_new_tokens,
                              max_prompt_length=cfg.dataset.max_prompt_length, batch_size=size,
                              checks=run.checks).samples
-             for b in mine]
+             for b in mine + batches[:1] * spare][: len(mine)]
     gathered = dist.gather(parts)                       # rank r holds batches r, r+N, r+2N, ...
     samples = [s for i in range(len(batches)) for s in gathered[i % dist.world_size][i // dist.world_size]]
     res = EvalResult.from_samples(samples, extra=tuple(run.checks.rewards) if run.checks is not None else ())
@@ -256,7 +258,7 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
     # Everything is checked before anything is written: the checkpoint to resume (it loads,
     # its method, LoRA, critic and world size match), and the output folder (another run
     # there is never trained over).
-    check_strategy(dist, cfg.lora.enabled, method.name)
+    check_strategy(dist, cfg.lora.enabled, method.name, cfg.generation.backend)
     resume_dir = check_resume_dir(resume, method=method.name, lora=cfg.lora.enabled,
                                   critic=method.critic or "none", world_size=dist.world_size,
                                   fsdp=dist.strategy == "fsdp")

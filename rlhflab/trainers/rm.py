@@ -407,7 +407,7 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
     result = RMResult(out_dir, out_dir / "final", out_dir / "final" / "adapter" if cfg.lora.enabled else None,
                       train_pairs=len(data.train), is_main=dist.is_main)
     if r.eval_before and data.eval:  # evaluation on the main process, which alone writes
-        with dist.whole(loss_model):  # FSDP: whole weights on every rank while rank 0 evaluates
+        with dist.holding(loss_model, "whole"):  # FSDP: whole weights on every rank while rank 0 evaluates
             if dist.is_main:
                 result.eval_before = evaluate_rm(model, tok, data.eval, meta, t.eval_batch_size, device)
                 log_step(logger, doctor, 0, result.eval_before)
@@ -461,7 +461,7 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
                                 "lr": optimizer.param_groups[0]["lr"], "epoch": step / groups_per_epoch})
                 win_loss, win_acc, win_n, win_norms = 0.0, 0.0, 0, []
             if data.eval and ((t.eval_interval and step % t.eval_interval == 0) or step == total_steps):
-                with dist.whole(loss_model):
+                with dist.holding(loss_model, "whole"):
                     if dist.is_main:
                         last_eval = evaluate_rm(model, tok, data.eval, meta, t.eval_batch_size, device)
                         metrics.update(last_eval)
@@ -483,7 +483,7 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
         check_finite_model(model, probe, step=step, knob="rm.learning_rate", lr=r.learning_rate)
         save_reward_model(model, tok, meta, result.final_dir, state_part(state, "model."))
 
-    with dist.whole(loss_model):
+    with dist.holding(loss_model, "whole"):
         dist.on_main(save)
     result.eval_after = last_eval or None
     result.steps = step

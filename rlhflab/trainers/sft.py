@@ -431,7 +431,7 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
     result = SFTResult(out_dir, out_dir / "final", out_dir / "final" / "adapter" if cfg.lora.enabled else None,
                        train_rows=len(data.train), is_main=dist.is_main)
     if s.eval_before:  # evaluation on the main process, which alone writes
-        with dist.whole(nll_model):  # FSDP: whole weights on every rank while rank 0 evaluates
+        with dist.holding(nll_model, "whole"):  # FSDP: whole weights on every rank while rank 0 evaluates
             if dist.is_main:
                 result.eval_before = evaluate_sft(model, tok, data, cfg, device, out_dir, 0)
                 log_step(logger, doctor, 0, result.eval_before)
@@ -447,7 +447,7 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
             if folder.name.startswith("step_"):
                 prune_checkpoints(out_dir, t.keep_last_checkpoints)
 
-        with dist.whole(nll_model):
+        with dist.holding(nll_model, "whole"):
             dist.on_main(write)
 
     from tqdm import tqdm
@@ -490,7 +490,7 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
                                 "perf/tokens_per_s": window_tokens / max(elapsed, 1e-9)})
                 window_nll, window_tokens, window_norms, window_start = 0.0, 0, [], time.perf_counter()
             if (t.eval_interval and step % t.eval_interval == 0) or step == total_steps:
-                with dist.whole(nll_model):
+                with dist.holding(nll_model, "whole"):
                     if dist.is_main:
                         last_eval = evaluate_sft(model, tok, data, cfg, device, out_dir, step)
                         metrics.update(last_eval)
