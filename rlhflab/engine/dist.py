@@ -86,6 +86,7 @@ class Dist:
     accelerator: Any = None  # an accelerate.Accelerator when launched with several processes
     fsdp_here: bool = False  # FSDP asked for on a CPU: `prepare` shards with torch's fully_shard
     reshard_after_forward: bool = True  # the config's fsdp_reshard_after_forward
+    _boundary: bool = True  # DeepSpeed: whether the micro-batch in `accumulating` ends its group
     trained: list | None = None  # under FSDP: the optimizer's (sharded) parameters, which `prepare` made
     held: str = "sharded"  # under FSDP: which units of the trained module are kept gathered (`hold`)
 
@@ -184,10 +185,13 @@ class Dist:
         return n // self.world_size
 
     # ---------------------------------------------------------------- training
-    def prepare(self, module: torch.nn.Module, optimizer=None):
-        """The module wrapped for the strategy (DDP, FSDP, DeepSpeed), and the optimizer."""
+    def prepare(self, module: torch.nn.Module, optimizer=None, max_grad_norm: float | None = None):
+        """The module wrapped for the strategy (DDP, FSDP, DeepSpeed), and the optimizer.
+        `max_grad_norm`: DeepSpeed clips inside its own step, so it is told the method's."""
         if not self.distributed:
             return module, optimizer
+        if self.strategy == "deepspeed":
+            return self._prepare_deepspeed(module, optimizer, max_grad_norm)
         if self.fsdp_here:
             _fully_shard(module, self.world_size, self.reshard_after_forward, optimizer)
         elif optimizer is None:
@@ -206,10 +210,64 @@ class Dist:
         """What a loss divided by a global count is multiplied by before backward (DDP averages)."""
         return float(self.world_size)
 
+    def _prepare_deepspeed(self, module, optimizer, max_grad_norm):
+        """The DeepSpeed engine around `module`. rlhflab makes its own micro-batches and
+        accumulation groups, so DeepSpeed counts one micro-batch of one row per step
+        (bookkeeping only) and is told each group's end by `accumulating`; it clips at the
+        method's max_grad_norm inside its step. Under ZeRO-3 the LM head's weight, which the
+        chunked log-prob ops read outside the head's own forward, is gathered with the
+        module's forward, and so are the projections a lean MLP reads (`register_external_parameter`)."""
+        plugin = self.accelerator.state.deepspeed_plugin
+        plugin.deepspeed_config.update({
+            "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+            "train_batch_size": self.world_size,
+            "gradient_clipping": float(max_grad_norm) if max_grad_norm not in (None, float("inf")) else 0.0})
+        module, optimizer = self.accelerator.prepare(module, optimizer)
+        if self.zero3:
+            from deepspeed.runtime.zero import register_external_parameter
+
+            from rlhflab.models.lean import read_past_forward
+            root = module.module
+            for sub in root.modules():
+                head = sub.get_output_embeddings() if hasattr(sub, "get_output_embeddings") else None
+                if isinstance(head, torch.nn.Linear):
+                    for param in (head.weight, head.bias):
+                        if param is not None:
+                            register_external_parameter(root, param)
+            for owner, param in read_past_forward(root):  # the lean MLPs' projections
+                register_external_parameter(owner, param)
+            for sub in root.modules():  # what `rollout.hf` reads to decode in step with the other ranks
+                sub._rlhflab_lockstep = True
+        return module, optimizer
+
+    @property
+    def saves_optimizer(self) -> bool:
+        """Whether checkpoints keep the optimizer state (for `--resume`): not under DeepSpeed,
+        whose partitioned state only its own checkpoint format holds."""
+        return self.strategy != "deepspeed"
+
+    @property
+    def zero3(self) -> bool:
+        """DeepSpeed ZeRO stage 3 (parameters partitioned: forward passes gather them)."""
+        if self.strategy != "deepspeed":
+            return False
+        return int(self.accelerator.state.deepspeed_plugin.zero_stage) == 3
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether forward passes outside the update communicate, so every rank must run the
+        same ones (FSDP, ZeRO-3): an evaluation pads a rank's batches to the others' count."""
+        return self.strategy == "fsdp" or self.zero3
+
     @contextmanager
     def accumulating(self, module: torch.nn.Module, last: bool) -> Iterator[None]:
         """No gradient all-reduce on a micro-batch that is not the last of its group
-        (FSDP2: no reduce-scatter; the unsharded gradients accumulate until the last)."""
+        (FSDP2: no reduce-scatter; the unsharded gradients accumulate until the last;
+        DeepSpeed: the group's end is its accumulation boundary, where it steps)."""
+        if self.strategy == "deepspeed":
+            self._boundary = last
+            yield
+            return
         units = fsdp_units(module) if self.distributed else []
         if units:
             units[0].set_requires_gradient_sync(last)  # recursive: every unit
@@ -268,6 +326,9 @@ class Dist:
         """Under FSDP2 the module's full state dict (and the optimizer's, keyed by parameter
         name), gathered to rank 0 (None on the others); a collective every rank calls.
         (None, None) for any other strategy: the module's own state is whole there."""
+        if self.zero3:  # DeepSpeed gathers the partitions (zero3_save_16bit_model) to rank 0
+            model_state = self.accelerator.get_state_dict(module)
+            return (model_state, None) if self.is_main else (None, None)
         if not fsdp_units(module):
             return None, None
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -289,6 +350,15 @@ class Dist:
             set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
     def backward(self, loss: torch.Tensor) -> None:
+        if self.strategy == "deepspeed":
+            # DeepSpeed's engine runs the optimizer step itself at the boundary (with its
+            # clipping and zeroing of the gradients); the optimizer's own step is a no-op.
+            engine = self.accelerator.deepspeed_engine_wrapped.engine
+            engine.set_gradient_accumulation_boundary(is_boundary=self._boundary)
+            engine.backward(loss)
+            if self._boundary:
+                engine.step()
+            return
         if self.distributed:
             self.accelerator.backward(loss)
         else:
@@ -299,6 +369,9 @@ class Dist:
         parameters are the sharded ones `prepare` made (a list taken before it is stale)."""
         if self.trained is not None:
             params = self.trained
+        if self.strategy == "deepspeed":  # clipped in DeepSpeed's step already; its norm before clipping
+            norm = self.accelerator.deepspeed_engine_wrapped.engine.get_global_grad_norm()
+            return float(norm) if norm is not None else float("nan")
         if self.fsdp_here:
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
             return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
@@ -333,12 +406,27 @@ def init_dist(device: str = "auto") -> Dist:
     fsdp_here, reshard = cpu and _env_flag("ACCELERATE_USE_FSDP"), _env_flag("FSDP_RESHARD_AFTER_FORWARD", True)
     if fsdp_here:
         check_fsdp_on_cpu()
+    kwargs: dict[str, Any] = {"cpu": cpu}
+    if cpu and _env_flag("ACCELERATE_USE_DEEPSPEED"):
+        # DeepSpeed on a CPU: accelerate turns `cpu=True` into plain DDP, and without CUDA it
+        # finds no process-group backend (each rank then believes it is alone); gloo, named
+        # here, gives DeepSpeed's CPU accelerator its process group.
+        from accelerate.utils import InitProcessGroupKwargs
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        kwargs = {"kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]}
     try:
-        acc = Accelerator(cpu=cpu)
+        acc = Accelerator(**kwargs)
     except (ImportError, ValueError, RuntimeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"the launcher's accelerate config cannot start here ({first}); check the "
                         f"--config_file you gave `accelerate launch` (configs/accelerate/ has working ones)") from None
+    if str(acc.distributed_type).endswith("DEEPSPEED"):
+        # accelerate announces ZeRO-3 to transformers, whose from_pretrained would then load
+        # every model already partitioned; rlhflab loads them whole (the frozen reference and
+        # reward models stay whole on each rank) and DeepSpeed partitions the trained module
+        # when it wraps it (as zero3_init_flag: false says).
+        from transformers.integrations import unset_hf_deepspeed_config
+        unset_hf_deepspeed_config()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", acc.num_processes))
     atexit.register(_close_process_group)
     return Dist(acc.process_index, acc.num_processes, local, acc, fsdp_here, reshard)
@@ -406,10 +494,13 @@ def _close_process_group() -> None:
         torch.distributed.destroy_process_group()
 
 
-def check_strategy(dist: Dist, lora: bool, method: str, backend: str = "hf") -> None:
-    """What the launcher's strategy does not run, refused in one line before any model loads."""
+def check_strategy(dist: Dist, lora: bool, method: str, backend: str = "hf", resume=None,
+                   rl: bool = True) -> None:
+    """What the launcher's strategy does not run, refused in one line before any model loads.
+    `rl`: an RL trainer (its evaluation runs on every rank; SFT, DPO and RM evaluate on rank 0)."""
     if method == "trpo" and dist.distributed:
         raise UserError("trpo: the teaching TRPO runs in one process; use ppo or grpo under accelerate launch")
+    check_deepspeed(dist, lora, method, backend, resume, rl)
     if dist.strategy != "fsdp":
         return
     if lora:
@@ -419,3 +510,19 @@ def check_strategy(dist: Dist, lora: bool, method: str, backend: str = "hf") -> 
     if backend != "hf":
         raise UserError(f"generation.backend={backend} under FSDP: the engine's weight push is not written for "
                         f"sharded weights yet; set generation.backend=hf, or launch with configs/accelerate/ddp.yaml")
+
+
+def check_deepspeed(dist: Dist, lora: bool, method: str, backend: str = "hf", resume=None,
+                    rl: bool = True) -> None:
+    """What rlhflab does not run under DeepSpeed, refused in one line before any model loads."""
+    if dist.strategy != "deepspeed":
+        return
+    if resume is not None:
+        raise UserError(f"--resume under DeepSpeed: rlhflab's checkpoints keep DeepSpeed runs' weights but not "
+                        f"their partitioned optimizer state; start a new run from the weights with "
+                        f"model.name_or_path={resume}, or train with configs/accelerate/fsdp.yaml to resume")
+    if dist.zero3 and (lora or backend != "hf" or not rl):
+        what = ("lora.enabled" if lora else f"generation.backend={backend}" if backend != "hf" else
+                f"{method} (its evaluation runs on rank 0 alone)")
+        raise UserError(f"{what} under ZeRO-3 is not supported; launch with configs/accelerate/zero2.yaml or "
+                        f"fsdp.yaml")

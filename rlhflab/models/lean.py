@@ -138,3 +138,13 @@ def lean_mlp(model: nn.Module) -> int:
             module.forward = functools.partial(_lean_forward, module)
             n += 1
     return n
+
+
+def read_past_forward(model: nn.Module) -> list[tuple[nn.Module, nn.Parameter]]:
+    """(module, parameter) pairs where the module's forward reads a child's weight without
+    running the child: every MLP switched to `GatedMLP` reads its three projections'. A
+    strategy that gathers a module's own parameters as it runs (DeepSpeed ZeRO-3) must be
+    told (`engine.dist`)."""
+    return [(m, getattr(m, n).weight) for m in model.modules()
+            if isinstance(m.forward, functools.partial) and m.forward.func is _lean_forward
+            for n in ("gate_proj", "up_proj", "down_proj")]

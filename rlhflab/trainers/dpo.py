@@ -400,7 +400,7 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     """Run DPO as configured; returns where the outputs went and the metric history."""
     t, sec, d = cfg.training, cfg.dpo, cfg.dataset
     dist = init_dist(t.device)
-    check_strategy(dist, cfg.lora.enabled, "dpo")
+    check_strategy(dist, cfg.lora.enabled, "dpo", resume=resume, rl=False)
     say = (lambda *a: None) if quiet or not dist.is_main else print
     set_threads(t.num_threads or default_threads(dist, t.device))
     if dist.distributed:
@@ -455,7 +455,8 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
         total_steps = min(total_steps, sec.max_steps)
     optimizer, scheduler = make_optimization(models.actor.trainable_parameters(), sec, total_steps)
     # The sequence log-probs as a module's forward, wrapped for the launcher's strategy.
-    logprob_model, optimizer = dist.prepare(Forward(models.actor, policy_sequence_logprobs), optimizer)
+    logprob_model, optimizer = dist.prepare(Forward(models.actor, policy_sequence_logprobs), optimizer,
+                                            sec.max_grad_norm)
     start_step = 0
     if resume_dir is not None:
         start_step = restore_trainer_state(resume_dir, optimizer, scheduler, rank=dist.rank,
@@ -486,8 +487,8 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
 
         def write() -> None:
             check_finite_model(models.policy, probe, step=at, knob="dpo.learning_rate", lr=sec.learning_rate)
-            save_checkpoint(folder, models.actor, tok, optimizer=optimizer, scheduler=scheduler, step=at,
-                            method="dpo", rank_rng=None, state=state_part(state, "model."),
+            save_checkpoint(folder, models.actor, tok, optimizer=optimizer if dist.saves_optimizer else None,
+                            scheduler=scheduler, step=at, method="dpo", rank_rng=None, state=state_part(state, "model."),
                             optimizer_state=optimizer_state)
             if folder.name.startswith("step_"):
                 prune_checkpoints(out_dir, t.keep_last_checkpoints)

@@ -184,7 +184,7 @@ def build_run(cfg, method: PolicyMethod, *, resume_dir: Path | None = None, math
     checks = build_eval_checks(cfg.eval, models.device) if train_cfg.eval_interval else None
     params = (method.optimizer_params or (lambda actor: actor.trainable_parameters()))(models.actor)
     optimizer, scheduler = make_optimization(params, sec, train_cfg.total_steps * sec.optimizer_steps_per_rollout())
-    train_model, optimizer = dist.prepare(models.actor, optimizer)
+    train_model, optimizer = dist.prepare(models.actor, optimizer, sec.max_grad_norm)
     dist.hold(train_model, "root")  # FSDP: decoder layers gathered one at a time outside the update
     backend = make_backend(cfg.generation, models.policy, models.tokenizer,
                            max_prompt_length=cfg.dataset.max_prompt_length, batch_size=sec.batch_size,
@@ -219,8 +219,8 @@ def evaluate(run: RLRun, examples, out_dir: Path, step: int, quiet: bool = False
     size = cfg.training.eval_batch_size
     batches = [examples[i : i + size] for i in range(0, len(examples), size)]
     mine = [b for i, b in enumerate(batches) if i % dist.world_size == dist.rank]
-    # FSDP decodes in lockstep: a rank short of a batch decodes batch 0 again and drops it.
-    spare = -(-len(batches) // dist.world_size) - len(mine) if dist.strategy == "fsdp" else 0
+    # FSDP and ZeRO-3 decode in lockstep: a rank short of a batch decodes batch 0 again and drops it.
+    spare = -(-len(batches) // dist.world_size) - len(mine) if dist.lockstep else 0
     parts = [evaluate_policy(run.models.policy, run.models.tokenizer, b, run.scorer,
                              max_new_tokens=cfg.generation.max_new_tokens,
                              max_prompt_length=cfg.dataset.max_prompt_length, batch_size=size,
@@ -258,7 +258,7 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
     # Everything is checked before anything is written: the checkpoint to resume (it loads,
     # its method, LoRA, critic and world size match), and the output folder (another run
     # there is never trained over).
-    check_strategy(dist, cfg.lora.enabled, method.name, cfg.generation.backend)
+    check_strategy(dist, cfg.lora.enabled, method.name, cfg.generation.backend, resume)
     resume_dir = check_resume_dir(resume, method=method.name, lora=cfg.lora.enabled,
                                   critic=method.critic or "none", world_size=dist.world_size,
                                   fsdp=dist.strategy == "fsdp")
@@ -304,7 +304,8 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
         rng = dist.gather(rng_state())  # every rank's random state, for an exact resume
         state, optimizer_state = dist.full_state(run.train_model, optimizer)  # FSDP: gathered to rank 0
         if dist.is_main:
-            save_checkpoint(folder, models.actor, models.tokenizer, optimizer=optimizer, scheduler=scheduler,
+            save_checkpoint(folder, models.actor, models.tokenizer,
+                            optimizer=optimizer if dist.saves_optimizer else None, scheduler=scheduler,
                             step=step, method=method.name, rank_rng=rng if dist.distributed else None,
                             state=state, optimizer_state=optimizer_state)
         dist.barrier()

@@ -362,7 +362,7 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
     """Train a reward model as configured; returns where it went and the before/after metrics."""
     t, r = cfg.training, cfg.rm
     dist = init_dist(t.device)
-    check_strategy(dist, cfg.lora.enabled, "rm")
+    check_strategy(dist, cfg.lora.enabled, "rm", rl=False)
     say = (lambda *a, **k: None) if quiet or not dist.is_main else print
     set_threads(t.num_threads or default_threads(dist, t.device))
     if dist.distributed:
@@ -393,7 +393,7 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
     # The pairwise loss as a module's forward, wrapped for the launcher's strategy; each
     # rank takes its share of every micro-batch of the one shuffle.
     loss_model, optimizer = dist.prepare(
-        Forward(model, lambda m, pairs: _batch_loss(m, tok, pairs, meta, cfg, device)), optimizer)
+        Forward(model, lambda m, pairs: _batch_loss(m, tok, pairs, meta, cfg, device)), optimizer, r.max_grad_norm)
     scheduler = make_scheduler(optimizer, total_steps, int(r.warmup_ratio * total_steps), r.lr_schedule,
                                r.min_learning_rate)
     say(f"rm: {len(data.train)} training pairs, {len(data.eval)} held out; {total_steps} optimizer steps; "

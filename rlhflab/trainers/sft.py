@@ -388,7 +388,7 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
     """Run SFT as configured; returns where the model went and the before/after metrics."""
     t, s = cfg.training, cfg.sft
     dist = init_dist(t.device)
-    check_strategy(dist, cfg.lora.enabled, "sft")
+    check_strategy(dist, cfg.lora.enabled, "sft", rl=False)
     say = (lambda *a, **k: None) if quiet or not dist.is_main else print
     set_threads(t.num_threads or default_threads(dist, t.device))
     if dist.distributed:
@@ -416,7 +416,7 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
     optimizer = make_optimizer(params, s.learning_rate, s.weight_decay, (s.adam_beta1, s.adam_beta2), s.adam_eps)
     # Under several processes the loss module is wrapped for the launcher's strategy, and
     # each rank takes its share of every micro-batch (the same rows one process would use).
-    nll_model, optimizer = dist.prepare(Forward(model, batch_nll), optimizer)
+    nll_model, optimizer = dist.prepare(Forward(model, batch_nll), optimizer, s.max_grad_norm)
     scheduler = make_scheduler(optimizer, total_steps, int(s.warmup_ratio * total_steps), s.lr_schedule,
                                s.min_learning_rate)
     n_trainable = sum(p.numel() for p in params)
