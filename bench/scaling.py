@@ -4,13 +4,16 @@ strategy needs per GPU.
 
     .venv/bin/python bench/scaling.py [--steps 6] [--repeats 3] [--episodes 64]
     .venv/bin/python bench/scaling.py --memory-only --params 0.5e9 7e9
+    .venv/bin/python bench/scaling.py --memory-model 512x8 [--repeats 2]
 
 Part 1 (measured): `rlhflab ppo` on the project's tiny model and the arithmetic task,
 the same global rollout (episodes per step), minibatch and seed in every run; 1 process
 with the machine's cores as torch threads, then 2 processes under `accelerate launch`
-with the cores shared equally: DDP (configs/accelerate/cpu_2proc.yaml, gloo) and FSDP2
-(configs/accelerate/fsdp_cpu.yaml: the trained module sharded over the 2 ranks during the
-update, its weights gathered whole for generation and scoring). Each run's
+with the cores shared equally: DDP (configs/accelerate/cpu_2proc.yaml, gloo), FSDP2
+(fsdp_cpu.yaml) and, with the deepspeed extra installed, ZeRO-2 and ZeRO-3 (zero2_cpu.yaml,
+zero3_cpu.yaml). The sharded strategies trade communication for memory: every layer's
+weights are gathered for each forward pass, generation included (lockstep), which on one
+CPU is pure cost. Each run's
 episodes/s is its `train_result.json` figure (every step, the first included, on both
 sides alike); the table shows the median and the range over `--repeats` runs and the
 ratio 2 processes / 1 process, and each run's peak resident memory (the process's, or
@@ -20,10 +23,16 @@ measures the cost of the distribution itself (communication and the duplicated P
 work), which on a GPU node is what stays small next to the per-rank compute.
 
 Part 2 (arithmetic, not measured): bytes per parameter for weights, gradients, Adam state
-(fp32, two moments), the frozen reference and a separate critic, under DDP, ZeRO-2
-(gradients and Adam sharded), FSDP2 as rlhflab runs it (sharded for the update, weights
-whole between updates), the fully sharded bound (ZeRO-3), and LoRA (only the adapter
-trains), for the model sizes given.
+(fp32, two moments), the frozen reference and a separate critic, under DDP, FSDP /
+ZeRO-3 (everything trained sharded over N ranks), ZeRO-2 (gradients and Adam sharded)
+and LoRA (only the adapter trains), for the model sizes given.
+
+Part 3 (`--memory-model HxL`, measured): what each strategy holds per rank for the model's
+own state. Every side runs 2 PPO steps (value head, reference copy) on the tiny model and
+on a larger one (hidden H, L layers); the larger run's peak RSS (rank 0) minus the tiny
+run's is the memory the extra parameters cost on that side, the imported libraries (which
+differ between sides: DeepSpeed imports more) cancelling out. Last line of that mode:
+`scaling memory: MiB per rank for N extra parameters: 1 process A, DDP B, FSDP2 C[, ZeRO-2 D, ZeRO-3 E]`.
 
 Last line: `scaling: 1 process X eps/s, 2 processes Y eps/s, ratio Z (tiny model, 64 episodes/step);
 FSDP2 2 processes W eps/s, ratio V`.
@@ -32,6 +41,7 @@ FSDP2 2 processes W eps/s, ratio V`.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -47,6 +57,59 @@ sys.path.insert(0, str(REPO / "bench"))
 import _common  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
+
+
+def _larger_model(spec: str) -> tuple[Path, int]:
+    """The model `HxL` (hidden H, L layers, the tiny model's vocabulary), built once; its
+    parameter count."""
+    hidden, layers = (int(x) for x in spec.lower().split("x"))
+    folder = _common.BENCH_DIR / f"scaling-model-{hidden}x{layers}"
+    if not (folder / "config.json").is_file():
+        from rlhflab.models.tiny import make_tiny_model
+        make_tiny_model(folder, hidden_size=hidden, num_layers=layers, num_heads=max(1, hidden // 64))
+    return folder, _param_count(folder)
+
+
+def _numel(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= int(d)
+    return out
+
+
+def memory_run(spec: str, work: Path, a: argparse.Namespace) -> None:
+    """Part 3: per side, peak RSS on the larger model minus peak RSS on the tiny one."""
+    tiny, data = _inputs(work)
+    big, n_params = _larger_model(spec)
+    extra = n_params - _param_count(tiny)
+    runs = argparse.Namespace(**{**vars(a), "steps": 2})
+    rows = {}
+    for side in SIDES:
+        deltas = []
+        for r in range(a.repeats):
+            _, small_peak = _run(side, tiny, data, work / f"mem_tiny_{r}", runs)
+            _, big_peak = _run(side, big, data, work / f"mem_big_{r}", runs)
+            deltas.append(big_peak - small_peak)
+            print(f"run {r + 1}/{a.repeats}, {side}: tiny {small_peak:.0f} MiB, {spec} {big_peak:.0f} MiB, "
+                  f"difference {big_peak - small_peak:.0f} MiB", flush=True)
+        rows[side] = deltas
+    print(f"\n## peak RSS per rank (rank 0) for {extra / 1e6:.1f}M extra parameters ({spec} against the tiny "
+          f"model), 2 PPO steps, value head, reference copy\n")
+    print("| side | MiB (median) | range | bytes per extra parameter |")
+    print("| --- | --- | --- | --- |")
+    for side, d in rows.items():
+        med = statistics.median(d)
+        print(f"| {side} | {med:.0f} | {min(d):.0f}-{max(d):.0f} | {med * 2**20 / extra:.1f} |")
+    names = {"1": "1 process", "2 DDP": "DDP", "2 FSDP2": "FSDP2", "2 ZeRO-2": "ZeRO-2", "2 ZeRO-3": "ZeRO-3"}
+    print(f"\nscaling memory: MiB per rank for {extra / 1e6:.1f}M extra parameters: "
+          + ", ".join(f"{names[side]} {statistics.median(d):.0f}" for side, d in rows.items()))
+
+
+def _param_count(folder: Path) -> int:
+    """The parameter count of a saved model folder."""
+    from safetensors import safe_open
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        return sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
 
 
 def _inputs(work: Path) -> tuple[Path, Path]:
@@ -67,6 +130,8 @@ def _free_port() -> int:
 
 
 SIDES = {"1": None, "2 DDP": "cpu_2proc.yaml", "2 FSDP2": "fsdp_cpu.yaml"}  # side -> accelerate config
+if importlib.util.find_spec("deepspeed") is not None:  # the optional extra (make venv installs it)
+    SIDES.update({"2 ZeRO-2": "zero2_cpu.yaml", "2 ZeRO-3": "zero3_cpu.yaml"})
 
 
 def _run(side: str, model: Path, data: Path, out: Path, a: argparse.Namespace) -> tuple[float, float]:
@@ -98,28 +163,23 @@ def _run(side: str, model: Path, data: Path, out: Path, a: argparse.Namespace) -
 
 def memory_table(sizes: list[float], ranks: int) -> None:
     """GiB per GPU for each strategy, fp32 master weights and Adam, a bf16 frozen reference.
-
-    FSDP2 as rlhflab runs it holds the policy's weights whole on every rank between updates
-    (generation, scoring, evaluation) and shards weights, gradients and Adam for the update:
-    its peak is in the rollout, whole fp32 weights (4 B) beside the shards of the weights and
-    Adam (12 B / N; the gradients are freed after each step), which is ZeRO-2's figure.
-    The fully sharded column is the bound a strategy reaches that never gathers a whole
-    model (ZeRO-3 with layer-by-layer gathers in generation too): 16 B / N."""
+    FSDP / ZeRO-3 as rlhflab runs them gather one decoder layer at a time outside the update
+    too (generation in lockstep); FSDP also keeps its root unit (embeddings, LM head, final
+    norm, value head) gathered between updates, not counted here (at a 150k vocabulary the
+    embeddings are a large share of a small model)."""
     gib = 2**30
     print(f"\n## memory per GPU, {ranks} GPUs (GiB; weights fp32 4 B, grads 4 B, Adam 8 B, bf16 reference 2 B)\n")
-    print("| parameters | DDP | DDP + critic | ZeRO-2 | FSDP2 (rlhflab) | FSDP2 + critic | fully sharded (bound) "
-          "| LoRA (ref = adapter off) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| parameters | DDP | DDP + critic | ZeRO-2 | FSDP / ZeRO-3 | FSDP + critic | LoRA (ref = adapter off) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for p in sizes:
         train = 16 * p                      # weights + grads + Adam (2 moments), fp32
         ref = 2 * p                         # a frozen bf16 copy, unsharded on every rank
         ddp = train + ref
         zero2 = 4 * p + 12 * p / ranks + ref
-        fsdp = 4 * p + 12 * p / ranks + ref  # whole weights in the rollout + the shards of weights and Adam
-        bound = train / ranks + ref
+        fsdp = train / ranks + ref
         lora = 2 * p                        # bf16 base (its adapter-off pass is the reference) + a tiny adapter
         print(f"| {p / 1e9:.1f}B | {ddp / gib:.1f} | {(ddp + train) / gib:.1f} | {zero2 / gib:.1f} | "
-              f"{fsdp / gib:.1f} | {(fsdp + 4 * p + 12 * p / ranks) / gib:.1f} | {bound / gib:.1f} | {lora / gib:.1f} |")
+              f"{fsdp / gib:.1f} | {(fsdp + train / ranks) / gib:.1f} | {lora / gib:.1f} |")
 
 
 def main(argv=None) -> int:
@@ -131,7 +191,14 @@ def main(argv=None) -> int:
                     help="model sizes for the memory table")
     ap.add_argument("--ranks", type=int, default=8, help="GPUs for the memory table (default: %(default)s)")
     ap.add_argument("--memory-only", action="store_true", help="print only the memory table")
+    ap.add_argument("--memory-model", default=None, metavar="HxL",
+                    help="measure each side's peak RSS on a larger model (hidden H, L layers) against the tiny one")
     a = ap.parse_args(argv)
+    if a.memory_model:
+        work = Path(tempfile.mkdtemp(prefix="rlhflab-scaling-"))
+        memory_run(a.memory_model, work, a)
+        shutil.rmtree(work, ignore_errors=True)
+        return 0
     if not a.memory_only:
         work = Path(tempfile.mkdtemp(prefix="rlhflab-scaling-"))
         model, data = _inputs(work)

@@ -83,6 +83,7 @@ def _assert_equal_and_moved(one: Path, two: Path, start: Path) -> None:
     assert a.keys() == b.keys()
     gap = max(float((a[k] - b[k]).abs().max()) for k in a)
     moved = max(float((a[k] - s[k]).abs().max()) for k in s)
+    print(f"{two.name}: 1 process vs 2 processes differ by {gap:.2e} where training moved the weights {moved:.2e}")
     assert gap <= 1e-5, f"1 process and 2 processes differ by {gap}"
     assert moved > 20 * max(gap, 1e-6), f"training moved the weights by only {moved}"
     assert "value_head.summary.weight" not in a or (one / "final" / "value_head.safetensors").exists()

@@ -150,7 +150,7 @@ def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(p
 def test_sft_cli_permission_denied_on_the_final_save(tiny_sft_rm_dir, arith_dir, tmp_path, capsys, monkeypatch):
     from rlhflab.trainers import sft
 
-    def denied(model, tokenizer, folder):
+    def denied(model, tokenizer, folder, state=None):
         raise PermissionError(errno.EACCES, "Permission denied", str(folder))
 
     monkeypatch.setattr(sft, "save_policy", denied)
