@@ -50,7 +50,7 @@ def test_checkpoint_contents_and_overwrite(ppo_cfg, tmp_path):
     for k in live:
         assert torch.equal(saved[k]["exp_avg"], live[k]["exp_avg"])
     # The layout a resume must match is recorded in both places (check_resume reads it).
-    layout = {"method": "ppo", "lora": False, "critic": "value_head", "world_size": 1, "fsdp": False}
+    layout = {"method": "ppo", "lora": False, "critic": "value_head", "world_size": 1, "fsdp": False, "deepspeed": False}
     assert state["layout"] == layout
     assert json.loads((folder / "rlhflab.json").read_text()) == {"step": 3, **layout, "note": "x"}
     # Saving again over it replaces it and leaves no .tmp/.old sibling.

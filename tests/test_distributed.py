@@ -170,14 +170,15 @@ def test_ppo_debug_end_to_end_on_two_processes_and_resume(strategy, tiny_model_d
 
 
 @NEEDS_DEEPSPEED
-def test_ppo_debug_end_to_end_under_zero3(tiny_model_dir, arith_dir, tmp_path):
+def test_ppo_debug_end_to_end_under_zero3_and_resume(tiny_model_dir, arith_dir, tmp_path):
     # ZeRO-3 gathers each layer in its forward: the evaluation's 8 prompts are one batch on
     # rank 0, which rank 1 decodes too (and drops) to stay in step; checkpoints hold the
-    # gathered weights, and a resume is refused (DeepSpeed's optimizer state is not kept).
+    # gathered weights and DeepSpeed's own state (deepspeed/), from which a resume at 2
+    # processes ends where the uninterrupted run did.
     env = _env(tmp_path)
     out = tmp_path / "run"
     args = ["ppo", "--config", str(ROOT / "configs" / "ppo_debug.yaml"), *_common(tiny_model_dir, arith_dir),
-            "training.total_steps=3", "training.save_interval=2", "training.eval_interval=3",
+            "training.total_steps=3", "training.save_interval=1", "training.eval_interval=3",
             "dataset.num_eval_samples=8", f"training.output_dir={out}"]
     one = tmp_path / "one"
     _run([*args[:-1], f"training.output_dir={one}"], env, 1)
@@ -185,15 +186,22 @@ def test_ppo_debug_end_to_end_under_zero3(tiny_model_dir, arith_dir, tmp_path):
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert json.loads((out / "train_result.json").read_text())["world_size"] == 2
-    assert (out / "step_2" / "model.safetensors").exists() and not (out / "step_2" / "trainer_state.pt").exists()
+    assert json.loads((out / "step_2" / "rlhflab.json").read_text())["deepspeed"] is True
+    assert (out / "step_2" / "model.safetensors").exists() and (out / "step_2" / "deepspeed").is_dir()
+    assert not list(out.glob(".*"))  # no staging folder left behind
     # The evaluation before training: every prompt once, decoded as one process decodes it.
     samples = [json.loads(x) for x in (out / "eval" / "step_0.jsonl").read_text().splitlines()]
     alone = [json.loads(x) for x in (one / "eval" / "step_0.jsonl").read_text().splitlines()]
     assert [(s["prompt"], s["response"]) for s in samples] == [(s["prompt"], s["response"]) for s in alone]
     assert len((out / "eval" / "step_3.jsonl").read_text().splitlines()) == 8
-    res = _run([*args[:-1], f"training.output_dir={tmp_path / 'again'}", "--resume", str(out / "step_2")], env, 2,
-               "zero3", expect=1)
-    assert "error: --resume under DeepSpeed" in res.stderr and not (tmp_path / "again").exists()
+    again = tmp_path / "again"
+    _run([*args[:-1], f"training.output_dir={again}", "--resume", str(out / "step_2")], env, 2, "zero3")
+    a, b = _weights(out / "final"), _weights(again / "final")
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0
+    # A DeepSpeed checkpoint under DDP: refused before anything is written.
+    ddp = tmp_path / "ddp"
+    res = _run([*args[:-1], f"training.output_dir={ddp}", "--resume", str(out / "step_2")], env, 2, "ddp", expect=1)
+    assert "saved under a DeepSpeed accelerate config" in res.stderr and not ddp.exists()
 
 
 def test_what_a_strategy_cannot_run_is_refused_before_models_load(tiny_model_dir, arith_dir, tmp_path):

@@ -38,13 +38,18 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
 
 from rlhflab.errors import UserError
+
+ENGINE_DIR = "deepspeed"  # a DeepSpeed run's checkpoint keeps the engine's own state here
+ENGINE_TAG = "state"
 
 
 class Forward(torch.nn.Module):
@@ -241,12 +246,6 @@ class Dist:
         return module, optimizer
 
     @property
-    def saves_optimizer(self) -> bool:
-        """Whether checkpoints keep the optimizer state (for `--resume`): not under DeepSpeed,
-        whose partitioned state only its own checkpoint format holds."""
-        return self.strategy != "deepspeed"
-
-    @property
     def zero3(self) -> bool:
         """DeepSpeed ZeRO stage 3 (parameters partitioned: forward passes gather them)."""
         if self.strategy != "deepspeed":
@@ -326,9 +325,12 @@ class Dist:
         """Under FSDP2 the module's full state dict (and the optimizer's, keyed by parameter
         name), gathered to rank 0 (None on the others); a collective every rank calls.
         (None, None) for any other strategy: the module's own state is whole there."""
-        if self.zero3:  # DeepSpeed gathers the partitions (zero3_save_16bit_model) to rank 0
-            model_state = self.accelerator.get_state_dict(module)
-            return (model_state, None) if self.is_main else (None, None)
+        if self.strategy == "deepspeed":
+            # The weights: ZeRO-3 gathers its partitions (zero3_save_16bit_model) to rank 0;
+            # under ZeRO-2 they are whole on every rank. The optimizer state is DeepSpeed's
+            # own checkpoint (`stage_engine_state`); the trainer state only points at it.
+            model_state = self.accelerator.get_state_dict(module) if self.zero3 else None
+            return (model_state, {"deepspeed": ENGINE_DIR}) if self.is_main else (None, None)
         if not fsdp_units(module):
             return None, None
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -339,9 +341,29 @@ class Dist:
             optim_state = get_optimizer_state_dict(module, optimizer, options=opts) if optimizer is not None else None
         return (model_state, optim_state) if self.is_main else (None, None)
 
-    def load_optimizer(self, module: torch.nn.Module, optimizer, state: dict) -> None:
+    def stage_engine_state(self, module, folder: Path) -> Path | None:
+        """DeepSpeed: every rank writes its partitions of the engine's state (weights and
+        optimizer, DeepSpeed's own checkpoint format) to a staging folder beside `folder`,
+        which the main process moves into the checkpoint (`save_checkpoint(engine_state=)`).
+        None under any other strategy."""
+        if self.strategy != "deepspeed":
+            return None
+        stage = folder.parent / f".{folder.name}.{ENGINE_DIR}"
+        if self.is_main and stage.exists():
+            shutil.rmtree(stage)
+        self.barrier()
+        module.save_checkpoint(str(stage), tag=ENGINE_TAG)
+        self.barrier()
+        return stage
+
+    def load_optimizer(self, module: torch.nn.Module, optimizer, state: dict, folder: Path | None = None) -> None:
         """A saved optimizer state into `optimizer`: the full, name-keyed state an FSDP2 run
-        saved (each rank keeps its shard), or the plain state dict of any other run."""
+        saved (each rank keeps its shard), DeepSpeed's own checkpoint in `folder`/deepspeed
+        (each rank loads its partitions), or the plain state dict of any other run."""
+        if self.strategy == "deepspeed":
+            module.load_checkpoint(str(Path(folder) / ENGINE_DIR), tag=ENGINE_TAG, load_optimizer_states=True,
+                                   load_lr_scheduler_states=False)
+            return
         if not fsdp_units(module):
             optimizer.load_state_dict(state)
             return
@@ -517,10 +539,6 @@ def check_deepspeed(dist: Dist, lora: bool, method: str, backend: str = "hf", re
     """What rlhflab does not run under DeepSpeed, refused in one line before any model loads."""
     if dist.strategy != "deepspeed":
         return
-    if resume is not None:
-        raise UserError(f"--resume under DeepSpeed: rlhflab's checkpoints keep DeepSpeed runs' weights but not "
-                        f"their partitioned optimizer state; start a new run from the weights with "
-                        f"model.name_or_path={resume}, or train with configs/accelerate/fsdp.yaml to resume")
     if dist.zero3 and (lora or backend != "hf" or not rl):
         what = ("lora.enabled" if lora else f"generation.backend={backend}" if backend != "hf" else
                 f"{method} (its evaluation runs on rank 0 alone)")

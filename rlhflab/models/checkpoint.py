@@ -148,23 +148,25 @@ def untied(model: torch.nn.Module, state: dict) -> dict:
 
 
 def checkpoint_layout(actor_critic, method: str | None = None, world_size: int | None = None,
-                      fsdp: bool = False) -> dict[str, Any]:
+                      fsdp: bool = False, deepspeed: bool = False) -> dict[str, Any]:
     """What a resume must match: the method, LoRA on or off, the critic layout
     (value_head, separate, or none for a critic-free trainer), the process count and
-    whether FSDP saved it (its optimizer state is keyed by parameter name)."""
+    whether FSDP (its optimizer state keyed by parameter name) or DeepSpeed (its own
+    checkpoint in deepspeed/) saved it."""
     if world_size is None:
         dist = torch.distributed
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     critic = ("separate" if actor_critic.critic is not None else
               "value_head" if actor_critic.value_head is not None else "none")
     return {"method": method, "lora": hasattr(actor_critic.policy, "peft_config"), "critic": critic,
-            "world_size": world_size, "fsdp": fsdp}
+            "world_size": world_size, "fsdp": fsdp, "deepspeed": deepspeed}
 
 
 def save_checkpoint(folder: str | Path, actor_critic, tokenizer, *, optimizer=None,
                     scheduler=None, step: int | None = None, extra: dict | None = None,
                     rank_rng: list | None = None, method: str | None = None,
-                    state: dict | None = None, optimizer_state: dict | None = None) -> Path:
+                    state: dict | None = None, optimizer_state: dict | None = None,
+                    engine_state: Path | None = None) -> Path:
     """Write a checkpoint atomically (temporary folder, then rename).
 
     `actor_critic` needs `.policy`, `.critic` and `.value_head`; with both of the last two
@@ -175,15 +177,23 @@ def save_checkpoint(folder: str | Path, actor_critic, tokenizer, *, optimizer=No
 
     Under FSDP the modules hold shards: `state` is `actor_critic`'s full state dict and
     `optimizer_state` the optimizer's, keyed by parameter name (`Dist.full_state`); the
-    folders written are the same as one process writes.
+    folders written are the same as one process writes. `engine_state`: DeepSpeed's own
+    checkpoint, staged by every rank (`Dist.stage_engine_state`), moved in as deepspeed/.
     """
     folder = Path(folder)
     method = method or (extra or {}).get("method")
     layout = checkpoint_layout(actor_critic, method, world_size=len(rank_rng) if rank_rng else None,
-                               fsdp=optimizer_state is not None)
-    with atomic_folder(folder) as tmp:
-        _write_checkpoint(tmp, actor_critic, tokenizer, optimizer, scheduler, step, extra, layout, rank_rng,
-                          state, optimizer_state)
+                               fsdp=optimizer_state is not None and engine_state is None,
+                               deepspeed=engine_state is not None)
+    try:
+        with atomic_folder(folder) as tmp:
+            _write_checkpoint(tmp, actor_critic, tokenizer, optimizer, scheduler, step, extra, layout, rank_rng,
+                              state, optimizer_state)
+            if engine_state is not None:
+                shutil.move(str(engine_state), str(tmp / "deepspeed"))
+    finally:
+        if engine_state is not None and Path(engine_state).exists():  # a failed save leaves no staging behind
+            shutil.rmtree(engine_state, ignore_errors=True)
     return folder
 
 
@@ -266,7 +276,7 @@ def recorded_layout(folder: str | Path, state: dict | None = None) -> dict[str, 
     layout: dict[str, Any] = {}
     for source in sources:
         if isinstance(source, dict):
-            layout.update({k: source[k] for k in ("method", "lora", "critic", "world_size", "fsdp")
+            layout.update({k: source[k] for k in ("method", "lora", "critic", "world_size", "fsdp", "deepspeed")
                            if source.get(k) is not None})
     if layout.get("lora") is None:
         layout["lora"] = (folder / "adapter").is_dir()
@@ -283,7 +293,7 @@ def _describe_critic(critic: str) -> str:
 
 
 def check_resume(folder: str | Path, *, method: str, lora: bool, critic: str,
-                 world_size: int | None = None, fsdp: bool | None = None) -> None:
+                 world_size: int | None = None, fsdp: bool | None = None, deepspeed: bool | None = None) -> None:
     """Check a checkpoint before a resumed run touches anything; a `UserError` names the problem.
 
     - the folder and its ``trainer_state.pt`` exist and the state loads (a truncated file
@@ -323,11 +333,12 @@ def check_resume(folder: str | Path, *, method: str, lora: bool, critic: str,
         raise UserError(f"--resume {folder}: the checkpoint was saved by a run of {rec['world_size']} processes and "
                         f"this run has {world_size}; resume it with {rec['world_size']} processes (its optimizer "
                         f"and data order are per process), {start_new}")
-    if fsdp is not None and bool(rec.get("fsdp", False)) != fsdp:
-        how = "under an FSDP" if rec.get("fsdp") else "without an FSDP"
-        raise UserError(f"--resume {folder}: the checkpoint was saved {how} accelerate config and this run is "
-                        f"{'' if fsdp else 'not '}sharded; resume it with the config that saved it (the optimizer "
-                        f"state is kept differently), {start_new}")
+    for key, name, now in (("fsdp", "an FSDP", fsdp), ("deepspeed", "a DeepSpeed", deepspeed)):
+        if now is not None and bool(rec.get(key, False)) != now:
+            how = f"under {name}" if rec.get(key) else f"without {name}"
+            raise UserError(f"--resume {folder}: the checkpoint was saved {how} accelerate config and this run is "
+                            f"{'' if now else 'not '}under {name.split()[-1]}; resume it with the config that saved it (the "
+                            f"optimizer state is kept differently), {start_new}")
     _check_files(folder, lora, critic)
 
 

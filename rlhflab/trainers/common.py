@@ -287,12 +287,13 @@ def print_before_after(before: dict | None, after: dict | None, skip_missing: bo
 
 
 def check_resume_dir(resume: str | Path | None, *, method: str | None = None, lora: bool | None = None,
-                     critic: str = "none", world_size: int | None = None, fsdp: bool | None = None) -> Path | None:
+                     critic: str = "none", world_size: int | None = None, fsdp: bool | None = None,
+                     deepspeed: bool | None = None) -> Path | None:
     """The `--resume` folder as a Path (None when not resuming); it must hold trainer state.
 
     With `method` and `lora` given (the config's), the whole of
     `rlhflab.models.checkpoint.check_resume` runs: the state loads, the recorded method,
-    LoRA, `critic` layout (value_head, separate or none), `world_size` and `fsdp` match, and the
+    LoRA, `critic` layout (value_head, separate or none), `world_size`, `fsdp` and `deepspeed` match, and the
     files that layout needs are there. Call it before anything is written.
     """
     from rlhflab.models.checkpoint import STATE_FILE, check_resume
@@ -303,7 +304,8 @@ def check_resume_dir(resume: str | Path | None, *, method: str | None = None, lo
     if not (path / STATE_FILE).is_file():
         raise UserError(f"--resume {path}: no {STATE_FILE} there; point it at a step_N/ folder")
     if method is not None and lora is not None:
-        check_resume(path, method=method, lora=lora, critic=critic, world_size=world_size, fsdp=fsdp)
+        check_resume(path, method=method, lora=lora, critic=critic, world_size=world_size, fsdp=fsdp,
+                     deepspeed=deepspeed)
     return path
 
 

@@ -408,7 +408,8 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     # Checked before anything is loaded or written: the checkpoint (state, layout, files)
     # and an output folder holding another run.
     resume_dir = check_resume_dir(resume, method="dpo", lora=cfg.lora.enabled, critic="none",
-                                  world_size=dist.world_size, fsdp=dist.strategy == "fsdp")
+                                  world_size=dist.world_size, fsdp=dist.strategy == "fsdp",
+                                  deepspeed=dist.strategy == "deepspeed")
     out_dir = check_output_dir(t.output_dir, resume=resume_dir is not None, overwrite=t.overwrite)
     seed_everything(t.seed)
     models = build_models(cfg.model, cfg.lora, t.device, need_reference=True, resume_dir=resume_dir,
@@ -460,7 +461,8 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     start_step = 0
     if resume_dir is not None:
         start_step = restore_trainer_state(resume_dir, optimizer, scheduler, rank=dist.rank,
-                                           load_optimizer=lambda st: dist.load_optimizer(logprob_model, optimizer, st))
+                                           load_optimizer=lambda st: dist.load_optimizer(logprob_model, optimizer, st,
+                                                                                         resume_dir))
 
     logger = None
     if dist.is_main:
@@ -484,12 +486,13 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     def save(folder: Path, at: int) -> None:
         """Rank 0: the checkpoint, once its forward pass is checked finite."""
         state, optimizer_state = dist.full_state(logprob_model, optimizer)  # FSDP: gathered to rank 0
+        engine_state = dist.stage_engine_state(logprob_model, folder)  # DeepSpeed: every rank's partitions
 
         def write() -> None:
             check_finite_model(models.policy, probe, step=at, knob="dpo.learning_rate", lr=sec.learning_rate)
-            save_checkpoint(folder, models.actor, tok, optimizer=optimizer if dist.saves_optimizer else None,
-                            scheduler=scheduler, step=at, method="dpo", rank_rng=None, state=state_part(state, "model."),
-                            optimizer_state=optimizer_state)
+            save_checkpoint(folder, models.actor, tok, optimizer=optimizer, scheduler=scheduler, step=at,
+                            method="dpo", rank_rng=None, state=state_part(state, "model."),
+                            optimizer_state=optimizer_state, engine_state=engine_state)
             if folder.name.startswith("step_"):
                 prune_checkpoints(out_dir, t.keep_last_checkpoints)
 

@@ -261,7 +261,7 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
     check_strategy(dist, cfg.lora.enabled, method.name, cfg.generation.backend, resume)
     resume_dir = check_resume_dir(resume, method=method.name, lora=cfg.lora.enabled,
                                   critic=method.critic or "none", world_size=dist.world_size,
-                                  fsdp=dist.strategy == "fsdp")
+                                  fsdp=dist.strategy == "fsdp", deepspeed=dist.strategy == "deepspeed")
     check_output_dir(train_cfg.output_dir, resume=resume_dir is not None, overwrite=train_cfg.overwrite)
     seed_everything(train_cfg.seed)
 
@@ -277,7 +277,8 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
     start_step = 0
     if resume_dir is not None:
         start_step = restore_trainer_state(resume_dir, optimizer, scheduler, rank=dist.rank,
-                                           load_optimizer=lambda st: dist.load_optimizer(run.train_model, optimizer, st))
+                                           load_optimizer=lambda st: dist.load_optimizer(run.train_model, optimizer, st,
+                                                                                         resume_dir))
     elif dist.distributed:  # each rank its own random stream (the seeded sampler does not use it)
         torch.manual_seed(train_cfg.seed * 1_000_003 + dist.rank)
 
@@ -303,11 +304,11 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
     def save(folder: Path, step: int) -> None:
         rng = dist.gather(rng_state())  # every rank's random state, for an exact resume
         state, optimizer_state = dist.full_state(run.train_model, optimizer)  # FSDP: gathered to rank 0
+        engine_state = dist.stage_engine_state(run.train_model, folder)  # DeepSpeed: every rank's partitions
         if dist.is_main:
-            save_checkpoint(folder, models.actor, models.tokenizer,
-                            optimizer=optimizer if dist.saves_optimizer else None, scheduler=scheduler,
+            save_checkpoint(folder, models.actor, models.tokenizer, optimizer=optimizer, scheduler=scheduler,
                             step=step, method=method.name, rank_rng=rng if dist.distributed else None,
-                            state=state, optimizer_state=optimizer_state)
+                            state=state, optimizer_state=optimizer_state, engine_state=engine_state)
         dist.barrier()
 
     from tqdm import tqdm
