@@ -97,3 +97,17 @@ def test_a_checkpoint_resumes_only_under_the_strategy_that_saved_it(tiny_model_d
         check_resume(folder, method="ppo", lora=False, critic="none", world_size=2, **now)
     check_resume(folder, method="ppo", lora=False, critic="none", world_size=2,
                  fsdp=bool(saved.get("fsdp")), deepspeed=bool(saved.get("deepspeed")))  # the same: accepted
+
+
+def test_a_deepspeed_config_without_deepspeed_is_one_line_before_anything_starts(monkeypatch):
+    import importlib.util
+
+    from rlhflab.engine import dist as dist_module
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(UserError, match=r"DeepSpeed is not installed; pip install -e '\.\[deepspeed\]'"):
+        dist_module.init_dist("cpu")
+    assert not torch.distributed.is_initialized()  # refused before accelerate set anything up

@@ -429,6 +429,8 @@ def init_dist(device: str = "auto") -> Dist:
     if fsdp_here:
         check_fsdp_on_cpu()
     kwargs: dict[str, Any] = {"cpu": cpu}
+    if _env_flag("ACCELERATE_USE_DEEPSPEED"):
+        check_deepspeed_installed()
     if cpu and _env_flag("ACCELERATE_USE_DEEPSPEED"):
         # DeepSpeed on a CPU: accelerate turns `cpu=True` into plain DDP, and without CUDA it
         # finds no process-group backend (each rank then believes it is alone); gloo, named
@@ -456,6 +458,16 @@ def init_dist(device: str = "auto") -> Dist:
 
 def _env_flag(name: str, default: bool = False) -> bool:
     return os.environ.get(name, str(default)).strip().lower() in ("1", "true", "yes")
+
+
+def check_deepspeed_installed() -> None:
+    """A DeepSpeed launcher config without DeepSpeed: one line, before anything loads."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        raise UserError("distributed_type: DEEPSPEED in the accelerate config, but DeepSpeed is not installed; "
+                        "pip install -e '.[deepspeed]' (make venv installs it), or launch with "
+                        "configs/accelerate/fsdp.yaml (fsdp_cpu.yaml on a CPU)")
 
 
 def check_fsdp_on_cpu() -> None:
