@@ -93,19 +93,24 @@ PPO_STEP = ["ppo.rollout_samples=32", "ppo.batch_size=16", "ppo.mini_batch_size=
             "ppo.gradient_accumulation_steps=4", "ppo.epochs=2", "ppo.kl_coeff=0.1"]
 
 
-@strategies("ddp", "fsdp", "zero2", "zero3")
-@pytest.mark.parametrize("method, settings", [
-    ("ppo", PPO_STEP),
-    ("ppo", [*PPO_STEP, "model.critic=separate"]),
-    ("grpo", ["grpo.prompts_per_step=8", "grpo.group_size=4", "grpo.batch_size=16", "grpo.mini_batch_size=8",
-              "grpo.gradient_accumulation_steps=4", "grpo.epochs=2", "grpo.beta=0.1",
-              "grpo.advantage_scale=batch"]),
+GRPO_STEP = ["grpo.prompts_per_step=8", "grpo.group_size=4", "grpo.batch_size=16", "grpo.mini_batch_size=8",
+             "grpo.gradient_accumulation_steps=4", "grpo.epochs=2", "grpo.beta=0.1", "grpo.advantage_scale=batch"]
+CRITIC = [*PPO_STEP, "model.critic=separate"]
+
+
+def _case(strategy: str, method: str, settings: list[str], name: str):
+    marks = [NEEDS_DEEPSPEED] if strategy.startswith("zero") else []
+    return pytest.param(strategy, method, settings, id=f"{name}-{strategy}", marks=marks)
+
+
+# PPO under every strategy; the separate critic where it is sharded on its own, and GRPO
+# (prompt-sharing forward passes) where forward passes gather: FSDP and ZeRO-3.
+@pytest.mark.parametrize("strategy, method, settings", [
+    *(_case(s, "ppo", PPO_STEP, "ppo") for s in ("ddp", "fsdp", "zero2", "zero3")),
+    *(_case(s, "ppo", CRITIC, "ppo_critic") for s in ("fsdp", "zero3")),
+    *(_case(s, "grpo", GRPO_STEP, "grpo") for s in ("ddp", "fsdp", "zero3")),
 ])
 def test_two_processes_equal_one(strategy, method, settings, tiny_model_dir, arith_dir, tmp_path):
-    if strategy in ("ddp", "zero2") and "model.critic=separate" in settings:
-        pytest.skip("the separate critic is checked where it is sharded on its own (FSDP, ZeRO-3)")
-    if strategy == "zero2" and method == "grpo":
-        pytest.skip("GRPO under DeepSpeed is checked with ZeRO-3, which gathers in its forward passes")
     env = _env(tmp_path)
     args = [method, "--config", str(ROOT / "configs" / f"{method}_debug.yaml"), *_common(tiny_model_dir, arith_dir),
             "training.total_steps=1", *settings]
