@@ -47,8 +47,6 @@ def test_each_strategy_refuses_what_it_cannot_run():
     fsdp, zero2, zero3 = _dist("MULTI_CPU", fsdp_here=True), _dist("DEEPSPEED", 2), _dist("DEEPSPEED", 3)
     assert (fsdp.strategy, zero2.strategy, zero3.strategy) == ("fsdp", "deepspeed", "deepspeed")
     assert (fsdp.lockstep, zero2.lockstep, zero3.lockstep) == (True, False, True)
-    with pytest.raises(UserError, match="lora.enabled under FSDP.*ddp.yaml"):
-        check_strategy(fsdp, lora=True, method="ppo")
     with pytest.raises(UserError, match="generation.backend=vllm under FSDP"):
         check_strategy(fsdp, lora=False, method="grpo", backend="vllm")
     with pytest.raises(UserError, match=r"dpo \(its evaluation runs on rank 0 alone\) under ZeRO-3"):
@@ -57,8 +55,8 @@ def test_each_strategy_refuses_what_it_cannot_run():
         check_strategy(zero3, lora=True, method="ppo")
     with pytest.raises(UserError, match="trpo: the teaching TRPO runs in one process"):
         check_strategy(_dist("MULTI_CPU"), lora=False, method="trpo")
-    # What each does run passes: full fine-tunes, SFT under ZeRO-2, anything in one process.
-    check_strategy(fsdp, lora=False, method="sft", rl=False)
+    # What each does run passes: LoRA under FSDP, SFT under ZeRO-2, anything in one process.
+    check_strategy(fsdp, lora=True, method="sft", rl=False)
     check_strategy(zero2, lora=True, method="dpo", rl=False)
     check_strategy(zero3, lora=False, method="ppo")
     check_strategy(Dist(), lora=True, method="trpo", backend="vllm", rl=False)
@@ -111,3 +109,28 @@ def test_a_deepspeed_config_without_deepspeed_is_one_line_before_anything_starts
     with pytest.raises(UserError, match=r"DeepSpeed is not installed; pip install -e '\.\[deepspeed\]'"):
         dist_module.init_dist("cpu")
     assert not torch.distributed.is_initialized()  # refused before accelerate set anything up
+
+
+def test_the_merged_weights_of_a_gathered_lora_state_are_what_peft_merges():
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlhflab.models.checkpoint import merged_lora_state
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1)
+    policy = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():  # B starts at zero: give the adapter something to merge
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_()
+    merged = merged_lora_state(policy, dict(policy.state_dict()))
+    reference = copy.deepcopy(policy).merge_and_unload().state_dict()
+    assert merged.keys() == reference.keys()
+    assert max(float((merged[k] - reference[k]).abs().max()) for k in reference) < 1e-6
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert float((merged[q] - policy.get_base_model().state_dict()[q.replace(".weight", ".base_layer.weight")])
+                 .abs().max()) > 1e-3  # the adapter did change the weight

@@ -96,6 +96,8 @@ PPO_STEP = ["ppo.rollout_samples=32", "ppo.batch_size=16", "ppo.mini_batch_size=
 GRPO_STEP = ["grpo.prompts_per_step=8", "grpo.group_size=4", "grpo.batch_size=16", "grpo.mini_batch_size=8",
              "grpo.gradient_accumulation_steps=4", "grpo.epochs=2", "grpo.beta=0.1", "grpo.advantage_scale=batch"]
 CRITIC = [*PPO_STEP, "model.critic=separate"]
+# LoRA: the reference is the policy with its adapter off; final/ holds the merged weights.
+LORA = [*PPO_STEP, "lora.enabled=true", "lora.r=4", "model.reference=lora_disabled", "ppo.learning_rate=1e-3"]
 
 
 def _case(strategy: str, method: str, settings: list[str], name: str):
@@ -108,6 +110,7 @@ def _case(strategy: str, method: str, settings: list[str], name: str):
 @pytest.mark.parametrize("strategy, method, settings", [
     *(_case(s, "ppo", PPO_STEP, "ppo") for s in ("ddp", "fsdp", "zero2", "zero3")),
     *(_case(s, "ppo", CRITIC, "ppo_critic") for s in ("fsdp", "zero3")),
+    *(_case(s, "ppo", LORA, "ppo_lora") for s in ("ddp", "fsdp")),
     *(_case(s, "grpo", GRPO_STEP, "grpo") for s in ("ddp", "fsdp", "zero3")),
 ])
 def test_two_processes_equal_one(strategy, method, settings, tiny_model_dir, arith_dir, tmp_path):
@@ -117,6 +120,9 @@ def test_two_processes_equal_one(strategy, method, settings, tiny_model_dir, ari
     _run([*args, f"training.output_dir={tmp_path / 'one'}"], env, 1)
     _run([*args, f"training.output_dir={tmp_path / 'two'}"], env, 2, strategy)
     _assert_equal_and_moved(tmp_path / "one", tmp_path / "two", tiny_model_dir)
+    if "lora.enabled=true" in settings:  # the adapter beside the merged weights, gathered as well
+        a, b = (load_file(str(tmp_path / run / "final" / "adapter" / "adapter_model.safetensors")) for run in ("one", "two"))
+        assert a.keys() == b.keys() and a and max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
     if "model.critic=separate" in settings:  # the critic's own weights and head, gathered as well
         for name in ("model.safetensors", "value_head.safetensors"):
             a, b = (load_file(str(tmp_path / run / "final" / "critic" / name)) for run in ("one", "two"))
@@ -211,10 +217,6 @@ def test_ppo_debug_end_to_end_under_zero3_and_resume(tiny_model_dir, arith_dir, 
 
 def test_what_a_strategy_cannot_run_is_refused_before_models_load(tiny_model_dir, arith_dir, tmp_path):
     env = _env(tmp_path)
-    res = _run(["ppo", "--config", str(ROOT / "configs" / "ppo_debug.yaml"), *_common(tiny_model_dir, arith_dir),
-                "lora.enabled=true", f"training.output_dir={tmp_path / 'out'}"], env, 2, "fsdp", expect=1)
-    assert "error: lora.enabled under FSDP" in res.stderr and "ddp.yaml" in res.stderr
-    assert "Loading weights" not in res.stderr and not (tmp_path / "out").exists()
     res = _run(["trpo", "--config", str(ROOT / "configs" / "trpo_debug.yaml"), *_common(tiny_model_dir, arith_dir),
                 f"training.output_dir={tmp_path / 'trpo'}"], env, 2, "ddp", expect=1)
     assert "error: trpo: the teaching TRPO runs in one process" in res.stderr

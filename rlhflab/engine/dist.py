@@ -537,10 +537,6 @@ def check_strategy(dist: Dist, lora: bool, method: str, backend: str = "hf", res
     check_deepspeed(dist, lora, method, backend, resume, rl)
     if dist.strategy != "fsdp":
         return
-    if lora:
-        raise UserError("lora.enabled under FSDP: the frozen base is whole on every rank anyway and only the "
-                        "adapter trains; launch with configs/accelerate/ddp.yaml (cpu_2proc.yaml on a CPU), "
-                        "or set lora.enabled=false to shard a full fine-tune")
     if backend != "hf":
         raise UserError(f"generation.backend={backend} under FSDP: the engine's weight push is not written for "
                         f"sharded weights yet; set generation.backend=hf, or launch with configs/accelerate/ddp.yaml")

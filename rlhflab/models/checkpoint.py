@@ -63,7 +63,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def save_policy(policy: torch.nn.Module, tokenizer, folder: Path, state: dict | None = None) -> None:
     """The policy as a plain HF folder; a LoRA adapter is saved beside it and merged in.
     `state`: the policy's full state dict when the module itself holds shards (FSDP)."""
-    if state is not None:
+    if state is not None and hasattr(policy, "peft_config"):
+        policy.save_pretrained(folder / "adapter", state_dict=state)  # peft keeps the adapter's entries
+        base = unwrap(policy)
+        base.save_pretrained(folder, state_dict=untied(base, merged_lora_state(policy, state)))
+    elif state is not None:
         unwrap(policy).save_pretrained(folder, state_dict=untied(unwrap(policy), state))
     elif hasattr(policy, "peft_config"):
         policy.save_pretrained(folder / "adapter")
@@ -135,6 +139,30 @@ def _kept(folder: Path) -> str | None:
         return f"the previous {folder.name}/"
     earlier = [p for p in checkpoint_steps(folder.parent) if p != folder]
     return f"the previous checkpoint {earlier[-1]}" if earlier else None
+
+
+def merged_lora_state(policy: torch.nn.Module, state: dict) -> dict:
+    """The plain model's state dict from a peft LoRA model's full state dict (names as the
+    peft model gives them): each adapted weight W + scaling · B @ A (transposed for a
+    fan-in-fan-out layer), what `merge_and_unload` computes in place, without the adapter
+    factors. For a state gathered from shards (FSDP), where the module holds no whole
+    weights to merge."""
+    prefix = "base_model.model."
+    out = {k: v for k, v in state.items() if ".lora_" not in k}
+    for name, module in policy.named_modules():
+        if not (hasattr(module, "lora_A") and hasattr(module, "base_layer")):
+            continue
+        weight = state[f"{name}.base_layer.weight"]
+        for adapter in module.active_adapters:
+            if adapter not in module.lora_A:
+                continue
+            a, b = state[f"{name}.lora_A.{adapter}.weight"], state[f"{name}.lora_B.{adapter}.weight"]
+            delta = (b.float() @ a.float()) * module.scaling[adapter]
+            if getattr(module, "fan_in_fan_out", False):
+                delta = delta.T
+            weight = weight + delta.to(weight.dtype)
+        out[f"{name}.base_layer.weight"] = weight
+    return {k.removeprefix(prefix).replace(".base_layer.", "."): v for k, v in out.items()}
 
 
 def untied(model: torch.nn.Module, state: dict) -> dict:
