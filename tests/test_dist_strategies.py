@@ -104,11 +104,16 @@ def test_a_deepspeed_config_without_deepspeed_is_one_line_before_anything_starts
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    import accelerate
+
+    def started(*args, **kwargs):
+        raise AssertionError("accelerate was started before the DeepSpeed check")
+
+    monkeypatch.setattr(accelerate, "Accelerator", started)  # refused before accelerate sets anything up
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     with pytest.raises(UserError, match=r"DeepSpeed is not installed; pip install -e '\.\[deepspeed\]'"):
         dist_module.init_dist("cpu")
-    assert not torch.distributed.is_initialized()  # refused before accelerate set anything up
 
 
 def test_the_merged_weights_of_a_gathered_lora_state_are_what_peft_merges():
