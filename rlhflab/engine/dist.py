@@ -26,8 +26,9 @@ the root unit gathered (embeddings, LM head, value head) and the decoder layers 
 each gathered for its own forward: every rank runs the same passes (HF generation in
 lockstep), and a rank never holds more than one layer's full weights beyond its shards
 (`hold(module, "root")`). The evaluation SFT, DPO and the reward model run on rank 0
-alone, and the probe before their saves, gather the whole module for a moment (`holding(module, "whole")`). Checkpoints gather a full state
-dict to rank 0 (`full_state`), which writes the same folders as one process.
+alone, and the probe before their saves, gather the whole module for a moment
+(`holding(module, "whole")`). Checkpoints gather a full state dict to rank 0
+(`full_state`), which writes the same folders as one process.
 
 Data-parallel gradients are averaged over ranks by DDP/FSDP. A loss divided by a global
 count must be summed over ranks, so the engine multiplies it by the world size before
@@ -241,8 +242,7 @@ class Dist:
                             register_external_parameter(root, param)
             for owner, param in read_past_forward(root):  # the lean MLPs' projections
                 register_external_parameter(owner, param)
-            for sub in root.modules():  # what `rollout.hf` reads to decode in step with the other ranks
-                sub._rlhflab_lockstep = True
+            mark_lockstep(root, True)
         return module, optimizer
 
     @property
@@ -267,7 +267,7 @@ class Dist:
             self._boundary = last
             yield
             return
-        units = fsdp_units(module) if self.distributed else []
+        units = fsdp_units(module) if self.strategy == "fsdp" else []
         if units:
             units[0].set_requires_gradient_sync(last)  # recursive: every unit
             yield
@@ -289,7 +289,7 @@ class Dist:
         - "whole": every unit gathered and kept: forward passes run no collective, so one
           rank may run them alone (rank 0's evaluation, the probe before a save).
         """
-        units = fsdp_units(module)
+        units = fsdp_units(module) if self.strategy == "fsdp" else []
         if not units:
             return
         root = units[0]
@@ -306,9 +306,7 @@ class Dist:
         for unit in keep:
             unit.unshard()
             unit.set_reshard_after_forward(False, recurse=False)
-        lockstep = what != "whole"
-        for sub in module.modules():  # what `rollout.hf` reads to decode in step with the other ranks
-            sub._rlhflab_lockstep = lockstep
+        mark_lockstep(module, what != "whole")
         self.held = what
 
     @contextmanager
@@ -322,9 +320,12 @@ class Dist:
             self.hold(module, before)
 
     def full_state(self, module: torch.nn.Module, optimizer=None) -> tuple[dict | None, dict | None]:
-        """Under FSDP2 the module's full state dict (and the optimizer's, keyed by parameter
-        name), gathered to rank 0 (None on the others); a collective every rank calls.
-        (None, None) for any other strategy: the module's own state is whole there."""
+        """What rank 0 saves beside (or instead of) the module's own state, as (model state,
+        optimizer state); (None, None) on the other ranks. A collective every rank calls.
+        FSDP2: the full state dicts, the optimizer's keyed by parameter name. DeepSpeed: the
+        gathered weights under ZeRO-3 (None under ZeRO-2, whose weights are whole) and, for
+        the optimizer, a pointer to DeepSpeed's own checkpoint (`stage_engine_state`).
+        DDP and one process: (None, None), the module's own state is whole."""
         if self.strategy == "deepspeed":
             # The weights: ZeRO-3 gathers its partitions (zero3_save_16bit_model) to rank 0;
             # under ZeRO-2 they are whole on every rank. The optimizer state is DeepSpeed's
@@ -429,9 +430,10 @@ def init_dist(device: str = "auto") -> Dist:
     if fsdp_here:
         check_fsdp_on_cpu()
     kwargs: dict[str, Any] = {"cpu": cpu}
-    if _env_flag("ACCELERATE_USE_DEEPSPEED"):
+    deepspeed = _env_flag("ACCELERATE_USE_DEEPSPEED")
+    if deepspeed:
         check_deepspeed_installed()
-    if cpu and _env_flag("ACCELERATE_USE_DEEPSPEED"):
+    if cpu and deepspeed:
         # DeepSpeed on a CPU: accelerate turns `cpu=True` into plain DDP, and without CUDA it
         # finds no process-group backend (each rank then believes it is alone); gloo, named
         # here, gives DeepSpeed's CPU accelerator its process group.
@@ -488,6 +490,20 @@ def fsdp_units(module: torch.nn.Module) -> list:
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
 
 
+def mark_lockstep(module: torch.nn.Module, lockstep: bool) -> None:
+    """Record on every submodule whether its forward passes communicate (FSDP2 layers held
+    sharded, ZeRO-3), so that generation runs in step with the other ranks (`lockstep_of`)."""
+    for sub in module.modules():
+        sub._rlhflab_lockstep = lockstep
+
+
+def lockstep_of(module: torch.nn.Module) -> bool | None:
+    """Whether `module` must decode in step with the other ranks: True (sharded weights
+    gathered as it runs), False (whole weights held: one rank may run alone), None (not
+    under a sharded strategy: the caller's default)."""
+    return getattr(module, "_rlhflab_lockstep", None)
+
+
 def _layer_classes(module: torch.nn.Module) -> set[str]:
     """The decoder-layer classes of the transformers models inside `module` (their
     `_no_split_modules`): one FSDP unit each, as accelerate's TRANSFORMER_BASED_WRAP does."""
@@ -528,13 +544,12 @@ def _close_process_group() -> None:
         torch.distributed.destroy_process_group()
 
 
-def check_strategy(dist: Dist, lora: bool, method: str, backend: str = "hf", resume=None,
-                   rl: bool = True) -> None:
+def check_strategy(dist: Dist, lora: bool, method: str, backend: str = "hf", rl: bool = True) -> None:
     """What the launcher's strategy does not run, refused in one line before any model loads.
     `rl`: an RL trainer (its evaluation runs on every rank; SFT, DPO and RM evaluate on rank 0)."""
     if method == "trpo" and dist.distributed:
         raise UserError("trpo: the teaching TRPO runs in one process; use ppo or grpo under accelerate launch")
-    check_deepspeed(dist, lora, method, backend, resume, rl)
+    check_deepspeed(dist, lora, method, backend, rl)
     if dist.strategy != "fsdp":
         return
     if backend != "hf":
@@ -542,8 +557,7 @@ def check_strategy(dist: Dist, lora: bool, method: str, backend: str = "hf", res
                         f"sharded weights yet; set generation.backend=hf, or launch with configs/accelerate/ddp.yaml")
 
 
-def check_deepspeed(dist: Dist, lora: bool, method: str, backend: str = "hf", resume=None,
-                    rl: bool = True) -> None:
+def check_deepspeed(dist: Dist, lora: bool, method: str, backend: str = "hf", rl: bool = True) -> None:
     """What rlhflab does not run under DeepSpeed, refused in one line before any model loads."""
     if dist.strategy != "deepspeed":
         return

@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 
 from rlhflab import ops
+from rlhflab.engine.dist import lockstep_of
 from rlhflab.models.actor_critic import decoder_and_head, is_checkpointing, position_ids_from
 from rlhflab.rollout import Rollout, collate, eos_ids_of, finish_rollout
 
@@ -72,7 +73,7 @@ def generate(model, tokenizer, prompts: Sequence[str], *, n: int = 1, max_new_to
     shared = share_prompt and n > 1 and not is_checkpointing(model)
     kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens or None,
                   pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, use_cache=True)
-    lockstep = getattr(model, "_rlhflab_lockstep", None)  # set under FSDP (engine.dist.Dist.hold)
+    lockstep = lockstep_of(model)  # under FSDP / ZeRO-3 (engine.dist)
     if lockstep is not None:  # sharded layers: every rank decodes until the last is done; whole: alone
         kwargs["synced_gpus"] = lockstep
     if greedy:

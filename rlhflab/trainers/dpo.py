@@ -400,7 +400,7 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     """Run DPO as configured; returns where the outputs went and the metric history."""
     t, sec, d = cfg.training, cfg.dpo, cfg.dataset
     dist = init_dist(t.device)
-    check_strategy(dist, cfg.lora.enabled, "dpo", resume=resume, rl=False)
+    check_strategy(dist, cfg.lora.enabled, "dpo", rl=False)
     say = (lambda *a: None) if quiet or not dist.is_main else print
     set_threads(t.num_threads or default_threads(dist, t.device))
     if dist.distributed:

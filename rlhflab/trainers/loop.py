@@ -258,7 +258,7 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
     # Everything is checked before anything is written: the checkpoint to resume (it loads,
     # its method, LoRA, critic and world size match), and the output folder (another run
     # there is never trained over).
-    check_strategy(dist, cfg.lora.enabled, method.name, cfg.generation.backend, resume)
+    check_strategy(dist, cfg.lora.enabled, method.name, cfg.generation.backend)
     resume_dir = check_resume_dir(resume, method=method.name, lora=cfg.lora.enabled,
                                   critic=method.critic or "none", world_size=dist.world_size,
                                   fsdp=dist.strategy == "fsdp", deepspeed=dist.strategy == "deepspeed")
