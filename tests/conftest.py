@@ -57,18 +57,9 @@ def tiny_sft_rm_dir(tmp_path_factory) -> Path:
 def tiny_lora_adapter_dir(tiny_sft_rm_dir, tmp_path_factory) -> Path:
     """A LoRA adapter on `tiny_sft_rm_dir`, saved alone (adapter_config.json, no
     config.json), with B drawn non-zero (std 0.5) so that it changes the outputs. Read only."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from lora_helpers import save_lora_adapter
 
-    from rlhflab.models.load import add_lora
-
-    torch.manual_seed(0)
-    model = add_lora(AutoModelForCausalLM.from_pretrained(str(tiny_sft_rm_dir)), r=4)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.5)
-    out = tmp_path_factory.mktemp("adapter-only")
-    model.save_pretrained(out)
+    out = save_lora_adapter(tiny_sft_rm_dir, tmp_path_factory.mktemp("adapter-only"), std=0.5)
     assert (out / "adapter_config.json").is_file() and not (out / "config.json").exists()
     return out
 

@@ -18,7 +18,6 @@ from math import comb
 from pathlib import Path
 
 import pytest
-import torch
 from test_vllm_backend import engine_test, sft_dir, task  # noqa: F401  (fixtures: the SFT'd model, its task)
 
 from rlhflab.cli import main
@@ -37,18 +36,9 @@ def stdout_lines(capsys) -> list[str]:
 @pytest.fixture(scope="module")
 def adapter(sft_dir, tmp_path_factory) -> Path:  # noqa: F811
     """A LoRA adapter folder on the SFT'd model whose B is non-zero: it changes the answers."""
-    from transformers import AutoModelForCausalLM
+    from lora_helpers import save_lora_adapter
 
-    from rlhflab.models.load import add_lora
-
-    torch.manual_seed(0)
-    model = add_lora(AutoModelForCausalLM.from_pretrained(str(sft_dir)), r=4)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.3)
-    out = tmp_path_factory.mktemp("vllm-adapter")
-    model.save_pretrained(out)
-    return out
+    return save_lora_adapter(sft_dir, tmp_path_factory.mktemp("vllm-adapter"), std=0.3)
 
 
 # --------------------------------------------------------------------------------------
