@@ -59,6 +59,14 @@ import _common  # noqa: E402
 VENV_BIN = Path(sys.executable).parent
 
 
+def _model_spec(text: str) -> str:
+    """`--memory-model`'s value: HxL, two positive integers."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give HxL, hidden size H and L layers, e.g. 512x8")
+    return text.lower()
+
+
 def _larger_model(spec: str) -> tuple[Path, int]:
     """The model `HxL` (hidden H, L layers, the tiny model's vocabulary), built once; its
     parameter count."""
@@ -191,7 +199,7 @@ def main(argv=None) -> int:
                     help="model sizes for the memory table")
     ap.add_argument("--ranks", type=int, default=8, help="GPUs for the memory table (default: %(default)s)")
     ap.add_argument("--memory-only", action="store_true", help="print only the memory table")
-    ap.add_argument("--memory-model", default=None, metavar="HxL",
+    ap.add_argument("--memory-model", default=None, metavar="HxL", type=_model_spec,
                     help="measure each side's peak RSS on a larger model (hidden H, L layers) against the tiny one")
     a = ap.parse_args(argv)
     if a.memory_model:

@@ -116,3 +116,13 @@ def test_scaling_memory_table_is_its_arithmetic_and_is_the_docs_table(bench_modu
     docs = (REPO / "docs" / "scaling.md").read_text(encoding="utf-8")
     for row in rows:
         assert row in docs, f"docs/scaling.md no longer prints {row!r} (rerun bench/scaling.py --memory-only)"
+
+
+def test_scaling_memory_model_takes_hidden_x_layers_and_names_the_form_otherwise(bench_modules):
+    import argparse
+
+    _, scaling = bench_modules
+    assert scaling._model_spec("512X8") == "512x8"
+    for bad in ("512", "512x", "x8", "0x8", "512x8x2", "ax8"):
+        with pytest.raises(argparse.ArgumentTypeError, match="give HxL, hidden size H and L layers, e.g. 512x8"):
+            scaling._model_spec(bad)
