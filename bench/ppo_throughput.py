@@ -53,13 +53,15 @@ TRL_INSTALL = (f"{_common.REPO / '.venv/bin/pip'} install --no-deps --target {TR
 SIDES = {
     "rlhflab": ("rlhflab (value head)", "fp32"),
     "rlhflab-critic": ("rlhflab (separate critic)", "fp32"),
+    # the same with model.cpu_matmul=torch: PyTorch's own float32 matmul (MKL), as TRL runs
+    "rlhflab-critic-torchmm": ("rlhflab (separate critic), torch mm", "fp32"),
     "trl": (f"trl {TRL_VERSION} (experimental.ppo)", "fp32"),
     "rlhflab-critic-bf16": ("rlhflab (separate critic) bf16", "bf16"),
     "trl-bf16": (f"trl {TRL_VERSION} bf16", "bf16"),
     "rlhflab-bf16": ("rlhflab (value head) bf16", "bf16"),
     "rlhflab-bf16-weights": ("rlhflab (value head) bf16 weights", "bf16-weights"),  # model.torch_dtype
 }
-DEFAULT_SIDES = ("rlhflab", "rlhflab-critic", "trl", "rlhflab-critic-bf16", "trl-bf16")
+DEFAULT_SIDES = ("rlhflab", "rlhflab-critic", "rlhflab-critic-torchmm", "trl", "rlhflab-critic-bf16", "trl-bf16")
 LABELS = {name: label for name, (label, _) in SIDES.items()}
 PHASES = ("generate", "score", "forward", "update", "other")
 
@@ -90,11 +92,12 @@ class BenchSettings:
 class RlhflabSide:
     """rlhflab's PPO step: `collect_rollout` (phases 1-4) then `ppo_update` (phase 5)."""
 
-    def __init__(self, s: BenchSettings, critic: str = "value_head", precision: str = "fp32"):
+    def __init__(self, s: BenchSettings, critic: str = "value_head", precision: str = "fp32",
+                 cpu_matmul: str = "auto"):
         import torch  # noqa: F401  (imported before the memory baseline)
 
         from rlhflab.trainers import ppo  # noqa: F401
-        self.s, self.critic, self.precision = s, critic, precision
+        self.s, self.critic, self.precision, self.cpu_matmul = s, critic, precision, cpu_matmul
 
     def config(self):
         from rlhflab.trainers.ppo import PPORunConfig
@@ -103,6 +106,7 @@ class RlhflabSide:
         cfg.model.name_or_path = s.model_dir
         cfg.model.torch_dtype = "bfloat16" if self.precision == "bf16-weights" else "float32"
         cfg.model.gradient_checkpointing, cfg.model.critic, cfg.model.reference = False, self.critic, "copy"
+        cfg.model.cpu_matmul = self.cpu_matmul
         cfg.lora.enabled = False
         cfg.dataset.max_prompt_length = 128
         g = cfg.generation
@@ -384,7 +388,8 @@ def make_side(name: str, s: BenchSettings):
     precision = SIDES[name][1]
     if name.startswith("trl"):
         return TrlSide(s, precision)
-    return RlhflabSide(s, "separate" if name.startswith("rlhflab-critic") else "value_head", precision)
+    return RlhflabSide(s, "separate" if name.startswith("rlhflab-critic") else "value_head", precision,
+                       "torch" if name.endswith("-torchmm") else "auto")
 
 
 def worker(name: str, settings: dict, conn, tensor_memory: bool = True) -> None:
@@ -526,6 +531,7 @@ def final_line(summary: dict[str, dict]) -> str:
 # (rlhflab side, TRL side) pairs the report compares: the headline (value head), the
 # like-for-like (both with a separate critic), and the same in bfloat16 autocast.
 PAIRS = (("rlhflab", "trl", "value head vs TRL"), ("rlhflab-critic", "trl", "like for like (separate critics)"),
+         ("rlhflab-critic-torchmm", "trl", "... and torch's matmul on both"),
          ("rlhflab-critic-bf16", "trl-bf16", "like for like, bf16 autocast"),
          ("rlhflab-bf16", "trl-bf16", "value head vs TRL, bf16 autocast"))
 

@@ -34,7 +34,7 @@ import ppo_throughput  # noqa: E402
 
 KINDS = {
     "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
-               "aten::_addmm_activation"),
+               "aten::_addmm_activation", "mkldnn::_linear_pointwise"),
     "attention": ("aten::_scaled_dot_product",),
     "optimizer": ("aten::_fused_adamw",),
 }

@@ -176,7 +176,10 @@ def measure(models: list[str], lengths: list[int], batches: list[int], repeats: 
     import torch
 
     torch.manual_seed(0)
-    rows = _common.bench_rows(max(batches), seed=0)
+    # Every round draws prompts it has not seen: vLLM caches the KV of prompt prefixes
+    # across calls, and a prompt repeated from the last round would skip its prefill
+    # (work the hf backend does). PPO also sees new prompts at every step.
+    rows = _common.bench_rows(max(batches) * (repeats + 1), seed=0)
     prompts_all = [_common.format_bench_prompt(r["question"]) for r in rows]
     cells, info = [], {}
     for name in models:
@@ -186,10 +189,11 @@ def measure(models: list[str], lengths: list[int], batches: list[int], repeats: 
             f"weight sync {1000 * side.sync:.0f} ms")
         for length in lengths:
             for batch in batches:
-                prompts = prompts_all[:batch]
                 cell = Cell(name, length, batch)
-                cell.flops = model_flops(side.config, side.params, side.prompt_lens(prompts), length)
                 for r in range(repeats + 1):  # round 0 warms up
+                    prompts = prompts_all[r * batch:(r + 1) * batch]  # both backends: the same
+                    if r == 1:
+                        cell.flops = model_flops(side.config, side.params, side.prompt_lens(prompts), length)
                     order = BACKENDS if r % 2 == 0 else BACKENDS[::-1]
                     for backend in order:
                         wall, cpu = side.run(backend, prompts, length)

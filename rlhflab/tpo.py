@@ -260,10 +260,11 @@ def run(args: argparse.Namespace) -> int:
     from rlhflab.models.load import load_model
     from rlhflab.rewards import build_reward
     from rlhflab.rewards.preflight import preflight
-    from rlhflab.trainers.common import seed_everything, set_threads
+    from rlhflab.trainers.common import choose_cpu_matmul, seed_everything, set_threads
 
     cfg, effective = load_config(args.config, TPORunConfig, args.overrides)
     set_threads(cfg.run.num_threads)
+    choose_cpu_matmul(cfg.model.cpu_matmul)
     preflight(_as_eval_run(cfg))  # the plug-ins, on the held-out rows, before the model loads
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,7 @@ def _linear_output_dtypes(module: torch.nn.Module) -> tuple[list[torch.dtype], l
     """Record the output dtype of every nn.Linear in `module` (hooks returned for removal)."""
     seen: list[torch.dtype] = []
     hooks = [m.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
-             for m in module.modules() if type(m) is torch.nn.Linear]
+             for m in module.modules() if isinstance(m, torch.nn.Linear)]
     return seen, hooks
 
 

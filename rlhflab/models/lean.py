@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rlhflab.ops.matmul import is_linear, linear, mm, weight_grad
+
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 
@@ -74,10 +76,10 @@ class GatedMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, kind: str) -> Tensor:
-        g = F.linear(x, w_gate)                                              # (..., I)
+        g = linear(x, w_gate)                                                # (..., I)
         a = _act(g, kind)
-        u = F.linear(x, w_up)                                                # (..., I)
-        y = F.linear(a * u, w_down)                                          # (..., H)
+        u = linear(x, w_up)                                                  # (..., I)
+        y = linear(a * u, w_down)                                            # (..., H)
         ctx.save_for_backward(x, w_gate, w_up, w_down, g, u)
         ctx.kind = kind
         return y
@@ -94,19 +96,19 @@ class GatedMLP(torch.autograd.Function):
                 # This backward is differentiated again (create_graph, TRPO's Fisher-vector
                 # products): g and u are recomputed from the inputs so that the second
                 # derivative sees their dependence on x and the weights.
-                g2, u2 = F.linear(x2, wg), F.linear(x2, wu)                  # (N, I)
+                g2, u2 = linear(x2, wg), linear(x2, wu)                      # (N, I)
             else:
                 g2, u2 = g.reshape(-1, g.shape[-1]), u.reshape(-1, u.shape[-1])  # (N, I)
             a = _act(g2, ctx.kind)                                           # recomputed
-            dp = dy2 @ wd                                                    # (N, I)
-            grad_down = dy2.t() @ (a * u2) if ctx.needs_input_grad[3] else None
+            dp = mm(dy2, wd)                                                 # (N, I)
+            grad_down = weight_grad(dy2, a * u2) if ctx.needs_input_grad[3] else None
             du = dp * a
             # da = dp ⊙ u in dp's storage, unless this backward is itself differentiated
             da = dp * u2 if torch.is_grad_enabled() else dp.mul_(u2)
             dg = _act_backward(da, g2, ctx.kind)
-            grad_x = (dg @ wg) + (du @ wu) if ctx.needs_input_grad[0] else None
-            grad_gate = dg.t() @ x2 if ctx.needs_input_grad[1] else None
-            grad_up = du.t() @ x2 if ctx.needs_input_grad[2] else None
+            grad_x = mm(dg, wg) + mm(du, wu) if ctx.needs_input_grad[0] else None
+            grad_gate = weight_grad(dg, x2) if ctx.needs_input_grad[1] else None
+            grad_up = weight_grad(du, x2) if ctx.needs_input_grad[2] else None
         return (grad_x.view(x.shape).to(x.dtype) if grad_x is not None else None,
                 grad_gate.to(w_gate.dtype) if grad_gate is not None else None,
                 grad_up.to(w_up.dtype) if grad_up is not None else None,
@@ -114,7 +116,7 @@ class GatedMLP(torch.autograd.Function):
 
 
 def _plain(linear: nn.Module) -> bool:
-    return type(linear) is nn.Linear and linear.bias is None
+    return linear is not None and is_linear(linear) and linear.bias is None
 
 
 def is_gated_mlp(module: nn.Module) -> bool:

@@ -24,6 +24,7 @@ from urllib.parse import urlparse
 import torch
 
 from rlhflab.errors import UserError
+from rlhflab.ops.matmul import use_fast_linears
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -267,6 +268,7 @@ def load_model(name_or_path: str, torch_dtype: str = "float32", device: str = "c
     except Exception as exc:
         raise _load_error("model", source, exc) from None
     model.to(dev)
+    use_fast_linears(model)  # oneDNN float32 products where model.cpu_matmul chose them (ops/matmul.py)
     if model.generation_config is not None:
         if model.generation_config.pad_token_id is None:
             model.generation_config.pad_token_id = tok.pad_token_id
@@ -329,4 +331,6 @@ def add_lora(model: torch.nn.Module, r: int = 8, alpha: float = 16.0, dropout: f
                         f"some module names it has: {sorted(present)[:12]}")
     cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
                      task_type="CAUSAL_LM", bias="none")
-    return get_peft_model(model, cfg)
+    peft_model = get_peft_model(model, cfg)
+    use_fast_linears(peft_model)  # the adapter's own A and B layers
+    return peft_model

@@ -37,6 +37,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from rlhflab.ops.matmul import linear, mm
+
 # One float32 chunk of logits is about this many bytes (64 MiB): 110 rows at V = 151,936.
 CHUNK_BYTES = 64 * 2**20
 
@@ -62,7 +64,7 @@ def _compute_dtype(*tensors: Tensor | None) -> torch.dtype:
 
 def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
     """(c, H) x (V, H) -> (c, V) logits divided by the temperature, in weight's dtype."""
-    z = torch.addmm(bias, h, weight.t()) if bias is not None else h @ weight.t()
+    z = linear(h, weight, bias)
     return z.div_(temperature) if temperature != 1.0 else z
 
 
@@ -135,8 +137,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if tau != 1.0:
                 g_z.div_(tau)                                                # d/dlogits
             if need_h:
-                grad_h[s:e] = (g_z @ w).to(hidden.dtype)
+                grad_h[s:e] = mm(g_z, w).to(hidden.dtype)
             if need_w:
+                # in place (torch's own matmul): oneDNN would need a (V, H) buffer of its own
                 grad_w.addmm_(g_z.t(), h)
             if need_b:
                 grad_b += g_z.sum(0)

@@ -40,7 +40,7 @@ from rlhflab.errors import UserError
 from rlhflab.metrics import MetricsLogger
 from rlhflab.models.load import disable_dropout, load_tokenizer, resolve_device, resolve_dtype
 from rlhflab.models.setup import map_large_allocations
-from rlhflab.trainers.common import (check_finite_model, check_finite_step, check_output_dir, finish_run,
+from rlhflab.trainers.common import (check_finite_model, choose_cpu_matmul, check_finite_step, check_output_dir, finish_run,
                                      format_metrics, make_optimizer, make_probe_batch, make_scheduler,
                                      prepare_output_dir, print_before_after, seed_everything, set_threads,
                                      write_train_result)
@@ -242,6 +242,7 @@ def train_classifier(cfg: ClassifierRunConfig, effective=None, quiet: bool = Fal
     t, c, d = cfg.training, cfg.classifier, cfg.data
     say = (lambda *a, **k: None) if quiet else print
     set_threads(t.num_threads)
+    choose_cpu_matmul(cfg.model.cpu_matmul)
     # Refused before anything loads; written only once the data and the model have loaded.
     out_dir = check_output_dir(t.output_dir, overwrite=t.overwrite, resumable=False)
     data = load_classifier_data(d, t.seed)  # 1. data first: a bad file fails before the model loads

@@ -31,6 +31,16 @@ def set_threads(num_threads: int | None) -> None:
         torch.set_num_threads(num_threads)
 
 
+def choose_cpu_matmul(mode: str) -> str:
+    """`model.cpu_matmul` for this process (rlhflab/ops/matmul.py): "onednn" or "torch"."""
+    from rlhflab.ops.matmul import set_cpu_matmul
+
+    try:
+        return set_cpu_matmul(mode)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
 def make_optimizer(params: list[torch.nn.Parameter], lr: float, weight_decay: float = 0.0,
                    betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                    use_8bit: bool = False) -> torch.optim.Optimizer:

@@ -65,7 +65,7 @@ from rlhflab.models.setup import PolicyModels, build_models
 from rlhflab.trainers.common import (Timer, TrainResult, check_finite_model, check_finite_step, check_output_dir,
                                      check_resume_dir, finish_run, format_metrics, last_eval, log_step, make_doctor,
                                      make_optimization, make_probe_batch, prepare_output_dir, seed_everything,
-                                     set_threads)
+                                     choose_cpu_matmul, set_threads)
 
 
 # --------------------------------------------------------------------------------------
@@ -403,6 +403,7 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     check_strategy(dist, cfg.lora.enabled, "dpo", rl=False)
     say = (lambda *a: None) if quiet or not dist.is_main else print
     set_threads(t.num_threads or default_threads(dist, t.device))
+    choose_cpu_matmul(cfg.model.cpu_matmul)
     if dist.distributed:
         dist.local(sec.batch_size, "dpo.batch_size")
     # Checked before anything is loaded or written: the checkpoint (state, layout, files)

@@ -32,7 +32,7 @@ from rlhflab.rollout import Rollout, RolloutBackend, make_backend
 from rlhflab.trainers.common import (Timer, TrainResult, check_finite_model, check_output_dir, check_resume_dir,
                                      diverged, finish_run, format_metrics, last_eval, log_step, make_doctor,
                                      make_optimization, make_probe_batch, prepare_output_dir, seed_everything,
-                                     set_threads)
+                                     choose_cpu_matmul, set_threads)
 
 
 @dataclass
@@ -178,6 +178,7 @@ def build_run(cfg, method: PolicyMethod, *, resume_dir: Path | None = None, math
     """The models, sampler, reward, optimizer and schedule of a run (no disk writes);
     under several processes the trained module is wrapped for the launcher's strategy."""
     train_cfg, sec, dist = cfg.training, getattr(cfg, method.name), dist or Dist()
+    choose_cpu_matmul(cfg.model.cpu_matmul)  # before the models load: their Linear layers follow it
     models = build_models(cfg.model, cfg.lora, train_cfg.device, need_reference=method.need_reference(cfg),
                           critic=method.critic, resume_dir=resume_dir, mixed_precision=train_cfg.mixed_precision)
     scorer = build_reward(cfg.reward, models.device)

@@ -56,7 +56,7 @@ from rlhflab.models.precision import autocast, check_mixed_precision
 from rlhflab.models.setup import map_large_allocations
 from rlhflab.rewards.model import META_FILE, RMMeta, encode, score_head, sequence_scores
 from rlhflab.models.checkpoint import atomic_folder, state_part, untied
-from rlhflab.trainers.common import (check_finite_model, check_finite_step, check_output_dir, finish_run,
+from rlhflab.trainers.common import (check_finite_model, choose_cpu_matmul, check_finite_step, check_output_dir, finish_run,
                                      format_metrics, log_step, make_doctor, make_optimizer, make_probe_batch,
                                      make_scheduler, prepare_output_dir, print_before_after, seed_everything,
                                      set_threads, train_and_held_out, write_train_result)
@@ -365,6 +365,7 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
     check_strategy(dist, cfg.lora.enabled, "rm", rl=False)
     say = (lambda *a, **k: None) if quiet or not dist.is_main else print
     set_threads(t.num_threads or default_threads(dist, t.device))
+    choose_cpu_matmul(cfg.model.cpu_matmul)
     if dist.distributed:
         dist.local(r.batch_size, "rm.batch_size")
     # Refused before anything loads; written only once the model and the data have loaded.

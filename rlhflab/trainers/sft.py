@@ -59,7 +59,7 @@ from rlhflab.models.load import add_lora, load_model, resolve_device
 from rlhflab.models.lean import lean_mlp
 from rlhflab.models.precision import autocast, check_mixed_precision
 from rlhflab.models.setup import map_large_allocations
-from rlhflab.trainers.common import (check_finite_model, check_finite_step, check_output_dir, finish_run,
+from rlhflab.trainers.common import (check_finite_model, choose_cpu_matmul, check_finite_step, check_output_dir, finish_run,
                                      format_metrics, log_step, make_doctor, make_optimizer, make_scheduler,
                                      prepare_output_dir, print_before_after, seed_everything, set_threads,
                                      train_and_held_out, write_train_result)
@@ -391,6 +391,7 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
     check_strategy(dist, cfg.lora.enabled, "sft", rl=False)
     say = (lambda *a, **k: None) if quiet or not dist.is_main else print
     set_threads(t.num_threads or default_threads(dist, t.device))
+    choose_cpu_matmul(cfg.model.cpu_matmul)
     if dist.distributed:
         dist.local(s.batch_size, "sft.batch_size")
     # An output folder holding another run is refused before anything is loaded; the
