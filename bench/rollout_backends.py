@@ -25,7 +25,9 @@ How it measures (bench/README.md says why):
   generated tokens) plus attention, 4 x layers x hidden x context for every token
   (QK^T and AV, 2 FLOPs per multiply-add), counting real tokens only (the hf backend
   also computes on left padding; that is its waste, not work). The peak is measured
-  here with float32 matmuls (the best of several, 2048 and 4096 square): `MFU` is over
+  here with float32 matmuls (the best of several, 2048 and 4096 square, through both
+  PyTorch's own matmul and oneDNN: on a non-Intel CPU MKL runs half-width kernels and
+  oneDNN is the machine's real peak, bench/cpu_matmul.py): `MFU` is over
   wall seconds and the peak of `--threads` threads in wall time; `MFU/cpu` is over CPU
   seconds and the peak per CPU-second of one thread, which other jobs cannot lower.
 - The vllm engine (rlhflab.rollout.vllm.VLLMEngine) lives in this process, as in
@@ -79,18 +81,24 @@ class Peak:
 
 
 def matmul_peak(threads: int, sizes: tuple[int, ...] = (2048, 4096), trials: int = 5) -> Peak:
-    """Best float32 matmul rates of this machine (torch.mm, MKL), over a few sizes."""
+    """Best float32 matmul rates of this machine over a few sizes, through PyTorch's own
+    matmul (MKL) and through oneDNN (`ops.matmul`), whichever is faster."""
     import torch
 
+    from rlhflab.ops import matmul
+
+    products = [lambda a, b: a @ b]
+    if matmul.onednn_available():
+        products.append(lambda a, b: matmul._onednn(a, b, None))  # a @ bᵀ: the same FLOPs
     best_wall = best_cpu = 0.0
-    for n in sizes:
+    for n, product in ((n, p) for n in sizes for p in products):
         a, b = torch.randn(n, n), torch.randn(n, n)
         for t in (threads, 1):
             torch.set_num_threads(t)
-            a @ b  # warm-up
+            product(a, b)  # warm-up
             for _ in range(trials):
                 t0, c0 = time.perf_counter(), time.process_time()
-                a @ b
+                product(a, b)
                 wall, cpu = time.perf_counter() - t0, time.process_time() - c0
                 if t == threads:
                     best_wall = max(best_wall, 2 * n ** 3 / wall)
@@ -192,8 +200,9 @@ def measure(models: list[str], lengths: list[int], batches: list[int], repeats: 
                 cell = Cell(name, length, batch)
                 for r in range(repeats + 1):  # round 0 warms up
                     prompts = prompts_all[r * batch:(r + 1) * batch]  # both backends: the same
-                    if r == 1:
-                        cell.flops = model_flops(side.config, side.params, side.prompt_lens(prompts), length)
+                    if r > 0:  # the mean over the measured rounds (their prompts differ in length)
+                        cell.flops += model_flops(side.config, side.params, side.prompt_lens(prompts),
+                                                  length) / repeats
                     order = BACKENDS if r % 2 == 0 else BACKENDS[::-1]
                     for backend in order:
                         wall, cpu = side.run(backend, prompts, length)

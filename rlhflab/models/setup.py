@@ -36,6 +36,7 @@ from rlhflab.models.actor_critic import (ActorCritic, Critic, PolicyOnly, Refere
 from rlhflab.models.lean import lean_mlp
 from rlhflab.models.load import add_lora, disable_dropout, load_model, resolve_device
 from rlhflab.models.precision import check_mixed_precision
+from rlhflab.ops.matmul import use_fast_linears
 
 CriticKind = Literal["value_head", "separate"]
 M_MMAP_THRESHOLD = -3            # mallopt's parameter number (<malloc.h>)
@@ -78,6 +79,7 @@ def build_models(model_cfg, lora_cfg, device: str, *, need_reference: bool,
         if resume_dir is not None:
             from peft import PeftModel
             policy = PeftModel.from_pretrained(policy, str(resume_dir / "adapter"), is_trainable=True)
+            use_fast_linears(policy)  # the adapter's layers, as add_lora's
         else:
             policy = add_lora(policy, lora_cfg.r, lora_cfg.alpha, lora_cfg.dropout, lora_cfg.target_modules)
         if need_reference:

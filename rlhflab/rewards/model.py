@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from rlhflab.errors import UserError
+from rlhflab.ops.matmul import use_fast_linears
 
 META_FILE = "rlhflab_rm.json"
 
@@ -124,6 +125,7 @@ def load_reward_model(path: str, device: torch.device | str = "cpu", torch_dtype
         raise UserError(f"reward model {path!r} has {model.config.num_labels} outputs, not 1; "
                         "for a classifier use type: classifier with a label")
     model.to(device).eval()
+    use_fast_linears(model)
     return model, tok, RMMeta.read(path)
 
 

@@ -40,8 +40,9 @@ from rlhflab.errors import UserError
 from rlhflab.metrics import MetricsLogger
 from rlhflab.models.load import disable_dropout, load_tokenizer, resolve_device, resolve_dtype
 from rlhflab.models.setup import map_large_allocations
-from rlhflab.trainers.common import (check_finite_model, choose_cpu_matmul, check_finite_step, check_output_dir, finish_run,
-                                     format_metrics, make_optimizer, make_probe_batch, make_scheduler,
+from rlhflab.ops.matmul import use_fast_linears
+from rlhflab.trainers.common import (check_finite_model, check_finite_step, check_output_dir, choose_cpu_matmul,
+                                     finish_run, format_metrics, make_optimizer, make_probe_batch, make_scheduler,
                                      prepare_output_dir, print_before_after, seed_everything, set_threads,
                                      write_train_result)
 
@@ -176,6 +177,7 @@ def build_classifier(cfg: ClassifierRunConfig, labels: list[str], device: torch.
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     model.to(device).train()
+    use_fast_linears(model)
     return model, tok
 
 

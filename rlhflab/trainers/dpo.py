@@ -63,9 +63,9 @@ from rlhflab.models.checkpoint import prune_checkpoints, restore_trainer_state, 
 from rlhflab.rewards import RuleScorer, resolve_rule
 from rlhflab.models.setup import PolicyModels, build_models
 from rlhflab.trainers.common import (Timer, TrainResult, check_finite_model, check_finite_step, check_output_dir,
-                                     check_resume_dir, finish_run, format_metrics, last_eval, log_step, make_doctor,
-                                     make_optimization, make_probe_batch, prepare_output_dir, seed_everything,
-                                     choose_cpu_matmul, set_threads)
+                                     check_resume_dir, choose_cpu_matmul, finish_run, format_metrics, last_eval,
+                                     log_step, make_doctor, make_optimization, make_probe_batch, prepare_output_dir,
+                                     seed_everything, set_threads)
 
 
 # --------------------------------------------------------------------------------------

@@ -30,9 +30,9 @@ from rlhflab.rewards import build_reward
 from rlhflab.rewards.preflight import preflight
 from rlhflab.rollout import Rollout, RolloutBackend, make_backend
 from rlhflab.trainers.common import (Timer, TrainResult, check_finite_model, check_output_dir, check_resume_dir,
-                                     diverged, finish_run, format_metrics, last_eval, log_step, make_doctor,
-                                     make_optimization, make_probe_batch, prepare_output_dir, seed_everything,
-                                     choose_cpu_matmul, set_threads)
+                                     choose_cpu_matmul, diverged, finish_run, format_metrics, last_eval, log_step,
+                                     make_doctor, make_optimization, make_probe_batch, prepare_output_dir,
+                                     seed_everything, set_threads)
 
 
 @dataclass

@@ -54,12 +54,13 @@ from rlhflab.models.load import default_lora_targets, disable_dropout, load_toke
 from rlhflab.models.lean import lean_mlp
 from rlhflab.models.precision import autocast, check_mixed_precision
 from rlhflab.models.setup import map_large_allocations
+from rlhflab.ops.matmul import use_fast_linears
 from rlhflab.rewards.model import META_FILE, RMMeta, encode, score_head, sequence_scores
 from rlhflab.models.checkpoint import atomic_folder, state_part, untied
-from rlhflab.trainers.common import (check_finite_model, choose_cpu_matmul, check_finite_step, check_output_dir, finish_run,
-                                     format_metrics, log_step, make_doctor, make_optimizer, make_probe_batch,
-                                     make_scheduler, prepare_output_dir, print_before_after, seed_everything,
-                                     set_threads, train_and_held_out, write_train_result)
+from rlhflab.trainers.common import (check_finite_model, check_finite_step, check_output_dir, choose_cpu_matmul,
+                                     finish_run, format_metrics, log_step, make_doctor, make_optimizer,
+                                     make_probe_batch, make_scheduler, prepare_output_dir, print_before_after,
+                                     seed_everything, set_threads, train_and_held_out, write_train_result)
 
 
 # --------------------------------------------------------------------------------------
@@ -245,6 +246,7 @@ def build_reward_model(cfg: RMRunConfig, device: torch.device):
     except Exception as exc:
         raise _load_error("model", m.name_or_path, exc) from None
     model.config.pad_token_id = tok.pad_token_id
+    use_fast_linears(model)  # before LoRA: the adapter's own layers are switched by add_lora
     head = score_head(model)
     head_name = "score" if hasattr(model, "score") else "classifier"
     if any(k.startswith(head_name) for k in info.get("missing_keys", [])):

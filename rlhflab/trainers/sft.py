@@ -59,8 +59,8 @@ from rlhflab.models.load import add_lora, load_model, resolve_device
 from rlhflab.models.lean import lean_mlp
 from rlhflab.models.precision import autocast, check_mixed_precision
 from rlhflab.models.setup import map_large_allocations
-from rlhflab.trainers.common import (check_finite_model, choose_cpu_matmul, check_finite_step, check_output_dir, finish_run,
-                                     format_metrics, log_step, make_doctor, make_optimizer, make_scheduler,
+from rlhflab.trainers.common import (check_finite_model, check_finite_step, check_output_dir, choose_cpu_matmul,
+                                     finish_run, format_metrics, log_step, make_doctor, make_optimizer, make_scheduler,
                                      prepare_output_dir, print_before_after, seed_everything, set_threads,
                                      train_and_held_out, write_train_result)
 
