@@ -13,6 +13,7 @@ shapes rlhflab's trainers run, all float32:
     decode    (128, 512) x (512 -> 1376)     one decoding step of 128 sequences at 25M
     0.5B      (1024, 896) x (896 -> 4864)    Qwen2.5-0.5B's MLP, 8 episodes x 128 tokens
     lm_head   (128, 896) x (896 -> 151936)   one chunk of its LM head (ops.chunked)
+    square    (2048, 2048) x (2048 -> 2048)  a large square product: near each library's peak
 
 Each shape is timed forward (`F.linear` against `ops.matmul.linear` with oneDNN) and
 forward + backward (the input and the weight gradients); medians over `--repeats` runs
@@ -40,6 +41,7 @@ SHAPES = {  # name: (rows, in_features, out_features)
     "decode": (128, 512, 1376),
     "0.5B": (1024, 896, 4864),
     "lm_head": (128, 896, 151_936),
+    "square": (2048, 2048, 2048),
 }
 HEADLINE = "25M"
 

@@ -27,9 +27,11 @@ from rlhflab.config.schema import (DatasetConfig, GenerationConfig, LoggingConfi
 from rlhflab.data.arith import PROMPT_TEMPLATE  # the task's template; eval and generate default to it
 
 # torch threads of every stage. Fixed, not the machine's core count (nor OMP_NUM_THREADS): a
-# matrix product sums in an order that depends on the thread count, and 400 SFT steps turn
-# that rounding into another model (held-out accuracy after SFT: 30.5% with 2 threads, 28.5%
-# with 1; scripts/measure_readme.py). With a fixed count the figures do not move between machines.
+# matrix product can sum in an order that depends on the thread count, and 400 SFT steps turn
+# that rounding into another model (held-out accuracy after SFT on an Intel Xeon with torch's
+# MKL: 30.5% with 2 threads, 28.5% with 1; scripts/measure_readme.py). With a fixed count the
+# figures do not move between runs on one machine; another CPU's kernels round differently
+# (21.5% on an AMD EPYC with oneDNN, docs/cpu_matmul.md).
 THREADS = 2
 
 
@@ -168,7 +170,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--threads", type=count(), default=THREADS,
                         help="torch CPU threads of every stage (default: %(default)s on every machine, so the "
-                             "results are the same everywhere; another count trains a slightly different model)")
+                             "results are the same on every run of a machine; another count can train a slightly "
+                             "different model)")
     parser.add_argument("overrides", nargs="*",
                         help="dotted overrides: PPO keys (ppo.kl_coeff=0.05) or sft.* for the warm start; "
                              "`rlhflab config show ppo` and `rlhflab config show sft` list the keys")

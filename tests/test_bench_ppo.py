@@ -85,6 +85,23 @@ def test_rlhflab_side_step_updates_the_policy(bench, tiny_model):
     assert out["tokens"] == 16 and out["update"] > 0
 
 
+def test_torchmm_side_runs_torchs_own_matmul(bench, tiny_model, monkeypatch):
+    """The like-for-like-kernels row: rlhflab's critic with model.cpu_matmul=torch has no
+    oneDNN Linear layer; the default critic row follows `auto` (oneDNN where it picks it)."""
+    from rlhflab.ops import matmul
+
+    monkeypatch.setattr(matmul, "_mode", None)
+    monkeypatch.setattr(matmul, "resolve", lambda mode, cpuinfo=None: "torch" if mode == "torch" else "onednn")
+    s = bench.BenchSettings(model_dir=str(tiny_model), episodes=4, response_length=4, epochs=1)
+    for name, want in (("rlhflab-critic-torchmm", False), ("rlhflab-critic", True)):
+        side = bench.make_side(name, s)
+        side.build()
+        assert side.cfg.model.critic == "separate"
+        fast = [type(m) is matmul.FastLinear for m in side.models.actor.modules()]
+        assert any(fast) == want, name
+        side.release()
+
+
 def test_rule_reward_module_answers_trls_reward_protocol(bench, tiny_model):
     """Called the way a reward model is read (backbone by prefix, `score`, value at the
     last real token), the wrapper returns the GSM8K rule's score of each response."""

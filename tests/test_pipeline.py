@@ -78,9 +78,12 @@ def test_reward_model_reaches_heldout_accuracy_well_above_chance(reward_model):
     before, after = reward_model.eval_before, reward_model.eval_after
     print(f"reward model held-out accuracy {before['eval/accuracy']:.3f} -> {after['eval/accuracy']:.3f}, "
           f"gap {after['eval/score_gap']:.3f}")
-    # Chance is 0.5. Measured (about 20 s): 0.50 -> 0.895 with this seed; 0.69-0.90 over seeds 0-2.
+    # Chance is 0.5. Measured (about 20 s): 0.50 -> 0.895 with this seed on an Intel CPU
+    # (torch's matmul), 0.78 on an AMD one (oneDNN's, model.cpu_matmul=auto); with this
+    # task and judge, 0.68-0.85 over seeds 0-2 with oneDNN and 0.805-0.845 with torch's
+    # matmul (the eight epochs of a tiny model amplify float32 rounding into the trajectory).
     assert before["eval/accuracy"] < 0.65
-    assert after["eval/accuracy"] >= 0.8 and after["eval/score_gap"] > 0.5
+    assert after["eval/accuracy"] >= 0.75 and after["eval/score_gap"] > 0.5
     meta = json.loads((reward_model.final_dir / "rlhflab_rm.json").read_text())
     assert meta["score_std"] > 0 and meta["append_eos"] is True
 

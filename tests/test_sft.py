@@ -205,7 +205,11 @@ def test_batch_nll_from_hidden_states_equals_the_logits_loss(tiny, tok):
     assert hid.tokens == full.tokens > 0
     torch.testing.assert_close(hid.total, full.total, rtol=1e-6, atol=1e-6)
     for name in g_full:  # the tied embedding/head weight included
-        torch.testing.assert_close(g_hid[name], g_full[name], rtol=1e-5, atol=1e-6)
+        # float32 rounding of sums taken in another order (chunked rows; and on a CPU where
+        # oneDNN computes the Linear layers, the head's weight gradient in the chunked op is
+        # torch's addmm): within 1e-5 of the gradient's largest entry
+        scale = g_full[name].abs().max().item()
+        torch.testing.assert_close(g_hid[name], g_full[name], rtol=1e-5, atol=1e-5 * scale)
 
 
 def test_gradient_accumulation_1x2_equals_2x1(tiny, tok):

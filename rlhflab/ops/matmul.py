@@ -175,12 +175,16 @@ def mm(a: Tensor, b: Tensor) -> Tensor:
 def weight_grad(g: Tensor, x: Tensor) -> Tensor:
     """gᵀ x (out, in) for g (N, out) and x (N, in): a linear layer's weight gradient.
 
-    oneDNN copies an input it reads transposed (not a transposed weight), so the smaller
-    of g and x is the one transposed as the input: gᵀ x = (xᵀ g)ᵀ when x is narrower.
+    oneDNN copies an input it reads transposed (not a transposed weight). Either g is
+    that input (a copy of N x out numbers) or x is and the result comes out transposed,
+    (xᵀ g)ᵀ, which autograd copies into the weight's layout (N x in + out x in numbers):
+    the cheaper of the two copies is taken. (At an LM head's 151,936 outputs the
+    transposed result alone would be a 545 MB copy.)
     """
     if not applies(g, x):
         return g.t() @ x
-    if x.shape[1] <= g.shape[1]:
+    n, out_f, in_f = g.shape[0], g.shape[1], x.shape[1]
+    if n * in_f + out_f * in_f < n * out_f:
         return linear(x.t(), g.t()).t()
     return linear(g.t(), x.t())
 

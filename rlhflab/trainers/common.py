@@ -279,7 +279,12 @@ def finish_run(logger, out_dir: Path, device: torch.device, plots: bool,
 
 
 def write_train_result(out_dir: Path, **fields) -> None:
-    """train_result.json: the run's summary fields, in the order given."""
+    """train_result.json: the run's summary fields, in the order given, then the float32
+    matmul library the run used on a CPU (`cpu_matmul`: "onednn" or "torch", what
+    `model.cpu_matmul` resolved to; rlhflab/ops/matmul.py)."""
+    from rlhflab.ops.matmul import cpu_matmul
+
+    fields = {**fields, "cpu_matmul": cpu_matmul()}
     (out_dir / "train_result.json").write_text(json.dumps(fields, indent=2))
 
 
