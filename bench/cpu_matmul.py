@@ -3,7 +3,7 @@
     .venv/bin/python bench/cpu_matmul.py                  # about a minute
     .venv/bin/python bench/cpu_matmul.py --threads 1 --repeats 9
 
-The two libraries `model.cpu_matmul` chooses between (rlhflab/ops/matmul.py), on the
+The two libraries `model.cpu_matmul` chooses between (rlhflab/models/cpu_matmul.py), on the
 shapes rlhflab's trainers run, all float32:
 
     tiny      (1920, 192) x (192 -> 768)     the PPO benchmarks' tiny model: 32 episodes
@@ -71,7 +71,7 @@ def measure(name: str, repeats: int) -> dict[str, float]:
     flops = 2 * n * i * o
     out = {}
     for mode in ("torch", "onednn"):
-        matmul._mode = mode
+        matmul.set_onednn(mode == "onednn")
 
         def fwd():
             with torch.no_grad():
@@ -97,16 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
+    from rlhflab.models import cpu_matmul
     from rlhflab.ops import matmul
 
     if not matmul.onednn_available():
         print("cpu_matmul: this torch build has no oneDNN linear op; nothing to compare")
         return 1
     torch.set_num_threads(args.threads)
-    vendor, flags = matmul.cpu_info()
+    vendor, flags = cpu_matmul.cpu_info()
     print(f"torch {torch.__version__}, {args.threads} thread(s), {args.repeats} repeats; CPU vendor "
           f"{vendor or 'unknown'}, AVX-512 {'yes' if 'avx512f' in flags else 'no'}; "
-          f"model.cpu_matmul=auto picks {matmul.resolve('auto')} here")
+          f"model.cpu_matmul=auto picks {cpu_matmul.resolve('auto')} here")
     print(f"{'shape':<9}{'rows x in -> out':>24}{'torch fwd':>11}{'onednn fwd':>12}{'ratio':>7}"
           f"{'torch f+b':>11}{'onednn f+b':>12}{'ratio':>7}   (GFLOP/s)")
     results = {}

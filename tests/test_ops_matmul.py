@@ -1,9 +1,10 @@
-"""Float32 linear layers through oneDNN (`ops.matmul`, `model.cpu_matmul`): the same
-function and gradients as `F.linear` to float32 rounding, double-differentiable, the
-rule that picks the library, the fallbacks, and a PPO model's gradients under each mode.
+"""Float32 linear layers through oneDNN (`ops.matmul`, chosen by `models.cpu_matmul` from
+`model.cpu_matmul`): the same function and gradients as `F.linear` to float32 rounding,
+double-differentiable, the rule that picks the library, the fallbacks, and a PPO model's
+gradients under each mode.
 
-The tests force the mode (the module's `_mode`), so they check the oneDNN path on any
-CPU, also one where `auto` picks torch's own matmul."""
+The tests force the mode (`force`), so they check the oneDNN path on any CPU, also one
+where `auto` picks torch's own matmul."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 
 from rlhflab.config import load_config
 from rlhflab.errors import UserError
+from rlhflab.models import cpu_matmul as cm
 from rlhflab.ops import matmul
 from rlhflab.trainers.common import choose_cpu_matmul
 
@@ -23,14 +25,20 @@ AMD_AVX2 = "vendor_id\t: AuthenticAMD\nflags\t\t: fpu sse avx2\n"
 INTEL = "vendor_id\t: GenuineIntel\nflags\t\t: fpu sse avx2 avx512f avx512bw amx_bf16\n"
 
 
+def force(monkeypatch, mode: str) -> None:
+    """This process's library for the test (both switches; restored after it)."""
+    monkeypatch.setattr(cm, "_mode", mode)
+    monkeypatch.setattr(matmul, "_onednn_on", mode == "onednn")
+
+
 @pytest.fixture
 def onednn(monkeypatch):
-    monkeypatch.setattr(matmul, "_mode", "onednn")
+    force(monkeypatch, "onednn")
 
 
 @pytest.fixture
 def torchmm(monkeypatch):
-    monkeypatch.setattr(matmul, "_mode", "torch")
+    force(monkeypatch, "torch")
 
 
 def _rel(a, b) -> float:
@@ -41,7 +49,7 @@ def _rel(a, b) -> float:
 # Which library
 # --------------------------------------------------------------------------------------
 def test_cpu_info_reads_the_first_cpu():
-    vendor, flags = matmul.cpu_info(AMD + "\n" + INTEL)
+    vendor, flags = cm.cpu_info(AMD + "\n" + INTEL)
     assert vendor == "AuthenticAMD" and {"avx512f", "avx2"} <= flags and "amx_bf16" not in flags
 
 
@@ -55,20 +63,21 @@ def test_cpu_info_reads_the_first_cpu():
     ("torch", AMD, "torch"),
 ])
 def test_resolve_rule(mode, cpuinfo, want):
-    assert matmul.resolve(mode, cpuinfo) == want
+    assert cm.resolve(mode, cpuinfo) == want
 
 
 def test_bad_mode_names_the_key():
     with pytest.raises(ValueError, match=r"model\.cpu_matmul: 'fast' is not one of auto, onednn, torch"):
-        matmul.resolve("fast")
+        cm.resolve("fast")
 
 
 def test_onednn_asked_for_without_the_op_is_a_user_error(monkeypatch):
     monkeypatch.setattr(matmul, "onednn_available", lambda: False)
-    monkeypatch.setattr(matmul, "_mode", None)
+    force(monkeypatch, "torch")
+    monkeypatch.setattr(cm, "_mode", None)
     with pytest.raises(UserError, match=r"model\.cpu_matmul: onednn .* set model\.cpu_matmul=torch"):
         choose_cpu_matmul("onednn")
-    assert matmul.resolve("auto", AMD) == "torch"   # auto falls back quietly
+    assert cm.resolve("auto", AMD) == "torch"   # auto falls back quietly
 
 
 def test_config_rejects_an_unknown_mode(tmp_path):
@@ -164,8 +173,8 @@ def test_fast_linears_keep_the_model_and_its_checkpoint(onednn, tiny_model_dir, 
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     n_linear = sum(type(m) is torch.nn.Linear for m in plain.modules())
     fast, tok = load_model(str(tiny_model_dir))           # switched by load_model under onednn
-    assert sum(type(m) is matmul.FastLinear for m in fast.modules()) == n_linear > 0
-    assert all(isinstance(m, torch.nn.Linear) for m in fast.modules() if type(m) is matmul.FastLinear)
+    assert sum(type(m) is cm.FastLinear for m in fast.modules()) == n_linear > 0
+    assert all(isinstance(m, torch.nn.Linear) for m in fast.modules() if type(m) is cm.FastLinear)
     assert list(fast.state_dict()) == list(plain.state_dict())
     ids = tok(["12 + 7 =", "3 * 4 ="], return_tensors="pt", padding=True)
     with torch.no_grad():
@@ -182,8 +191,8 @@ def test_no_switch_under_torch_mode(torchmm, tiny_model_dir):
     from rlhflab.models.load import load_model
 
     model, _ = load_model(str(tiny_model_dir))
-    assert matmul.use_fast_linears(model) == 0
-    assert not any(type(m) is matmul.FastLinear for m in model.modules())
+    assert cm.use_fast_linears(model) == 0
+    assert not any(type(m) is cm.FastLinear for m in model.modules())
 
 
 @needs_onednn
@@ -197,12 +206,12 @@ def test_ppo_model_gradients_equal_under_both_libraries(monkeypatch, tiny_model_
 
     results = {}
     for mode in ("torch", "onednn"):
-        monkeypatch.setattr(matmul, "_mode", mode)
+        force(monkeypatch, mode)
         torch.manual_seed(0)
         models = build_models(ModelConfig(name_or_path=str(tiny_model_dir), critic="separate"),
                               LoRAConfig(enabled=lora, r=4), "cpu", need_reference=False, critic="separate")
         actor, tok = models.actor, models.tokenizer
-        fast = sum(type(m) is matmul.FastLinear for m in actor.modules())
+        fast = sum(type(m) is cm.FastLinear for m in actor.modules())
         assert (fast > 0) == (mode == "onednn")
         if lora:  # a non-zero B, so the adapter changes the function
             for name, p in actor.named_parameters():

@@ -69,7 +69,7 @@ class ModelConfig:
                              "backward and recompute the rest: the same function, less memory (rlhflab/models/lean.py)")
     cpu_matmul: Literal["auto", "onednn", "torch"] = f(
         "auto", "float32 linear layers on a CPU: onednn (PyTorch's oneDNN), torch (its MKL), or auto: onednn on "
-                 "non-Intel CPUs with AVX-512, where MKL runs half-width kernels (rlhflab/ops/matmul.py)")
+                 "non-Intel CPUs with AVX-512, where MKL runs half-width kernels (rlhflab/models/cpu_matmul.py)")
     critic: Literal["value_head", "separate"] = f(
         "value_head", "value_head: one head on the shared base; separate: a critic model of its own")
     critic_name_or_path: Optional[str] = f(None, "base of a separate critic; null means the policy's base")

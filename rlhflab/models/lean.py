@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rlhflab.ops.matmul import is_linear, linear, mm, weight_grad
+from rlhflab.models.cpu_matmul import is_linear
+from rlhflab.ops.matmul import linear, mm, weight_grad
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 

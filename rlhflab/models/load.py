@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 import torch
 
 from rlhflab.errors import UserError
-from rlhflab.ops.matmul import use_fast_linears
+from rlhflab.models.cpu_matmul import use_fast_linears
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -268,7 +268,7 @@ def load_model(name_or_path: str, torch_dtype: str = "float32", device: str = "c
     except Exception as exc:
         raise _load_error("model", source, exc) from None
     model.to(dev)
-    use_fast_linears(model)  # oneDNN float32 products where model.cpu_matmul chose them (ops/matmul.py)
+    use_fast_linears(model)  # oneDNN float32 products where model.cpu_matmul chose them (models/cpu_matmul.py)
     if model.generation_config is not None:
         if model.generation_config.pad_token_id is None:
             model.generation_config.pad_token_id = tok.pad_token_id

@@ -1,74 +1,44 @@
-"""Float32 linear layers on a CPU through oneDNN, where it is the faster library.
+"""Float32 linear products on a CPU through oneDNN: `linear(x, weight, bias)` = x Wᵀ + b.
 
-PyTorch computes a float32 `F.linear` / `torch.mm` on a CPU with Intel MKL. MKL runs its
+PyTorch computes a float32 `F.linear` / `torch.mm` on a CPU with Intel MKL, which runs its
 AVX-512 kernels on Intel CPUs only; on other x86 CPUs with AVX-512 (AMD EPYC Zen 4 and 5)
 it runs its AVX2 kernels, half as wide. PyTorch also ships oneDNN, which uses AVX-512 on
-any CPU that has it. On the 2-core AMD EPYC this project is developed on, one thread of a
-float32 (12,800 x 512) @ (512 x 512) product runs at about 100 GFLOP/s with MKL and
-about 230 with oneDNN; forward + backward of a linear layer 1.7-2.2x faster
-(bench/cpu_matmul.py prints the table). Same float32 arithmetic on both: no reduced
-precision, only another order of the sums (results differ by float32 rounding, about
-1e-6 relative).
+any CPU that has it (`torch.ops.mkldnn._linear_pointwise`, for ordinary strided tensors).
+Same float32 arithmetic on both: no reduced precision, only another order of the sums
+(results differ by float32 rounding, about 1e-6 relative). docs/cpu_matmul.md has the
+measurements (bench/cpu_matmul.py).
 
-`model.cpu_matmul` chooses, once per process:
-
-    auto     oneDNN on an x86 CPU that is not Intel's and has AVX-512 (where MKL runs
-             half-width), else PyTorch's own (MKL)
-    onednn   oneDNN whenever it applies
-    torch    PyTorch's own, everywhere (what every other PyTorch program runs)
-
-oneDNN applies to float32 CPU tensors outside autocast; everything else (GPU, bfloat16,
-autocast regions, empty inputs) takes `F.linear` whatever the mode. The choice is made
-by `linear(x, weight, bias)`, used by:
-
-- every `nn.Linear` of a model loaded by `models.load.load_model` (its class is switched
-  to `FastLinear`, a subclass whose forward calls `linear`; the parameters, their names,
-  the checkpoints and `isinstance(m, nn.Linear)` do not change), and the LoRA layers
-  `add_lora` creates;
-- rlhflab's own kernels that multiply by a weight outside a module's forward: the chunked
-  log-probs (`ops.chunked`) and the lean gated MLP (`models.lean`).
-
-The backward pass is two more oneDNN products (grad_x = g W, grad_W = gᵀ x) written with
-`linear` itself, so it is differentiable again when autograd records it (TRPO's
-Fisher-vector products). Attention's own products (`scaled_dot_product_attention`)
-stay PyTorch's.
+`linear` runs on oneDNN when this process has switched it on (`set_onednn(True)`; which
+CPUs get it is decided in `rlhflab.models.cpu_matmul`, from `model.cpu_matmul`) and the
+tensors are float32, on the CPU, plain (not a DTensor or another subclass), not empty,
+and outside an autocast region; otherwise it is `F.linear`. The backward pass is two
+more products (grad_x = g W, grad_W = gᵀ x) written with `linear` itself, so it is
+differentiable again when autograd records it (TRPO's Fisher-vector products). `mm`
+and `weight_grad` are the products rlhflab's own kernels need (ops.chunked,
+models.lean).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-MODES = ("auto", "onednn", "torch")
-_mode: Optional[str] = None  # "onednn" or "torch" once resolved; None: resolve "auto" at first use
+_onednn_on = False  # this process's switch (rlhflab.models.cpu_matmul sets it)
 
 
-# --------------------------------------------------------------------------------------
-# Which library
-# --------------------------------------------------------------------------------------
-def cpu_info(text: str | None = None) -> tuple[str, set[str]]:
-    """(vendor_id, flags) of the first CPU in /proc/cpuinfo, or ("", set()) elsewhere."""
-    if text is None:
-        try:
-            with open("/proc/cpuinfo") as fh:
-                text = fh.read(1 << 16)
-        except OSError:
-            return "", set()
-    vendor, flags = "", set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "vendor_id" and not vendor:
-            vendor = value.strip()
-        elif key == "flags" and not flags:
-            flags = set(value.split())
-        if vendor and flags:
-            break
-    return vendor, flags
+def set_onednn(on: bool) -> None:
+    """Run `linear` on oneDNN (where it applies) in this process, or not."""
+    global _onednn_on
+    if on and not onednn_available():
+        raise ValueError("this torch build has no oneDNN linear op")
+    _onednn_on = bool(on)
+
+
+def onednn_on() -> bool:
+    return _onednn_on
 
 
 @functools.lru_cache(maxsize=1)
@@ -83,38 +53,6 @@ def onednn_available() -> bool:
     return True
 
 
-def resolve(mode: str, cpuinfo: str | None = None) -> str:
-    """"onednn" or "torch" for `mode` (one of MODES) on this machine; see the module docstring."""
-    if mode not in MODES:
-        raise ValueError(f"model.cpu_matmul: {mode!r} is not one of {', '.join(MODES)}")
-    if mode == "torch":
-        return "torch"
-    if not onednn_available():
-        if mode == "onednn":
-            raise ValueError("model.cpu_matmul: onednn was asked for but this torch build has no oneDNN "
-                             "linear op; set model.cpu_matmul=torch (or auto)")
-        return "torch"
-    if mode == "onednn":
-        return "onednn"
-    vendor, flags = cpu_info(cpuinfo)
-    return "onednn" if vendor and vendor != "GenuineIntel" and "avx512f" in flags else "torch"
-
-
-def set_cpu_matmul(mode: str) -> str:
-    """Choose the library for this process (`model.cpu_matmul`); returns the resolved one."""
-    global _mode
-    _mode = resolve(mode)
-    return _mode
-
-
-def cpu_matmul() -> str:
-    """The library in use: "onednn" or "torch" ("auto" is resolved at the first call)."""
-    global _mode
-    if _mode is None:
-        _mode = resolve("auto")
-    return _mode
-
-
 # --------------------------------------------------------------------------------------
 # The op
 # --------------------------------------------------------------------------------------
@@ -126,7 +64,7 @@ def _plain(t: Tensor | None) -> bool:
 
 def applies(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     """True when `linear(x, weight, bias)` runs on oneDNN."""
-    return (cpu_matmul() == "onednn" and _plain(x) and _plain(weight) and _plain(bias)
+    return (_onednn_on and _plain(x) and _plain(weight) and _plain(bias)
             and x.numel() > 0 and weight.numel() > 0 and not torch.is_autocast_enabled("cpu"))
 
 
@@ -187,32 +125,3 @@ def weight_grad(g: Tensor, x: Tensor) -> Tensor:
     if n * in_f + out_f * in_f < n * out_f:
         return linear(x.t(), g.t()).t()
     return linear(g.t(), x.t())
-
-
-# --------------------------------------------------------------------------------------
-# Modules
-# --------------------------------------------------------------------------------------
-class FastLinear(nn.Linear):
-    """An `nn.Linear` whose forward is `linear` (oneDNN where it applies). Only the class
-    changes: parameters, names, state dicts and `isinstance(m, nn.Linear)` stay."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias)
-
-
-def use_fast_linears(module: nn.Module) -> int:
-    """Switch every plain `nn.Linear` in `module` to `FastLinear` when oneDNN is in use
-    for this process; returns how many were switched (0 under `model.cpu_matmul=torch`)."""
-    if cpu_matmul() != "onednn":
-        return 0
-    count = 0
-    for m in module.modules():
-        if type(m) is nn.Linear:
-            m.__class__ = FastLinear
-            count += 1
-    return count
-
-
-def is_linear(module: nn.Module) -> bool:
-    """A plain linear layer: `nn.Linear` itself or `FastLinear` (the same function)."""
-    return type(module) in (nn.Linear, FastLinear)

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from rlhflab.errors import UserError
-from rlhflab.ops.matmul import use_fast_linears
+from rlhflab.models.cpu_matmul import use_fast_linears
 
 
 def label_index(config, label: str | None, where: str) -> int | None:

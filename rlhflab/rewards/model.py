@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from rlhflab.errors import UserError
-from rlhflab.ops.matmul import use_fast_linears
+from rlhflab.models.cpu_matmul import use_fast_linears
 
 META_FILE = "rlhflab_rm.json"
 

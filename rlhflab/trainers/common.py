@@ -32,8 +32,8 @@ def set_threads(num_threads: int | None) -> None:
 
 
 def choose_cpu_matmul(mode: str) -> str:
-    """`model.cpu_matmul` for this process (rlhflab/ops/matmul.py): "onednn" or "torch"."""
-    from rlhflab.ops.matmul import set_cpu_matmul
+    """`model.cpu_matmul` for this process (rlhflab/models/cpu_matmul.py): "onednn" or "torch"."""
+    from rlhflab.models.cpu_matmul import set_cpu_matmul
 
     try:
         return set_cpu_matmul(mode)
@@ -281,8 +281,8 @@ def finish_run(logger, out_dir: Path, device: torch.device, plots: bool,
 def write_train_result(out_dir: Path, **fields) -> None:
     """train_result.json: the run's summary fields, in the order given, then the float32
     matmul library the run used on a CPU (`cpu_matmul`: "onednn" or "torch", what
-    `model.cpu_matmul` resolved to; rlhflab/ops/matmul.py)."""
-    from rlhflab.ops.matmul import cpu_matmul
+    `model.cpu_matmul` resolved to; rlhflab/models/cpu_matmul.py)."""
+    from rlhflab.models.cpu_matmul import cpu_matmul
 
     fields = {**fields, "cpu_matmul": cpu_matmul()}
     (out_dir / "train_result.json").write_text(json.dumps(fields, indent=2))

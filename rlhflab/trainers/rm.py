@@ -54,7 +54,7 @@ from rlhflab.models.load import default_lora_targets, disable_dropout, load_toke
 from rlhflab.models.lean import lean_mlp
 from rlhflab.models.precision import autocast, check_mixed_precision
 from rlhflab.models.setup import map_large_allocations
-from rlhflab.ops.matmul import use_fast_linears
+from rlhflab.models.cpu_matmul import use_fast_linears
 from rlhflab.rewards.model import META_FILE, RMMeta, encode, score_head, sequence_scores
 from rlhflab.models.checkpoint import atomic_folder, state_part, untied
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, check_output_dir, choose_cpu_matmul,

@@ -1,0 +1,112 @@
+"""Which library computes float32 linear layers on a CPU (`model.cpu_matmul`), and the
+layers that use it.
+
+`model.cpu_matmul` chooses, once per process:
+
+    auto     oneDNN on an x86 CPU that is not Intel's and has AVX-512 (where torch's MKL
+             runs half-width kernels), else PyTorch's own (MKL)
+    onednn   oneDNN whenever it applies
+    torch    PyTorch's own, everywhere (what every other PyTorch program runs)
+
+The product itself is `rlhflab.ops.matmul.linear` (what "applies" means is there). Every
+`nn.Linear` of a model rlhflab loads (`models.load.load_model`, the reward model and the
+classifier, a LoRA adapter's layers) is switched to `FastLinear`, a subclass whose
+forward calls it: the parameters, their names, the checkpoints and `isinstance(m,
+nn.Linear)` do not change. Nothing is switched under `torch`. docs/cpu_matmul.md.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import Tensor, nn
+
+from rlhflab.ops import matmul as ops_matmul
+
+MODES = ("auto", "onednn", "torch")
+_mode: Optional[str] = None  # "onednn" or "torch" once resolved; None: resolve "auto" at first use
+
+
+# --------------------------------------------------------------------------------------
+# Which library
+# --------------------------------------------------------------------------------------
+def cpu_info(text: str | None = None) -> tuple[str, set[str]]:
+    """(vendor_id, flags) of the first CPU in /proc/cpuinfo, or ("", set()) elsewhere."""
+    if text is None:
+        try:
+            with open("/proc/cpuinfo") as fh:
+                text = fh.read(1 << 16)
+        except OSError:
+            return "", set()
+    vendor, flags = "", set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "vendor_id" and not vendor:
+            vendor = value.strip()
+        elif key == "flags" and not flags:
+            flags = set(value.split())
+        if vendor and flags:
+            break
+    return vendor, flags
+
+
+def resolve(mode: str, cpuinfo: str | None = None) -> str:
+    """"onednn" or "torch" for `mode` (one of MODES) on this machine; see the module docstring."""
+    if mode not in MODES:
+        raise ValueError(f"model.cpu_matmul: {mode!r} is not one of {', '.join(MODES)}")
+    if mode == "torch":
+        return "torch"
+    if not ops_matmul.onednn_available():
+        if mode == "onednn":
+            raise ValueError("model.cpu_matmul: onednn was asked for but this torch build has no oneDNN "
+                             "linear op; set model.cpu_matmul=torch (or auto)")
+        return "torch"
+    if mode == "onednn":
+        return "onednn"
+    vendor, flags = cpu_info(cpuinfo)
+    return "onednn" if vendor and vendor != "GenuineIntel" and "avx512f" in flags else "torch"
+
+
+def set_cpu_matmul(mode: str) -> str:
+    """Choose the library for this process (`model.cpu_matmul`); returns the resolved one."""
+    global _mode
+    _mode = resolve(mode)
+    ops_matmul.set_onednn(_mode == "onednn")
+    return _mode
+
+
+def cpu_matmul() -> str:
+    """The library in use: "onednn" or "torch" ("auto" is resolved at the first call)."""
+    if _mode is None:
+        set_cpu_matmul("auto")
+    return _mode
+
+
+# --------------------------------------------------------------------------------------
+# Modules
+# --------------------------------------------------------------------------------------
+class FastLinear(nn.Linear):
+    """An `nn.Linear` whose forward is `linear` (oneDNN where it applies). Only the class
+    changes: parameters, names, state dicts and `isinstance(m, nn.Linear)` stay."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops_matmul.linear(x, self.weight, self.bias)
+
+
+def use_fast_linears(module: nn.Module) -> int:
+    """Switch every plain `nn.Linear` in `module` to `FastLinear` when oneDNN is in use
+    for this process; returns how many were switched (0 under `model.cpu_matmul=torch`)."""
+    if cpu_matmul() != "onednn":
+        return 0
+    count = 0
+    for m in module.modules():
+        if type(m) is nn.Linear:
+            m.__class__ = FastLinear
+            count += 1
+    return count
+
+
+def is_linear(module: nn.Module) -> bool:
+    """A plain linear layer: `nn.Linear` itself or `FastLinear` (the same function)."""
+    return type(module) in (nn.Linear, FastLinear)
