@@ -33,10 +33,10 @@ from torch import nn
 
 from rlhflab.models.actor_critic import (ActorCritic, Critic, PolicyOnly, Reference, ValueHead, hidden_size_of,
                                          load_value_head)
+from rlhflab.models.cpu_matmul import use_fast_linears
 from rlhflab.models.lean import lean_mlp
 from rlhflab.models.load import add_lora, disable_dropout, load_model, resolve_device
 from rlhflab.models.precision import check_mixed_precision
-from rlhflab.models.cpu_matmul import use_fast_linears
 
 CriticKind = Literal["value_head", "separate"]
 M_MMAP_THRESHOLD = -3            # mallopt's parameter number (<malloc.h>)
