@@ -49,12 +49,10 @@ def _cases(torch, dtype):
 
 def _half_flags() -> list[str]:
     """The CPU's half-precision matmul features (Linux /proc/cpuinfo): AMX and AVX-512 BF16/FP16."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            flags = next((line.split(":", 1)[1].split() for line in fh if line.startswith("flags")), [])
-    except OSError:
-        return []
-    return sorted(f for f in set(flags) if f in ("amx_bf16", "amx_fp16", "amx_tile", "avx512_bf16", "avx512_fp16"))
+    from rlhflab.models.cpu_matmul import cpu_info
+
+    flags = cpu_info()[1]
+    return sorted(f for f in flags if f in ("amx_bf16", "amx_fp16", "amx_tile", "avx512_bf16", "avx512_fp16"))
 
 
 def main(argv=None) -> int:

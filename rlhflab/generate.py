@@ -61,12 +61,10 @@ def read_prompt_file(path: str | Path, field: str | None = None) -> list[str]:
 
 def load_any(name_or_path: str, device: str = "cpu", torch_dtype: str = "float32"):
     """(model, tokenizer) from a model folder, a hub name, or a LoRA adapter folder."""
-    from rlhflab.models.load import load_model
-    from rlhflab.models.cpu_matmul import use_fast_linears
+    from rlhflab.models.load import load_adapter, load_model
 
     path = Path(name_or_path)
     if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
-        from peft import PeftModel
         base_name = read_json(path / "adapter_config.json").get("base_model_name_or_path")
         if not base_name:
             raise UserError(f"{path}/adapter_config.json names no base_model_name_or_path; "
@@ -75,9 +73,7 @@ def load_any(name_or_path: str, device: str = "cpu", torch_dtype: str = "float32
         tok_src = str(path) if (path / "tokenizer_config.json").is_file() else (
             str(path.parent) if has_tok else None)
         base, tok = load_model(base_name, torch_dtype=torch_dtype, device=device, tokenizer=tok_src)
-        model = PeftModel.from_pretrained(base, str(path))
-        use_fast_linears(model)  # the adapter's layers, as the base's (models/cpu_matmul.py)
-        return model.eval(), tok
+        return load_adapter(base, path).eval(), tok
     model, tok = load_model(name_or_path, torch_dtype=torch_dtype, device=device)
     return model.eval(), tok
 

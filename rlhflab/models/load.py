@@ -334,3 +334,13 @@ def add_lora(model: torch.nn.Module, r: int = 8, alpha: float = 16.0, dropout: f
     peft_model = get_peft_model(model, cfg)
     use_fast_linears(peft_model)  # the adapter's own A and B layers
     return peft_model
+
+
+def load_adapter(model: torch.nn.Module, adapter_dir: str | Path, trainable: bool = False):
+    """Wrap `model` with the LoRA adapter saved in `adapter_dir` (peft), its layers switched
+    like `add_lora`'s (models/cpu_matmul.py)."""
+    from peft import PeftModel
+
+    peft_model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=trainable)
+    use_fast_linears(peft_model)
+    return peft_model

@@ -33,9 +33,8 @@ from torch import nn
 
 from rlhflab.models.actor_critic import (ActorCritic, Critic, PolicyOnly, Reference, ValueHead, hidden_size_of,
                                          load_value_head)
-from rlhflab.models.cpu_matmul import use_fast_linears
 from rlhflab.models.lean import lean_mlp
-from rlhflab.models.load import add_lora, disable_dropout, load_model, resolve_device
+from rlhflab.models.load import add_lora, disable_dropout, load_adapter, load_model, resolve_device
 from rlhflab.models.precision import check_mixed_precision
 
 CriticKind = Literal["value_head", "separate"]
@@ -77,9 +76,7 @@ def build_models(model_cfg, lora_cfg, device: str, *, need_reference: bool,
         del src
     if lora_cfg.enabled:
         if resume_dir is not None:
-            from peft import PeftModel
-            policy = PeftModel.from_pretrained(policy, str(resume_dir / "adapter"), is_trainable=True)
-            use_fast_linears(policy)  # the adapter's layers, as add_lora's
+            policy = load_adapter(policy, resume_dir / "adapter", trainable=True)
         else:
             policy = add_lora(policy, lora_cfg.r, lora_cfg.alpha, lora_cfg.dropout, lora_cfg.target_modules)
         if need_reference:

@@ -73,14 +73,17 @@ def _onednn(x2: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")
 
 
+def _onednn_nd(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """(..., in) -> (..., out): `_onednn` on the flattened leading dimensions."""
+    return _onednn(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+
 class _OneDNNLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        x2 = x.reshape(-1, x.shape[-1])                                     # (N, in)
-        y = _onednn(x2, weight, bias)                                       # (N, out)
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return y.view(*x.shape[:-1], weight.shape[0])
+        return _onednn_nd(x, weight, bias)
 
     @staticmethod
     def backward(ctx, g: Tensor):
@@ -100,7 +103,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if applies(x, weight, bias):
         if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                              or (bias is not None and bias.requires_grad))):
-            return _onednn(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+            return _onednn_nd(x, weight, bias)
         return _OneDNNLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 

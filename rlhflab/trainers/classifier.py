@@ -38,9 +38,9 @@ from rlhflab.config.schema import LoggingConfig, ModelConfig, TrainingConfig, f
 from rlhflab.data.loading import read_rows, require_fields
 from rlhflab.errors import UserError
 from rlhflab.metrics import MetricsLogger
+from rlhflab.models.cpu_matmul import use_fast_linears
 from rlhflab.models.load import disable_dropout, load_tokenizer, resolve_device, resolve_dtype
 from rlhflab.models.setup import map_large_allocations
-from rlhflab.models.cpu_matmul import use_fast_linears
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, check_output_dir, choose_cpu_matmul,
                                      finish_run, format_metrics, make_optimizer, make_probe_batch, make_scheduler,
                                      prepare_output_dir, print_before_after, seed_everything, set_threads,

@@ -50,11 +50,11 @@ from rlhflab.data.loading import read_rows
 from rlhflab.engine.dist import Forward, check_strategy, default_threads, even_share, init_dist
 from rlhflab.errors import UserError
 from rlhflab.metrics import MetricsLogger
+from rlhflab.models.cpu_matmul import use_fast_linears
 from rlhflab.models.load import default_lora_targets, disable_dropout, load_tokenizer, resolve_device, resolve_dtype
 from rlhflab.models.lean import lean_mlp
 from rlhflab.models.precision import autocast, check_mixed_precision
 from rlhflab.models.setup import map_large_allocations
-from rlhflab.models.cpu_matmul import use_fast_linears
 from rlhflab.rewards.model import META_FILE, RMMeta, encode, score_head, sequence_scores
 from rlhflab.models.checkpoint import atomic_folder, state_part, untied
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, check_output_dir, choose_cpu_matmul,
