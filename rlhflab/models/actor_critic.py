@@ -12,7 +12,10 @@ interface with no critic.
 Only the response positions are needed, so the forward pass runs the decoder over
 prompt+response once and applies the LM head and the value head to the T hidden
 states that predict response tokens (the ``prompt_len-1 : prompt_len+T-1`` slice),
-not to all L positions: the (B, L, V) logits of the prompt are never made.
+not to all L positions: the (B, L, V) logits of the prompt are never made. For the same
+reason the last decoder layer's MLP runs on those T rows only (`last_layer_rows`): a
+prompt position's output from the last layer feeds nothing (its keys and values, read by
+later positions, come from the layer's input), so the result is the same to the bit.
 
 Prompt sharing: when the rows of a batch come in groups of ``group_size`` answers to the
 same prompt (GRPO, RLOO), the prompt is given once per group, run through the decoder
@@ -96,6 +99,57 @@ def _last_hidden(out) -> Tensor:
     return out[0] if isinstance(out, tuple) else out.last_hidden_state
 
 
+def _last_mlp(decoder: nn.Module) -> nn.Module | None:
+    """The last decoder layer's MLP when it is a dense, per-token block (gate, up and down
+    projections: Llama, Qwen2, Mistral, Gemma, with or without LoRA), else None."""
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        return None
+    mlp = getattr(layers[-1], "mlp", None)
+    if mlp is None or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+        return None
+    return mlp
+
+
+@contextmanager
+def last_layer_rows(model: nn.Module, decoder: nn.Module, start: int) -> Iterator[None]:
+    """While a decoder pass runs, its last layer's MLP computes positions [start:] only and
+    gives zeros for the rest: for a caller that reads the last hidden state at positions
+    >= `start` alone, the same values and gradients for less work. (A position's last-layer
+    output feeds nothing but the final norm and the heads; the attention of later
+    positions reads keys and values made from the layer's input.) The MLP is the bulk of a
+    layer's product (about 3/4 of its weights in a Llama-style block); the attention part
+    of the layer still runs on every position. A no-op where the MLP is not a dense
+    per-token block (mixture-of-experts routing, unknown layouts) and under activation
+    checkpointing, whose recomputation in the backward pass runs outside this context."""
+    mlp = _last_mlp(decoder)
+    if mlp is None or start <= 0 or is_checkpointing(model):
+        yield
+        return
+
+    def rows_in(module, args, kwargs):
+        if not args:  # called with a keyword input: left whole
+            return None
+        sliced.append(True)
+        return (args[0][:, start:], *args[1:]), kwargs
+
+    def rows_out(module, args, kwargs, out):
+        if not sliced:
+            return None
+        sliced.pop()
+        return torch.nn.functional.pad(out, (0, 0, start, 0))  # (B, start + n, H): zeros first
+
+    sliced: list[bool] = []
+
+    handles = (mlp.register_forward_pre_hook(rows_in, with_kwargs=True),
+               mlp.register_forward_hook(rows_out, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def response_hidden(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
                     response_mask: Tensor, group_size: int = 1) -> Tensor:
     """Hidden states (B, T, H) that predict each response token.
@@ -111,13 +165,15 @@ def response_hidden(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, r
         am = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], 1)
         # The last token predicts nothing we use, and attention is causal: leave it out.
         ids, am = ids[:, :-1], am[:, :-1]
-        hidden = _last_hidden(decoder(input_ids=ids, attention_mask=am, position_ids=position_ids_from(am),
-                                      use_cache=False))                                 # (B, P+T-1, H)
-        # Position P-1+t holds the state that predicts response token t.
-        return hidden[:, prompt_ids.shape[1] - 1:]                                     # (B, T, H)
+        start = prompt_ids.shape[1] - 1  # position P-1+t holds the state that predicts response token t
+        with last_layer_rows(model, decoder, start):
+            hidden = _last_hidden(decoder(input_ids=ids, attention_mask=am, position_ids=position_ids_from(am),
+                                          use_cache=False))                             # (B, P+T-1, H)
+        return hidden[:, start:]                                                       # (B, T, H)
     k = group_size
     pos = position_ids_from(prompt_mask)                                               # (G, P)
-    out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos, use_cache=True)
+    with last_layer_rows(model, decoder, prompt_ids.shape[1] - 1):  # only the last position is read
+        out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos, use_cache=True)
     cache = out.past_key_values
     cache.batch_repeat_interleave(k)                                                   # (B, heads, P, d)
     first = _last_hidden(out)[:, -1:].repeat_interleave(k, dim=0)                      # (B, 1, H): predicts token 0
