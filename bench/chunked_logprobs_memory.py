@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
 import sys
 import time
 from pathlib import Path
@@ -102,7 +101,8 @@ def main(argv=None) -> int:
     ap.add_argument("--chunks", default="0,32,512", help="chunk sizes to try; 0 is the default size (default 0,32,512)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
     args = ap.parse_args(argv)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from rlhflab.openmp import apply_default_wait
+    apply_default_wait()  # as the CLI: idle OpenMP threads poll briefly, then sleep
 
     from rlhflab.ops.chunked import default_chunk_size
 

@@ -27,7 +27,6 @@ says which the `auto` mode picks on this CPU and why. The last line is for scrip
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -94,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads < 1 or args.repeats < 1:
         ap.error("--threads and --repeats must be at least 1")
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    _common.openmp_defaults()  # as the CLI: idle OpenMP threads poll briefly, then sleep
     import torch
 
     from rlhflab.models import cpu_matmul

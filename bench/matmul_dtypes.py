@@ -19,7 +19,6 @@ line is for scripts: `matmul_dtypes: bf16/fp32 X, fp16/fp32 Y` (the `mlp` case).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -60,7 +59,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per case (default: 5)")
     args = ap.parse_args(argv)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from rlhflab.openmp import apply_default_wait
+    apply_default_wait()  # as the CLI: idle OpenMP threads poll briefly, then sleep
     import torch
 
     torch.set_num_threads(args.threads)

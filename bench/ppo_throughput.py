@@ -536,6 +536,11 @@ PAIRS = (("rlhflab", "trl", "value head vs TRL"), ("rlhflab-critic", "trl", "lik
          ("rlhflab-bf16", "trl-bf16", "value head vs TRL, bf16 autocast"))
 
 
+def openmp_describe() -> str:
+    from rlhflab.openmp import describe
+    return describe()
+
+
 def format_report(result: dict, summary: dict[str, dict]) -> str:
     s, nan = result["settings"], float("nan")
     lines = [
@@ -543,7 +548,7 @@ def format_report(result: dict, summary: dict[str, dict]) -> str:
         f"one {s['episodes']}-episode minibatch, KL {s['kl_coeff']} in the reward (k1, frozen-copy reference), "
         f"lr {s['learning_rate']:g}, no grad clipping, float32 weights (bf16 rows: bfloat16 autocast), CPU, "
         f"{s['threads']} threads "
-        f"(OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}); tiny model {s['model_dir']}",
+        f"({openmp_describe()}); tiny model {s['model_dir']}",
         f"medians of {result['repeats']} steps per side after {result['warmup']} warm-up steps, sides "
         f"interleaved step by step",
         "",
@@ -623,9 +628,7 @@ def main(argv: list[str] | None = None) -> int:
                              epochs=args.epochs, threads=args.threads)
     print(f"ppo_throughput: {', '.join(sides)}; {args.warmup} warm-up + {args.repeats} measured steps each "
           f"({_common.cpu_count()} CPUs visible)", file=sys.stderr)
-    # Idle OpenMP threads sleep instead of spinning: with more busy threads than cores
-    # (a shared machine), spinning makes 2-thread steps several times slower and erratic.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    _common.openmp_defaults()  # as the CLI: idle OpenMP threads poll briefly, then sleep
     result = run(sides, settings, args.repeats, args.warmup, tensor_memory=not args.no_tensor_memory)
     summary = summarize(result)
     if args.json:

@@ -22,7 +22,6 @@ point is the matmul share, which is the same work on every side. The last line:
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections import defaultdict
@@ -55,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=12, help="the costliest operators to list")
     ap.add_argument("--model-dir", default=str(_common.BENCH_DIR / "tiny-model"))
     a = ap.parse_args(argv)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    _common.openmp_defaults()  # as the CLI: idle OpenMP threads poll briefly, then sleep
     import torch
     from torch.profiler import ProfilerActivity, profile
 

@@ -37,7 +37,6 @@ How it measures (bench/README.md says why):
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -298,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="square float32 matmuls that measure the peak")
     ap.add_argument("--ppo", action="store_true", help="also PPO episodes/s end to end with each backend")
     args = ap.parse_args(argv)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads sleep (bench/README.md)
+    _common.openmp_defaults()  # as the CLI: idle OpenMP threads poll briefly, then sleep
 
     peak = matmul_peak(args.threads, tuple(args.peak_sizes))
     cells, info = measure(args.models, args.lengths, args.batches, args.repeats, args.threads,

@@ -13,6 +13,7 @@ import os
 import sys
 
 from rlhflab.errors import UserError
+from rlhflab.openmp import apply_default_wait
 
 # name -> (module, one-line help). The order is the pipeline's order.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -71,11 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     # Hugging Face's per-file "Loading weights" bars drown our own progress output; a user
     # who wants them back sets HF_HUB_DISABLE_PROGRESS_BARS=0.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    # Idle OpenMP threads sleep instead of spinning (set before torch loads; an explicit
-    # OMP_WAIT_POLICY wins). On a shared CPU the spinning threads take the cores the working
-    # ones need: bench/omp_wait_policy.py measured SFT steps 3.6-17x slower without it on this
-    # project's busy 2-core machine, and never faster (docs/quickstart.md).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Idle OpenMP threads poll briefly, then sleep (before torch loads; the user's
+    # OMP_WAIT_POLICY or GOMP_SPINCOUNT wins): rlhflab/openmp.py says why.
+    apply_default_wait()
     module = importlib.import_module(COMMANDS[name][0])
     parser = argparse.ArgumentParser(prog=f"rlhflab {name}", description=COMMANDS[name][1])
     module.add_parser(parser)

@@ -178,10 +178,13 @@ def main() -> None:
                     help="also train the warm start with these thread counts, to show the accuracy after SFT "
                          "depends on it (comma-separated; '' skips; default: %(default)s)")
     args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from rlhflab.openmp import describe  # standard library only
+
     out = (ROOT / args.out) if not Path(args.out).is_absolute() else Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"rlhflab: {' '.join(rlhflab_command())}; machine: {os.cpu_count()} CPUs, load average {load():.1f} at the start; "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset: the CLI sets PASSIVE)')}")
+          f"OpenMP: {describe()} (unset: the CLI's default, rlhflab/openmp.py)")
 
     quick = []
     for i in range(args.runs):
