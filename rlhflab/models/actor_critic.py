@@ -15,7 +15,7 @@ states that predict response tokens (the ``prompt_len-1 : prompt_len+T-1`` slice
 not to all L positions: the (B, L, V) logits of the prompt are never made. For the same
 reason the last decoder layer's MLP runs on those T rows only (`last_layer_rows`): a
 prompt position's output from the last layer feeds nothing (its keys and values, read by
-later positions, come from the layer's input), so the result is the same to the bit.
+later positions, come from the layer's input), so the results equal the full pass's.
 
 Prompt sharing: when the rows of a batch come in groups of ``group_size`` answers to the
 same prompt (GRPO, RLOO), the prompt is given once per group, run through the decoder
