@@ -16,15 +16,6 @@ BENCH_DIR = REPO / ".bench"  # git-ignored: models, outputs, the benchmark-only 
 PROMPT_TEMPLATE = "Question: {prompt}\nAnswer:"
 
 
-def openmp_defaults() -> str:
-    """The CLI's OpenMP wait setting (rlhflab/openmp.py: a short poll, then sleep), unless
-    the caller set OMP_WAIT_POLICY or GOMP_SPINCOUNT; call it before torch is imported.
-    Returns the setting in force, for the bench's header."""
-    from rlhflab.openmp import apply_default_wait, describe  # standard library only
-    apply_default_wait()
-    return describe()
-
-
 # --------------------------------------------------------------------------------------
 # Inputs
 # --------------------------------------------------------------------------------------

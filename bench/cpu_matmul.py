@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads < 1 or args.repeats < 1:
         ap.error("--threads and --repeats must be at least 1")
-    _common.openmp_defaults()  # as the CLI: idle OpenMP threads poll briefly, then sleep
+    from rlhflab.openmp import apply_default_wait
+    apply_default_wait()  # as the CLI: idle OpenMP threads poll briefly, then sleep
     import torch
 
     from rlhflab.models import cpu_matmul

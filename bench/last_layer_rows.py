@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--response", type=int, default=16)
     ap.add_argument("--model-dir", default=str(_common.BENCH_DIR / "tiny-model"))
     a = ap.parse_args(argv)
-    _common.openmp_defaults()
+    from rlhflab.openmp import apply_default_wait
+    apply_default_wait()  # as the CLI: idle OpenMP threads poll briefly, then sleep
     import torch
 
     from rlhflab.models import actor_critic as ac

@@ -536,19 +536,16 @@ PAIRS = (("rlhflab", "trl", "value head vs TRL"), ("rlhflab-critic", "trl", "lik
          ("rlhflab-bf16", "trl-bf16", "value head vs TRL, bf16 autocast"))
 
 
-def openmp_describe() -> str:
-    from rlhflab.openmp import describe
-    return describe()
-
-
 def format_report(result: dict, summary: dict[str, dict]) -> str:
+    from rlhflab.openmp import describe
+
     s, nan = result["settings"], float("nan")
     lines = [
         f"PPO step: {s['episodes']} episodes x {s['response_length']} new tokens, {s['epochs']} epochs of "
         f"one {s['episodes']}-episode minibatch, KL {s['kl_coeff']} in the reward (k1, frozen-copy reference), "
         f"lr {s['learning_rate']:g}, no grad clipping, float32 weights (bf16 rows: bfloat16 autocast), CPU, "
         f"{s['threads']} threads "
-        f"({openmp_describe()}); tiny model {s['model_dir']}",
+        f"({describe()}); tiny model {s['model_dir']}",
         f"medians of {result['repeats']} steps per side after {result['warmup']} warm-up steps, sides "
         f"interleaved step by step",
         "",
@@ -628,7 +625,8 @@ def main(argv: list[str] | None = None) -> int:
                              epochs=args.epochs, threads=args.threads)
     print(f"ppo_throughput: {', '.join(sides)}; {args.warmup} warm-up + {args.repeats} measured steps each "
           f"({_common.cpu_count()} CPUs visible)", file=sys.stderr)
-    _common.openmp_defaults()  # as the CLI: idle OpenMP threads poll briefly, then sleep
+    from rlhflab.openmp import apply_default_wait
+    apply_default_wait()  # as the CLI: idle OpenMP threads poll briefly, then sleep
     result = run(sides, settings, args.repeats, args.warmup, tensor_memory=not args.no_tensor_memory)
     summary = summarize(result)
     if args.json:

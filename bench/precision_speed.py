@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     model = ensure_model(Path(a.model_dir))
     settings = ppo_throughput.BenchSettings(model_dir=str(model), threads=a.threads)
-    _common.openmp_defaults()  # as the CLI: idle OpenMP threads poll briefly, then sleep
+    from rlhflab.openmp import apply_default_wait
+    apply_default_wait()  # as the CLI: idle OpenMP threads poll briefly, then sleep
     print(f"precision_speed: {a.warmup} warm-up + {a.repeats} measured steps per way, load average "
           f"{os.getloadavg()[0]:.1f} ({_common.cpu_count()} CPUs)", file=sys.stderr)
     result = ppo_throughput.run(list(SIDES), settings, a.repeats, a.warmup, tensor_memory=False)

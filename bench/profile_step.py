@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=12, help="the costliest operators to list")
     ap.add_argument("--model-dir", default=str(_common.BENCH_DIR / "tiny-model"))
     a = ap.parse_args(argv)
-    _common.openmp_defaults()  # as the CLI: idle OpenMP threads poll briefly, then sleep
+    from rlhflab.openmp import apply_default_wait
+    apply_default_wait()  # as the CLI: idle OpenMP threads poll briefly, then sleep
     import torch
     from torch.profiler import ProfilerActivity, profile
 

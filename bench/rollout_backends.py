@@ -297,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="square float32 matmuls that measure the peak")
     ap.add_argument("--ppo", action="store_true", help="also PPO episodes/s end to end with each backend")
     args = ap.parse_args(argv)
-    _common.openmp_defaults()  # as the CLI: idle OpenMP threads poll briefly, then sleep
+    from rlhflab.openmp import apply_default_wait
+    apply_default_wait()  # as the CLI: idle OpenMP threads poll briefly, then sleep
 
     peak = matmul_peak(args.threads, tuple(args.peak_sizes))
     cells, info = measure(args.models, args.lengths, args.batches, args.repeats, args.threads,

@@ -146,3 +146,18 @@ def test_no_op_where_the_mlp_is_not_a_dense_gated_block():
 
     assert ac._last_mlp(Decoder(Router())) is None
     assert ac._last_mlp(torch.nn.Linear(2, 2)) is None  # no `layers`
+
+
+def test_an_mlp_called_with_a_keyword_input_is_left_whole(folders):
+    model = AutoModelForCausalLM.from_pretrained(str(folders["llama"]))
+    decoder, _ = ac.decoder_and_head(model)
+    mlp = decoder.layers[-1].mlp
+    x = torch.randn(2, P, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), ac.last_layer_rows(model, decoder, 4):
+        by_keyword = mlp(x=x)
+        by_position = mlp(x)
+    assert by_keyword.shape == x.shape
+    torch.testing.assert_close(by_keyword, mlp(x).detach(), rtol=0, atol=0)
+    # Positional: rows [4:] computed, the first 4 zeros.
+    assert by_position.shape == x.shape and by_position[:, :4].abs().sum() == 0
+    torch.testing.assert_close(by_position[:, 4:], by_keyword[:, 4:], rtol=1e-6, atol=1e-6)

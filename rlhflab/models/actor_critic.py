@@ -130,16 +130,12 @@ def last_layer_rows(model: nn.Module, decoder: nn.Module, start: int) -> Iterato
     def rows_in(module, args, kwargs):
         if not args:  # called with a keyword input: left whole
             return None
-        sliced.append(True)
         return (args[0][:, start:], *args[1:]), kwargs
 
-    def rows_out(module, args, kwargs, out):
-        if not sliced:
+    def rows_out(module, args, kwargs, out):  # args: the input as rows_in left it
+        if not args:
             return None
-        sliced.pop()
         return torch.nn.functional.pad(out, (0, 0, start, 0))  # (B, start + n, H): zeros first
-
-    sliced: list[bool] = []
 
     handles = (mlp.register_forward_pre_hook(rows_in, with_kwargs=True),
                mlp.register_forward_hook(rows_out, with_kwargs=True))
