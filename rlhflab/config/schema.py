@@ -67,6 +67,8 @@ class ModelConfig:
     gradient_checkpointing: bool = f(False, "recompute activations in backward to save memory")
     lean_mlp: bool = f(True, "gated MLPs (Llama, Qwen2, Mistral, Gemma) keep 2 of their 4 intermediate tensors for "
                              "backward and recompute the rest: the same function, less memory (rlhflab/models/lean.py)")
+    lean_norm: bool = f(True, "RMSNorms keep one (N, H) tensor for backward instead of two and run a hand-written "
+                              "backward: the same output, fewer operators (rlhflab/models/lean.py)")
     cpu_matmul: Literal["auto", "onednn", "torch"] = f(
         "auto", "float32 linear layers on a CPU: onednn (PyTorch's oneDNN), torch (its MKL), or auto: onednn on "
                  "non-Intel CPUs with AVX-512, where MKL runs half-width kernels (rlhflab/models/cpu_matmul.py)")

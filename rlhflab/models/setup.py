@@ -12,7 +12,8 @@ its models here, so a resume, LoRA and the reference follow one rule:
 - Dropout is switched off everywhere, so before the first update the ratio π/π_old is
   exactly 1.
 - `model.lean_mlp` switches the gated MLPs of the trained models (policy, separate critic)
-  to `models.lean.GatedMLP`: the same function, half the MLP's saved activations.
+  to `models.lean.GatedMLP`: the same function, half the MLP's saved activations;
+  `model.lean_norm` their RMSNorms to `models.lean.RMSNormFn` (one saved tensor, not two).
 - On a CPU, glibc is asked to give every block of 4 MiB or more back to the system when
   it is freed (`map_large_allocations`): by default it keeps freed gradient and
   activation buffers in its heap, 1.15 GiB of them at the second optimizer step of a
@@ -33,7 +34,7 @@ from torch import nn
 
 from rlhflab.models.actor_critic import (ActorCritic, Critic, PolicyOnly, Reference, ValueHead, hidden_size_of,
                                          load_value_head)
-from rlhflab.models.lean import lean_mlp
+from rlhflab.models.lean import lean_mlp, lean_norms
 from rlhflab.models.load import add_lora, disable_dropout, load_adapter, load_model, resolve_device
 from rlhflab.models.precision import check_mixed_precision
 
@@ -84,6 +85,8 @@ def build_models(model_cfg, lora_cfg, device: str, *, need_reference: bool,
     disable_dropout(policy)
     if model_cfg.lean_mlp:  # after LoRA: an adapted projection keeps the model's own MLP
         lean_mlp(policy)
+    if model_cfg.lean_norm:
+        lean_norms(policy)
     if model_cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
     if critic is None:
@@ -95,6 +98,8 @@ def build_models(model_cfg, lora_cfg, device: str, *, need_reference: bool,
         disable_dropout(base)
         if model_cfg.lean_mlp:
             lean_mlp(base)
+        if model_cfg.lean_norm:
+            lean_norms(base)
         head = ValueHead(hidden_size_of(base)).to(dev)
         if resume_dir is not None:
             load_value_head(head, resume_dir / "critic")
