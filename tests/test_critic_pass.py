@@ -20,8 +20,10 @@ from rlhflab.trainers.loop import build_run
 @pytest.fixture
 def critic_setup(ppo_cfg):
     """A separate-critic PPO run, its rollout (advantages, returns, old values) and one
-    16-row minibatch of it."""
-    cfg = ppo_cfg("model.critic=separate", "ppo.mini_batch_size=16", "ppo.vf_coeff=0.5", "ppo.kl_coeff=0.1")
+    16-row minibatch of it. The passes run one after the other (test_critic_overlap.py
+    has them side by side)."""
+    cfg = ppo_cfg("model.critic=separate", "ppo.mini_batch_size=16", "ppo.vf_coeff=0.5", "ppo.kl_coeff=0.1",
+                  "model.critic_overlap=false")
     torch.manual_seed(0)
     run = build_run(cfg, ppo.method(cfg))
     examples = step_prompts(load_prompts(cfg.dataset, run.models.tokenizer, "train"), 16, cfg.training.seed, 1)

@@ -75,6 +75,9 @@ class ModelConfig:
     critic: Literal["value_head", "separate"] = f(
         "value_head", "value_head: one head on the shared base; separate: a critic model of its own")
     critic_name_or_path: Optional[str] = f(None, "base of a separate critic; null means the policy's base")
+    critic_overlap: bool = f(True, "a separate critic on a CPU (one process, 2+ threads): its pass and the policy's "
+                                   "run side by side in two threads over two row halves of each minibatch; the "
+                                   "same gradients, no more memory (rlhflab/engine/overlap.py)")
     reference: Literal["copy", "lora_disabled", "none"] = f(
         "copy", "frozen copy, the same weights with the LoRA adapter off, or none (no KL)")
 

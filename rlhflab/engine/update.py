@@ -20,7 +20,9 @@ processes the count is the global one (`engine.dist`), so N processes equal one.
 Memory: with a separate critic (`model.critic: separate`) the critic's forward and
 backward run first, then the policy's (`critic_pass`): the two models share no
 parameter, so the gradients are those of the summed loss, and only one model's
-activations are alive at a time. Under a data-parallel wrapper (one forward and one
+activations are alive at a time. On a CPU the two passes run side by side instead, in
+two threads over two row halves of the minibatch (`engine.overlap`, `model.critic_overlap`):
+the same gradients, no more memory. Under a data-parallel wrapper (one forward and one
 backward per wrapped module) and in learner mode the two run in one pass.
 
 `PPOMath` is the plug-in learner mode uses to run the learner's own functions.
@@ -28,6 +30,7 @@ backward per wrapped module) and in learner mode the two run in one pass.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, NamedTuple
@@ -36,6 +39,7 @@ import torch
 from torch import Tensor
 
 from rlhflab import ops
+from rlhflab.engine import overlap
 from rlhflab.engine.dist import Dist
 from rlhflab.engine.minibatch import MiniBatch, loss_mask_of, select
 from rlhflab.engine.scoring import shared_group_size
@@ -72,6 +76,26 @@ class MinibatchStats:
     kl: float = 0.0
     ptx: float = 0.0
     kl_seq_sum: float = 0.0  # Σ over rows of Σ_t KL_t (KL in the loss only): params/kl_to_ref
+
+
+# The fields of MinibatchStats that are fractions (means over response tokens); the rest are shares.
+FRACTIONS = ("policy_clip_frac", "value_clip_frac", "approx_kl", "clip_frac_low", "clip_frac_high")
+
+
+def merge_stats(parts: list[tuple[MinibatchStats, float]]) -> MinibatchStats:
+    """The stats of a minibatch from those of its row blocks, each with its count of
+    response tokens (its loss mask's sum): shares add, fractions are the token-weighted
+    mean (each block's fraction is a mean over its tokens), so the merge equals the stats
+    of the whole minibatch."""
+    tokens = sum(n for _, n in parts)
+    merged = {}
+    for f in dataclasses.fields(MinibatchStats):
+        values = [(getattr(st, f.name), n) for st, n in parts]
+        if f.name in FRACTIONS:
+            merged[f.name] = sum(v * n for v, n in values) / tokens if tokens > 0 else 0.0
+        else:
+            merged[f.name] = sum(v for v, _ in values)
+    return MinibatchStats(**merged)
 
 
 LOSS_KEYS = ("policy", "value", "entropy", "total", "kl", "ptx")
@@ -165,24 +189,56 @@ def critic_apart(actor, mb: MiniBatch, math_: PPOMath, dist: Dist) -> bool:
 
 
 def critic_pass(actor, mb: MiniBatch, sec, math_: PPOMath, normalizer: float):
-    """The separate critic's forward and its clipped value loss (`math_.value_loss`), not
-    yet weighted by vf_coeff; the caller runs its backward before the policy's forward."""
+    """The separate critic's forward, its clipped value loss (`math_.value_loss`) and the
+    backward of vf_coeff times it; returns the value loss (its `loss` and `clip_frac`).
+    The caller runs the policy's pass after it, or beside it (`overlapped_passes`)."""
     values = actor.critic(mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask, mb.group_size,
                           mixed_precision=actor.mixed_precision)                      # (b, T)
-    return math_.value_loss(values, mb.old_values, mb.returns, mb.loss_mask, sec.value_clip,
-                            aggregation=sec.loss_aggregation, normalizer=normalizer)
+    value = math_.value_loss(values, mb.old_values, mb.returns, mb.loss_mask, sec.value_clip,
+                             aggregation=sec.loss_aggregation, normalizer=normalizer)
+    if not bool(torch.isfinite(value.loss)):
+        raise FloatingPointError(f"loss/value is {float(value.loss)}")
+    (sec.vf_coeff * value.loss).backward()
+    return value
+
+
+def with_value(st: MinibatchStats, value, vf_coeff: float) -> MinibatchStats:
+    """`st` (a policy pass's stats) with the separate critic's value loss counted in."""
+    part = float(value.loss.detach())
+    return dataclasses.replace(st, value=part, value_clip_frac=float(torch.as_tensor(value.clip_frac)),
+                               total=st.total + vf_coeff * part)
+
+
+def overlapped_passes(actor, mb: MiniBatch, sec, temperature: float, math_: PPOMath,
+                      normalizer: float, dist: Dist) -> MinibatchStats:
+    """The critic's pass (`critic_pass`) and the policy's, side by side in two threads,
+    over each row half of `mb` in turn (`engine.overlap`); the minibatch's stats."""
+    parts = []
+    for half in overlap.split_rows(mb):
+        def policy_side(half=half) -> MinibatchStats:
+            loss, st = minibatch_loss(actor, half, sec, temperature, math_, normalizer, critic_elsewhere=True)
+            _check_finite(loss, st, dist)
+            dist.backward(loss * dist.scale)
+            return st
+
+        st, value = overlap.side_by_side(policy_side, lambda half=half: critic_pass(actor, half, sec, math_,
+                                                                                   normalizer))
+        parts.append((with_value(st, value, sec.vf_coeff), float(half.loss_mask.sum())))
+    return merge_stats(parts)
 
 
 def minibatch_loss(actor, mb: MiniBatch, sec, temperature: float, math_: PPOMath,
-                   normalizer: float, value=None) -> tuple[Tensor, MinibatchStats]:
+                   normalizer: float, value=None, critic_elsewhere: bool = False) -> tuple[Tensor, MinibatchStats]:
     """The loss of one minibatch (see the module docstring) and its stats. `actor` may be
     wrapped for data parallelism: its forward is called, so the wrapper sees it.
 
     `value`: the separate critic's value loss when `critic_pass` already ran (and its
     backward): the forward then skips the critic, the returned loss is the policy's part
-    and the stats count both.
+    and the stats count both. `critic_elsewhere`: the critic's pass runs elsewhere (beside
+    this one); the forward skips it and the stats leave its part at 0 (`with_value` adds it).
     """
-    with_values = value is None and mb.returns is not None and getattr(inner(actor), "has_values", False)
+    with_values = (value is None and not critic_elsewhere and mb.returns is not None
+                   and getattr(inner(actor), "has_values", False))
     kw = {"lm_batch": mb.lm_batch} if mb.lm_batch is not None else {}
     out = actor(mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask, mb.group_size,
                 temperature=temperature, with_values=with_values, with_entropy=True,
@@ -196,14 +252,12 @@ def minibatch_loss(actor, mb: MiniBatch, sec, temperature: float, math_: PPOMath
     if out.lm_loss is not None:  # PPO-ptx: this minibatch's share of the group's mean LM loss
         total = total + sec.ptx_coeff * mb.lm_weight * out.lm_loss
         ptx = float(out.lm_loss.detach()) * mb.lm_weight
-    value_part, value_clip, shown_total = t.value, t.value_clip_frac, float(total.detach())
-    if value is not None:  # the critic's part, already backpropagated by the caller
-        value_part, value_clip = value.loss.detach(), torch.as_tensor(value.clip_frac)
-        shown_total += sec.vf_coeff * float(value_part)
-    stats = MinibatchStats(float(t.policy), float(value_part), float(t.entropy), shown_total,
-                           float(t.clip_frac), float(value_clip), float(t.approx_kl),
+    stats = MinibatchStats(float(t.policy), float(t.value), float(t.entropy), float(total.detach()),
+                           float(t.clip_frac), float(t.value_clip_frac), float(t.approx_kl),
                            float(t.clip_frac_low), float(t.clip_frac_high), float(t.kl), ptx=ptx,
                            kl_seq_sum=float(t.kl_seq_sum))
+    if value is not None:  # the critic's part, already backpropagated by the caller
+        stats = with_value(stats, value, sec.vf_coeff)
     return total, stats
 
 
@@ -234,16 +288,15 @@ def update_group(actor, minibatches: list[MiniBatch], optimizer, params: list, s
         if ptx is not None:
             mb.lm_batch, mb.lm_weight = next(ptx), 1.0 / (len(minibatches) * dist.world_size)
         with dist.accumulating(actor, last=i == len(minibatches) - 1):
-            extra = {}
-            if critic_apart(actor, mb, math_, dist):  # its activations are freed before the policy's pass
-                value = critic_pass(actor, mb, sec, math_, normalizer)
-                if not bool(torch.isfinite(value.loss)):
-                    raise FloatingPointError(f"loss/value is {float(value.loss)}")
-                (sec.vf_coeff * value.loss).backward()
-                extra["value"] = value
-            loss, st = step_fn(actor, mb, sec, temperature, math_, normalizer, **extra)
-            _check_finite(loss, st, dist)
-            dist.backward(loss * dist.scale)
+            apart = critic_apart(actor, mb, math_, dist)
+            if apart and overlap.applies(actor, mb):  # the two passes side by side (CPU)
+                st = overlapped_passes(actor, mb, sec, temperature, math_, normalizer, dist)
+            else:
+                # its activations are freed before the policy's pass
+                extra = {"value": critic_pass(actor, mb, sec, math_, normalizer)} if apart else {}
+                loss, st = step_fn(actor, mb, sec, temperature, math_, normalizer, **extra)
+                _check_finite(loss, st, dist)
+                dist.backward(loss * dist.scale)
         stats.append(st)
     max_norm = sec.max_grad_norm if sec.max_grad_norm is not None else float("inf")
     grad_norm = dist.clip_grad_norm_(params, max_norm)  # the norm before clipping

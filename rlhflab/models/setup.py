@@ -104,6 +104,7 @@ def build_models(model_cfg, lora_cfg, device: str, *, need_reference: bool,
         if resume_dir is not None:
             load_value_head(head, resume_dir / "critic")
         actor = ActorCritic(policy, critic=Critic(base, head))
+        actor.critic_overlap = model_cfg.critic_overlap
     else:
         head = ValueHead(hidden_size_of(policy)).to(dev)
         if resume_dir is not None:
