@@ -18,6 +18,9 @@ How it measures (bench/README.md says why):
 - A PPO step is the same work on every side: generate 16 tokens for 32 prompts, score
   them with the GSM8K rule, the no-grad forwards (old logprobs, values, reference
   logprobs), KL-shaped rewards and GAE, then 4 epochs of one 32-episode minibatch.
+- Every side has the same `--threads` (2). rlhflab's separate-critic sides divide them:
+  the critic's pass runs in a second thread beside the policy's (`model.critic_overlap`,
+  its default; docs/actor_critic.md); TRL runs its passes one after the other.
 - Peak memory is the peak resident set of the worker (VmHWM) minus its resident set
   with its libraries loaded and no models (taken after a priming build and step that
   are thrown away): models, optimizer state and every activation count, the import
@@ -174,6 +177,19 @@ class RlhflabSide:
         phases["other"] = total - sum(phases.values())
         return {"total": total, **phases, "episodes": len(roll),
                 "tokens": int(roll.response_mask.sum()), "response_width": roll.response_ids.shape[1]}
+
+    def counted_step(self) -> dict:
+        """The step whose tensors the profiler counts. The profiler sees only this thread,
+        so a separate critic's pass, which runs in a second thread beside the policy's
+        (`model.critic_overlap`), is counted with the two passes one after the other: the
+        count is an upper bound of the side-by-side step's (tests/test_critic_overlap.py)."""
+        actor = self.models.actor
+        overlap = getattr(actor, "critic_overlap", False)
+        actor.critic_overlap = False
+        try:
+            return self.step()
+        finally:
+            actor.critic_overlap = overlap
 
 
 # --------------------------------------------------------------------------------------
@@ -435,7 +451,7 @@ def worker(name: str, settings: dict, conn, tensor_memory: bool = True) -> None:
                           "process_peak_rss_mb": _common.lifetime_peak_rss_mb()}
                 if tensor_memory:  # exact cross-check: held state + one profiled step's own peak
                     held = _common.tensor_bytes(side.state_tensors()) / 2**20
-                    step_peak = _common.profiled_tensor_peak_mb(side.step)
+                    step_peak = _common.profiled_tensor_peak_mb(getattr(side, "counted_step", side.step))
                     memory.update(held_tensor_mb=held, step_tensor_peak_mb=step_peak,
                                   tensor_peak_mb=held + step_peak)
                 conn.send(("memory", memory))
@@ -572,7 +588,8 @@ def format_report(result: dict, summary: dict[str, dict]) -> str:
         "peak MiB  peak resident set of the side's own process minus its resident set with libraries "
         "loaded and no models",
         "tensor MiB  exact cross-check: bytes of weights and optimizer state plus the peak of tensors "
-        "allocated in one profiled step",
+        "allocated in one profiled step (rlhflab's separate critic: its pass and the policy's one after the "
+        "other, an upper bound of the side-by-side step's, which the profiler cannot follow into a second thread)",
         "proc RSS  the process's ru_maxrss, library imports included",
         "phases    generate: sampling; score: the reward; forward: no-grad passes, KL-shaped rewards, GAE; "
         "update: the epochs; other: the rest of the step (TRL: its gc.collect calls, logging)",

@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from rlhflab.openmp import apply_default_wait
     apply_default_wait()  # as the CLI: idle OpenMP threads poll briefly, then sleep
     import torch
+    from torch._C._profiler import _ExperimentalConfig
     from torch.profiler import ProfilerActivity, profile
 
     torch.set_num_threads(a.threads)
@@ -69,7 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     c0 = time.process_time()
     side.step()
     cpu = time.process_time() - c0
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    # every thread's operators: rlhflab's separate critic runs its pass in a second thread
+    # (model.critic_overlap)
+    with profile(activities=[ProfilerActivity.CPU],
+                 experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
         side.step()
     by_kind: dict[str, float] = defaultdict(float)
     ops = []
