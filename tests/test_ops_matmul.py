@@ -187,6 +187,31 @@ def test_fast_linears_keep_the_model_and_its_checkpoint(onednn, tiny_model_dir, 
         assert n1 == n2 and torch.equal(p1, p2)
 
 
+@needs_onednn
+def test_a_fast_linear_head_keeps_the_chunked_log_probs(onednn, tiny_model_dir, monkeypatch):
+    """The LM head switched to FastLinear is still a plain linear map: the log-probs take
+    the chunked op, never the (B, T, V) logits. (It once read as 'not nn.Linear', and every
+    run on oneDNN materialised the full logits: 1.16 GiB more at Qwen2.5-0.5B's vocabulary
+    in bench/real_scale.py's scoring pass.)"""
+    from rlhflab import ops
+    from rlhflab.models import actor_critic
+    from rlhflab.models.head import linear_lm_head
+    from rlhflab.models.load import load_model
+
+    model, _ = load_model(str(tiny_model_dir))
+    head = model.get_output_embeddings()
+    assert type(head) is cm.FastLinear
+    lin = linear_lm_head(model)
+    assert lin is not None and lin.weight is head.weight
+    calls = []
+    real = ops.chunked_logprobs
+    monkeypatch.setattr(ops, "chunked_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(actor_critic, "head_logits", lambda *a, **k: pytest.fail("full logits made"))
+    hidden = torch.randn(2, 3, head.in_features)
+    logprobs, _ = actor_critic.token_stats(hidden, head, torch.randint(0, head.out_features, (2, 3)), model=model)
+    assert calls == [1] and logprobs.shape == (2, 3)
+
+
 def test_no_switch_under_torch_mode(torchmm, tiny_model_dir):
     from rlhflab.models.load import load_model
 

@@ -14,6 +14,8 @@ from typing import NamedTuple, Optional
 
 from torch import Tensor, nn
 
+from rlhflab.models.cpu_matmul import is_linear
+
 # Config fields that change the logits after the linear head when set (to anything but 1).
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_logit_scale")
 
@@ -27,7 +29,7 @@ def linear_lm_head(model: nn.Module) -> LinearHead | None:
     """The head's (weight, bias) when the model's logits are exactly hidden @ W^T + b, else None."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    if type(head) is not nn.Linear:  # a peft LoRA layer on the head, or something else
+    if not is_linear(head):  # a peft LoRA layer on the head, or something else
         return None
     cfg = getattr(base, "config", None)
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
