@@ -234,3 +234,20 @@ def test_ppo_with_a_separate_critic_on_two_threads_runs_the_overlap(ppo_cfg, mon
     assert len(calls) == 16
     for r in rows:
         assert r["loss/value"] > 0 and math.isfinite(r["loss/total"]) and 0 <= r["params/value_clip_frac"] <= 1
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
+def test_a_forked_child_starts_its_own_worker(two_threads):
+    import multiprocessing
+
+    overlap.side_by_side(lambda: 0, lambda: 0)  # the parent's worker thread exists
+
+    def child(q):
+        q.put(overlap.side_by_side(lambda: 1, lambda: 2))
+
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    proc = ctx.Process(target=child, args=(q,))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0 and q.get(timeout=5) == (1, 2)

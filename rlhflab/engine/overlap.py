@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import os
 from typing import Callable, TypeVar
 
 import torch
@@ -47,16 +48,17 @@ from rlhflab.engine.minibatch import MiniBatch
 A = TypeVar("A")
 B = TypeVar("B")
 
-_worker: concurrent.futures.ThreadPoolExecutor | None = None
+_worker: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None  # (the process id, its pool)
 
 
 def _pool() -> concurrent.futures.ThreadPoolExecutor:
     """One worker thread for the process, started at the first use and kept (its OpenMP
-    team, if it has one, is then made once)."""
+    team, if it has one, is then made once). A forked child, which has no copy of the
+    thread, starts its own."""
     global _worker
-    if _worker is None:
-        _worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlhflab-critic")
-    return _worker
+    if _worker is None or _worker[0] != os.getpid():
+        _worker = (os.getpid(), concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlhflab-critic"))
+    return _worker[1]
 
 
 def draws_random(module: nn.Module) -> bool:
