@@ -78,8 +78,8 @@ class MinibatchStats:
     kl_seq_sum: float = 0.0  # Σ over rows of Σ_t KL_t (KL in the loss only): params/kl_to_ref
 
 
-# The fields of MinibatchStats that are fractions (means over response tokens); the rest are shares.
-FRACTIONS = ("policy_clip_frac", "value_clip_frac", "approx_kl", "clip_frac_low", "clip_frac_high")
+LOSS_KEYS = ("policy", "value", "entropy", "total", "kl", "ptx")
+FRACTION_KEYS = ("policy_clip_frac", "value_clip_frac", "approx_kl", "clip_frac_low", "clip_frac_high")
 
 
 def merge_stats(parts: list[tuple[MinibatchStats, float]]) -> MinibatchStats:
@@ -91,15 +91,11 @@ def merge_stats(parts: list[tuple[MinibatchStats, float]]) -> MinibatchStats:
     merged = {}
     for f in dataclasses.fields(MinibatchStats):
         values = [(getattr(st, f.name), n) for st, n in parts]
-        if f.name in FRACTIONS:
+        if f.name in FRACTION_KEYS:  # means over response tokens; the rest are shares
             merged[f.name] = sum(v * n for v, n in values) / tokens if tokens > 0 else 0.0
         else:
             merged[f.name] = sum(v for v, _ in values)
     return MinibatchStats(**merged)
-
-
-LOSS_KEYS = ("policy", "value", "entropy", "total", "kl", "ptx")
-FRACTION_KEYS = ("policy_clip_frac", "value_clip_frac", "approx_kl", "clip_frac_low", "clip_frac_high")
 
 
 def group_normalizer(loss_mask: Tensor, aggregation: str, max_new_tokens: int) -> float:
