@@ -6,6 +6,8 @@
 - `tiny_sft_rm_dir`: the SFT/RM/generate/reward-source/pipeline tests' tiny Llama (64
   hidden, 2 layers, 4 heads), built once per session in `<basetemp>/tiny-sft-rm`.
 - `tiny_lora_adapter_dir`: a LoRA adapter folder (adapter only) on that model.
+- `tiny_arch_dirs`: one tiny model per architecture of `rlhflab.models.tiny.ARCHS` (32
+  hidden, 2 layers, 4 heads), built once per session; tests only read them.
 - `ppo_cfg`: a factory for a `PPORunConfig` from `configs/ppo_debug.yaml` pointed at the
   two folders above, with small settings and extra dotted overrides.
 
@@ -62,6 +64,14 @@ def tiny_lora_adapter_dir(tiny_sft_rm_dir, tmp_path_factory) -> Path:
     out = save_lora_adapter(tiny_sft_rm_dir, tmp_path_factory.mktemp("adapter-only"), std=0.5)
     assert (out / "adapter_config.json").is_file() and not (out / "config.json").exists()
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_arch_dirs(tmp_path_factory) -> dict[str, Path]:
+    from rlhflab.models.tiny import ARCHS, make_tiny_model
+
+    base = tmp_path_factory.mktemp("archs")
+    return {a: make_tiny_model(base / a, hidden_size=32, num_layers=2, num_heads=4, arch=a) for a in ARCHS}
 
 
 def small_overrides(model_dir: Path, data_dir: Path, out_dir: Path) -> list[str]:

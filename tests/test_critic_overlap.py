@@ -12,14 +12,12 @@ import threading
 import pytest
 import torch
 from memory_helpers import tensor_peak_bytes
+from model_helpers import separate_critic_minibatch
 
-from rlhflab.data.prompts import load_prompts, step_prompts
 from rlhflab.engine import overlap
-from rlhflab.engine.minibatch import loss_mask_of, select
 from rlhflab.engine.update import MinibatchStats, PPOMath, critic_pass, merge_stats, minibatch_loss, update_group
 from rlhflab.trainers import ppo
-from rlhflab.trainers.common import make_optimizer, Timer
-from rlhflab.trainers.loop import build_run
+from rlhflab.trainers.common import make_optimizer
 
 
 @pytest.fixture
@@ -40,13 +38,7 @@ def critic_run(tmp_path_factory, tiny_model_dir, arith_dir):
 
     over = small_overrides(tiny_model_dir, arith_dir, tmp_path_factory.mktemp("run")) + [
         "model.critic=separate", "ppo.mini_batch_size=16", "ppo.vf_coeff=0.5", "ppo.kl_coeff=0.1"]
-    cfg = load_config(DEBUG_CONFIG, ppo.PPORunConfig, over)[0]
-    torch.manual_seed(0)
-    run = build_run(cfg, ppo.method(cfg))
-    examples = step_prompts(load_prompts(cfg.dataset, run.models.tokenizer, "train"), 16, cfg.training.seed, 1)
-    roll = ppo.collect_rollout(run, examples, Timer())
-    mb = select(roll, torch.arange(len(roll)), loss_mask_of(roll, False))
-    return cfg, run.models.actor, mb, float(mb.loss_mask.sum())
+    return separate_critic_minibatch(load_config(DEBUG_CONFIG, ppo.PPORunConfig, over)[0])
 
 
 def _grads_after_group(actor, mb, cfg, normalizer, on: bool):

@@ -8,13 +8,10 @@ import copy
 import pytest
 import torch
 from memory_helpers import tensor_peak_bytes
+from model_helpers import separate_critic_minibatch
 
-from rlhflab.data.prompts import load_prompts, step_prompts
-from rlhflab.engine.minibatch import loss_mask_of, select
 from rlhflab.engine.update import PPOMath, minibatch_loss, update_group
-from rlhflab.trainers import ppo
-from rlhflab.trainers.common import Timer, make_optimizer
-from rlhflab.trainers.loop import build_run
+from rlhflab.trainers.common import make_optimizer
 
 
 @pytest.fixture
@@ -22,14 +19,8 @@ def critic_setup(ppo_cfg):
     """A separate-critic PPO run, its rollout (advantages, returns, old values) and one
     16-row minibatch of it. The passes run one after the other (test_critic_overlap.py
     has them side by side)."""
-    cfg = ppo_cfg("model.critic=separate", "ppo.mini_batch_size=16", "ppo.vf_coeff=0.5", "ppo.kl_coeff=0.1",
-                  "model.critic_overlap=false")
-    torch.manual_seed(0)
-    run = build_run(cfg, ppo.method(cfg))
-    examples = step_prompts(load_prompts(cfg.dataset, run.models.tokenizer, "train"), 16, cfg.training.seed, 1)
-    roll = ppo.collect_rollout(run, examples, Timer())
-    mb = select(roll, torch.arange(len(roll)), loss_mask_of(roll, False))
-    return cfg, run.models.actor, mb, float(mb.loss_mask.sum())
+    return separate_critic_minibatch(ppo_cfg("model.critic=separate", "ppo.mini_batch_size=16", "ppo.vf_coeff=0.5",
+                                             "ppo.kl_coeff=0.1", "model.critic_overlap=false"))
 
 
 def _one_step(actor, mb, cfg, normalizer, math_):

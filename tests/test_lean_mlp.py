@@ -9,36 +9,23 @@ import copy
 import pytest
 import torch
 from memory_helpers import tensor_bytes
+from model_helpers import logits_and_grads
 from torch import nn
 
 from rlhflab.models.lean import GatedMLP, is_gated_mlp, lean_mlp
-from rlhflab.models.tiny import ARCHS, make_tiny_model
-
-
-@pytest.fixture(scope="module")
-def arch_dirs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("lean-archs")
-    return {a: make_tiny_model(base / a, hidden_size=32, num_layers=2, num_heads=4, arch=a) for a in ARCHS}
-
-
-def _loss_and_grads(model, ids):
-    model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, use_cache=False).logits
-    loss = out.float().square().mean()
-    loss.backward()
-    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+from rlhflab.models.tiny import ARCHS
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_same_output_and_gradients_as_the_models_own_mlp(arch, arch_dirs):
+def test_same_output_and_gradients_as_the_models_own_mlp(arch, tiny_arch_dirs):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(arch_dirs[arch], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_arch_dirs[arch], dtype=torch.float32)
     ids = torch.randint(3, 300, (3, 11))
-    out0, grads0 = _loss_and_grads(model, ids)
+    out0, grads0 = logits_and_grads(model, ids)
     assert lean_mlp(model) == 2                                     # one MLP per layer
-    out1, grads1 = _loss_and_grads(model, ids)
+    out1, grads1 = logits_and_grads(model, ids)
     assert torch.equal(out0, out1)                                  # the same operations in the same order
     assert grads0.keys() == grads1.keys()
     for name in grads0:
@@ -74,22 +61,22 @@ def test_keeps_two_of_the_four_intermediate_tensors():
     assert held["lean"] == 2 * chunk + 256 * 16 * 4, held                 # gate(x), up(x) and the output
 
 
-def test_lora_on_a_projection_keeps_the_models_own_forward(arch_dirs):
+def test_lora_on_a_projection_keeps_the_models_own_forward(tiny_arch_dirs):
     from transformers import AutoModelForCausalLM
 
     from rlhflab.models.load import add_lora
 
-    model = AutoModelForCausalLM.from_pretrained(arch_dirs["llama"], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_arch_dirs["llama"], dtype=torch.float32)
     model = add_lora(model, target_modules=["gate_proj", "q_proj"])
     assert lean_mlp(model) == 0
     assert not any(is_gated_mlp(m) for m in model.modules())
 
 
-def test_under_autocast_the_projections_run_in_bfloat16_and_grads_keep_the_weights_dtype(arch_dirs):
+def test_under_autocast_the_projections_run_in_bfloat16_and_grads_keep_the_weights_dtype(tiny_arch_dirs):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(arch_dirs["qwen2"], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_arch_dirs["qwen2"], dtype=torch.float32)
     ref = copy.deepcopy(model)
     lean_mlp(model)
     ids = torch.randint(3, 300, (2, 9))
@@ -104,10 +91,10 @@ def test_under_autocast_the_projections_run_in_bfloat16_and_grads_keep_the_weigh
         torch.testing.assert_close(grads["lean"][n], g, rtol=2e-2, atol=1e-4, msg=n)
 
 
-def test_a_deep_copy_keeps_its_own_lean_forward(arch_dirs):
+def test_a_deep_copy_keeps_its_own_lean_forward(tiny_arch_dirs):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(arch_dirs["mistral"], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_arch_dirs["mistral"], dtype=torch.float32)
     lean_mlp(model)
     twin = copy.deepcopy(model)
     mlp, twin_mlp = model.model.layers[0].mlp, twin.model.layers[0].mlp

@@ -7,41 +7,29 @@ from __future__ import annotations
 import pytest
 import torch
 from memory_helpers import tensor_bytes
+from model_helpers import logits_and_grads
 from torch import nn
 
 from rlhflab.models.lean import RMSNormFn, lean_norms, norm_form
-from rlhflab.models.tiny import ARCHS, make_tiny_model
-
-
-@pytest.fixture(scope="module")
-def arch_dirs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("lean-norm-archs")
-    return {a: make_tiny_model(base / a, hidden_size=32, num_layers=2, num_heads=4, arch=a) for a in ARCHS}
-
-
-def _out_and_grads(model, ids):
-    model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, use_cache=False).logits
-    out.float().square().mean().backward()
-    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+from rlhflab.models.tiny import ARCHS
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_same_output_and_gradients_as_the_models_own_norms(arch, arch_dirs):
+def test_same_output_and_gradients_as_the_models_own_norms(arch, tiny_arch_dirs):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(arch_dirs[arch], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_arch_dirs[arch], dtype=torch.float32)
     with torch.no_grad():  # weights away from their init (ones, or zeros in Gemma's 1 + w)
         for m in model.modules():
             if type(m).__name__.endswith("RMSNorm"):
                 m.weight.normal_(0.5 if arch == "gemma" else 1.0, 0.2)
     ids = torch.randint(3, 300, (3, 11))
-    out0, grads0 = _out_and_grads(model, ids)
+    out0, grads0 = logits_and_grads(model, ids)
     assert lean_norms(model) == 5                                   # two per layer and the final one
     want = "one_plus_weight" if arch == "gemma" else "weight"
     assert norm_form(model.model.norm) == want
-    out1, grads1 = _out_and_grads(model, ids)
+    out1, grads1 = logits_and_grads(model, ids)
     assert torch.equal(out0, out1)                                  # the same operations in the same order
     assert grads0.keys() == grads1.keys()
     for name in grads0:
@@ -68,10 +56,10 @@ def test_the_gradients_equal_autograds_of_the_formula_by_hand():
     torch.testing.assert_close(x.grad, torch.tensor([[-0.32 * r, 0.24 * r]], dtype=torch.float64))
 
 
-def test_keeps_one_row_tensor_instead_of_two(arch_dirs):
+def test_keeps_one_row_tensor_instead_of_two(tiny_arch_dirs):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(arch_dirs["llama"], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_arch_dirs["llama"], dtype=torch.float32)
     norm = model.model.norm                                         # H = 32
     x = torch.randn(256, 32, requires_grad=True)
     held = {}
@@ -102,7 +90,7 @@ def test_double_backward_for_fisher_vector_products():
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-def test_other_layers_and_dtypes_keep_the_models_own_forward(arch_dirs):
+def test_other_layers_and_dtypes_keep_the_models_own_forward(tiny_arch_dirs):
     from transformers import AutoModelForCausalLM
 
     assert norm_form(nn.LayerNorm(8)) is None                       # not an RMSNorm
@@ -116,12 +104,12 @@ def test_other_layers_and_dtypes_keep_the_models_own_forward(arch_dirs):
             return x / (x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt() * self.weight + 0.5
 
     assert norm_form(OffsetRMSNorm()) is None and lean_norms(OffsetRMSNorm()) == 0
-    model = AutoModelForCausalLM.from_pretrained(arch_dirs["qwen2"], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_arch_dirs["qwen2"], dtype=torch.float32)
     lean_norms(model)
     norm = model.model.norm
     x = torch.randn(2, 3, 32, dtype=torch.bfloat16)
     assert torch.equal(norm(x), type(norm).forward(norm, x))        # bfloat16 input: the model's own
-    bf16 = AutoModelForCausalLM.from_pretrained(arch_dirs["qwen2"], dtype=torch.bfloat16)
+    bf16 = AutoModelForCausalLM.from_pretrained(tiny_arch_dirs["qwen2"], dtype=torch.bfloat16)
     assert lean_norms(bf16) == 0                                    # bfloat16 weights: left as they are
 
 

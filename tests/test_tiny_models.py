@@ -14,21 +14,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rlhflab import cli
 from rlhflab.errors import UserError
 from rlhflab.models.load import check_dtype_runs, default_lora_targets, load_model
-from rlhflab.models.tiny import ARCHS, build_tokenizer, make_tiny_model
-
-
-@pytest.fixture(scope="module")
-def arch_dirs(tmp_path_factory):
-    """One tiny model per architecture (32 hidden, 2 layers, 4 heads)."""
-    base = tmp_path_factory.mktemp("archs")
-    return {a: make_tiny_model(base / a, hidden_size=32, num_layers=2, num_heads=4, arch=a) for a in ARCHS}
+from rlhflab.models.tiny import build_tokenizer, make_tiny_model
 
 
 # --------------------------------------------------------------------------------------
 # Architectures
 # --------------------------------------------------------------------------------------
-def test_each_architecture_has_its_real_features(arch_dirs):
-    models = {a: AutoModelForCausalLM.from_pretrained(d) for a, d in arch_dirs.items()}
+def test_each_architecture_has_its_real_features(tiny_arch_dirs):
+    models = {a: AutoModelForCausalLM.from_pretrained(d) for a, d in tiny_arch_dirs.items()}
     names = {a: type(m).__name__ for a, m in models.items()}
     assert names == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                      "mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM"}
@@ -153,8 +146,8 @@ def test_every_option_has_help_with_its_default(command, capsys):
 # --------------------------------------------------------------------------------------
 # LoRA targets and dtypes
 # --------------------------------------------------------------------------------------
-def test_every_architecture_has_known_lora_targets(arch_dirs):
-    for arch, folder in arch_dirs.items():
+def test_every_architecture_has_known_lora_targets(tiny_arch_dirs):
+    for arch, folder in tiny_arch_dirs.items():
         assert default_lora_targets(AutoModelForCausalLM.from_pretrained(folder)) == ["q_proj", "v_proj"], arch
 
 
@@ -194,12 +187,12 @@ def test_a_dtype_without_kernels_is_a_user_error(monkeypatch, tiny_model_dir):
                               "for 'Half'); use model.torch_dtype=float32")
 
 
-def test_saved_config_names_the_architecture(arch_dirs):
-    for arch, folder in arch_dirs.items():
+def test_saved_config_names_the_architecture(tiny_arch_dirs):
+    for arch, folder in tiny_arch_dirs.items():
         assert json.loads((folder / "config.json").read_text())["model_type"] == arch
 
 
-def test_linear_lm_head_only_when_logits_are_hidden_times_weight(arch_dirs):
+def test_linear_lm_head_only_when_logits_are_hidden_times_weight(tiny_arch_dirs):
     # The chunked log-prob path needs logits = hidden @ W^T + b exactly: true for the four
     # architectures, false for Gemma 2's soft-capped logits and for a LoRA-adapted head.
     from peft import LoraConfig, get_peft_model
@@ -207,7 +200,7 @@ def test_linear_lm_head_only_when_logits_are_hidden_times_weight(arch_dirs):
 
     from rlhflab.models.head import linear_lm_head
 
-    for arch, folder in arch_dirs.items():
+    for arch, folder in tiny_arch_dirs.items():
         model = AutoModelForCausalLM.from_pretrained(folder)
         head = linear_lm_head(model)
         assert head is not None and head.weight is model.get_output_embeddings().weight, arch
@@ -215,6 +208,6 @@ def test_linear_lm_head_only_when_logits_are_hidden_times_weight(arch_dirs):
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, head_dim=8, final_logit_softcapping=30.0))
     assert linear_lm_head(capped) is None
-    llama = AutoModelForCausalLM.from_pretrained(arch_dirs["llama"])
+    llama = AutoModelForCausalLM.from_pretrained(tiny_arch_dirs["llama"])
     adapted = get_peft_model(llama, LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))
     assert linear_lm_head(adapted) is None

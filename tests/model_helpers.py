@@ -1,0 +1,31 @@
+"""Pieces several test modules share: a model's logits with the gradients of a fixed loss,
+and one minibatch of a separate-critic PPO run."""
+
+from __future__ import annotations
+
+
+def logits_and_grads(model, ids):
+    """(logits, {name: gradient}) of mean(logits²) for `ids`, gradients cleared first."""
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, use_cache=False).logits
+    out.float().square().mean().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def separate_critic_minibatch(cfg):
+    """(cfg, the actor, one minibatch of all 16 rollout rows, its response-token count) of
+    a separate-critic PPO run built from `cfg` (seeded: the same each call)."""
+    import torch
+
+    from rlhflab.data.prompts import load_prompts, step_prompts
+    from rlhflab.engine.minibatch import loss_mask_of, select
+    from rlhflab.trainers import ppo
+    from rlhflab.trainers.common import Timer
+    from rlhflab.trainers.loop import build_run
+
+    torch.manual_seed(0)
+    run = build_run(cfg, ppo.method(cfg))
+    examples = step_prompts(load_prompts(cfg.dataset, run.models.tokenizer, "train"), 16, cfg.training.seed, 1)
+    roll = ppo.collect_rollout(run, examples, Timer())
+    mb = select(roll, torch.arange(len(roll)), loss_mask_of(roll, False))
+    return cfg, run.models.actor, mb, float(mb.loss_mask.sum())
