@@ -50,6 +50,9 @@ MODELS = {  # name -> make_tiny_model arguments
     "25M": dict(hidden_size=512, num_layers=6, num_heads=8, max_positions=512),
 }
 BACKENDS = ("hf", "vllm")
+# vllm as the trainers call it: also the sampler's log-prob of every token (rollout/logprob_gap,
+# TIS), which the hf backend does not compute. Measured at the headline cell only.
+WITH_LOGPROBS = "vllm+lp"
 HEADLINE = ("25M", 64, 128)  # model, response length, batch of the last line
 MAX_PROMPT = 64
 
@@ -130,7 +133,7 @@ class Side:
     """One model under both backends: the HF model and a VLLMEngine, in this process."""
 
     def __init__(self, name: str, max_batch: int, max_length: int, threads: int,
-                 dtype: str = "float32", engine_dtype: str | None = None):
+                 dtype: str = "float32", engine_dtype: str | None = None, enforce_eager: bool = False):
         import json
 
         from rlhflab.models.load import load_model
@@ -144,7 +147,7 @@ class Side:
         t0 = time.perf_counter()
         self.engine = VLLMEngine.create(str(self.folder), self.tok, dtype=engine_dtype or dtype,
                                         max_model_len=MAX_PROMPT + max_length, seed=0,
-                                        max_num_seqs=max_batch)
+                                        max_num_seqs=max_batch, enforce_eager=enforce_eager)
         self.startup = time.perf_counter() - t0
         self.threads = threads
         syncs = []
@@ -167,7 +170,7 @@ class Side:
         if backend == "hf":
             roll = generate(self.model, self.tok, prompts, batch_size=len(prompts), **kw)
         else:
-            roll = self.engine.generate(prompts, **kw)
+            roll = self.engine.generate(prompts, sample_logprobs=backend == WITH_LOGPROBS, **kw)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         assert int(roll.response_mask.sum()) == len(prompts) * length, "responses not full length"
         return wall, cpu
@@ -179,7 +182,7 @@ class Side:
 
 def measure(models: list[str], lengths: list[int], batches: list[int], repeats: int,
             threads: int, dtype: str = "float32", engine_dtype: str | None = None,
-            say=print) -> tuple[list[Cell], dict]:
+            enforce_eager: bool = False, say=print) -> tuple[list[Cell], dict]:
     import torch
 
     torch.manual_seed(0)
@@ -190,19 +193,23 @@ def measure(models: list[str], lengths: list[int], batches: list[int], repeats: 
     prompts_all = [_common.format_bench_prompt(r["question"]) for r in rows]
     cells, info = [], {}
     for name in models:
-        side = Side(name, max(batches), max(lengths), threads, dtype, engine_dtype)
+        side = Side(name, max(batches), max(lengths), threads, dtype, engine_dtype, enforce_eager)
         info[name] = {"params": side.params, "startup": side.startup, "sync": side.sync}
         say(f"{name}: {side.params / 1e6:.2f}M parameters, vllm engine started in {side.startup:.1f} s, "
             f"weight sync {1000 * side.sync:.0f} ms")
         for length in lengths:
             for batch in batches:
                 cell = Cell(name, length, batch)
+                backends = BACKENDS
+                if (name, length, batch) == HEADLINE:
+                    backends += (WITH_LOGPROBS,)
+                    cell.seconds[WITH_LOGPROBS], cell.cpu[WITH_LOGPROBS] = [], []
                 for r in range(repeats + 1):  # round 0 warms up
                     prompts = prompts_all[r * batch:(r + 1) * batch]  # both backends: the same
                     if r > 0:  # the mean over the measured rounds (their prompts differ in length)
                         cell.flops += model_flops(side.config, side.params, side.prompt_lens(prompts),
                                                   length) / repeats
-                    order = BACKENDS if r % 2 == 0 else BACKENDS[::-1]
+                    order = backends if r % 2 == 0 else backends[::-1]
                     for backend in order:
                         wall, cpu = side.run(backend, prompts, length)
                         if r > 0:
@@ -250,10 +257,10 @@ def report(cells: list[Cell], info: dict, peak: Peak, threads: int) -> str:
              f"{'model':<6}{'params':>8}{'L':>5}{'B':>5}  {'backend':<7}{'s/call':>8}{'noise':>7}"
              f"{'cpu s':>8}{'tok/s':>8}{'tok/cpu-s':>10}{'MFU':>7}{'MFU/cpu':>8}{'vllm/hf':>8}{'on cpu':>7}"]
     for c in cells:
-        for b in BACKENDS:
+        for b in c.seconds:
             s, cpu = _common.median(c.seconds[b]), _common.median(c.cpu[b])
-            ratio = (f"{c.tok_s('vllm') / c.tok_s('hf'):8.2f}{c.tok_cpu_s('vllm') / c.tok_cpu_s('hf'):7.2f}"
-                     if b == "vllm" else "")
+            ratio = (f"{c.tok_s(b) / c.tok_s('hf'):8.2f}{c.tok_cpu_s(b) / c.tok_cpu_s('hf'):7.2f}"
+                     if b != "hf" else "")
             lines.append(f"{c.model:<6}{info[c.model]['params'] / 1e6:>7.1f}M{c.length:>5}{c.batch:>5}  "
                          f"{b:<7}{s:8.3f}{100 * _common.spread(c.seconds[b]):6.0f}%{cpu:8.3f}"
                          f"{c.tok_s(b):8.0f}{c.tok_cpu_s(b):10.0f}{100 * c.flops / s / peak.wall:6.1f}%"
@@ -269,8 +276,10 @@ def targets(cells: list[Cell], peak: Peak) -> str:
     c = match[0]
     mfu = c.flops / _common.median(c.seconds["vllm"]) / peak.wall
     mfu_cpu = c.flops / _common.median(c.cpu["vllm"]) / peak.per_cpu
+    lp = (f"; with the sampler's log-probs (as the trainers ask) {c.tok_s(WITH_LOGPROBS) / c.tok_s('hf'):.2f}"
+          if c.seconds.get(WITH_LOGPROBS) else "")
     return (f"targets: ratio >= 1.50: {c.tok_s('vllm') / c.tok_s('hf'):.2f} "
-            f"(on CPU seconds {c.tok_cpu_s('vllm') / c.tok_cpu_s('hf'):.2f}); "
+            f"(on CPU seconds {c.tok_cpu_s('vllm') / c.tok_cpu_s('hf'):.2f}{lp}); "
             f"vllm MFU at 25M >= 40%: {100 * mfu:.1f}% (per CPU-second {100 * mfu_cpu:.1f}%)")
 
 
@@ -295,16 +304,21 @@ def main(argv: list[str] | None = None) -> int:
                     help="the vllm engine's dtype when it differs from --dtype")
     ap.add_argument("--peak-sizes", nargs="+", type=int, default=[2048, 4096],
                     help="square float32 matmuls that measure the peak")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="the vllm engine without torch.compile (generation.enforce_eager=true); default: compiled")
     ap.add_argument("--ppo", action="store_true", help="also PPO episodes/s end to end with each backend")
     args = ap.parse_args(argv)
     from rlhflab.openmp import apply_default_wait
+    from rlhflab.rollout.vllm import CPU_BLOCK_SIZE
     apply_default_wait()  # as the CLI: idle OpenMP threads poll briefly, then sleep
 
     peak = matmul_peak(args.threads, tuple(args.peak_sizes))
     cells, info = measure(args.models, args.lengths, args.batches, args.repeats, args.threads,
-                          args.dtype, args.engine_dtype)
+                          args.dtype, args.engine_dtype, args.enforce_eager)
     if args.dtype != "float32" or args.engine_dtype:
         print(f"dtype: hf {args.dtype}, vllm {args.engine_dtype or args.dtype} (MFU is against the float32 peak)")
+    print(f"vllm engine: {'eager (enforce_eager)' if args.enforce_eager else 'compiled (torch.compile, vLLM default)'}, "
+          f"KV blocks of {CPU_BLOCK_SIZE} tokens on CPU")
     print()
     print(report(cells, info, peak, args.threads))
     print(targets(cells, peak))

@@ -215,8 +215,9 @@ def run(args: argparse.Namespace) -> int:
         engine = engine_for_folder(args.model, tok, prompts, max_new_tokens=args.max_new_tokens,
                                    max_num_seqs=min(args.batch_size, len(prompts)), seed=args.seed,
                                    kv_cache_gb=args.kv_cache_gb, gpu_memory_utilization=args.gpu_memory_utilization,
-                                   options=CLI_OPTIONS)
-        roll = engine.generate(prompts, examples=[e.row for e in examples], seed=args.seed, **sampling)
+                                   enforce_eager=args.enforce_eager, options=CLI_OPTIONS)
+        roll = engine.generate(prompts, examples=[e.row for e in examples], seed=args.seed,
+                               sample_logprobs=False, **sampling)
     else:
         model, tok = load_model(args.model, device=args.device)
         examples = load_prompts(ds, tok, split="eval")

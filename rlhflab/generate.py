@@ -86,7 +86,8 @@ def format_for(tokenizer, prompt: str, template: str, chat: bool) -> str:
 def compare(models: list[str], prompts: list[str], *, template: str = "{prompt}", chat: bool = False,
             max_new_tokens: int = 64, sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
             device: str = "cpu", batch_size: int = 16, seed: int = 0, backend: str = "hf",
-            kv_cache_gb: float | None = None, gpu_memory_utilization: float = 0.9) -> list[dict]:
+            kv_cache_gb: float | None = None, gpu_memory_utilization: float = 0.9,
+            enforce_eager: bool = False) -> list[dict]:
     """One row per prompt: {"prompt", "responses": {model: response}}.
 
     backend: "hf" loads each model and calls `generate`; "vllm" starts a vLLM engine on
@@ -107,10 +108,11 @@ def compare(models: list[str], prompts: list[str], *, template: str = "{prompt}"
             texts = [format_for(tok, p, template, chat) for p in prompts]
             engine = engine_for_folder(name, tok, texts, max_new_tokens=max_new_tokens,
                                        max_num_seqs=min(batch_size, len(texts)), seed=seed, kv_cache_gb=kv_cache_gb,
-                                       gpu_memory_utilization=gpu_memory_utilization, options=CLI_OPTIONS)
+                                       gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+                                       options=CLI_OPTIONS)
             try:
                 roll = engine.generate(texts, max_new_tokens=max_new_tokens, greedy=not sample,
-                                       temperature=temperature, top_p=top_p, seed=seed)
+                                       temperature=temperature, top_p=top_p, seed=seed, sample_logprobs=False)
             finally:
                 engine.close()
         else:
@@ -154,12 +156,17 @@ def add_backend_options(parser: argparse.ArgumentParser) -> None:
                              "on GPU, from --gpu-memory-utilization)")
     parser.add_argument("--gpu-memory-utilization", type=number(0.0, 1.0, lo_open=True), default=0.9,
                         help="vllm on GPU: fraction of GPU memory the engine may take (default: %(default)s)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="vllm: run the model without torch.compile, as vLLM's own --enforce-eager: a "
+                             "faster start for a few prompts, slower generation for many")
 
 
 def check_backend_options(args: argparse.Namespace) -> None:
     """A vLLM-only setting given with --backend hf is a mistake, not something to ignore."""
     if args.backend == "hf" and args.kv_cache_gb is not None:
         raise UserError("--kv-cache-gb applies only to --backend vllm; remove it or add --backend vllm")
+    if args.backend == "hf" and args.enforce_eager:
+        raise UserError("--enforce-eager applies only to --backend vllm; remove it or add --backend vllm")
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
@@ -202,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
     rows = compare(args.model, prompts, template=template, chat=args.chat, max_new_tokens=args.max_new_tokens,
                    sample=args.sample, temperature=args.temperature, top_p=args.top_p,
                    device=str(resolve_device(args.device)), seed=args.seed, backend=args.backend,
-                   kv_cache_gb=args.kv_cache_gb, gpu_memory_utilization=args.gpu_memory_utilization)
+                   kv_cache_gb=args.kv_cache_gb, gpu_memory_utilization=args.gpu_memory_utilization,
+                   enforce_eager=args.enforce_eager)
     print(render(rows))
     if args.out:
         out = Path(args.out)

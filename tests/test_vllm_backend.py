@@ -99,6 +99,14 @@ def engine(engine_and_state, hf):
     engine.sync_weights(hf[0])
 
 
+def compiled_and_block(engine) -> tuple[bool, int]:
+    """Whether vLLM runs the engine's model through torch.compile, and its KV block size."""
+    from vllm.config import CompilationMode
+
+    config = engine.llm.llm_engine.vllm_config
+    return config.compilation_config.mode != CompilationMode.NONE, config.cache_config.block_size
+
+
 def agreement(a, b) -> float:
     """Fraction of rows whose real response tokens are identical."""
     same = [torch.equal(x[m.bool()], y[n.bool()]) for x, m, y, n in
@@ -169,6 +177,30 @@ def test_sample_logprobs_are_the_trainers_logprobs_at_the_temperature(engine, hf
     print(f"mean |old_logprobs - sample_logprobs| = {gap:.2e}")
     assert gap < 1e-4
     torch.testing.assert_close(roll.sample_logprobs, old, rtol=0, atol=1e-3)
+
+
+@engine_test
+def test_the_module_engine_is_the_default_one_compiled_with_64_token_blocks(engine):
+    """The parity, log-prob and sync tests of this module run on the engine a trainer gets by
+    default: its model compiled (generation.enforce_eager=false) and, on CPU, KV blocks of 64."""
+    from rlhflab.rollout.vllm import CPU_BLOCK_SIZE
+
+    assert compiled_and_block(engine) == (True, CPU_BLOCK_SIZE) == (True, 64)
+
+
+@engine_test
+def test_without_sample_logprobs_the_same_seed_draws_the_same_tokens(engine, prompts):
+    """sample_logprobs=False (the commands that only want text) changes what vLLM reports,
+    not what it draws: the same seeded samples, and no sampler log-probs, as the hf backend."""
+    kw = dict(n=1, max_new_tokens=16, temperature=1.0, seed=7)
+    with_lp = engine.generate(prompts[:16], **kw)
+    without = engine.generate(prompts[:16], sample_logprobs=False, **kw)
+    assert with_lp.sample_logprobs is not None and without.sample_logprobs is None
+    assert torch.equal(with_lp.response_ids, without.response_ids)
+    assert torch.equal(with_lp.response_mask, without.response_mask)
+    # the seed matters (else the equality above would say nothing)
+    other = engine.generate(prompts[:16], sample_logprobs=False, **{**kw, "seed": 8})
+    assert not torch.equal(other.response_ids, without.response_ids)
 
 
 @engine_test
@@ -251,7 +283,7 @@ def test_make_backend_vllm_pushes_after_sync_interval_updates(sft_dir, prompts):
     from rlhflab.rollout import make_backend
 
     policy, tok = load_model(str(sft_dir))
-    gen = GenerationConfig(max_new_tokens=16, backend="vllm", sync_interval=2)
+    gen = GenerationConfig(max_new_tokens=16, backend="vllm", sync_interval=2, enforce_eager=True)
     backend = make_backend(gen, policy, tok, max_prompt_length=64, batch_size=64, seed=0)
     roll = backend.generate(prompts[:4], n=3, examples=[{}] * 4)
     assert len(roll) == 12 and roll.group_size == 3 and roll.sample_logprobs is not None
@@ -279,8 +311,9 @@ def test_a_trainer_that_never_calls_sync_still_samples_the_current_policy(sft_di
     from rlhflab.rollout import make_backend
 
     policy, tok = load_model(str(sft_dir))
-    backend = make_backend(GenerationConfig(max_new_tokens=16, backend="vllm"), policy, tok,
+    backend = make_backend(GenerationConfig(max_new_tokens=16, backend="vllm", enforce_eager=True), policy, tok,
                            max_prompt_length=64, batch_size=64)
+    assert compiled_and_block(backend.engine) == (False, 64)  # generation.enforce_eager reaches vLLM
     backend.generate(prompts[:2])             # right after the start: nothing to push
     assert backend.pushes == 0
     torch.manual_seed(1)
@@ -436,7 +469,7 @@ def test_ppo_with_the_vllm_backend_learns_the_task(tmp_path_factory, tmp_path):
     make_tiny_model(base, hidden_size=128, num_layers=2, num_heads=4, vocab_size=512)
     supervised_warm_start(base, task / "sft.jsonl", warm)
     cfg = debug_config(PPORunConfig, "ppo_debug.yaml", warm, task, tmp_path / "run", "generation.backend=vllm",
-                       "generation.max_new_tokens=16", "training.total_steps=15", "training.eval_interval=15",
+                       "generation.enforce_eager=true", "generation.max_new_tokens=16", "training.total_steps=15", "training.eval_interval=15",
                        "training.save_interval=0", "dataset.num_eval_samples=100", "ppo.rollout_samples=32",
                        "ppo.batch_size=32", "ppo.mini_batch_size=16", "ppo.epochs=2", "ppo.learning_rate=1e-4")
     res = train(cfg, quiet=True)

@@ -74,7 +74,7 @@ def test_eval_greedy_with_vllm_equals_hf(sft_dir, task, tmp_path, capsys):  # no
 @engine_test
 def test_eval_sampled_with_vllm_is_reproducible_by_seed(sft_dir, task, tmp_path, capsys):  # noqa: F811
     base = ["eval", "--model", str(sft_dir), "--data", str(task["test"]), "--template", TEMPLATE,
-            "--max-new-tokens", "24", "--limit", "32", "--backend", "vllm"]
+            "--max-new-tokens", "24", "--limit", "32", "--backend", "vllm", "--enforce-eager"]
 
     def responses(name: str, *extra: str) -> list[str]:
         assert main([*base, *extra, "--samples", str(tmp_path / f"{name}.jsonl")]) == 0
@@ -104,7 +104,7 @@ def test_generate_with_vllm_prints_the_greedy_text_of_hf_for_a_model_and_an_adap
             "--limit", "16", "--max-new-tokens", "24", "--device", "cpu"]
     assert main([*args, "--out", str(tmp_path / "hf.jsonl")]) == 0
     hf_text = capsys.readouterr().out
-    assert main([*args, "--out", str(tmp_path / "vllm.jsonl"), "--backend", "vllm"]) == 0
+    assert main([*args, "--out", str(tmp_path / "vllm.jsonl"), "--backend", "vllm", "--enforce-eager"]) == 0
     vllm_text = capsys.readouterr().out
     hf, vl = rows_of(tmp_path / "hf.jsonl"), rows_of(tmp_path / "vllm.jsonl")
 
@@ -134,10 +134,11 @@ def test_label_generate_with_vllm_stores_n_distinct_responses_as_hf_does(tiny_mo
     dbs = {}
     for name, backend, batch in (("hf", "hf", 2), ("vllm", "vllm", 2), ("vllm-one-batch", "vllm", 5)):
         dbs[name] = tmp_path / f"{name}.db"
+        eager = ["generation.enforce_eager=true"] if backend == "vllm" else []  # a faster start
         # 5 prompts in batches of 2 (three calls) or in one; temperature 1 on an untrained model
         assert main(["label", "generate", "--model", str(tiny_model_dir), "--prompts", str(prompts),
                      "--n", "4", "--out", str(dbs[name]), "--backend", backend, f"batch_size={batch}",
-                     "generation.max_new_tokens=12"]) == 0
+                     "generation.max_new_tokens=12", *eager]) == 0
         assert f"{dbs[name]}: " in capsys.readouterr().out
 
     def content(db: Path) -> dict:
@@ -186,6 +187,9 @@ def test_vllm_settings_with_the_hf_backend_and_a_context_too_long_are_user_error
     base = ["eval", "--model", str(tiny_model_dir), "--data", str(data)]
     assert main([*base, "--kv-cache-gb", "1"]) == 2
     assert capsys.readouterr().err == ("error: --kv-cache-gb applies only to --backend vllm; remove it or add "
+                                       "--backend vllm\n")
+    assert main([*base, "--enforce-eager"]) == 2
+    assert capsys.readouterr().err == ("error: --enforce-eager applies only to --backend vllm; remove it or add "
                                        "--backend vllm\n")
     # The tiny model's context is 256 tokens; refused before vLLM is even imported.
     assert main([*base, "--backend", "vllm", "--max-new-tokens", "300"]) == 2

