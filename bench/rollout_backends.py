@@ -31,7 +31,11 @@ How it measures (bench/README.md says why):
   wall seconds and the peak of `--threads` threads in wall time; `MFU/cpu` is over CPU
   seconds and the peak per CPU-second of one thread, which other jobs cannot lower.
 - The vllm engine (rlhflab.rollout.vllm.VLLMEngine) lives in this process, as in
-  training; its start-up is printed, not counted.
+  training, built as a run builds it (compiled unless --enforce-eager; KV blocks of 64
+  tokens on CPU); its start-up is printed, not counted.
+- Like for like, the vllm side asks for tokens only: the hf backend computes no sampler
+  log-probs. At the headline cell a third row, `vllm+lp`, also asks for them, as the
+  trainers do (rollout/logprob_gap, TIS).
 """
 
 from __future__ import annotations
