@@ -51,12 +51,15 @@ def test_a_small_run_prints_the_table_and_the_last_line(bench, tmp_path, monkeyp
     monkeypatch.setitem(bench.MODELS, "tiny", dict(hidden_size=64, num_layers=2, num_heads=2, max_positions=128))
     monkeypatch.setattr(bench, "HEADLINE", ("tiny", 8, 4))
     assert bench.main(["--models", "tiny", "--lengths", "8", "--batches", "4", "--repeats", "1",
-                       "--threads", "1", "--peak-sizes", "256"]) == 0
+                       "--threads", "1", "--peak-sizes", "256", "--enforce-eager"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     m = FINAL.match(out[-1])
     assert m, out[-1]
     hf, vllm, ratio = (float(m.group(i)) for i in (1, 2, 3))
     assert hf > 0 and vllm > 0 and math.isclose(ratio, vllm / hf, rel_tol=0.02)
     rows = [line for line in out if line.startswith("tiny ")]
-    assert [r.split()[4] for r in rows] == ["hf", "vllm"]  # both backends measured, each once
-    assert any(line.startswith("targets: ratio >= 1.50") for line in out)
+    # both backends measured, each once, and at the headline cell vllm also with the sampler's log-probs
+    assert [r.split()[4] for r in rows] == ["hf", "vllm", "vllm+lp"]
+    (targets,) = [line for line in out if line.startswith("targets: ratio >= 1.50")]
+    assert "with the sampler's log-probs (as the trainers ask)" in targets
+    assert any(line.startswith("vllm engine: eager (enforce_eager), KV blocks of 64") for line in out)
