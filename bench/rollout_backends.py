@@ -321,8 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                           args.dtype, args.engine_dtype, args.enforce_eager)
     if args.dtype != "float32" or args.engine_dtype:
         print(f"dtype: hf {args.dtype}, vllm {args.engine_dtype or args.dtype} (MFU is against the float32 peak)")
-    print(f"vllm engine: {'eager (enforce_eager)' if args.enforce_eager else 'compiled (torch.compile, vLLM default)'}, "
-          f"KV blocks of {CPU_BLOCK_SIZE} tokens on CPU")
+    mode = "eager (enforce_eager)" if args.enforce_eager else "compiled (torch.compile, vLLM default)"
+    print(f"vllm engine: {mode}, KV blocks of {CPU_BLOCK_SIZE} tokens on CPU")
     print()
     print(report(cells, info, peak, args.threads))
     print(targets(cells, peak))

@@ -469,9 +469,9 @@ def test_ppo_with_the_vllm_backend_learns_the_task(tmp_path_factory, tmp_path):
     make_tiny_model(base, hidden_size=128, num_layers=2, num_heads=4, vocab_size=512)
     supervised_warm_start(base, task / "sft.jsonl", warm)
     cfg = debug_config(PPORunConfig, "ppo_debug.yaml", warm, task, tmp_path / "run", "generation.backend=vllm",
-                       "generation.enforce_eager=true", "generation.max_new_tokens=16", "training.total_steps=15", "training.eval_interval=15",
-                       "training.save_interval=0", "dataset.num_eval_samples=100", "ppo.rollout_samples=32",
-                       "ppo.batch_size=32", "ppo.mini_batch_size=16", "ppo.epochs=2", "ppo.learning_rate=1e-4")
+                       "generation.enforce_eager=true", "generation.max_new_tokens=16", "training.total_steps=15",
+                       "training.eval_interval=15", "training.save_interval=0", "dataset.num_eval_samples=100",
+                       "ppo.rollout_samples=32", "ppo.batch_size=32", "ppo.mini_batch_size=16", "ppo.epochs=2", "ppo.learning_rate=1e-4")
     res = train(cfg, quiet=True)
     before, after = res.eval_before["eval/accuracy"], res.eval_after["eval/accuracy"]
     assert after >= before + 0.15, (before, after)
