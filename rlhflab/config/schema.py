@@ -135,7 +135,7 @@ class GenerationConfig:
                                            "batch at full length on CPU, from gpu_memory_utilization on GPU", gt=0)
     enforce_eager: bool = f(False, "vllm: run the engine's model without torch.compile: a faster start (25M "
                                    "bench model on CPU: 3.6 s, against 13 s compiled, 27 s the first time) for "
-                                   "4-9% slower rollouts; false compiles it, as vLLM does by default")
+                                   "4-11% slower rollouts; false compiles it, as vLLM does by default")
 
     def check(self) -> list[str]:
         errs = []

@@ -280,7 +280,7 @@ class VLLMEngine:
             False (vLLM's default): compiled at start-up (on CPU by inductor; on GPU
             also CUDA graphs). On the 25M bench model the start takes 26-28 s instead of
             3.6 s (13 s once vLLM's compile cache in ~/.cache/vllm holds the graph), for
-            4-9% less time per rollout.
+            4-11% less time per rollout.
         """
         vllm = import_vllm()
         from vllm.platforms import current_platform
