@@ -234,6 +234,16 @@ def _plain_tensor(t: Tensor) -> bool:
     return type(t) in (Tensor, nn.Parameter)
 
 
+def make_lean(model: nn.Module, model_cfg) -> None:
+    """The lean layers a model section asks for (`model.lean_mlp`, `model.lean_norm`) on a
+    model about to be trained. Call after LoRA is attached: an adapted projection keeps
+    the model's own MLP."""
+    if model_cfg.lean_mlp:
+        lean_mlp(model)
+    if model_cfg.lean_norm:
+        lean_norms(model)
+
+
 def lean_norms(model: nn.Module) -> int:
     """Switch every RMSNorm of `model` that `norm_form` recognises to `RMSNormFn` (an
     instance `forward`; parameters and names stay); returns how many were switched."""

@@ -34,7 +34,7 @@ from torch import nn
 
 from rlhflab.models.actor_critic import (ActorCritic, Critic, PolicyOnly, Reference, ValueHead, hidden_size_of,
                                          load_value_head)
-from rlhflab.models.lean import lean_mlp, lean_norms
+from rlhflab.models.lean import make_lean
 from rlhflab.models.load import add_lora, disable_dropout, load_adapter, load_model, resolve_device
 from rlhflab.models.precision import check_mixed_precision
 
@@ -83,10 +83,7 @@ def build_models(model_cfg, lora_cfg, device: str, *, need_reference: bool,
         if need_reference:
             reference = Reference.lora_disabled(policy)
     disable_dropout(policy)
-    if model_cfg.lean_mlp:  # after LoRA: an adapted projection keeps the model's own MLP
-        lean_mlp(policy)
-    if model_cfg.lean_norm:
-        lean_norms(policy)
+    make_lean(policy, model_cfg)  # after LoRA
     if model_cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
     if critic is None:
@@ -96,10 +93,7 @@ def build_models(model_cfg, lora_cfg, device: str, *, need_reference: bool,
             model_cfg.critic_name_or_path or model_cfg.name_or_path)
         base = load_model(src, **load_kw)[0]
         disable_dropout(base)
-        if model_cfg.lean_mlp:
-            lean_mlp(base)
-        if model_cfg.lean_norm:
-            lean_norms(base)
+        make_lean(base, model_cfg)
         head = ValueHead(hidden_size_of(base)).to(dev)
         if resume_dir is not None:
             load_value_head(head, resume_dir / "critic")

@@ -52,7 +52,7 @@ from rlhflab.errors import UserError
 from rlhflab.metrics import MetricsLogger
 from rlhflab.models.cpu_matmul import use_fast_linears
 from rlhflab.models.load import default_lora_targets, disable_dropout, load_tokenizer, resolve_device, resolve_dtype
-from rlhflab.models.lean import lean_mlp, lean_norms
+from rlhflab.models.lean import make_lean
 from rlhflab.models.precision import autocast, check_mixed_precision
 from rlhflab.models.setup import map_large_allocations
 from rlhflab.rewards.model import META_FILE, RMMeta, encode, score_head, sequence_scores
@@ -264,10 +264,7 @@ def build_reward_model(cfg: RMRunConfig, device: torch.device):
         lcfg = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                           target_modules=targets, task_type="SEQ_CLS", modules_to_save=[head_name], bias="none")
         model = get_peft_model(model, lcfg)
-    if m.lean_mlp:
-        lean_mlp(model)
-    if m.lean_norm:
-        lean_norms(model)
+    make_lean(model, m)
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         if cfg.lora.enabled:

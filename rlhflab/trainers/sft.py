@@ -56,7 +56,7 @@ from rlhflab.models.actor_critic import decoder_and_head
 from rlhflab.models.checkpoint import atomic_folder, prune_checkpoints, save_policy, state_part
 from rlhflab.models.head import linear_lm_head
 from rlhflab.models.load import add_lora, load_model, resolve_device
-from rlhflab.models.lean import lean_mlp, lean_norms
+from rlhflab.models.lean import make_lean
 from rlhflab.models.precision import autocast, check_mixed_precision
 from rlhflab.models.setup import map_large_allocations
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, check_output_dir, choose_cpu_matmul,
@@ -357,10 +357,7 @@ def build_model(cfg: SFTRunConfig, device: torch.device):
                             trust_remote_code=m.trust_remote_code, tokenizer=m.tokenizer)
     if cfg.lora.enabled:
         model = add_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
-    if m.lean_mlp:
-        lean_mlp(model)
-    if m.lean_norm:
-        lean_norms(model)
+    make_lean(model, m)
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         if cfg.lora.enabled:
