@@ -1,5 +1,6 @@
 """Pieces several test modules share: a model's logits with the gradients of a fixed loss,
-and one minibatch of a separate-critic PPO run."""
+what a layer's forward keeps for backward before and after a lean switch, and one
+minibatch of a separate-critic PPO run."""
 
 from __future__ import annotations
 
@@ -10,6 +11,20 @@ def logits_and_grads(model, ids):
     out = model(input_ids=ids, use_cache=False).logits
     out.float().square().mean().backward()
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def held_own_and_lean(module, x, switch) -> dict[str, int]:
+    """{"own", "lean"}: the bytes a forward of `module` on `x` leaves for backward, as it is
+    and after `switch(module)` (a `models.lean` switch, which must switch exactly one layer)."""
+    from memory_helpers import tensor_bytes
+
+    held = {}
+    for name in ("own", "lean"):
+        if name == "lean":
+            assert switch(module) == 1
+        keep = []
+        held[name] = tensor_bytes(lambda: keep.append(module(x)))[1]
+    return held
 
 
 def separate_critic_minibatch(cfg):

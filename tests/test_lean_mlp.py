@@ -8,8 +8,7 @@ import copy
 
 import pytest
 import torch
-from memory_helpers import tensor_bytes
-from model_helpers import logits_and_grads
+from model_helpers import held_own_and_lean, logits_and_grads
 from torch import nn
 
 from rlhflab.models.lean import GatedMLP, is_gated_mlp, lean_mlp
@@ -49,13 +48,7 @@ def test_keeps_two_of_the_four_intermediate_tensors():
     mlp.gate_proj, mlp.up_proj = nn.Linear(16, 512, bias=False), nn.Linear(16, 512, bias=False)
     mlp.down_proj, mlp.act_fn = nn.Linear(512, 16, bias=False), nn.SiLU()
     mlp.forward = lambda x: mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
-    x = torch.randn(256, 16, requires_grad=True)
-    held = {}
-    for name in ("own", "lean"):
-        if name == "lean":
-            assert lean_mlp(mlp) == 1
-        keep = []
-        held[name] = tensor_bytes(lambda: keep.append(mlp(x)))[1]  # what the forward leaves for backward
+    held = held_own_and_lean(mlp, torch.randn(256, 16, requires_grad=True), lean_mlp)
     chunk = 256 * 512 * 4
     assert held["own"] - held["lean"] == 2 * chunk, held
     assert held["lean"] == 2 * chunk + 256 * 16 * 4, held                 # gate(x), up(x) and the output

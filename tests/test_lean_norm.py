@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from memory_helpers import tensor_bytes
-from model_helpers import logits_and_grads
+from model_helpers import held_own_and_lean, logits_and_grads
 from torch import nn
 
 from rlhflab.models.lean import RMSNormFn, lean_norms, norm_form
@@ -61,13 +60,7 @@ def test_keeps_one_row_tensor_instead_of_two(tiny_arch_dirs):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_arch_dirs["llama"], dtype=torch.float32)
     norm = model.model.norm                                         # H = 32
-    x = torch.randn(256, 32, requires_grad=True)
-    held = {}
-    for name in ("own", "lean"):
-        if name == "lean":
-            assert lean_norms(norm) == 1
-        keep = []
-        held[name] = tensor_bytes(lambda: keep.append(norm(x)))[1]  # what the forward leaves for backward
+    held = held_own_and_lean(norm, torch.randn(256, 32, requires_grad=True), lean_norms)
     row = 256 * 32 * 4
     # own: x r, the output and r (N, 1) (x itself is the caller's); lean: the output and r
     assert held["own"] - held["lean"] == row, held
