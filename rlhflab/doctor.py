@@ -60,6 +60,7 @@ DPO_ACCURACY = "rewards/accuracies"
 DPO_MARGIN = "rewards/margins"    # mean of beta * (log-ratio of chosen - log-ratio of rejected)
 DPO_CHOSEN = "logps/chosen"       # the policy's sequence log-probs, batch means
 DPO_REJECTED = "logps/rejected"
+LOGPROB_GAP = "rollout/logprob_gap"  # vLLM: mean |trainer - sampler| log-prob per response token
 
 
 
@@ -115,6 +116,17 @@ class DoctorConfig:
     # starts to game it. 0.15 stays above the noise of a 200-prompt accuracy near 0.9.
     hack_check_drop: float = 0.15
     hack_reward_rise: float = 0.02
+    # logprob_gap (generation.backend=vllm): the sampler's log-probs drifting from the
+    # trainer's. The baseline is the median of the first `gap_baseline_steps` logged gaps;
+    # a later gap above both `gap_factor` x baseline and baseline + `gap_floor` (nats per
+    # token) fires (`sync_gap_limit`). The same defaults as the training-time canary
+    # (generation.sync_check_factor, generation.sync_check_floor): a float32 run's gap of
+    # 3e-7 may triple without meaning anything, a bfloat16 one of ~0.02 moves by tens of
+    # percent, and a weight push that went wrong shows as 0.1 and more (TRL #5312: 0.015 ->
+    # 0.201). With generation.sync_interval > 1 part of the gap is the weights' staleness.
+    gap_factor: float = 5.0
+    gap_floor: float = 0.02
+    gap_baseline_steps: int = 3
 
     # --- the stop rule (every method)
     # The config key a diverging run is told to lower; None: <method>.learning_rate
@@ -444,6 +456,54 @@ def _rule_reward_hacking(history: History, latest: dict[str, float], cfg: Doctor
     return "" if judged else None
 
 
+def gap_baseline(gaps: Sequence[float], n: int = 3) -> float:
+    """The median of the first `n` logprob gaps: the run's own level of sampler/trainer
+    disagreement (kernels, dtype, top-k/top-p truncation), before anything went wrong."""
+    first = sorted(gaps[:n])
+    if not first:
+        raise ValueError("gap_baseline needs at least one gap")
+    mid = len(first) // 2
+    return first[mid] if len(first) % 2 else (first[mid - 1] + first[mid]) / 2
+
+
+def sync_gap_limit(baseline: float, factor: float, floor: float) -> float:
+    """The largest healthy gap: above both `factor` x baseline and baseline + `floor`.
+    The factor alone would trip on a float32 run's noise (3e-7 -> 9e-7), the floor alone
+    would miss a jump of a bfloat16 run's larger gap."""
+    return max(factor * baseline, baseline + floor)
+
+
+def sync_gap_tripped(baseline: float, gap: float, factor: float, floor: float) -> bool:
+    """True when `gap` is beyond `sync_gap_limit` (a NaN gap too: the log-probs broke)."""
+    return not gap <= sync_gap_limit(baseline, factor, floor)
+
+
+def _rule_logprob_gap(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
+    pts = history.get(LOGPROB_GAP, [])
+    if len(pts) < 2:
+        return None
+    # The latest gap against the median of the first ones before it (as the canary judges).
+    base = gap_baseline([v for _, v in pts[:-1]], cfg.gap_baseline_steps)
+    limit = sync_gap_limit(base, cfg.gap_factor, cfg.gap_floor)
+    step, gap = pts[-1]
+    if gap <= limit:
+        return ""
+    i = len(pts) - 1
+    while i > 0 and pts[i - 1][1] > limit:  # the first step of this stretch above the limit
+        i -= 1
+    (prev_step, prev) = pts[-2]
+    if i < len(pts) - 1:
+        how = f"has been above {limit:.3g} since step {pts[i][0]} and is {gap:.3g} at step {step}"
+    elif gap > cfg.gap_factor * prev:  # one step multiplied it: typically the push before this rollout
+        how = f"jumped from {prev:.3g} at step {prev_step} to {gap:.3g} at step {step}"
+    else:
+        how = f"rose across the run to {gap:.3g} at step {step}"
+    return (f"{LOGPROB_GAP} {how}, beyond the limit {limit:.3g} set by its first steps ({base:.3g}): the "
+            f"sampler no longer draws from the policy being trained. With generation.backend=vllm suspect "
+            f"the weight sync first (a tensor not pushed, an engine asleep); with generation.sync_interval "
+            f"> 1 part of the gap is the weights' staleness")
+
+
 # ------------------------------------------------------------ SFT, reward model, DPO
 
 def _rule_grad_norm_spike(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
@@ -592,6 +652,8 @@ RULES: tuple[Rule, ...] = (
     Rule("reward_constant", "warn", f"{REWARD_STD}, {ZERO_SPREAD}", "rewards vary", _rule_reward_constant),
     Rule("reward_hacking", "warn", f"{EVAL_REWARD} against eval/accuracy and eval.rewards",
          "held-out checks do not fall while the reward stays up", _rule_reward_hacking),
+    Rule("logprob_gap", "warn", LOGPROB_GAP, "the sampler's log-probs stay as close to the trainer's as at the start",
+         _rule_logprob_gap),
 )
 RULE_SETS: dict[str, tuple[Rule, ...]] = {
     "rl": RULES,
@@ -765,6 +827,7 @@ PLOT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("entropy (nats per token)", (ENTROPY,)),
     ("update size: clip fractions, approx KL", (POLICY_CLIP, "params/value_clip_frac", "params/approx_kl")),
     ("grad norm (pre-clip)", (GRAD_NORM, GRAD_NORM_MAX)),
+    ("sampler vs trainer log-prob gap (nats per token)", (LOGPROB_GAP,)),
 )
 # the panel on which each rule's firing step is marked (non_finite: every panel)
 RULE_PANEL = {"reward_constant": "reward", "reward_hacking": "reward", "value_loss": "value loss",
@@ -772,7 +835,8 @@ RULE_PANEL = {"reward_constant": "reward", "reward_hacking": "reward", "value_lo
               "policy_clip_frac": "update size: clip fractions, approx KL",
               "grad_norm": "grad norm (pre-clip)", "grad_norm_spike": "grad norm (pre-clip)",
               "loss_flat": "loss", "overfitting": "loss", "accuracy_at_chance": "pairwise accuracy",
-              "margin_growth": "margin", "logps_falling": "sequence log-probs"}
+              "margin_growth": "margin", "logps_falling": "sequence log-probs",
+              "logprob_gap": "sampler vs trainer log-prob gap (nats per token)"}
 
 
 def plot_trends(records: Sequence[dict[str, Any]], out: Path, findings: Sequence[Finding] = (),
@@ -820,8 +884,10 @@ def plot_trends(records: Sequence[dict[str, Any]], out: Path, findings: Sequence
                                 alpha=0.15, lw=0)
             if key in thresholds:
                 ax.axhline(thresholds[key], color="grey", ls=":", lw=1)
-        if GRAD_NORM in keys:
-            ys = [y for y in series[GRAD_NORM][1] if math.isfinite(y) and y > 0]
+        for key in (GRAD_NORM, LOGPROB_GAP):  # spans decades: 3e-7 healthy, 0.2 after a bad sync
+            if key not in keys:
+                continue
+            ys = [y for y in series[key][1] if math.isfinite(y) and y > 0]
             if ys and max(ys) / min(ys) > 50:
                 ax.set_yscale("log")
         for f in findings:

@@ -136,6 +136,14 @@ class GenerationConfig:
     enforce_eager: bool = f(False, "vllm: run the engine's model without torch.compile: a faster start (25M "
                                    "bench model on CPU: 3.6 s, against 13 s compiled, 27 s the first time) for "
                                    "4-11% slower rollouts; false compiles it, as vLLM does by default")
+    sync_check: bool = f(True, "vllm: after each weight push, stop the run (before a save) when the next "
+                               "rollout's rollout/logprob_gap jumps far above the run's own baseline (the median "
+                               "of its first 3 such gaps): the engine is not sampling the trained weights "
+                               "(docs/rollout_backends.md, the weight-sync canary)")
+    sync_check_factor: float = f(5.0, "vllm, sync_check: a gap trips the canary when above both this factor times "
+                                      "the baseline and the baseline + sync_check_floor", gt=1)
+    sync_check_floor: float = f(0.02, "vllm, sync_check: the smallest jump (nats per token) that can trip the "
+                                      "canary; float32 gaps of ~3e-7 and bfloat16 noise stay below it", ge=0)
 
     def check(self) -> list[str]:
         errs = []

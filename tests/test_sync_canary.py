@@ -1,0 +1,172 @@
+"""The weight-sync canary (generation.sync_check) and the doctor's logprob_gap rule.
+
+The pure parts (`rlhflab.doctor.gap_baseline`, `sync_gap_limit`, `sync_gap_tripped`, the
+`SyncCanary` that holds the baseline, the doctor rule) are checked by hand and run
+without vLLM. Two PPO runs on the tiny Llama sample with a vLLM engine (eager, to start
+in seconds): one whose weight push silently leaves a tensor out after the start-up push,
+which must stop at the first rollout after the first real push with the previous
+checkpoint intact; one healthy run that must finish without tripping.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from rlhflab.config.schema import GenerationConfig
+from rlhflab.doctor import (Doctor, DoctorConfig, LOGPROB_GAP, gap_baseline, sync_gap_limit,
+                            sync_gap_tripped)
+from rlhflab.errors import UserError
+from rlhflab.rollout.vllm import SyncCanary
+from test_vllm_backend import needs_vllm
+
+
+# --------------------------------------------------------------------------------------
+# The trip function, by hand
+# --------------------------------------------------------------------------------------
+def test_baseline_is_the_median_of_the_first_gaps():
+    assert gap_baseline([3e-7, 1e-7, 2e-7, 0.5]) == 2e-7      # sorted first 3: 1e-7, 2e-7, 3e-7
+    assert gap_baseline([0.02, 0.04]) == pytest.approx(0.03)  # two values: their mean
+    assert gap_baseline([0.9]) == 0.9
+    with pytest.raises(ValueError):
+        gap_baseline([])
+
+
+def test_limit_is_the_larger_of_factor_times_baseline_and_baseline_plus_floor():
+    # float32: 5 x 3e-7 = 1.5e-6 < 3e-7 + 0.02 = 0.0200003 -> the floor decides
+    assert sync_gap_limit(3e-7, 5.0, 0.02) == pytest.approx(0.0200003)
+    # bfloat16-like: 5 x 0.015 = 0.075 > 0.015 + 0.02 = 0.035 -> the factor decides
+    assert sync_gap_limit(0.015, 5.0, 0.02) == pytest.approx(0.075)
+    assert sync_gap_limit(0.0, 5.0, 0.02) == 0.02
+
+
+@pytest.mark.parametrize("baseline, gap, tripped", [
+    (3e-7, 9e-7, False),     # a float32 wobble: 3x the baseline, but 6e-7 << the 0.02 floor
+    (3e-7, 1e-3, False),     # 3000x, still under 0.0200003
+    (3e-7, 0.021, True),     # over 0.0200003
+    (0.015, 0.04, False),    # bfloat16 noise: 2.7x, under 0.075
+    (0.015, 0.201, True),    # TRL #5312's gap after its broken sync: 13x, over 0.075
+    (0.015, 0.075, False),   # exactly at the limit is still healthy
+    (0.015, math.inf, True),
+    (0.015, math.nan, True),  # a NaN gap means the log-probs broke
+])
+def test_trip_by_hand(baseline, gap, tripped):
+    assert sync_gap_tripped(baseline, gap, 5.0, 0.02) is tripped
+
+
+def test_the_doctor_and_the_config_share_the_defaults():
+    gen, doc = GenerationConfig(), DoctorConfig()
+    assert gen.sync_check and (gen.sync_check_factor, gen.sync_check_floor) == (doc.gap_factor, doc.gap_floor)
+
+
+def test_canary_judges_each_gap_against_the_median_of_the_first_three():
+    canary = SyncCanary(factor=5.0, floor=0.02)
+    canary.check(3.0e-7, step=1)   # no baseline yet: kept
+    canary.check(3.2e-7, step=2)   # vs 3.0e-7: kept
+    canary.check(2.9e-7, step=3)   # vs median(3.0e-7, 3.2e-7) = 3.1e-7: kept
+    canary.check(0.019, step=4)    # vs median(2.9, 3.0, 3.2)e-7 = 3.0e-7, limit 0.0200003: passes, not kept
+    assert canary.gaps == [3.0e-7, 3.2e-7, 2.9e-7]
+    with pytest.raises(UserError) as err:
+        canary.check(0.15, step=5)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("step 5: generation.backend=vllm: the weight sync")
+    assert "0.15" in msg and "3e-07" in msg and "generation.sync_check=false" in msg
+
+
+def test_a_broken_sync_from_the_first_push_trips_against_the_start_up_gap():
+    canary = SyncCanary(factor=5.0, floor=0.02)
+    canary.check(2.2e-7, step=1)   # sampled from the weights pushed at start-up
+    with pytest.raises(UserError, match="step 2: "):
+        canary.check(0.08, step=2)  # the first push went wrong: 0.08 > 2.2e-7 + 0.02
+
+
+# --------------------------------------------------------------------------------------
+# The doctor's rule, on synthetic metrics
+# --------------------------------------------------------------------------------------
+def _replay(gaps):
+    doctor = Doctor(method="grpo")
+    for step, gap in enumerate(gaps, 1):
+        doctor.observe(step, {LOGPROB_GAP: gap, "rollout/reward_mean": 0.5})
+    return doctor
+
+
+def test_doctor_is_quiet_on_a_healthy_float32_and_bfloat16_gap():
+    assert _replay([3.1e-7, 2.9e-7, 3.3e-7, 9e-7, 2.8e-7, 4e-6]).state["logprob_gap"] == ""
+    assert _replay([0.021, 0.018, 0.025, 0.04, 0.03, 0.06]).state["logprob_gap"] == ""  # limit 5 x 0.021
+    assert _replay([3e-7]).state["logprob_gap"] is None  # one value: nothing to compare
+
+
+def test_doctor_reports_a_jump_after_a_sync_at_its_step():
+    doctor = _replay([3.1e-7, 2.9e-7, 3.3e-7, 3.0e-7, 0.2, 0.21])
+    (finding,) = [f for f in doctor.findings if f.rule == "logprob_gap"]
+    assert finding.step == 5 and finding.severity == "warn"
+    assert "jumped from 3e-07 at step 4 to 0.2 at step 5" in finding.message
+    assert "weight sync" in finding.message
+
+
+def test_doctor_reports_a_gap_rising_across_the_run():
+    # baseline median(0.01, 0.012, 0.011) = 0.011; limit max(0.055, 0.031) = 0.055
+    gaps = [0.01, 0.012, 0.011, 0.02, 0.035, 0.05, 0.06, 0.08, 0.1]
+    doctor = _replay(gaps)
+    assert doctor.first_fired["logprob_gap"] == 7  # 0.06 is the first gap over 0.055
+    assert "rose across the run to 0.06 at step 7" in doctor.active["logprob_gap"].message
+    assert "has been above 0.055 since step 7 and is 0.1 at step 9" in doctor.state["logprob_gap"]
+
+
+# --------------------------------------------------------------------------------------
+# PPO with the vLLM backend: a broken push stops the run, a healthy run never trips
+# --------------------------------------------------------------------------------------
+def _vllm_ppo(ppo_cfg, tmp_path, *extra):
+    # tiny_model_dir: head_dim 32 (vLLM's CPU attention has no kernel for 16)
+    return ppo_cfg("generation.backend=vllm", "generation.enforce_eager=true", "training.total_steps=4",
+                   "training.save_interval=1", "training.keep_last_checkpoints=null", "ppo.learning_rate=1e-3",
+                   *extra, out_dir=tmp_path / "run")
+
+
+def _gaps(run_dir):
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r[LOGPROB_GAP] for r in rows if LOGPROB_GAP in r]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_push_that_skips_one_tensor_stops_the_run_at_the_next_rollout(ppo_cfg, tmp_path, monkeypatch):
+    from rlhflab.rollout import vllm as vllm_backend
+    from rlhflab.trainers.ppo import train
+
+    pushes = []
+    real = vllm_backend.policy_weights
+
+    def broken(model):  # the start-up push is whole; every later push leaves out one MLP matrix
+        pushes.append(1)
+        for name, tensor in real(model):
+            if len(pushes) == 1 or name != "model.layers.0.mlp.down_proj.weight":
+                yield name, tensor
+
+    monkeypatch.setattr(vllm_backend, "policy_weights", broken)
+    cfg = _vllm_ppo(ppo_cfg, tmp_path)
+    with pytest.raises(UserError) as err:
+        train(cfg, quiet=True)
+    msg = str(err.value)
+    # step 1 sampled the start-up weights; the first push after an update came before step 2
+    assert msg.startswith("step 2: generation.backend=vllm: the weight sync looks broken"), msg
+    run = tmp_path / "run"
+    assert (run / "step_1" / "model.safetensors").is_file() or any((run / "step_1").iterdir())
+    assert not (run / "step_2").exists() and not (run / "final").exists()
+    gaps = _gaps(run)
+    print("broken push: rollout/logprob_gap per step:", gaps)
+    assert len(gaps) == 2 and gaps[0] < 1e-4 and gaps[1] > 0.02
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_healthy_vllm_run_never_trips_the_canary(ppo_cfg, tmp_path):
+    from rlhflab.trainers.ppo import train
+
+    res = train(_vllm_ppo(ppo_cfg, tmp_path), quiet=True)
+    gaps = _gaps(tmp_path / "run")
+    print("healthy: rollout/logprob_gap per step:", gaps)
+    assert (res.final_dir / "config.json").is_file() and len(gaps) == 4
+    assert max(gaps) < 1e-4  # float32 on both sides: rounding only
