@@ -132,7 +132,7 @@ def _group_loop(scores, k, scale, eps):
         mean = sum(grp) / k
         std = {"group": statistics.stdev(grp), "batch": all_std, "none": None}[scale]
         out += [(s - mean) / (std + eps) if std is not None else s - mean for s in grp]
-    return torch.tensor(out)
+    return torch.tensor(out, dtype=torch.float64)
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
@@ -140,8 +140,8 @@ def test_group_advantages_match_loop(scale):
     g = torch.Generator().manual_seed(2)
     scores = torch.randn(24, generator=g, dtype=torch.float64)
     for k in (2, 4, 6):
-        out = group_advantages(scores, k, scale=scale)
-        torch.testing.assert_close(out, _group_loop(scores.tolist(), k, scale, 1e-4), rtol=1e-5, atol=1e-6)
+        out = group_advantages(scores, k, scale=scale)   # float64 in, float64 out, to float64 precision
+        torch.testing.assert_close(out, _group_loop(scores.tolist(), k, scale, 1e-4), rtol=1e-12, atol=1e-12)
 
 
 def test_group_advantages_errors():

@@ -127,6 +127,16 @@ class Dist:
     def mean(self, value: float) -> float:
         return self.sum(value) / self.world_size if self.distributed else value
 
+    def max(self, value: float) -> float:
+        """The largest of every rank's `value` (exact in any order; the pivot of the
+        global whitening, `trainers.loop.whiten`)."""
+        if not self.distributed:
+            return value
+        import torch.distributed as tdist
+        t = torch.tensor(float(value), dtype=torch.float64, device=self._device())
+        tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+        return float(t)
+
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order, on every rank."""
         if not self.distributed:

@@ -4,7 +4,7 @@ Shapes: B batch, T response length, V vocabulary. `response_mask` is 1 for a rea
 response token. See each module's docstring for where it departs from common practice.
 """
 
-from rlhflab.ops.advantages import GAEOutput, discounted_returns, gae, group_advantages, rloo_advantages
+from rlhflab.ops.advantages import GAEOutput, batch_std_of, discounted_returns, gae, group_advantages, rloo_advantages
 from rlhflab.ops.chunked import TokenLogprobs, chunked_cross_entropy, chunked_logprobs
 from rlhflab.ops.importance import logprob_gap, truncated_is_weights
 from rlhflab.ops.kl import KL_KINDS, kl_estimate, kl_shaped_rewards, last_token_index
@@ -24,14 +24,14 @@ from rlhflab.ops.losses import (
 )
 from rlhflab.ops.natural_gradient import CGResult, categorical_kl, conjugate_gradient
 from rlhflab.ops.sampling import counter_uniform, gumbel_noise, row_keys
-from rlhflab.ops.stats import masked_mean, masked_sum, masked_var, masked_whiten
+from rlhflab.ops.stats import masked_mean, masked_pivot, masked_sum, masked_var, masked_whiten
 
 __all__ = [
-    "masked_sum", "masked_mean", "masked_var", "masked_whiten",
+    "masked_sum", "masked_mean", "masked_var", "masked_whiten", "masked_pivot",
     "logprobs_from_logits", "entropy_from_logits",
     "chunked_logprobs", "chunked_cross_entropy", "TokenLogprobs",
     "KL_KINDS", "kl_estimate", "kl_shaped_rewards", "last_token_index",
-    "GAEOutput", "gae", "group_advantages", "rloo_advantages", "discounted_returns",
+    "GAEOutput", "gae", "group_advantages", "batch_std_of", "rloo_advantages", "discounted_returns",
     "aggregate", "ppo_policy_loss", "PolicyLossOutput", "value_loss", "ValueLossOutput",
     "entropy_loss", "EntropyLossOutput", "dpo_loss", "DPOLossOutput",
     "reward_model_loss", "RewardModelLossOutput",

@@ -12,6 +12,8 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
+from rlhflab.ops.stats import work_dtype
+
 
 class GAEOutput(NamedTuple):
     advantages: Tensor  # (B, T), 0 on padding
@@ -55,33 +57,56 @@ def group_advantages(scores: Tensor, group_size: int,
                      eps: float = 1e-4, batch_std: Tensor | float | None = None) -> Tensor:
     """GRPO advantages: each score minus its group's mean, scaled.
 
-    scores: (B,) with B = n_groups · group_size, each group contiguous -> (B,).
+    scores: (B,) with B = n_groups · group_size, each group contiguous -> (B,), float64
+    for float64 scores, else float32.
     scale="group" divides by the group's std (Shao et al., 2024), "batch" by the
     std of the whole batch (less biased towards easy/hard prompts, Liu et al. 2025),
-    "none" leaves the centred score. Std is the unbiased (n − 1) estimate. A group
-    whose scores are all equal gets advantage 0, never NaN. `batch_std` replaces the
-    batch's std (e.g. the std over every process's scores).
+    "none" leaves the centred score. Std is the unbiased (n − 1) estimate; `eps` is
+    added to it (1e-4, as TRL; verl 1e-6, OpenRLHF 1e-9: docs/conventions.md).
+    `batch_std` replaces the batch's std (e.g. the std over every process's scores).
+
+    A group whose scores are all equal gets advantage exactly 0, at any size and
+    magnitude: each group is first shifted by its own first score, so equal scores are
+    exactly 0 before any mean is taken. (The plain s − mean(s) is an ulp off for most
+    equal groups, since the float32 sum of eight 0.7s is not 8 × 0.7, and that ulp over
+    std + eps ≈ 1e-4 gave every response of the group the same advantage, +6e-4 for
+    0.7 and −0.037 for 42.1.) The shift changes no mean, std or advantage otherwise.
+    The batch std is computed in float64 around its own mean (two passes), as
+    `trainers.loop.group_advantages` computes it over several processes.
     """
     if scores.dim() != 1:
         raise ValueError(f"scores must be (B,), got {tuple(scores.shape)}")
     if group_size < 1 or scores.shape[0] % group_size:
         raise ValueError(f"batch of {scores.shape[0]} is not a whole number of groups of {group_size}")
-    s = scores.float().view(-1, group_size)                       # (G, K)
-    centred = s - s.mean(dim=1, keepdim=True)
+    s = scores.to(work_dtype(scores)).view(-1, group_size)       # (G, K)
+    d = s - s[:, :1]                                              # (G, K), shifted by a member: exact 0 if all equal
+    centred = d - d.mean(dim=1, keepdim=True)
     if scale == "group":
-        std = s.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(s[:, :1])
+        std = d.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(s[:, :1])
         out = centred / (std + eps)
     elif scale == "batch":
         if batch_std is not None:
-            std = torch.as_tensor(batch_std, dtype=s.dtype)
+            std = torch.as_tensor(batch_std, dtype=s.dtype, device=s.device)
         else:
-            std = s.std() if s.numel() > 1 else s.new_zeros(())
+            std = batch_std_of(s.reshape(-1)).to(s.dtype)
         out = centred / (std + eps)
     elif scale == "none":
         out = centred
     else:
         raise ValueError(f"unknown scale {scale!r}; choose group, batch or none")
     return out.reshape(-1)
+
+
+def batch_std_of(scores: Tensor) -> Tensor:
+    """Unbiased std of every score of the batch, in float64 (two passes: the mean, then
+    the squares around it); 0 for fewer than two scores. The one-process form of the
+    statistic `trainers.loop.group_advantages` reduces over processes."""
+    x = scores.reshape(-1).double()
+    n = x.numel()
+    if n < 2:
+        return x.new_zeros(())
+    mean = x.sum() / n
+    return ((x - mean).square().sum() / (n - 1)).sqrt()
 
 
 def discounted_returns(rewards: Tensor, response_mask: Tensor, gamma: float = 1.0) -> Tensor:
@@ -107,13 +132,17 @@ def discounted_returns(rewards: Tensor, response_mask: Tensor, gamma: float = 1.
 def rloo_advantages(scores: Tensor, k: int) -> Tensor:
     """RLOO: each score minus the mean of the other k − 1 scores of its prompt.
 
-    scores: (B,) with B = n_prompts · k, each prompt's samples contiguous -> (B,).
+    scores: (B,) with B = n_prompts · k, each prompt's samples contiguous -> (B,),
+    float64 for float64 scores, else float32.
     baseline_i = (Σ_j s_j − s_i) / (k − 1)   (Kool et al., 2019; Ahmadian et al., 2024)
+    Each prompt's scores are first shifted by its first score (the baseline moves with
+    them), so a prompt whose k scores are equal gets exactly 0, not an ulp over k − 1.
     """
     if scores.dim() != 1:
         raise ValueError(f"scores must be (B,), got {tuple(scores.shape)}")
     if k < 2 or scores.shape[0] % k:
         raise ValueError(f"RLOO needs k >= 2 samples per prompt and B divisible by k; got B={scores.shape[0]}, k={k}")
-    s = scores.float().view(-1, k)                                  # (P, k)
-    baseline = (s.sum(dim=1, keepdim=True) - s) / (k - 1)
-    return (s - baseline).reshape(-1)
+    s = scores.to(work_dtype(scores)).view(-1, k)                  # (P, k)
+    d = s - s[:, :1]                                                # (P, k), exact 0 if all equal
+    baseline = (d.sum(dim=1, keepdim=True) - d) / (k - 1)
+    return (d - baseline).reshape(-1)

@@ -13,6 +13,20 @@ accumulates gradients over several micro-batches passes the count of the whole
 accumulated batch, so the sum of the micro-batch losses equals the loss of the whole
 batch exactly (the usual `loss / accumulation_steps` is only right when every
 micro-batch holds as many tokens).
+
+The log-ratio is clamped to ±LOG_RATIO_CLAMP = 20 before the exp (as verl does). Without
+it, a token whose log-ratio passes float32's exp limit (about 88.7: an old log-prob of −91
+from a sampler that disagrees wildly) makes the ratio inf; the clipped branch is taken
+and the token's loss is a finite constant, yet the backward pass multiplies the zero
+gradient of the unused branch by exp's inf and returns NaN, and the engine stops on a
+non-finite gradient norm. At ±20 the ratio (e^20 ≈ 4.9e8, or 2e-9) is far outside any
+clip range, so the clamp changes neither the loss nor the gradient of any token whose
+ratio is ordinary, and a clamped token's gradient is exactly 0. The one place it differs
+from the unclamped maths is a token with A < 0, no dual clip and a log-ratio above 20:
+its loss stays −A·e^20 instead of growing, and it pushes no gradient (an outlier that
+the unclamped form would turn into a gradient of ~5e8·|A|). A where-select of the two
+branches was the alternative; the clamp was chosen because it also keeps the loss value
+finite for that A < 0 token, and it matches the peers (docs/conventions.md).
 """
 
 from __future__ import annotations
@@ -26,6 +40,8 @@ from torch import Tensor
 from rlhflab.ops.stats import masked_mean
 
 Aggregation = Literal["token_mean", "seq_mean", "token_sum"]
+
+LOG_RATIO_CLAMP = 20.0  # |log π − log π_old| bound before the exp; see the module docstring
 
 
 def aggregate(x: Tensor, response_mask: Tensor, aggregation: Aggregation = "token_mean",
@@ -65,7 +81,7 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
                     token_weights: Tensor | None = None) -> PolicyLossOutput:
     """PPO clipped surrogate (Schulman et al., 2017), as a loss.
 
-    All inputs (B, T). ratio = exp(logprobs − old_logprobs);
+    All inputs (B, T). ratio = exp(clamp(logprobs − old_logprobs, ±20)) (module docstring);
     loss_t = max(−A·ratio, −A·clip(ratio, 1 − ε_low, 1 + ε_high)).
     The max of the two negatives is the min of the two surrogates: the gradient stops
     once the ratio has moved past the clip in the direction the advantage pushes it.
@@ -81,7 +97,8 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
             f"response_mask {tuple(response_mask.shape)}")
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     log_ratio = logprobs - old_logprobs
-    ratio = torch.exp(log_ratio)
+    # clamped before the exp: an inf ratio gives a NaN gradient even where it is clipped
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + eps_high)
     per_token = torch.maximum(unclipped, clipped)
@@ -94,11 +111,12 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
         per_token = per_token * token_weights.detach()
     loss = aggregate(per_token, response_mask, aggregation, normalizer)
     with torch.no_grad():
-        clip_frac = masked_mean((clipped > unclipped).float(), response_mask)
+        dt = per_token.dtype
+        clip_frac = masked_mean((clipped > unclipped).to(dt), response_mask)
         approx_kl = masked_mean(0.5 * log_ratio.square(), response_mask)
         # The clipped branch is taken below (A < 0) or above (A > 0): the two parts of clip_frac.
-        low = masked_mean(((ratio < 1.0 - clip_eps) & (advantages < 0)).float(), response_mask)
-        high = masked_mean(((ratio > 1.0 + eps_high) & (advantages > 0)).float(), response_mask)
+        low = masked_mean(((ratio < 1.0 - clip_eps) & (advantages < 0)).to(dt), response_mask)
+        high = masked_mean(((ratio > 1.0 + eps_high) & (advantages > 0)).to(dt), response_mask)
     return PolicyLossOutput(loss, clip_frac, approx_kl, low, high)
 
 
@@ -130,7 +148,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mas
         clipped = (v_clipped - returns).square()
         per_token = torch.maximum(unclipped, clipped)
         with torch.no_grad():
-            clip_frac = masked_mean((clipped > unclipped).float(), response_mask)
+            clip_frac = masked_mean((clipped > unclipped).to(per_token.dtype), response_mask)
     return ValueLossOutput(0.5 * aggregate(per_token, response_mask, aggregation, normalizer), clip_frac)
 
 
@@ -214,5 +232,5 @@ def reward_model_loss(chosen_scores: Tensor, rejected_scores: Tensor,
     loss = -F.logsigmoid(diff).mean()
     if center_coeff:
         loss = loss + center_coeff * (chosen_scores + rejected_scores).square().mean()
-    accuracy = (chosen_scores > rejected_scores).float().mean().detach()
+    accuracy = (chosen_scores > rejected_scores).to(loss.dtype).mean().detach()
     return RewardModelLossOutput(loss, accuracy)

@@ -21,8 +21,9 @@ def categorical_kl(old_logprobs: Tensor, new_logprobs: Tensor) -> Tensor:
     log-distributions (…, V) -> (…). Exact over the vocabulary, not a sampled estimate."""
     if old_logprobs.shape != new_logprobs.shape:
         raise ValueError(f"old {tuple(old_logprobs.shape)} != new {tuple(new_logprobs.shape)}")
-    old = old_logprobs.float()
-    return (old.exp() * (old - new_logprobs.float())).sum(-1)
+    dtype = torch.promote_types(torch.promote_types(old_logprobs.dtype, new_logprobs.dtype), torch.float32)
+    old = old_logprobs.to(dtype)
+    return (old.exp() * (old - new_logprobs.to(dtype))).sum(-1)
 
 
 class CGResult(NamedTuple):

@@ -83,8 +83,8 @@ def rloo_step(run: RLRun, examples, step: int, timer: Timer) -> dict[str, float]
     if sec.normalize_advantages:  # over the whole batch, every rank's (unbiased std, as before)
         n = run.dist.sum(float(len(seq_adv)))
         if n > 1:
-            mean = run.dist.sum(float(seq_adv.sum())) / n
-            var = run.dist.sum(float((seq_adv - mean).square().sum())) / (n - 1)
+            mean = run.dist.sum(float(seq_adv.double().sum())) / n   # float64: a constant batch gives 0
+            var = run.dist.sum(float((seq_adv.double() - mean).square().sum())) / (n - 1)
             seq_adv = (seq_adv - mean) / (var ** 0.5 + 1e-8)
     roll.advantages = broadcast_advantages(seq_adv, roll.response_mask)              # (B, T)
     # 5. update: the KL is already in the reward, so none in the loss.
