@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from rlhflab.errors import UserError
 from rlhflab.metrics import MetricsLogger, read_metrics
 from rlhflab.models import checkpoint
 from rlhflab.models.checkpoint import load_trainer_state, prune_checkpoints, save_checkpoint
@@ -72,7 +73,7 @@ def test_failed_save_leaves_no_broken_folder(ppo_cfg, tmp_path, monkeypatch, exi
         raise OSError("disk full")
 
     monkeypatch.setattr(checkpoint, "save_value_head", crash)  # after the policy was written
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(UserError, match=f"cannot save the checkpoint {target}: disk full"):  # any OSError: one line
         save_checkpoint(target, models.actor, models.tokenizer, step=4)
     if existed:
         assert _tree(target) == before  # the old checkpoint is intact

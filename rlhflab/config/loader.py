@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
+import sys
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -79,6 +82,7 @@ def _rename_aliases(node: DictConfig, where: str) -> DictConfig:
 
 def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> DictConfig:
     """Read one YAML file and merge its `defaults:` bases under it."""
+    shown = str(path) if not chain else None  # the top file as the user wrote it
     path = path.resolve()
     if path in chain:
         cycle = " -> ".join(str(p) for p in (*chain, path))
@@ -87,14 +91,20 @@ def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> DictConfig:
         where = f" (named in defaults of {chain[-1]})" if chain else ""
         raise ConfigError(f"{path}: config file not found{where}; check the path")
     check_utf8(path)  # a Latin-1 byte: the file, line and byte, not a YAML reader's traceback
+    if not path.read_bytes().strip():  # 0 bytes or blanks: not "all defaults" (the dataset error that follows names no file)
+        named = f" (named in defaults of {chain[-1]})" if chain else ""
+        raise ConfigError(f"{shown or path} is empty{named}; write its settings (configs/ has examples) or name "
+                          f"another file")
     try:
         node = OmegaConf.load(path)
     except Exception as exc:  # yaml.YAMLError and friends: say where, not a traceback
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"{path}: not valid YAML ({first}); fix the syntax") from None
     if node is None or isinstance(node, ListConfig):
-        if node is None:
-            return OmegaConf.create({})
+        if node is None:  # comments only
+            named = f" (named in defaults of {chain[-1]})" if chain else ""
+            raise ConfigError(f"{shown or path} is empty (only comments){named}; write its settings or name "
+                              f"another file")
         raise ConfigError(f"{path}: the top level must be a mapping of sections, not a list")
     defaults = node.pop("defaults", None) if "defaults" in node else None
     merged = OmegaConf.create({})
@@ -158,10 +168,48 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
             raise ConfigError(
                 f"override {item!r}: expected dotted key=value, e.g. ppo.kl_coeff=0.05"
             )
-    try:
-        return OmegaConf.from_dotlist(list(overrides))
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"overrides {overrides}: {exc}".splitlines()[0]) from None
+    node = OmegaConf.create({})
+    for item in overrides:
+        try:
+            node = OmegaConf.merge(node, OmegaConf.from_dotlist([item]))
+        except yaml.YAMLError:  # `key=Question: {prompt}\nAnswer:`: a prompt, not YAML
+            key, _, value = item.partition("=")
+            text, quoted = _as_string(value)
+            _note(f"note: override {key}: the value is not valid YAML; it is read as the string "
+                  f"{key}={quoted} (write it so, quoted, to silence this note)")
+            try:
+                OmegaConf.update(node, key.strip(), text, merge=True)
+            except OmegaConfBaseException as exc:
+                raise ConfigError(f"override {item!r}: {exc}".splitlines()[0]) from None
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"override {item!r}: {exc}".splitlines()[0]) from None
+    return node
+
+
+def _as_string(value: str) -> tuple[str, str]:
+    """An override's value that YAML cannot parse, as one string, and the double-quoted
+    form that gives it. Read as YAML reads it in double quotes (``\\n`` a newline, as in a
+    config file's "User: {prompt}\\n\\nAssistant:"), or as typed when that fails too (an
+    escape YAML does not know, such as ``\\d``)."""
+    quoted = '"' + value.replace('"', '\\"') + '"'
+    if "\n" not in value:  # in double quotes YAML folds a real line break into a space
+        try:
+            text = yaml.safe_load(quoted)
+            if isinstance(text, str):
+                return text, quoted
+        except yaml.YAMLError:
+            pass
+    return value, json.dumps(value, ensure_ascii=False)  # a JSON string is YAML in double quotes
+
+
+_NOTES: set[str] = set()
+
+
+def _note(line: str) -> None:
+    """Print a one-line note to stderr, once per process (a config may be loaded twice)."""
+    if line not in _NOTES:
+        _NOTES.add(line)
+        print(line, file=sys.stderr)
 
 
 def compose(path: str | Path | None, overrides: list[str] | None = None) -> DictConfig:
@@ -259,7 +307,9 @@ def _coerce(value: Any, tp: Any, key: str, errors: list[str]) -> Any:
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
-        errors.append(f"{key}: expected a string, got {value!r}")
+        quote = ("; YAML reads `word: text` and `{word}` as a mapping: quote the whole value, e.g. "
+                 f"'{key}=\"...\"'" if isinstance(value, dict) else "")
+        errors.append(f"{key}: expected a string, got {value!r}{quote}")
         return None
     return value
 
@@ -380,13 +430,57 @@ def _origin(error: str, where: str, overrides: list[str]) -> str:
     return where
 
 
-def save_effective_config(cfg: Any, out_dir: str | Path) -> Path:
-    """Write the merged, resolved, validated config as `effective_config.yaml`."""
+# Keys that do not change what a run computes: a folder whose run was started with
+# other values of these still holds "the same run" (`config_differences`).
+RUN_NEUTRAL_KEYS = ("training.overwrite", "logging.progress_bar")
+
+
+def _effective_yaml(cfg: Any) -> str:
+    node = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(dataclasses.asdict(cfg))
+    return OmegaConf.to_yaml(node)
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict) and tree:
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: tree}
+
+
+def config_differences(saved: str | Path, cfg: Any) -> list[str] | None:
+    """The dotted keys whose values differ between the config recorded in `saved` (an
+    `effective_config.yaml`) and `cfg` (a typed config or its resolved tree), leaving out
+    RUN_NEUTRAL_KEYS; [] when they describe the same run, None when `saved` is missing or
+    cannot be read."""
+    try:
+        old = yaml.safe_load(Path(saved).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    if not isinstance(old, dict):
+        return None
+    a, b = _flat(old), _flat(yaml.safe_load(_effective_yaml(cfg)))
+    return [k for k in sorted(set(a) | set(b)) if k not in RUN_NEUTRAL_KEYS and a.get(k, _MISSING) != b.get(k, _MISSING)]
+
+
+def save_effective_config(cfg: Any, out_dir: str | Path, resume_from: str | Path | None = None) -> Path:
+    """Write the merged, resolved, validated config as `effective_config.yaml`.
+
+    A resumed run (`resume_from`: the step_N/ folder it continues) keeps the run's record:
+    an `effective_config.yaml` already there is never rewritten; when this run's config
+    differs from it (a key other than RUN_NEUTRAL_KEYS), the new one is written beside it
+    as `effective_config.resume_step_N.yaml`. Returns the file that holds this run's config.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    node = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(dataclasses.asdict(cfg))
+    text = _effective_yaml(cfg)
     path = out / "effective_config.yaml"
+    if resume_from is not None and path.is_file():
+        if config_differences(path, cfg) == []:
+            return path
+        path = out / f"effective_config.resume_{Path(resume_from).name}.yaml"
     tmp = path.with_suffix(".yaml.tmp")
-    tmp.write_text(OmegaConf.to_yaml(node))
+    tmp.write_text(text)
     tmp.replace(path)
     return path

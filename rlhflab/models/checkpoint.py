@@ -24,8 +24,11 @@ config. A checkpoint saved before the layout was recorded is checked on its file
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import random
+import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,7 +38,6 @@ import numpy as np
 import torch
 
 from rlhflab.errors import UserError
-from rlhflab.files import disk_error, is_disk_error
 from rlhflab.models.actor_critic import save_value_head, unwrap
 
 STATE_FILE = "trainer_state.pt"
@@ -109,28 +111,84 @@ def save_debris(run_dir: str | Path) -> list[Path]:
 def atomic_folder(folder: str | Path, what: str = "save the checkpoint") -> Iterator[Path]:
     """Yield an empty temporary sibling of `folder` to fill; when the block ends without an
     error it replaces `folder` in one rename. On any error the temporary folder is removed
-    and `folder` (an earlier save) is left as it was; a full disk or a folder without
-    write permission becomes a one-line `UserError` naming the folder."""
+    and `folder` (an earlier save) is left as it was. A write that fails for a reason of the
+    machine (a full disk, a file-size limit, no write permission, an I/O error), whether
+    Python, safetensors or torch.save met it, becomes a one-line `UserError` naming the
+    folder, the cause and what is still intact (`save_failure`)."""
     folder = Path(folder)
     tmp = folder.with_name(folder.name + ".tmp")
+    old = folder.with_name(folder.name + ".old")
     try:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
         yield tmp
+        if folder.exists():
+            if old.exists():
+                shutil.rmtree(old)
+            folder.rename(old)
+        tmp.rename(folder)
     except BaseException as exc:  # a failed save (disk full, Ctrl-C) leaves no half-written folder
         shutil.rmtree(tmp, ignore_errors=True)
-        if is_disk_error(exc):
-            raise disk_error(exc, folder, what, kept=_kept(folder)) from None
+        if old.exists() and not folder.exists():  # the rename into place failed: the earlier save goes back
+            old.rename(folder)
+        error = save_failure(exc, folder, what)
+        if error is not None:
+            raise error from None
         raise
-    old = folder.with_name(folder.name + ".old")
-    if folder.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        folder.rename(old)
-    tmp.rename(folder)
     if old.exists():
-        shutil.rmtree(old)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# torch.save's writer (inline_container.cc) reports a short write as a RuntimeError that
+# says nothing of space: "[enforce fail at inline_container.cc:672] . unexpected pos 7301056
+# vs 7300944" on a full disk, "PytorchStreamWriter failed writing file ..." elsewhere.
+_TORCH_WRITE_FAILURES = ("inline_container", "unexpected pos", "PytorchStreamWriter", "file write failed")
+_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_PERMISSION = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def _cause(exc: BaseException) -> tuple[str, int | None] | None:
+    """What went wrong in plain words and its errno (None when unknown), for an exception
+    a save raised; None when it is not a failure of the machine (a bug, Ctrl-C)."""
+    if isinstance(exc, OSError):
+        code = exc.errno
+        text = exc.strerror or str(exc) or type(exc).__name__
+    elif type(exc).__name__ == "SafetensorError":  # safetensors' Rust writer: "... (os error 27)"
+        found = re.search(r"os error (\d+)", str(exc))
+        if found is None:
+            return None  # not an I/O error (a tensor it cannot write): a bug, with its traceback
+        code = int(found.group(1))
+        text = os.strerror(code)
+    elif isinstance(exc, RuntimeError) and any(s in str(exc) for s in _TORCH_WRITE_FAILURES):
+        return "a file could not be written in full (the disk is full or a file-size limit is set)", errno.ENOSPC
+    else:
+        return None
+    if code == errno.EFBIG:
+        text += " (a file-size limit, see `ulimit -f`, or the disk is full)"
+    elif code == errno.EIO:
+        text += " (the disk or network file system failed)"
+    return text, code
+
+
+def save_failure(exc: BaseException, folder: str | Path, what: str = "save the checkpoint") -> UserError | None:
+    """The one-line `UserError` for a save of `folder` that failed with `exc` (an OSError,
+    safetensors' SafetensorError, torch.save's short-write RuntimeError): the folder, the
+    cause in plain words, the fix and what is still intact; None for any other exception."""
+    found = _cause(exc)
+    if found is None:
+        return None
+    cause, code = found
+    folder = Path(folder)
+    if code in _SPACE:
+        fix = "free some disk space (or point training.output_dir at a larger disk) and run again"
+    elif code in _PERMISSION:
+        fix = "make the folder writable (or choose another training.output_dir) and run again"
+    else:
+        fix = "check the disk and run again"
+    kept = _kept(folder)
+    tail = f"; {kept} is intact" if kept else ""
+    return UserError(f"cannot {what} {folder}: {cause}; {fix}{tail}")
 
 
 def _kept(folder: Path) -> str | None:
@@ -280,6 +338,16 @@ def load_trainer_state(folder: str | Path) -> dict[str, Any]:
     return state
 
 
+def check_not_debris(folder: str | Path) -> None:
+    """A `step_N.tmp/` folder (a save that a crash cut short) given to --resume is a
+    `UserError`: it may hold a trainer state and still lack files, so it is never a
+    checkpoint."""
+    folder = Path(folder)
+    if folder.suffix == ".tmp" and folder.name.startswith(("step_", "final")):
+        raise UserError(f"--resume {folder}: this is an unfinished save that a crash cut short, not a checkpoint; "
+                        f"{_other_checkpoint(folder)}")
+
+
 def _other_checkpoint(folder: str | Path) -> str:
     folder = Path(folder)
     older = [p for p in checkpoint_steps(folder.parent) if p != folder and (p / STATE_FILE).is_file()]
@@ -336,6 +404,7 @@ def check_resume(folder: str | Path, *, method: str, lora: bool, critic: str,
     if critic not in CRITIC_LAYOUTS:
         raise ValueError(f"critic must be one of {CRITIC_LAYOUTS}, got {critic!r}")
     folder = Path(folder)
+    check_not_debris(folder)
     if not folder.is_dir():
         raise UserError(f"--resume {folder}: no such folder; point it at a step_N/ folder of a run")
     state = load_trainer_state(folder)

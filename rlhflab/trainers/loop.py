@@ -269,7 +269,9 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
     resume_dir = check_resume_dir(resume, method=method.name, lora=cfg.lora.enabled,
                                   critic=method.critic or "none", world_size=dist.world_size,
                                   fsdp=dist.strategy == "fsdp", deepspeed=dist.strategy == "deepspeed")
-    check_output_dir(train_cfg.output_dir, resume=resume_dir is not None, overwrite=train_cfg.overwrite)
+    record = effective if effective is not None else cfg  # the run's effective_config.yaml
+    check_output_dir(train_cfg.output_dir, resume=resume_dir is not None, overwrite=train_cfg.overwrite,
+                     config=record)
     seed_everything(train_cfg.seed)
 
     run = build_run(cfg, method, resume_dir=resume_dir, math_=math_, dist=dist)
@@ -278,9 +280,10 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
     eval_examples = load_prompts(cfg.dataset, models.tokenizer, "eval") if train_cfg.eval_interval else []
     # The models and the data loaded: now the folder is made and the config written (rank 0 alone).
     out_dir = dist.on_main(lambda: prepare_output_dir(train_cfg.output_dir, resume=resume_dir is not None,
-                                                      overwrite=train_cfg.overwrite), Path(train_cfg.output_dir))
-    if dist.is_main:
-        save_effective_config(effective if effective is not None else cfg, out_dir)
+                                                      overwrite=train_cfg.overwrite, config=record),
+                           Path(train_cfg.output_dir))
+    if dist.is_main:  # a resume keeps the run's record; a changed config goes beside it
+        save_effective_config(record, out_dir, resume_from=resume_dir)
     start_step = 0
     if resume_dir is not None:
         start_step = restore_trainer_state(resume_dir, optimizer, scheduler, rank=dist.rank,
