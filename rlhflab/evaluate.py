@@ -11,11 +11,16 @@ What each metric means:
   check beside a learned reward, so reward hacking shows (the doctor warns about it).
 
 The trainers evaluate with greedy decoding (`evaluate_policy`). `rlhflab eval --model PATH
---data test.jsonl [--correct my_rewards:exact]` runs it from the command line, greedy by
+--data test.jsonl [--correct my_rewards:exact]` runs the same evaluation from the command
+line (`evaluate_sampled`, through the one `rlhflab.rollout.sampler.Sampler`), greedy by
 default or sampled (``--sample --temperature T``), with either generation backend:
 ``--backend hf`` (Hugging Face ``generate``) or ``--backend vllm`` (a vLLM engine on the
-model folder; docs/rollout_backends.md). Both hand their responses to the same
-`score_rollout`, so the metrics are computed the same way whoever generated.
+model folder; docs/rollout_backends.md). Prompts are rendered by the trainers' function
+and rule (``--use-chat-template auto|true|false``, auto by default: a tokenizer with a
+chat template is asked as a chat model), and ``--batch-size`` and
+``--max-prompt-length`` default to the trainers' ``training.eval_batch_size`` and
+``dataset.max_prompt_length``: on the same model, rows and settings, `rlhflab eval` prints
+the numbers the training loop's held-out evaluation logs (tests/test_sampler.py).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import torch
 from rlhflab.data.prompts import PromptExample
 from rlhflab.rewards.gsm8k import ground_truth, is_correct, parse_number
 from rlhflab.rewards.plugins import call_plugin, load_function
-from rlhflab.rollout import Rollout, generate
+from rlhflab.rollout import Rollout
 
 
 @dataclass
@@ -110,10 +115,22 @@ def evaluate_policy(model, tokenizer, examples: list[PromptExample], scorer, *,
                     max_new_tokens: int, max_prompt_length: int | None = None,
                     batch_size: int = 64, checks: EvalChecks | None = None) -> EvalResult:
     """Greedy responses to every example, scored by the reward and by `checks`; keeps
-    every response (with its score, correctness and eval-only rewards) for inspection."""
-    roll = generate(model, tokenizer, [e.prompt for e in examples], max_new_tokens=max_new_tokens,
-                    greedy=True, max_prompt_length=max_prompt_length, batch_size=batch_size,
-                    examples=[e.row for e in examples])
+    every response (with its score, correctness and eval-only rewards) for inspection.
+    The examples are rendered already (`load_prompts`)."""
+    from rlhflab.rollout.sampler import Sampler, Sampling
+
+    sampler = Sampler(tokenizer, model=model, max_prompt_length=max_prompt_length)
+    return evaluate_sampled(sampler, examples, scorer, Sampling(max_new_tokens, greedy=True),
+                            batch_size=batch_size, checks=checks)
+
+
+@torch.no_grad()
+def evaluate_sampled(sampler, examples: list[PromptExample], scorer, sampling, *, batch_size: int = 64,
+                     checks: EvalChecks | None = None, seed: int | None = None) -> EvalResult:
+    """`evaluate_policy` with any `Sampler` (a model folder on hf or vLLM) and `Sampling`:
+    what `rlhflab eval` runs, and the trainers through `evaluate_policy`."""
+    roll = sampler.sample([e.prompt for e in examples], sampling, examples=[e.row for e in examples],
+                          batch_size=batch_size, seed=seed)
     return score_rollout(roll, scorer, checks)
 
 
@@ -146,6 +163,8 @@ def save_samples(result: EvalResult, path: str | Path, limit: int | None = None)
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
+    from rlhflab.config.schema import DatasetConfig, TrainingConfig
+
     parser.add_argument("--model", required=True, help="model folder or hub name")
     parser.add_argument("--data", required=True, help="jsonl/json/parquet/csv of held-out rows")
     parser.add_argument("--prompt-field", default="question")
@@ -156,8 +175,13 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                         help="how a question is shown to the model; {prompt} is replaced (default: the "
                              "arithmetic task's, %(default)r)")
     from rlhflab.cliargs import count
+    from rlhflab.generate import add_chat_template_option
 
+    add_chat_template_option(parser)
     parser.add_argument("--max-new-tokens", type=count(), default=32, help="longest answer (default: %(default)s)")
+    parser.add_argument("--max-prompt-length", type=count(), default=DatasetConfig.max_prompt_length,
+                        help="prompts longer than this (in tokens) are cut from the left, as the trainers' "
+                             "dataset.max_prompt_length (default: %(default)s)")
     parser.add_argument("--limit", type=count(), default=None, help="first N rows only (default: all)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--reward", default="gsm8k",
@@ -166,8 +190,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                         help="accuracy: module:function or file.py:function returning True when a response is "
                              "right; default: the GSM8K checker when every answer is a number, else none")
     parser.add_argument("--samples", default=None, help="write every response (jsonl) here")
-    parser.add_argument("--batch-size", type=count(), default=64,
-                        help="hf: responses per generate call; vllm: sequences the engine holds at once "
+    parser.add_argument("--batch-size", type=count(), default=TrainingConfig.eval_batch_size,
+                        help="hf: responses per generate call, as the trainers' training.eval_batch_size (the "
+                             "batch's padding can change float rounding); vllm: sequences the engine holds at once "
                              "(default: %(default)s)")
     from rlhflab.cliargs import number, seed
     from rlhflab.generate import add_backend_options
@@ -178,21 +203,26 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                         help="sampling temperature, > 0 (with --sample; default: %(default)s)")
     parser.add_argument("--top-p", type=number(0.0, 1.0, lo_open=True), default=1.0,
                         help="nucleus sampling mass in (0, 1] (with --sample; default: %(default)s)")
-    parser.add_argument("--seed", type=seed(), default=0, help="sampling seed (default: %(default)s)")
+    parser.add_argument("--seed", type=seed(), default=0,
+                        help="sampling seed: each response's noise is keyed by (seed, its row), whatever the "
+                             "batch size (default: %(default)s)")
     add_backend_options(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from rlhflab.config.schema import DatasetConfig
     from rlhflab.data.prompts import load_prompts
-    from rlhflab.generate import check_backend_options
-    from rlhflab.models.load import load_model
+    from rlhflab.generate import chat_template_setting, check_backend_options, engine_settings
+    from rlhflab.models.load import resolve_device
     from rlhflab.rewards import RuleScorer, resolve_rule
+    from rlhflab.rollout.sampler import Sampler, Sampling
 
     check_backend_options(args)
+    use_chat = chat_template_setting(args.use_chat_template)
     # The plug-ins first (and once on the first row), so a typo fails before the model loads.
     ds = DatasetConfig(path=None, eval_path=args.data, prompt_field=args.prompt_field,
                        answer_field=args.answer_field, prompt_template=args.template,
+                       use_chat_template=use_chat, max_prompt_length=args.max_prompt_length,
                        num_eval_samples=args.limit)
     examples = load_prompts(ds, None, split="eval")
     scorer = RuleScorer(resolve_rule(args.reward), args.reward)
@@ -202,29 +232,16 @@ def run(args: argparse.Namespace) -> int:
     scorer.score([e.prompt for e in first], probe, [e.row for e in first])
     judge(checks, [e.prompt for e in first], probe, [e.row for e in first])
 
-    sampling = dict(max_new_tokens=args.max_new_tokens, greedy=not args.sample, temperature=args.temperature,
-                    top_p=args.top_p)
-    if args.backend == "vllm":  # only the tokenizer here: the engine loads the weights itself
-        from rlhflab.generate import CLI_OPTIONS
-        from rlhflab.models.load import load_tokenizer
-        from rlhflab.rollout.vllm import engine_for_folder
-
-        tok = load_tokenizer(args.model, kind="model")
-        examples = load_prompts(ds, tok, split="eval")
-        prompts = [e.prompt for e in examples]
-        engine = engine_for_folder(args.model, tok, prompts, max_new_tokens=args.max_new_tokens,
-                                   max_num_seqs=min(args.batch_size, len(prompts)), seed=args.seed,
-                                   kv_cache_gb=args.kv_cache_gb, gpu_memory_utilization=args.gpu_memory_utilization,
-                                   enforce_eager=args.enforce_eager, options=CLI_OPTIONS)
-        roll = engine.generate(prompts, examples=[e.row for e in examples], seed=args.seed,
-                               sample_logprobs=False, **sampling)
-    else:
-        model, tok = load_model(args.model, device=args.device)
-        examples = load_prompts(ds, tok, split="eval")
-        torch.manual_seed(args.seed)
-        roll = generate(model, tok, [e.prompt for e in examples], batch_size=args.batch_size,
-                        examples=[e.row for e in examples], **sampling)
-    res = score_rollout(roll, scorer, checks)
+    device = str(resolve_device(args.device)) if args.backend == "hf" else "cpu"
+    with Sampler.from_folder(args.model, backend=args.backend, template=args.template,
+                             use_chat_template=use_chat, device=device,
+                             max_prompt_length=args.max_prompt_length, engine=engine_settings(args)) as sampler:
+        examples = load_prompts(ds, sampler.tokenizer, split="eval")  # rendered as the trainers render them
+        sampling = Sampling(args.max_new_tokens, greedy=not args.sample, temperature=args.temperature,
+                            top_p=args.top_p)
+        res = evaluate_sampled(sampler, examples, scorer, sampling, batch_size=args.batch_size, checks=checks,
+                               seed=args.seed)
+        prompts_line = sampler.describe()
     rule = accuracy_rule(checks, [e.row for e in examples])
     if res.accuracy is not None:
         print(f"accuracy     {res.accuracy:.3f}   by {rule}")
@@ -233,6 +250,7 @@ def run(args: argparse.Namespace) -> int:
     how = f"sampled at temperature {args.temperature:g}" if args.sample else "greedy"
     print(f"reward_mean  {res.reward_mean:.3f}   ({len(examples)} examples, reward {args.reward}, {how}, "
           f"backend {args.backend})")
+    print(f"prompts: {prompts_line}")
     for s in res.samples[:3]:
         print(f"--- {s['prompt']!r}\n    {s['response']!r}  score={s['score']:.3g}")
     if args.samples:

@@ -7,8 +7,11 @@ Prompts come from ``--prompt`` strings and/or a ``--prompts`` file: a .txt file 
 prompt per line) or any dataset file `rlhflab sft` reads (the prompt of each row's SFT
 layout, or ``--prompt-field``). A model is a folder saved with ``save_pretrained``, a
 hub name, or a LoRA adapter folder (its base is loaded and the adapter applied).
-Decoding is greedy unless ``--sample`` is given, so a base/tuned comparison is not a
-matter of luck. ``--out`` writes one JSON line per prompt with every model's response.
+Each model's tokenizer renders the prompts: ``--template``, then its chat template by the
+trainers' rule (``--use-chat-template auto``, the default: a tokenizer with a chat
+template is asked as a chat model; ``false`` sends the raw template), and one line per
+model says which it used. Decoding is greedy unless ``--sample`` is given, so a
+base/tuned comparison is not a matter of luck. ``--out`` writes one JSON line per prompt with every model's response.
 ``--backend vllm`` generates with a vLLM engine on each model folder in turn instead of
 Hugging Face ``generate`` (the same greedy text; docs/rollout_backends.md).
 """
@@ -17,10 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from rlhflab.errors import UserError
-from rlhflab.files import iter_lines, read_json
+from rlhflab.files import iter_lines
 
 # The generation settings as the commands without a config (eval, generate) spell them;
 # `engine_for_folder` rewrites its error messages with these.
@@ -59,69 +63,31 @@ def read_prompt_file(path: str | Path, field: str | None = None) -> list[str]:
     return prompts
 
 
-def load_any(name_or_path: str, device: str = "cpu", torch_dtype: str = "float32"):
-    """(model, tokenizer) from a model folder, a hub name, or a LoRA adapter folder."""
-    from rlhflab.models.load import load_adapter, load_model
-
-    path = Path(name_or_path)
-    if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
-        base_name = read_json(path / "adapter_config.json").get("base_model_name_or_path")
-        if not base_name:
-            raise UserError(f"{path}/adapter_config.json names no base_model_name_or_path; "
-                            "give the merged model folder instead")
-        has_tok = (path / "tokenizer_config.json").is_file() or (path.parent / "tokenizer_config.json").is_file()
-        tok_src = str(path) if (path / "tokenizer_config.json").is_file() else (
-            str(path.parent) if has_tok else None)
-        base, tok = load_model(base_name, torch_dtype=torch_dtype, device=device, tokenizer=tok_src)
-        return load_adapter(base, path).eval(), tok
-    model, tok = load_model(name_or_path, torch_dtype=torch_dtype, device=device)
-    return model.eval(), tok
-
-
-def format_for(tokenizer, prompt: str, template: str, chat: bool) -> str:
-    from rlhflab.data.prompts import format_prompt
-    return format_prompt(prompt, template, tokenizer, use_chat_template=chat)
-
-
-def compare(models: list[str], prompts: list[str], *, template: str = "{prompt}", chat: bool = False,
-            max_new_tokens: int = 64, sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
-            device: str = "cpu", batch_size: int = 16, seed: int = 0, backend: str = "hf",
-            kv_cache_gb: float | None = None, gpu_memory_utilization: float = 0.9,
-            enforce_eager: bool = False) -> list[dict]:
+def compare(models: list[str], prompts: list[str], *, template: str = "{prompt}",
+            use_chat_template: bool | str = "auto", max_new_tokens: int = 64, sample: bool = False,
+            temperature: float = 1.0, top_p: float = 1.0, device: str = "cpu", batch_size: int = 16, seed: int = 0,
+            backend: str = "hf", kv_cache_gb: float | None = None, gpu_memory_utilization: float = 0.9,
+            enforce_eager: bool = False, say=None) -> list[dict]:
     """One row per prompt: {"prompt", "responses": {model: response}}.
 
-    backend: "hf" loads each model and calls `generate`; "vllm" starts a vLLM engine on
-    each model folder in turn (`engine_for_folder`; a LoRA adapter is merged first) and
-    closes it before the next. Greedy text is the same either way (docs/rollout_backends.md).
+    Each model is a `Sampler` in turn (`rlhflab.rollout.sampler`): its tokenizer renders
+    the prompts (`template`, then its chat template by the `use_chat_template` rule),
+    then hf loads the model and calls `generate`, or vllm starts an engine on the folder
+    (a LoRA adapter is merged first), closed before the next model. Greedy text is the
+    same either way (docs/rollout_backends.md). `say(line)` hears, per model, which
+    template its prompts went through.
     """
-    import torch
+    from rlhflab.rollout.sampler import EngineSettings, Sampler, Sampling
 
-    from rlhflab.rollout import generate
-
+    engine = EngineSettings(kv_cache_gb, gpu_memory_utilization, enforce_eager, CLI_OPTIONS)
+    sampling = Sampling(max_new_tokens, greedy=not sample, temperature=temperature, top_p=top_p)
     rows = [{"prompt": p, "responses": {}} for p in prompts]
     for name in models:
-        if backend == "vllm":
-            from rlhflab.models.load import load_tokenizer
-            from rlhflab.rollout.vllm import engine_for_folder
-
-            tok = load_tokenizer(name, kind="model")
-            texts = [format_for(tok, p, template, chat) for p in prompts]
-            engine = engine_for_folder(name, tok, texts, max_new_tokens=max_new_tokens,
-                                       max_num_seqs=min(batch_size, len(texts)), seed=seed, kv_cache_gb=kv_cache_gb,
-                                       gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-                                       options=CLI_OPTIONS)
-            try:
-                roll = engine.generate(texts, max_new_tokens=max_new_tokens, greedy=not sample,
-                                       temperature=temperature, top_p=top_p, seed=seed, sample_logprobs=False)
-            finally:
-                engine.close()
-        else:
-            model, tok = load_any(name, device=device)
-            torch.manual_seed(seed)
-            texts = [format_for(tok, p, template, chat) for p in prompts]
-            roll = generate(model, tok, texts, max_new_tokens=max_new_tokens, greedy=not sample,
-                            temperature=temperature, top_p=top_p, batch_size=batch_size)
-            del model
+        with Sampler.from_folder(name, backend=backend, template=template, use_chat_template=use_chat_template,
+                                 device=device, engine=engine) as sampler:
+            if say is not None:
+                say(f"prompts: {sampler.describe()}")
+            roll = sampler.sample(sampler.render(prompts), sampling, batch_size=batch_size, seed=seed)
         for row, resp in zip(rows, roll.responses):
             row["responses"][name] = resp
     return rows
@@ -161,6 +127,27 @@ def add_backend_options(parser: argparse.ArgumentParser) -> None:
                              "faster start for a few prompts, slower generation for many")
 
 
+def add_chat_template_option(parser: argparse.ArgumentParser) -> None:
+    """--use-chat-template, the trainers' `dataset.use_chat_template` rule for a command."""
+    parser.add_argument("--use-chat-template", choices=("auto", "true", "false"), default="auto",
+                        type=str.lower, metavar="{auto,true,false}",
+                        help="wrap each prompt (after --template) in the tokenizer's chat template: auto when "
+                             "the tokenizer has one, so a chat model is asked as a chat model; true insists; "
+                             "false sends the raw template (default: %(default)s)")
+
+
+def chat_template_setting(value: str) -> bool | str:
+    """--use-chat-template's text as the config value (True, False or "auto")."""
+    return {"true": True, "false": False}.get(value, value)
+
+
+def engine_settings(args: argparse.Namespace):
+    """The vLLM engine settings of `add_backend_options`, with the command's option names."""
+    from rlhflab.rollout.sampler import EngineSettings
+
+    return EngineSettings(args.kv_cache_gb, args.gpu_memory_utilization, args.enforce_eager, CLI_OPTIONS)
+
+
 def check_backend_options(args: argparse.Namespace) -> None:
     """A vLLM-only setting given with --backend hf is a mistake, not something to ignore."""
     if args.backend == "hf" and args.kv_cache_gb is not None:
@@ -181,7 +168,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--template", default=PROMPT_TEMPLATE,
                         help="how a prompt is shown to the model, {prompt} replaced; the same default as "
                              "`rlhflab eval` (%(default)r); '{prompt}' sends prompts as they are")
-    parser.add_argument("--chat", action="store_true", help="wrap prompts with each tokenizer's chat template")
+    add_chat_template_option(parser)
+    parser.add_argument("--chat", action="store_true",
+                        help="deprecated: the same as --use-chat-template true (auto is now the default)")
     parser.add_argument("--limit", type=count(), default=5, help="first N prompts of --prompts (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=count(), default=64, help="longest response (default: %(default)s)")
     parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
@@ -205,12 +194,21 @@ def run(args: argparse.Namespace) -> int:
     template = args.template.replace("\\n", "\n")
     if "{prompt}" not in template:
         raise UserError(f"--template {args.template!r} has no {{prompt}}; e.g. \"Question: {{prompt}}\\nAnswer:\"")
+    use_chat = chat_template_setting(args.use_chat_template)
+    if args.chat:
+        if use_chat is False:
+            raise UserError("--chat and --use-chat-template false disagree; give one (--chat is deprecated: "
+                            "it means --use-chat-template true)")
+        print("note: --chat is deprecated; it means --use-chat-template true (auto, the default, uses a chat "
+              "template whenever the tokenizer has one)", file=sys.stderr)
+        use_chat = True
     from rlhflab.models.load import resolve_device
-    rows = compare(args.model, prompts, template=template, chat=args.chat, max_new_tokens=args.max_new_tokens,
-                   sample=args.sample, temperature=args.temperature, top_p=args.top_p,
-                   device=str(resolve_device(args.device)), seed=args.seed, backend=args.backend,
+    device = str(resolve_device(args.device)) if args.backend == "hf" else "cpu"
+    rows = compare(args.model, prompts, template=template, use_chat_template=use_chat,
+                   max_new_tokens=args.max_new_tokens, sample=args.sample, temperature=args.temperature,
+                   top_p=args.top_p, device=device, seed=args.seed, backend=args.backend,
                    kv_cache_gb=args.kv_cache_gb, gpu_memory_utilization=args.gpu_memory_utilization,
-                   enforce_eager=args.enforce_eager)
+                   enforce_eager=args.enforce_eager, say=print)
     print(render(rows))
     if args.out:
         out = Path(args.out)

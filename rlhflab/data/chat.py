@@ -1,9 +1,11 @@
 """Chat templates: the one rule for whether to use one, and the end-of-turn token.
 
-The rule, the same for every command (`sft`, `rm`, `dpo`, `ppo`, `grpo`, `rloo`, `eval`):
-the `use_chat_template` key (``data.`` for SFT and the reward model, ``dataset.`` for
-the others) is ``auto`` by default: the tokenizer's chat template is used when it has
-one, plain text templates otherwise. ``true`` insists on a template (a tokenizer
+The rule, the same for every command (`sft`, `rm`, `dpo`, `ppo`, `grpo`, `rloo`, and the
+commands that only generate: `eval`, `generate`, `label generate`): the `use_chat_template`
+key (``data.`` for SFT and the reward model, ``dataset.`` for the trainers,
+``--use-chat-template`` for `eval`, `generate` and `label generate`) is ``auto`` by
+default: the tokenizer's chat template is used when it has one, plain text templates
+otherwise. ``true`` insists on a template (a tokenizer
 without one is an error that says so); ``false`` never uses one.
 
 A chat model closes its answer with an end-of-turn token (``<|im_end|>`` in ChatML,
@@ -36,7 +38,8 @@ def resolve_use_chat_template(setting: bool | str, tokenizer, key: str = "datase
     if setting is True or setting == "true":
         if not has_chat_template(tokenizer):
             name = getattr(tokenizer, "name_or_path", "") or "the model's"
-            raise UserError(f"{key}: true, but the tokenizer {name!r} has no chat template; set {key}=auto "
+            to = " " if key.startswith("--") else "="  # a command-line option or a config key
+            raise UserError(f"{key}: true, but the tokenizer {name!r} has no chat template; set {key}{to}auto "
                             "(plain templates when there is none) or false, or use a tokenizer with one "
                             "(e.g. `rlhflab make-tiny --chat-template chatml`)")
         return True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,37 @@ from rlhflab.errors import UserError
 class PromptExample:
     prompt: str  # the formatted text the model sees
     row: dict    # the raw dataset row (the reward reads e.g. row["answer"])
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """How a prompt's text becomes what the model sees: `template` with {prompt} replaced,
+    wrapped by the tokenizer's chat template when `use_chat` (the `use_chat_template`
+    setting already resolved for this tokenizer). `setting` is that setting as given."""
+
+    template: str = "{prompt}"
+    use_chat: bool = False
+    setting: bool | str = False
+
+    @classmethod
+    def resolve(cls, template: str, setting: bool | str, tokenizer,
+                key: str = "dataset.use_chat_template") -> "PromptFormat":
+        """The trainers' rule (`resolve_use_chat_template`): auto uses the template when the
+        tokenizer has one; true without one is a `UserError` naming `key`."""
+        use = resolve_use_chat_template(setting, tokenizer, key) if tokenizer is not None else False
+        return cls(template, use, setting)
+
+    def render(self, text: str, tokenizer) -> str:
+        return format_prompt(text, self.template, tokenizer, self.use_chat)
+
+    def describe(self, source: str = "the tokenizer") -> str:
+        """One line for a command's output, e.g. `chat template of m (auto) around "Q: {prompt}"`."""
+        setting = {True: "true", False: "false"}.get(self.setting, self.setting)  # type: ignore[call-overload]
+        inner = json.dumps(self.template)
+        if self.use_chat:
+            return f"chat template of {source} ({setting}) around {inner}"
+        why = "the tokenizer has no chat template" if setting == "auto" else "no chat template"
+        return f"raw template {inner} ({setting}: {why})"
 
 
 def format_prompt(text: str, template: str, tokenizer=None, use_chat_template: bool | str = False) -> str:
@@ -44,7 +76,7 @@ def load_prompts(dataset_cfg, tokenizer=None, split: str = "train") -> list[Prom
         source, hub_split, limit = (d.eval_path or d.name), d.eval_split, d.num_eval_samples
     if source is None:
         raise UserError(f"dataset: no {'path' if split == 'train' else 'eval_path'} and no name; set one")
-    use_chat = resolve_use_chat_template(d.use_chat_template, tokenizer) if tokenizer is not None else False
+    fmt = PromptFormat.resolve(d.prompt_template, d.use_chat_template, tokenizer)
     rows = read_rows(source, hub_split, d.subset)
     require_fields(rows, [d.prompt_field], str(source))
     if limit is not None:
@@ -54,8 +86,7 @@ def load_prompts(dataset_cfg, tokenizer=None, split: str = "train") -> list[Prom
         row = dict(row)
         if d.answer_field in row:  # the configured field wins over a row's own "answer"
             row["answer"] = row[d.answer_field]
-        out.append(PromptExample(format_prompt(str(row[d.prompt_field]), d.prompt_template,
-                                               tokenizer, use_chat), row))
+        out.append(PromptExample(fmt.render(str(row[d.prompt_field]), tokenizer), row))
     return out
 
 

@@ -36,6 +36,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("hf", "vllm"),
                    help="who samples (sets generation.backend): hf, Hugging Face generate (the default), or "
                         "vllm, a vLLM engine on the model folder (size its KV cache with generation.kv_cache_gb)")
+    p.add_argument("--use-chat-template", choices=("auto", "true", "false"), type=str.lower,
+                   help="wrap each prompt in the tokenizer's chat template (sets use_chat_template): auto, the "
+                        "default, when the tokenizer has one; false sends the file's text as it is")
     p.add_argument("--config", help="YAML with generation: (temperature, top_p, max_new_tokens...) "
                                     "and other keys of `label generate`")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
@@ -101,6 +104,8 @@ def _generate(args: argparse.Namespace) -> int:
         overrides.append(f"n={args.n}")
     if args.backend is not None:
         overrides.append(f"generation.backend={args.backend}")
+    if args.use_chat_template is not None:
+        overrides.append(f"use_chat_template={args.use_chat_template}")
     cfg, _ = load_config(args.config, LabelGenerateConfig, overrides)
     result = generate_pairs(cfg, args.prompts, args.out)
     print(f"{args.out}: {result.summary()}")

@@ -1,11 +1,16 @@
 """`rlhflab label generate`: sample N responses per prompt and store candidate pairs.
 
-Prompts are fed to the model as plain text, tokenised without special tokens as every
-rlhflab rollout is (format them in the file the way the policy expects, e.g.
-"User: ...\\nAssistant:"). Sampling settings come from the `generation:` section of the
-config (temperature, top_k, top_p, max/min_new_tokens), and so does who samples:
-`generation.backend: hf` (Hugging Face `generate`, the default) or `vllm` (a vLLM engine
-on the model folder, started once; `kv_cache_gb`, `gpu_memory_utilization`). Identical
+Prompts are rendered as the trainers render theirs (`rlhflab.rollout.sampler.Sampler`):
+`prompt_template` ({prompt} replaced; the default sends the file's text as it is), then
+the tokenizer's chat template by the `use_chat_template` rule (auto, the default: a
+tokenizer with a chat template is asked as a chat model; false sends the text raw, so
+format it in the file the way the policy expects, e.g. "User: ...\\nAssistant:").
+The database stores the prompt as the file has it, without the template, since `rm` and
+`dpo` render the exported rows themselves. Sampling settings come from the
+`generation:` section of the config (temperature, top_k, top_p, max/min_new_tokens), and
+so does who samples: `generation.backend: hf` (Hugging Face `generate`, the default) or
+`vllm` (a vLLM engine on the model folder, started once; `kv_cache_gb`,
+`gpu_memory_utilization`). Identical
 samples of one prompt are stored once, and every two distinct responses make a pair (or
 `pairs_per_prompt` of them drawn at random). Each batch of prompts is one transaction,
 so an interrupted run keeps the batches it finished; running again adds only new pairs.
@@ -17,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from rlhflab.config.schema import GenerationConfig, ModelConfig, f
+from rlhflab.config.schema import CHAT_TEMPLATE_HELP, ChatTemplateUse, GenerationConfig, ModelConfig, f
 from rlhflab.errors import UserError
 from rlhflab.files import iter_jsonl
 from rlhflab.label import db as labeldb
@@ -29,6 +34,8 @@ class LabelGenerateConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    prompt_template: str = f("{prompt}", "how a prompt is shown to the model; {prompt} is replaced")
+    use_chat_template: ChatTemplateUse = f("auto", CHAT_TEMPLATE_HELP)
     n: int = f(4, "responses sampled per prompt", ge=2)
     pairs_per_prompt: Optional[int] = f(None, "pairs kept per prompt, drawn at random; null keeps all n(n-1)/2", gt=0)
     batch_size: int = f(8, "prompts per generate() call", gt=0)
@@ -52,65 +59,60 @@ def read_prompts(path: str | Path) -> list[str]:
     return list(dict.fromkeys(prompts))
 
 
-def sample_responses(model, tokenizer, prompts: list[str], n: int, gen: GenerationConfig, *,
-                     engine=None, seed: int | None = None, first_prompt: int = 0) -> list[list[str]]:
-    """n sampled continuations for each prompt: a list (per prompt) of n strings.
+def sample_responses(sampler, prompts: list[str], n: int, gen: GenerationConfig, *,
+                     seed: int | None = None, first_prompt: int = 0) -> list[list[str]]:
+    """n sampled continuations for each (rendered) prompt: a list (per prompt) of n strings.
 
-    `engine`: a `VLLMEngine` that samples instead of `model` (generation.backend=vllm).
-    Either way the responses are a `Rollout`'s: cut after the first EOS (or end of turn),
-    decoded without special tokens. `seed`: the samples of each row (hf,
-    generation.seeded_sampling) or of each prompt (vllm) keyed by (seed, its index in the
-    whole run, prompts[0] being number `first_prompt`), so they do not depend on batch_size.
+    The responses are a `Rollout`'s, whichever backend `sampler` runs: cut after the first
+    EOS (or end of turn), decoded without special tokens. `seed`: the samples of each
+    prompt keyed by (seed, its index in the whole run, prompts[0] being number
+    `first_prompt`), so they do not depend on batch_size.
     """
-    kw = dict(n=n, max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,
-              temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p)
-    if engine is not None:
-        roll = engine.generate(prompts, seed=seed, row_offset=first_prompt, sample_logprobs=False, **kw)
-    else:
-        from rlhflab.rollout import generate
-        roll = generate(model, tokenizer, prompts, batch_size=len(prompts) * n, seed=seed,
-                        row_offset=first_prompt * n, **kw)
+    from rlhflab.rollout.sampler import Sampling
+
+    roll = sampler.sample(prompts, Sampling.from_config(gen), n=n, batch_size=len(prompts) * n, seed=seed,
+                          first_prompt=first_prompt)
     return [roll.responses[i * n:(i + 1) * n] for i in range(len(prompts))]  # rows i*n.. answer prompt i
 
 
 def generate_pairs(cfg: LabelGenerateConfig, prompts_path: str | Path,
-                   out_db: str | Path) -> labeldb.AddResult:
+                   out_db: str | Path, say=print) -> labeldb.AddResult:
     """Sample, then store prompts, responses and pairs in `out_db` (created if new).
 
     With generation.backend=vllm the engine starts (or fails, e.g. vLLM missing) before
-    the database is opened, so a failed start leaves no new file behind.
+    the database is opened, so a failed start leaves no new file behind. `say(line)`
+    hears which template the prompts went through.
     """
     prompts = read_prompts(prompts_path)  # a bad file fails before torch is imported
+    if "{prompt}" not in cfg.prompt_template:
+        raise UserError(f"prompt_template: {cfg.prompt_template!r} has no {{prompt}}; e.g. \"{{prompt}}\" "
+                        "(the file's text as it is)")
 
     import torch
 
+    from rlhflab.rollout.sampler import EngineSettings, Sampler
+
     m, gen = cfg.model, cfg.generation
     torch.manual_seed(cfg.seed)
-    model = engine = None
-    if gen.backend == "vllm":  # the engine loads the weights itself: only the tokenizer here
-        from rlhflab.models.load import load_tokenizer
-        from rlhflab.rollout.vllm import engine_for_folder
-
-        tokenizer = load_tokenizer(m.tokenizer or m.name_or_path, m.trust_remote_code, kind="model")
-        engine = engine_for_folder(m.name_or_path, tokenizer, prompts, max_new_tokens=gen.max_new_tokens,
-                                   max_num_seqs=min(cfg.batch_size, len(prompts)) * cfg.n, dtype=m.torch_dtype,
-                                   seed=cfg.seed, kv_cache_gb=gen.kv_cache_gb,
-                                   gpu_memory_utilization=gen.gpu_memory_utilization,
-                                   enforce_eager=gen.enforce_eager, trust_remote_code=m.trust_remote_code)
-    else:
-        from rlhflab.models.load import load_model
-
-        model, tokenizer = load_model(m.name_or_path, torch_dtype=m.torch_dtype, device=cfg.device,
-                                      trust_remote_code=m.trust_remote_code, tokenizer=m.tokenizer)
-        model.eval()
-    seed = cfg.seed if gen.seeded_sampling or engine is not None else None
+    sampler = Sampler.from_folder(
+        m.name_or_path, backend=gen.backend, template=cfg.prompt_template, use_chat_template=cfg.use_chat_template,
+        key="use_chat_template", device=cfg.device, dtype=m.torch_dtype, trust_remote_code=m.trust_remote_code,
+        tokenizer=m.tokenizer,
+        engine=EngineSettings(gen.kv_cache_gb, gen.gpu_memory_utilization, gen.enforce_eager))
+    rendered = dict(zip(prompts, sampler.render(prompts)))
+    # vLLM: the engine starts now, sized for every prompt (hf: nothing to start)
+    sampler.start(list(rendered.values()), max_new_tokens=gen.max_new_tokens,
+                  max_num_seqs=min(cfg.batch_size, len(prompts)) * cfg.n, seed=cfg.seed)
+    say(f"prompts: {sampler.describe()}")
+    # vLLM always draws from per-prompt generators; hf only with generation.seeded_sampling.
+    seed = cfg.seed if gen.seeded_sampling or gen.backend == "vllm" else None
     source = str(m.name_or_path)
     conn = labeldb.connect(out_db, create=True)
     result = labeldb.AddResult()
     try:
         for start in range(0, len(prompts), cfg.batch_size):
             batch = prompts[start:start + cfg.batch_size]
-            samples = sample_responses(model, tokenizer, batch, cfg.n, gen, engine=engine, seed=seed,
+            samples = sample_responses(sampler, [rendered[p] for p in batch], cfg.n, gen, seed=seed,
                                        first_prompt=start)
             with labeldb.transaction(conn):
                 for prompt, responses in zip(batch, samples, strict=True):
@@ -121,4 +123,5 @@ def generate_pairs(cfg: LabelGenerateConfig, prompts_path: str | Path,
         result.responses = labeldb.count(conn, "responses")
     finally:
         conn.close()
+        sampler.close()
     return result
