@@ -266,6 +266,43 @@ def test_names_from_the_tutorial_and_trl_get_rlhflabs_key():
         load_config(None, GRPORunConfig, ["grpo.num_generations=8"])
 
 
+def test_names_from_the_tutorial_notebook_get_rlhflabs_key():
+    # The tutorial notebook's PPO arguments (kl_penalty_method, kl_penalty_beta,
+    # reward_score_clip), where a user of it would write them: in the method's section.
+    lines = _errors(DEBUG, ["ppo.kl_penalty_method=k_3", "ppo.kl_penalty_beta=0.1", "ppo.reward_score_clip=5"])
+    assert len(lines) == 3
+    assert "ppo.kl_penalty_method: unknown key; did you mean ppo.kl_estimator?" in lines[0]
+    assert "ppo.kl_penalty_beta: unknown key; did you mean ppo.kl_coeff?" in lines[1]
+    assert "ppo.reward_score_clip: unknown key; did you mean reward.score_clip?" in lines[2]
+    assert all("docs/knobs.md" in x for x in lines)
+    # GRPO and Dr. GRPO call their KL weight beta: the same notebook name finds it there.
+    from rlhflab.trainers.dr_grpo import DrGRPORunConfig
+    from rlhflab.trainers.grpo import GRPORunConfig
+    with pytest.raises(ConfigError, match=r"grpo.kl_penalty_beta: unknown key; did you mean grpo.beta\?"):
+        load_config(None, GRPORunConfig, ["grpo.kl_penalty_beta=0.04"])
+    with pytest.raises(ConfigError, match=r"dr_grpo.kl_penalty_beta: unknown key; did you mean dr_grpo.beta\?"):
+        load_config(None, DrGRPORunConfig, ["dr_grpo.kl_penalty_beta=0.04"])
+    # The key it points to takes the setting (the notebook's k_3 is spelled k3 here).
+    cfg, _ = load_config(DEBUG, PPORunConfig, ["ppo.kl_estimator=k3", "ppo.kl_coeff=0.1", "reward.score_clip=5"])
+    assert (cfg.ppo.kl_estimator, cfg.ppo.kl_coeff, cfg.reward.score_clip) == ("k3", 0.1, 5.0)
+
+
+def test_hugging_face_checkpoint_names_get_rlhflabs_key_not_a_lookalike():
+    # sft.save_steps once got "did you mean sft.max_steps?" (difflib: the nearest spelling,
+    # a different knob); HF's save_steps / save_total_limit / eval_steps name training's keys.
+    from rlhflab.trainers.sft import SFTRunConfig
+
+    with pytest.raises(ConfigError) as info:
+        load_config(None, SFTRunConfig, ["sft.save_steps=200", "sft.save_total_limit=3", "training.eval_steps=50"])
+    lines = str(info.value).splitlines()
+    assert len(lines) == 3 and not any("max_steps" in x for x in lines), lines
+    assert "sft.save_steps: unknown key; did you mean training.save_interval?" in lines[0]
+    assert "sft.save_total_limit: unknown key; did you mean training.keep_last_checkpoints?" in lines[1]
+    assert "training.eval_steps: unknown key; did you mean training.eval_interval?" in lines[2]
+    cfg, _ = load_config(None, SFTRunConfig, ["training.save_interval=200", "training.keep_last_checkpoints=3"])
+    assert (cfg.training.save_interval, cfg.training.keep_last_checkpoints) == (200, 3)
+
+
 def test_knobs_md_maps_exactly_the_loaders_foreign_keys():
     # docs/knobs.md's table of other tools' names is FOREIGN_KEYS, row for row, and every
     # key it points at exists: a bare key in some method's section, a dotted one in a run config.
@@ -273,6 +310,7 @@ def test_knobs_md_maps_exactly_the_loaders_foreign_keys():
 
     from rlhflab.config.loader import FOREIGN_KEYS
     from rlhflab.trainers.dpo import DPORunConfig
+    from rlhflab.trainers.dr_grpo import DrGRPORunConfig
     from rlhflab.trainers.grpo import GRPORunConfig
     from rlhflab.trainers.rloo import RLOORunConfig
 
@@ -293,6 +331,7 @@ def test_knobs_md_maps_exactly_the_loaders_foreign_keys():
             assert any(target in fields(sec) for sec in method_sections), (name, target)
         elif target.startswith("<method>."):
             assert all(target.split(".", 1)[1] in fields(sec) for sec in method_sections), (name, target)
-        else:
+        else:  # a section of the PPO run (training, reward, ...) or a method's own (grpo.beta)
             section, key = target.split(".")
-            assert key in fields(getattr(PPORunConfig(), section)), (name, target)
+            owners = [getattr(run, section) for run in [*runs, DrGRPORunConfig()] if hasattr(run, section)]
+            assert owners and all(key in fields(sec) for sec in owners), (name, target)

@@ -51,6 +51,13 @@ FOREIGN_KEYS: dict[str, str] = {
     "training.num_samples": "dataset.num_samples", "training.learning_rate": "<method>.learning_rate",
     "ppo.response_length": "generation.max_new_tokens", "ppo.temperature": "generation.temperature",
     "training.batch_size": "<method>.batch_size", "training.epochs": "<method>.epochs",
+    # the tutorial notebook's PPO arguments (its k_3 estimator is rlhflab's k3)
+    "kl_penalty_method": "kl_estimator", "kl_penalty_beta": "kl_coeff",
+    "grpo.kl_penalty_beta": "grpo.beta", "dr_grpo.kl_penalty_beta": "dr_grpo.beta",
+    "reward_score_clip": "reward.score_clip",
+    # Hugging Face TrainingArguments
+    "save_steps": "training.save_interval", "save_total_limit": "training.keep_last_checkpoints",
+    "eval_steps": "training.eval_interval",
 }
 
 
