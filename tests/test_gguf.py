@@ -1,0 +1,170 @@
+"""`rlhflab import-gguf` on small fabricated GGUF files (tests/gguf_helpers.py): the round
+trip, the stop ids, the `.gguf` model path, and every bad input as a one-line UserError.
+
+The real SmolLM2 file's round trip is in tests/test_real_model.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+
+from gguf_helpers import write_tiny_gguf  # noqa: E402
+
+from rlhflab import cli  # noqa: E402
+from rlhflab.errors import UserError  # noqa: E402
+from rlhflab.models import gguf as gguf_import  # noqa: E402
+from rlhflab.models.gguf import import_gguf, read_header, stop_ids_of  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-chat.gguf")
+
+
+@pytest.fixture(scope="module")
+def tiny_imported(tiny_gguf, tmp_path_factory):
+    return import_gguf(tiny_gguf, tmp_path_factory.mktemp("imported") / "tiny", quiet=True)
+
+
+def test_round_trip_logits_template_and_stop_ids(tiny_gguf, tiny_imported):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tiny_imported.out_dir
+    ref = AutoModelForCausalLM.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name, dtype=torch.float32)
+    ref_tok = AutoTokenizer.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    tok = AutoTokenizer.from_pretrained(str(out))
+    for text in ("hi t there", "7 + 5 ="):
+        ids = tok(text, return_tensors="pt").input_ids
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, ref(ids).logits)  # the same weights, the same function
+    chat = [{"role": "user", "content": "What is 7 + 5?"}]
+    rendered = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert rendered == ref_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert rendered == "<|im_start|>user\nWhat is 7 + 5?<|im_end|>\n<|im_start|>assistant\n"
+    # <|im_end|> is id 2 (specials first: <|endoftext|> 0, <|im_start|> 1, <|im_end|> 2),
+    # and the file's EOS is 2 as well: one stop id.
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == 2 and tok.convert_ids_to_tokens(2) == "<|im_end|>"
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    info = json.loads((out / "import_info.json").read_text())
+    assert info["source"] == str(tiny_gguf.resolve()) and info["dtype"] == "float32"
+    assert info["sha256"] == gguf_import.sha256_of(tiny_gguf) and len(info["sha256"]) == 64
+    assert info["stop_tokens"] == ["<|im_end|>"] and info["chat_template"] is True
+    assert not list(out.parent.glob(".*importing*"))  # the temporary folder was renamed
+
+
+def test_end_of_turn_found_by_name_beside_a_different_eos(tmp_path):
+    # A Gemma-like vocabulary: <pad> 0, <eos> 1, <bos> 2, <end_of_turn> 3; the file's EOS is
+    # 1. Generation must stop at the end of a turn (3) and at the EOS (1): [3, 1].
+    path = write_tiny_gguf(tmp_path / "g.gguf", specials=("<pad>", "<eos>", "<bos>", "<end_of_turn>"), eos_id=1,
+                           chat_template=None)
+    header = read_header(path)
+    assert (header.eos_id, header.eot_id) == (1, 3)
+    assert stop_ids_of(header) == [3, 1]
+    assert stop_ids_of(header._replace(eot_id=None)) == [1]
+
+
+def test_bfloat16_import(tiny_gguf, tiny_imported, tmp_path):
+    from safetensors.torch import load_file
+
+    res = import_gguf(tiny_gguf, tmp_path / "bf16", dtype="bfloat16", quiet=True)
+    weights = load_file(str(res.out_dir / "model.safetensors"))
+    full = load_file(str(tiny_imported.out_dir / "model.safetensors"))
+    assert all(w.dtype == torch.bfloat16 for w in weights.values())
+    name = "model.embed_tokens.weight"
+    assert torch.equal(weights[name], full[name].to(torch.bfloat16))  # a plain cast of the float32 values
+    assert json.loads((res.out_dir / "import_info.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_gguf_model_path_is_imported_once_into_the_cache(tiny_gguf, tmp_path, monkeypatch, capsys):
+    from rlhflab.models import load
+
+    monkeypatch.setenv(gguf_import.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(load, "_GGUF_FOLDERS", {})
+    model, tok = load.load_model(str(tiny_gguf))
+    digest = gguf_import.sha256_of(tiny_gguf)
+    folder = tmp_path / "cache" / f"{digest[:12]}-tiny-chat"
+    assert (folder / "import_info.json").is_file()
+    assert str(folder) in capsys.readouterr().err  # the folder is named to the user
+    assert model.config.vocab_size == len(tok) and tok.chat_template
+
+    def no_second_import(*a, **k):
+        raise AssertionError("imported twice")
+
+    monkeypatch.setattr(gguf_import, "import_gguf", no_second_import)
+    monkeypatch.setattr(load, "_GGUF_FOLDERS", {})  # a new process: found on disk by its hash
+    assert load.resolve_model_path(str(tiny_gguf)) == str(folder)
+    assert load.load_tokenizer(str(tiny_gguf)).name_or_path == str(folder)
+
+
+def test_not_a_gguf_file(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"PK\x03\x04 a zip file, say")
+    with pytest.raises(UserError, match=r"model\.gguf: not a GGUF file \(it starts with b'PK\\x03\\x04'"):
+        import_gguf(bad, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("keep", [60, 0.6])  # inside the metadata; inside the tensor data
+def test_truncated_file(tiny_gguf, tmp_path, keep):
+    data = tiny_gguf.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:keep if isinstance(keep, int) else int(len(data) * keep)])
+    with pytest.raises(UserError, match=r"cut\.gguf: truncated .*download or copy it again") as err:
+        import_gguf(cut, tmp_path / "out")
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_architecture_transformers_cannot_dequantize(tmp_path):
+    path = write_tiny_gguf(tmp_path / "rwkv.gguf", arch="rwkv6")
+    with pytest.raises(UserError, match=r"rwkv\.gguf: architecture 'rwkv6' cannot be dequantized by transformers"):
+        import_gguf(path, tmp_path / "out")
+
+
+def test_gguf_package_missing(tiny_gguf, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "gguf", None)  # `import gguf` raises ImportError
+    with pytest.raises(UserError, match=r"tiny-chat\.gguf: .*needs the `gguf` package.*pip install 'rlhflab\[gguf\]'"):
+        import_gguf(tiny_gguf, tmp_path / "out")
+
+
+def test_out_folder_with_files_is_refused_and_left_alone(tiny_gguf, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match=r"--out .*out: the folder exists and is not empty"):
+        import_gguf(tiny_gguf, out)
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert (import_gguf(tiny_gguf, empty, quiet=True).out_dir / "config.json").is_file()  # an empty one is fine
+
+
+def test_failed_load_leaves_nothing(tiny_gguf, tmp_path, monkeypatch):
+    import transformers
+
+    def boom(*a, **k):
+        raise NotImplementedError("ggml type 39 is not supported")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", boom)
+    with pytest.raises(UserError, match=r"tiny-chat\.gguf: transformers .* could not load this GGUF file "
+                                        r"\(ggml type 39 is not supported\)"):
+        import_gguf(tiny_gguf, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_exit_codes(tiny_gguf, tmp_path, capsys):
+    assert cli.main(["import-gguf", str(tmp_path / "missing.gguf"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "missing.gguf: no such GGUF file" in err and "\n" not in err
+    assert cli.main(["import-gguf", str(tiny_gguf), "--out", str(tmp_path / "o")]) == 0
+    assert "stop ids [2]" in capsys.readouterr().out
+    assert cli.main(["import-gguf", str(tiny_gguf), "--out", str(tmp_path / "o")]) == 2  # now it is not empty
+    assert "import-gguf" in cli._top_parser().format_help()
