@@ -10,9 +10,8 @@
 set -euo pipefail
 OUT="${1:-outputs/sentiment}"
 SEED="${2:-0}"
-RLHFLAB="${RLHFLAB:-rlhflab}"
-PYTHON="${PYTHON:-python}"
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
+source "$(dirname "$0")/find_rlhflab.sh"   # RLHFLAB and PYTHON: the repo's .venv, else PATH
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 cd "$(dirname "$0")/.."
 
 echo "== 1. a tiny causal LM (2.4M parameters) and the generated review task"

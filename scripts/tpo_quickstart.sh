@@ -9,9 +9,8 @@ set -euo pipefail
 OUT="${1:-outputs/tpo}"
 shift || true
 if [ $# -gt 0 ]; then SEEDS=("$@"); else SEEDS=(0 1); fi
-RLHFLAB="${RLHFLAB:-rlhflab}"
-PYTHON="${PYTHON:-python}"
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
+source "$(dirname "$0")/find_rlhflab.sh"   # RLHFLAB and PYTHON: the repo's .venv, else PATH
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 cd "$(dirname "$0")/.."
 
 if [ ! -d "$OUT/warm/sft/final" ]; then

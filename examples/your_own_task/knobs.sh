@@ -5,8 +5,8 @@
 # Usage: examples/your_own_task/knobs.sh [SEED...]     (default: 0 1)
 #        MATCH=RLOO examples/your_own_task/knobs.sh     runs only the variants whose name matches
 set -euo pipefail
-RLHFLAB="${RLHFLAB:-rlhflab}"
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
+source "$(dirname "$0")/../../scripts/find_rlhflab.sh"   # RLHFLAB: the repo's .venv, else PATH
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 cd "$(dirname "$0")"
 if [ $# -gt 0 ]; then SEEDS=("$@"); else SEEDS=(0 1); fi
 WARM="outputs/seed0/sft/final"

@@ -6,9 +6,8 @@
 #        a re-run replaces that seed's runs)
 set -euo pipefail
 SEED="${1:-0}"
-RLHFLAB="${RLHFLAB:-rlhflab}"
-PYTHON="${PYTHON:-python}"
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
+source "$(dirname "$0")/../../scripts/find_rlhflab.sh"   # RLHFLAB and PYTHON: the repo's .venv, else PATH
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 cd "$(dirname "$0")"            # the task's folder: my_rewards.py is found here without PYTHONPATH
 OUT="outputs/seed$SEED"
 EVAL=(--data data/test.jsonl --prompt-field word --answer-field reversed --template $'Reverse: {prompt}\nAnswer:'
