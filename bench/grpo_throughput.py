@@ -1,6 +1,7 @@
 """GRPO throughput and peak memory: rlhflab's GRPO and TRL's `GRPOTrainer`, side by side.
 
-    python bench/grpo_throughput.py [--steps 6] [--model DIR] [--beta 0.0] [--device cpu]
+    python bench/grpo_throughput.py [--steps 6] [--repeats 3] [--sides rlhflab,trl] [--out DIR]
+                                    [--model DIR] [--data DIR] [--beta 0.0] [--device cpu]
 
 Both run the same GRPO on the same model (a tiny Llama built locally unless --model is
 given), on the arithmetic task's prompts with the GSM8K checker as the reward: group
@@ -32,6 +33,15 @@ TRL is not a dependency of rlhflab. Install it for this benchmark only:
 (TRL imports `requests`, which needs `charset_normalizer`, `urllib3`, `certifi` and
 `idna`; rlhflab's environment does not promise any of them.)
 
+`--sides rlhflab` runs rlhflab's side alone (no TRL needed); the other side then reads nan.
+
+Every run of every round trains in a folder of its own under the scratch folder (`--out`,
+or a fresh temporary one): `<side>-round<N>-<random>/`, holding `prime/` (the priming run,
+removed once it has run) and `run/` (the measured run). The scratch folder itself keeps
+only the inputs it builds (`tiny-model/`, `arith/`), reused by later rounds and by later
+invocations with the same `--out`; no run ever starts in a folder that holds another run,
+which the trainer would refuse.
+
 The last line reads
 `grpo_throughput: rlhflab X completions/s, trl Y completions/s, speed ratio Z, memory ratio W`
 with Z = X / Y (higher is better for rlhflab) and W = rlhflab's peak / TRL's (lower is better).
@@ -42,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -98,13 +109,20 @@ def _rates(marks: list[tuple[float, float]]) -> dict:
     return {"completions_per_s": n / (w1 - w0), "completions_per_cpu_s": n / (c1 - c0), "steps_timed": len(marks) - 1}
 
 
+def _prime(train, a: argparse.Namespace) -> None:
+    """One step in `<out>/prime` (this worker's own folder), then the folder is removed:
+    only what the libraries loaded lazily stays."""
+    train(a, steps=1, out="prime")
+    shutil.rmtree(Path(a.out) / "prime", ignore_errors=True)
+
+
 def run_rlhflab(a: argparse.Namespace) -> dict:
     if a.prime:
-        _train_rlhflab(a, steps=1, out="rlhflab-prime")  # priming, thrown away
+        _prime(_train_rlhflab, a)  # priming, thrown away
     else:  # only the imports the run would make
         from rlhflab.trainers import grpo, loop  # noqa: F401
     baseline = _baseline(a.device)
-    out = _train_rlhflab(a, steps=a.steps, out="rlhflab")
+    out = _train_rlhflab(a, steps=a.steps, out="run")
     return {**out, **_memory(a.device, baseline)}
 
 
@@ -140,14 +158,14 @@ def _train_rlhflab(a: argparse.Namespace, steps: int, out: str) -> dict:
 
 def run_trl(a: argparse.Namespace) -> dict:
     if a.prime:
-        _train_trl(a, steps=1, out="trl-prime")  # priming, thrown away
+        _prime(_train_trl, a)  # priming, thrown away
     else:  # only the imports the run would make
         sys.path.insert(0, str(TRL_DIR))
         import datasets  # noqa: F401
         import trl  # noqa: F401
         from trl import GRPOTrainer  # noqa: F401
     baseline = _baseline(a.device)
-    out = _train_trl(a, steps=a.steps, out="trl")
+    out = _train_trl(a, steps=a.steps, out="run")
     return {**out, **_memory(a.device, baseline)}
 
 
@@ -201,9 +219,12 @@ def _train_trl(a: argparse.Namespace, steps: int, out: str) -> dict:
 # --------------------------------------------------------------------------------------
 # Driver
 # --------------------------------------------------------------------------------------
-def _worker(which: str, a: argparse.Namespace) -> dict:
+def _worker(which: str, a: argparse.Namespace, round_: int) -> dict:
+    """One run of `which` in a fresh process and a fresh folder under the scratch folder
+    (made here, so no round, and no earlier invocation with the same --out, can collide)."""
+    folder = tempfile.mkdtemp(prefix=f"{which}-round{round_}-", dir=a.out)
     cmd = [sys.executable, __file__, "--worker", which, "--model", str(a.model), "--data", str(a.data),
-           "--out", str(a.out), "--steps", str(a.steps), "--beta", str(a.beta), "--lr", str(a.lr),
+           "--out", folder, "--steps", str(a.steps), "--beta", str(a.beta), "--lr", str(a.lr),
            "--device", a.device, "--threads", str(a.threads)] + (["--no-share-prompt"] if a.no_share_prompt else []) \
         + ([] if a.prime else ["--no-prime"])
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "TOKENIZERS_PARALLELISM": "false"}
@@ -213,13 +234,16 @@ def _worker(which: str, a: argparse.Namespace) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=6, help="GRPO steps per trainer (the first is not timed)")
     p.add_argument("--repeats", type=int, default=3, help="runs of each trainer, alternating; the median is reported")
     p.add_argument("--model", default=None, help="model folder; default: a tiny Llama built in a temp dir")
     p.add_argument("--data", default=None, help="folder with train.jsonl; default: the arithmetic task")
-    p.add_argument("--out", default=None, help="scratch folder for the runs' outputs")
+    p.add_argument("--out", default=None,
+                   help="scratch folder: the inputs it builds, and one fresh folder per run (default: a temp dir)")
+    p.add_argument("--sides", default="rlhflab,trl",
+                   help="comma-separated, from rlhflab, trl (default: both; rlhflab alone needs no TRL)")
     p.add_argument("--beta", type=float, default=0.0, help="KL weight for both trainers (TRL's default is 0)")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -230,21 +254,31 @@ def main() -> int:
                    help="take the memory baseline right after the imports, without the priming run (what the "
                         "libraries import lazily during the run then counts)")
     p.add_argument("--worker", choices=["rlhflab", "trl"], help=argparse.SUPPRESS)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if a.worker:
         out = run_rlhflab(a) if a.worker == "rlhflab" else run_trl(a)
         print(json.dumps(out))
         return 0
 
-    if not (TRL_DIR / "trl").is_dir():
-        print(f"TRL is not installed for the benchmark; install it with:\n  {INSTALL_HINT}")
-        return 1
-    found = [d.name for d in TRL_DIR.glob("trl-*.dist-info")]
-    if f"trl-{TRL_VERSION}.dist-info" not in found:
-        print(f"grpo_throughput: {TRL_DIR} holds {found or 'no versioned trl'}, not trl {TRL_VERSION}; reinstall with:"
-              f"\n  {INSTALL_HINT} --upgrade", file=sys.stderr)
-        return 1
+    sides = [s.strip() for s in a.sides.split(",") if s.strip()]
+    if not sides or set(sides) - {"rlhflab", "trl"}:
+        p.error(f"--sides {a.sides!r}: give rlhflab, trl or rlhflab,trl")
+    if a.repeats < 1 or a.steps < 2:
+        p.error("--repeats must be at least 1 and --steps at least 2 (the first step is not timed)")
+    trl_version = "not run"
+    if "trl" in sides:
+        if not (TRL_DIR / "trl").is_dir():
+            print(f"TRL is not installed for the benchmark; install it with:\n  {INSTALL_HINT}\n"
+                  f"(or run rlhflab's side alone: --sides rlhflab)")
+            return 1
+        found = [d.name for d in TRL_DIR.glob("trl-*.dist-info")]
+        if f"trl-{TRL_VERSION}.dist-info" not in found:
+            print(f"grpo_throughput: {TRL_DIR} holds {found or 'no versioned trl'}, not trl {TRL_VERSION}; reinstall "
+                  f"with:\n  {INSTALL_HINT} --upgrade", file=sys.stderr)
+            return 1
+        trl_version = TRL_VERSION
     scratch = Path(a.out or tempfile.mkdtemp(prefix="grpo_bench_"))
+    scratch.mkdir(parents=True, exist_ok=True)
     if a.model is None:
         from rlhflab.models.tiny import make_tiny_model
         a.model = scratch / "tiny-model"
@@ -256,31 +290,35 @@ def main() -> int:
         if not (a.data / "train.jsonl").exists():
             write_task(a.data, n_train=500, n_test=10)
     a.out = scratch
-    sys.path.insert(0, str(TRL_DIR))
-    import trl  # noqa: E402  (only to report its version)
 
     results: dict[str, list[dict]] = {"rlhflab": [], "trl": []}
-    for _ in range(a.repeats):  # alternate, so both see the same machine load on average
-        for which in ("rlhflab", "trl"):
-            results[which].append(_worker(which, a))
+    for r in range(a.repeats):  # alternate, so both see the same machine load on average
+        for which in sides:
+            results[which].append(_worker(which, a, r + 1))
+
+    nan = float("nan")
+    keys = ("completions_per_s", "completions_per_cpu_s", "peak_memory_mb", "process_peak_rss_mb",
+            "mean_response_length")
 
     def median(name: str, key: str) -> float:
-        return statistics.median(r[key] for r in results[name])
+        return statistics.median(r[key] for r in results[name]) if results[name] else nan
 
-    ours, theirs = ({k: median(n, k) for k in results[n][0]} for n in ("rlhflab", "trl"))
+    ours, theirs = ({k: median(n, k) for k in keys} for n in ("rlhflab", "trl"))
     speed = ours["completions_per_s"] / theirs["completions_per_s"]
     cpu_speed = ours["completions_per_cpu_s"] / theirs["completions_per_cpu_s"]
     memory = ours["peak_memory_mb"] / theirs["peak_memory_mb"]
     mem_name = "peak CUDA MiB" if a.device == "cuda" else "peak RSS MiB above imports"
     print(f"model {a.model}; device {a.device}, {a.threads} thread(s); group {GROUP_SIZE}, {COMPLETIONS} "
           f"completions/step, <= {MAX_NEW_TOKENS} new tokens, beta {a.beta}; {a.steps} steps (first untimed); "
-          f"median of {a.repeats} alternating runs; trl {trl.__version__}; rlhflab share_prompt "
+          f"median of {a.repeats} alternating runs; trl {trl_version}; rlhflab share_prompt "
           f"{not a.no_share_prompt}; memory baseline {'after a priming run' if a.prime else 'after the imports'}; "
           f"load average {os.getloadavg()[0]:.1f}")
     print(f"| trainer | completions/s (wall) | completions per CPU-s | {mem_name} | process ru_maxrss MiB "
           f"| mean response tokens | runs: completions/s (wall) | runs: {mem_name} |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |")
     for name, r in (("rlhflab", ours), ("trl", theirs)):
+        if not results[name]:
+            continue
         runs = ", ".join(f"{x['completions_per_s']:.1f}" for x in results[name])
         mems = ", ".join(f"{x['peak_memory_mb']:.0f}" for x in results[name])
         print(f"| {name} | {r['completions_per_s']:.1f} | {r['completions_per_cpu_s']:.1f} | "
