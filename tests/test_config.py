@@ -335,3 +335,74 @@ def test_knobs_md_maps_exactly_the_loaders_foreign_keys():
             section, key = target.split(".")
             owners = [getattr(run, section) for run in [*runs, DrGRPORunConfig()] if hasattr(run, section)]
             assert owners and all(key in fields(sec) for sec in owners), (name, target)
+
+
+# --------------------------------------------------------------------------------------
+# Empty files; override values that YAML cannot parse (issue 28)
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text", ["", "   \n\n\t\n", "# nothing set yet\n\n"])
+def test_an_empty_config_file_is_named(tmp_path, capsys, text):
+    # Today a 0-byte file is "all defaults" and the run fails later on a dataset file
+    # (outputs/arith/train.jsonl not found) that names no config at all.
+    from rlhflab import cli
+
+    empty = _write(tmp_path, "cfg.yaml", text)
+    with pytest.raises(ConfigError) as info:
+        load_config(empty, PPORunConfig)
+    only = " (no settings, only comments)" if text.strip() else ""
+    assert str(info.value).startswith(f"{empty} is empty{only}; ")
+    assert cli.main(["ppo", "--config", str(empty), "training.output_dir=" + str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {empty} is empty{only}; ") and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+    # ... and an empty file named under `defaults:`, with the file that names it.
+    main = _write(tmp_path, "main.yaml", "defaults: [cfg.yaml]\nppo:\n  epochs: 2\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(main, PPORunConfig)
+    assert str(info.value).startswith(f"{empty} is empty{only} (named in defaults of {main})")
+
+
+PROMPT = r"dataset.prompt_template=Question: {prompt}\nAnswer:"  # as typed in the shell, in single quotes
+
+
+def test_an_override_yaml_cannot_parse_is_read_as_the_string_with_a_note(capsys):
+    # Today: yaml.parser.ParserError ("while parsing a block mapping") from OmegaConf's
+    # dot-list parser, a traceback before any of rlhflab's checks.
+    cfg, _ = load_config(DEBUG, PPORunConfig, [PROMPT])
+    assert cfg.dataset.prompt_template == "Question: {prompt}\nAnswer:"  # as the quoted form reads it: a newline
+    err = capsys.readouterr().err
+    assert err == ('note: override dataset.prompt_template: the value is not valid YAML; it is read as the string '
+                   'dataset.prompt_template="Question: {prompt}\\nAnswer:" (write it so, quoted, to silence this '
+                   'note)\n')
+    quoted, _ = load_config(DEBUG, PPORunConfig, ['dataset.prompt_template="Question: {prompt}\\nAnswer:"'])
+    assert quoted.dataset.prompt_template == cfg.dataset.prompt_template and capsys.readouterr().err == ""
+    # An escape YAML does not know: the text as typed, and the quoted form that gives it.
+    odd, _ = load_config(DEBUG, PPORunConfig, [r"dataset.prompt_template=Q: {prompt} \d"])
+    assert odd.dataset.prompt_template == "Q: {prompt} \\d"
+    assert 'dataset.prompt_template="Q: {prompt} \\\\d"' in capsys.readouterr().err
+    # A value that is not a string for a number key still fails there, naming the override.
+    lines = _errors(DEBUG, ["ppo.kl_coeff=[0.1"])
+    assert lines == ["command line (ppo.kl_coeff=[0.1): ppo.kl_coeff: expected a number, got '[0.1'"]
+
+
+def test_a_prompt_yaml_reads_as_a_mapping_says_to_quote_it():
+    # `Question: {prompt}` is valid YAML (a mapping): the string key's error says why and how.
+    lines = _errors(DEBUG, ["dataset.prompt_template=Question: {prompt}"])
+    assert lines == ["command line (dataset.prompt_template=Question: {prompt}): dataset.prompt_template: expected "
+                     "a string, got {'Question': {'prompt': None}}; YAML reads `word: text` and `{word}` as a "
+                     "mapping: quote the whole value, e.g. 'dataset.prompt_template=\"...\"'"]
+
+
+def test_every_command_with_overrides_reads_such_a_value_through_the_cli(tmp_path, capsys):
+    from omegaconf import OmegaConf
+
+    from rlhflab import cli
+    from rlhflab.config.cli import SCHEMAS, schema_for, schema_rows
+
+    for command in SCHEMAS:  # `config resolve` loads each command's schema through the one loader
+        key = next(r[0] for r in schema_rows(schema_for(command)) if r[1] in ("str", "str | null")
+                   and "[]" not in r[0] and "template" in r[0] or r[0] == "training.output_dir")
+        value = PROMPT.split("=", 1)[1]
+        assert cli.main(["config", "resolve", command, f"{key}={value}"]) == 0, (command, key)
+        out = capsys.readouterr().out
+        assert OmegaConf.select(OmegaConf.create(out), key) == "Question: {prompt}\nAnswer:", (command, key)

@@ -107,11 +107,11 @@ def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> DictConfig:
     except Exception as exc:  # yaml.YAMLError and friends: say where, not a traceback
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"{path}: not valid YAML ({first}); fix the syntax") from None
-    if node is None or isinstance(node, ListConfig):
-        if node is None:  # comments only
-            named = f" (named in defaults of {chain[-1]})" if chain else ""
-            raise ConfigError(f"{shown or path} is empty (only comments){named}; write its settings or name "
-                              f"another file")
+    if node is None or len(node) == 0:  # comments only, or `{}`
+        named = f" (named in defaults of {chain[-1]})" if chain else ""
+        raise ConfigError(f"{shown or path} is empty (no settings, only comments){named}; write its settings or "
+                          f"name another file")
+    if isinstance(node, ListConfig):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, not a list")
     defaults = node.pop("defaults", None) if "defaults" in node else None
     merged = OmegaConf.create({})

@@ -246,14 +246,16 @@ def train_classifier(cfg: ClassifierRunConfig, effective=None, quiet: bool = Fal
     set_threads(t.num_threads)
     choose_cpu_matmul(cfg.model.cpu_matmul)
     # Refused before anything loads; written only once the data and the model have loaded.
-    out_dir = check_output_dir(t.output_dir, overwrite=t.overwrite, resumable=False)
+    out_dir = check_output_dir(t.output_dir, overwrite=t.overwrite, resumable=False,
+                               config=effective if effective is not None else cfg)
     data = load_classifier_data(d, t.seed)  # 1. data first: a bad file fails before the model loads
     seed_everything(t.seed)
     device = resolve_device(t.device)
     start = time.perf_counter()
 
     model, tok = build_classifier(cfg, data.labels, device)  # 2. model
-    prepare_output_dir(out_dir, overwrite=t.overwrite, resumable=False)
+    prepare_output_dir(out_dir, overwrite=t.overwrite, resumable=False,
+                       config=effective if effective is not None else cfg)
     save_effective_config(effective if effective is not None else cfg, out_dir)
     probe = make_probe_batch(tok, [r.text for r in data.train[:4]], device)  # for check_finite_model
     steps_per_epoch = math.ceil(len(data.train) / c.batch_size)

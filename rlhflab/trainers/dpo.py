@@ -411,7 +411,8 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     resume_dir = check_resume_dir(resume, method="dpo", lora=cfg.lora.enabled, critic="none",
                                   world_size=dist.world_size, fsdp=dist.strategy == "fsdp",
                                   deepspeed=dist.strategy == "deepspeed")
-    out_dir = check_output_dir(t.output_dir, resume=resume_dir is not None, overwrite=t.overwrite)
+    out_dir = check_output_dir(t.output_dir, resume=resume_dir is not None, overwrite=t.overwrite,
+                               config=effective if effective is not None else cfg)
     seed_everything(t.seed)
     models = build_models(cfg.model, cfg.lora, t.device, need_reference=True, resume_dir=resume_dir,
                           mixed_precision=t.mixed_precision)
@@ -426,9 +427,10 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     else:
         train_pairs, eval_pairs = _split(train_pairs, sec.eval_fraction, t.seed)
         eval_pairs = eval_pairs[: d.num_eval_samples] if d.num_eval_samples else eval_pairs
-    dist.on_main(lambda: prepare_output_dir(out_dir, resume=resume_dir is not None, overwrite=t.overwrite))
+    dist.on_main(lambda: prepare_output_dir(out_dir, resume=resume_dir is not None, overwrite=t.overwrite,
+                                            config=effective if effective is not None else cfg))
     if dist.is_main:
-        save_effective_config(effective if effective is not None else cfg, out_dir)
+        save_effective_config(effective if effective is not None else cfg, out_dir, resume_from=resume_dir)
     probe = make_probe_batch(tok, [p.prompt + p.chosen for p in train_pairs[:4]], models.device)
     tok_args = (tok, d.max_prompt_length, sec.max_response_length, sec.append_eos,
                 response_end_id(tok, resolve_use_chat_template(d.use_chat_template, tok)))

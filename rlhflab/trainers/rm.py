@@ -370,7 +370,8 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
     if dist.distributed:
         dist.local(r.batch_size, "rm.batch_size")
     # Refused before anything loads; written only once the model and the data have loaded.
-    out_dir = check_output_dir(t.output_dir, overwrite=t.overwrite, resumable=False)
+    out_dir = check_output_dir(t.output_dir, overwrite=t.overwrite, resumable=False,
+                               config=effective if effective is not None else cfg)
     seed_everything(t.seed)
     device = dist.device or resolve_device(t.device)
     check_mixed_precision(t.mixed_precision, device)
@@ -380,7 +381,8 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
     model, tok = build_reward_model(cfg, device)
     meta = RMMeta(append_eos=cfg.data.append_eos, add_special_tokens=False, max_length=cfg.data.max_length)
     data = load_rm_data(cfg.data, tok, t.seed, warn=say)
-    dist.on_main(lambda: prepare_output_dir(out_dir, overwrite=t.overwrite, resumable=False))
+    dist.on_main(lambda: prepare_output_dir(out_dir, overwrite=t.overwrite, resumable=False,
+                                            config=effective if effective is not None else cfg))
     if dist.is_main:
         save_effective_config(effective if effective is not None else cfg, out_dir)
     probe = make_probe_batch(tok, [p.chosen for p in data.train[:4]], device)  # for check_finite_model

@@ -395,7 +395,8 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
         dist.local(s.batch_size, "sft.batch_size")
     # An output folder holding another run is refused before anything is loaded; the
     # folder is written only once the model and the data have loaded.
-    out_dir = check_output_dir(t.output_dir, overwrite=t.overwrite, resumable=False)
+    out_dir = check_output_dir(t.output_dir, overwrite=t.overwrite, resumable=False,
+                               config=effective if effective is not None else cfg)
     seed_everything(t.seed)
     device = dist.device or resolve_device(t.device)
     check_mixed_precision(t.mixed_precision, device)
@@ -404,7 +405,8 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
     # 1-2. data and model
     model, tok = build_model(cfg, device)
     data = load_sft_data(cfg.data, tok, t.seed, warn=say)
-    dist.on_main(lambda: prepare_output_dir(out_dir, overwrite=t.overwrite, resumable=False))
+    dist.on_main(lambda: prepare_output_dir(out_dir, overwrite=t.overwrite, resumable=False,
+                                            config=effective if effective is not None else cfg))
     if dist.is_main:
         save_effective_config(effective if effective is not None else cfg, out_dir)
     # A few training rows, run through the model before each save: a checkpoint whose
