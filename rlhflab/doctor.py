@@ -121,11 +121,12 @@ class DoctorConfig:
     # a later gap above both `gap_factor` x baseline and baseline + `gap_floor` (nats per
     # token) fires (`sync_gap_limit`). The same defaults as the training-time canary
     # (generation.sync_check_factor, generation.sync_check_floor): a float32 run's gap of
-    # 3e-7 may triple without meaning anything, a bfloat16 one of ~0.02 moves by tens of
-    # percent, and a weight push that went wrong shows as 0.1 and more (TRL #5312: 0.015 ->
-    # 0.201). With generation.sync_interval > 1 part of the gap is the weights' staleness.
-    gap_factor: float = 5.0
-    gap_floor: float = 0.02
+    # 3e-7 may triple without meaning anything, a bfloat16 one of ~0.01-0.03 moves by tens
+    # of percent; a weight push that went wrong showed here as 4.5e-3 (one stale matrix of
+    # the tiny test model, float32) to 0.09 (nothing pushed), in TRL #5312 as 0.015 -> 0.201.
+    # With generation.sync_interval > 1 part of the gap is the weights' staleness.
+    gap_factor: float = 10.0
+    gap_floor: float = 1e-3
     gap_baseline_steps: int = 3
 
     # --- the stop rule (every method)

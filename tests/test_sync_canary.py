@@ -35,51 +35,52 @@ def test_baseline_is_the_median_of_the_first_gaps():
 
 
 def test_limit_is_the_larger_of_factor_times_baseline_and_baseline_plus_floor():
-    # float32: 5 x 3e-7 = 1.5e-6 < 3e-7 + 0.02 = 0.0200003 -> the floor decides
-    assert sync_gap_limit(3e-7, 5.0, 0.02) == pytest.approx(0.0200003)
-    # bfloat16-like: 5 x 0.015 = 0.075 > 0.015 + 0.02 = 0.035 -> the factor decides
-    assert sync_gap_limit(0.015, 5.0, 0.02) == pytest.approx(0.075)
-    assert sync_gap_limit(0.0, 5.0, 0.02) == 0.02
+    # float32: 10 x 3e-7 = 3e-6 < 3e-7 + 1e-3 = 0.0010003 -> the floor decides
+    assert sync_gap_limit(3e-7, 10.0, 1e-3) == pytest.approx(0.0010003)
+    # bfloat16-like: 10 x 0.015 = 0.15 > 0.015 + 1e-3 = 0.016 -> the factor decides
+    assert sync_gap_limit(0.015, 10.0, 1e-3) == pytest.approx(0.15)
+    assert sync_gap_limit(0.0, 10.0, 1e-3) == 1e-3
 
 
 @pytest.mark.parametrize("baseline, gap, tripped", [
-    (3e-7, 9e-7, False),     # a float32 wobble: 3x the baseline, but 6e-7 << the 0.02 floor
-    (3e-7, 1e-3, False),     # 3000x, still under 0.0200003
-    (3e-7, 0.021, True),     # over 0.0200003
-    (0.015, 0.04, False),    # bfloat16 noise: 2.7x, under 0.075
-    (0.015, 0.201, True),    # TRL #5312's gap after its broken sync: 13x, over 0.075
-    (0.015, 0.075, False),   # exactly at the limit is still healthy
+    (3e-7, 9e-7, False),     # a float32 wobble: 3x the baseline, but 6e-7 << the 1e-3 floor
+    (3e-7, 9e-4, False),     # 3000x, still under 0.0010003
+    (3e-7, 4.5e-3, True),    # one stale MLP matrix of the tiny test model after one update
+    (0.015, 0.06, False),    # bfloat16 noise: 4x, under 0.15
+    (0.015, 0.201, True),    # TRL #5312's gap after its broken sync: 13x, over 0.15
+    (0.015, 0.15, False),    # exactly at the limit is still healthy
     (0.015, math.inf, True),
     (0.015, math.nan, True),  # a NaN gap means the log-probs broke
 ])
 def test_trip_by_hand(baseline, gap, tripped):
-    assert sync_gap_tripped(baseline, gap, 5.0, 0.02) is tripped
+    assert sync_gap_tripped(baseline, gap, 10.0, 1e-3) is tripped
 
 
 def test_the_doctor_and_the_config_share_the_defaults():
     gen, doc = GenerationConfig(), DoctorConfig()
     assert gen.sync_check and (gen.sync_check_factor, gen.sync_check_floor) == (doc.gap_factor, doc.gap_floor)
+    assert (doc.gap_factor, doc.gap_floor) == (10.0, 1e-3)  # the values the tests below work by hand
 
 
 def test_canary_judges_each_gap_against_the_median_of_the_first_three():
-    canary = SyncCanary(factor=5.0, floor=0.02)
+    canary = SyncCanary(factor=10.0, floor=1e-3)
     canary.check(3.0e-7, step=1)   # no baseline yet: kept
     canary.check(3.2e-7, step=2)   # vs 3.0e-7: kept
     canary.check(2.9e-7, step=3)   # vs median(3.0e-7, 3.2e-7) = 3.1e-7: kept
-    canary.check(0.019, step=4)    # vs median(2.9, 3.0, 3.2)e-7 = 3.0e-7, limit 0.0200003: passes, not kept
+    canary.check(9e-4, step=4)     # vs median(2.9, 3.0, 3.2)e-7 = 3.0e-7, limit 0.0010003: passes, not kept
     assert canary.gaps == [3.0e-7, 3.2e-7, 2.9e-7]
     with pytest.raises(UserError) as err:
-        canary.check(0.15, step=5)
+        canary.check(0.0015, step=5)  # over 0.0010003
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith("step 5: generation.backend=vllm: the weight sync")
-    assert "0.15" in msg and "3e-07" in msg and "generation.sync_check=false" in msg
+    assert "0.0015" in msg and "3e-07" in msg and "generation.sync_check=false" in msg
 
 
 def test_a_broken_sync_from_the_first_push_trips_against_the_start_up_gap():
-    canary = SyncCanary(factor=5.0, floor=0.02)
+    canary = SyncCanary(factor=10.0, floor=1e-3)
     canary.check(2.2e-7, step=1)   # sampled from the weights pushed at start-up
     with pytest.raises(UserError, match="step 2: "):
-        canary.check(0.08, step=2)  # the first push went wrong: 0.08 > 2.2e-7 + 0.02
+        canary.check(0.0045, step=2)  # the first push went wrong: 0.0045 > 2.2e-7 + 1e-3
 
 
 # --------------------------------------------------------------------------------------
@@ -94,7 +95,7 @@ def _replay(gaps):
 
 def test_doctor_is_quiet_on_a_healthy_float32_and_bfloat16_gap():
     assert _replay([3.1e-7, 2.9e-7, 3.3e-7, 9e-7, 2.8e-7, 4e-6]).state["logprob_gap"] == ""
-    assert _replay([0.021, 0.018, 0.025, 0.04, 0.03, 0.06]).state["logprob_gap"] == ""  # limit 5 x 0.021
+    assert _replay([0.021, 0.018, 0.025, 0.04, 0.03, 0.12]).state["logprob_gap"] == ""  # limit 10 x 0.021
     assert _replay([3e-7]).state["logprob_gap"] is None  # one value: nothing to compare
 
 
@@ -107,12 +108,12 @@ def test_doctor_reports_a_jump_after_a_sync_at_its_step():
 
 
 def test_doctor_reports_a_gap_rising_across_the_run():
-    # baseline median(0.01, 0.012, 0.011) = 0.011; limit max(0.055, 0.031) = 0.055
-    gaps = [0.01, 0.012, 0.011, 0.02, 0.035, 0.05, 0.06, 0.08, 0.1]
+    # baseline median(0.01, 0.012, 0.011) = 0.011; limit max(10 x 0.011, 0.011 + 0.001) = 0.11
+    gaps = [0.01, 0.012, 0.011, 0.02, 0.04, 0.07, 0.1, 0.12, 0.15, 0.2]
     doctor = _replay(gaps)
-    assert doctor.first_fired["logprob_gap"] == 7  # 0.06 is the first gap over 0.055
-    assert "rose across the run to 0.06 at step 7" in doctor.active["logprob_gap"].message
-    assert "has been above 0.055 since step 7 and is 0.1 at step 9" in doctor.state["logprob_gap"]
+    assert doctor.first_fired["logprob_gap"] == 8  # 0.12 is the first gap over 0.11
+    assert "rose across the run to 0.12 at step 8" in doctor.active["logprob_gap"].message
+    assert "has been above 0.11 since step 8 and is 0.2 at step 10" in doctor.state["logprob_gap"]
 
 
 # --------------------------------------------------------------------------------------
@@ -139,7 +140,8 @@ def test_a_push_that_skips_one_tensor_stops_the_run_at_the_next_rollout(ppo_cfg,
     pushes = []
     real = vllm_backend.policy_weights
 
-    def broken(model):  # the start-up push is whole; every later push leaves out one MLP matrix
+    def broken(model):  # the start-up push is whole; every later push leaves out one MLP matrix,
+        # which vLLM then keeps from before the update (a stale tensor, not garbage)
         pushes.append(1)
         for name, tensor in real(model):
             if len(pushes) == 1 or name != "model.layers.0.mlp.down_proj.weight":
@@ -153,11 +155,14 @@ def test_a_push_that_skips_one_tensor_stops_the_run_at_the_next_rollout(ppo_cfg,
     # step 1 sampled the start-up weights; the first push after an update came before step 2
     assert msg.startswith("step 2: generation.backend=vllm: the weight sync looks broken"), msg
     run = tmp_path / "run"
-    assert (run / "step_1" / "model.safetensors").is_file() or any((run / "step_1").iterdir())
-    assert not (run / "step_2").exists() and not (run / "final").exists()
+    assert not (run / "step_2").exists() and not (run / "final").exists()  # nothing saved from step 2
     gaps = _gaps(run)
     print("broken push: rollout/logprob_gap per step:", gaps)
-    assert len(gaps) == 2 and gaps[0] < 1e-4 and gaps[1] > 0.02
+    assert len(gaps) == 2 and gaps[0] < 1e-5 and gaps[1] > 2e-3  # measured: 1.5e-7, then 4.5e-3
+    # The last good checkpoint is whole: the run resumes from it (with the hf sampler) and finishes.
+    monkeypatch.undo()
+    res = train(ppo_cfg("training.total_steps=2", out_dir=run), resume=run / "step_1", quiet=True)
+    assert (res.final_dir / "model.safetensors").is_file() and res.history[0]["step"] == 2
 
 
 @needs_vllm
