@@ -40,7 +40,7 @@ from rlhflab.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
+CONFIGS = sorted((ROOT / "configs").rglob("*.yaml")) + sorted((ROOT / "examples").glob("*/*.yaml"))
 
 # (file relative to the repo, a substring of the command): why it is shown although it fails.
 ALLOWED: dict[tuple[str, str], str] = {}
@@ -127,8 +127,10 @@ def _page_commands(path: Path) -> list[Command]:
 def _config_commands(path: Path) -> list[Command]:
     """Commands in the comment lines at the top of a config file (its header): a line's
     backquoted `rlhflab ...` spans are mentions; else, from `rlhflab <command>` (or a
-    launcher) to the end of the line, or to a `(` or `;`, is a command to run."""
+    launcher) to the end of the line, or to a `(` or `;`, is a command to run. Paths are
+    the repo root's for configs/, the config's own folder for an example's."""
     rel = path.relative_to(ROOT)
+    cwd = ROOT if rel.parts[0] == "configs" else path.parent
     found: list[Command] = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.startswith("#"):
@@ -137,11 +139,11 @@ def _config_commands(path: Path) -> list[Command]:
         spans = [s for s in re.findall(r"`([^`]+)`", body) if re.search(r"(^|[\s/])rlhflab\s", s)]
         if spans:
             for span in spans:
-                found += _commands_in(span, f"{rel}:{n}", ROOT, complete=False)
+                found += _commands_in(span, f"{rel}:{n}", cwd, complete=False)
             continue
         m = re.search(r"(?:\S*accelerate launch|torchrun)\s.*|(?<![\w/.`])\S*rlhflab\s+(\S+).*", body)
         if m and (m.group(1) is None or difflib.get_close_matches(m.group(1), list(cli.COMMANDS), n=1, cutoff=0.75)):
-            found += _commands_in(m.group(0), f"{rel}:{n}", ROOT, complete=True)  # not prose: "rlhflab builds"
+            found += _commands_in(m.group(0), f"{rel}:{n}", cwd, complete=True)  # not prose: "rlhflab builds"
     return found
 
 
