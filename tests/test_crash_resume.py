@@ -4,8 +4,8 @@ time ends bit-identical to an uninterrupted run, with each metrics row once.
 The CLI runs in a subprocess (`python -m rlhflab ppo|grpo ...`), as a user's run would.
 Kills fall at random moments once the first checkpoint exists: during a step, during a
 save (leaving a `step_N.tmp/`), during the final save or the metrics write. (A kill before
-the first checkpoint leaves nothing to resume: that restart is `training.overwrite=true`,
-tests/test_run_folders.py.)
+the first checkpoint leaves nothing to resume: the same command starts that run over by
+itself, tests/test_run_restart.py.)
 """
 
 from __future__ import annotations

@@ -14,7 +14,10 @@ A checkpoint folder (``step_N/`` or ``final/``) holds:
 
 It is written to a temporary sibling folder and renamed into place, so a crash mid-save
 never leaves a half-written ``step_N/`` (a leftover ``step_N.tmp/`` is debris, never a
-checkpoint), and a full disk or a read-only folder is one line naming the folder.
+checkpoint, and ``--resume`` refuses it). A write that fails for a reason of the machine
+(a full disk, a file-size limit, a read-only folder, an I/O error) is one line naming the
+folder and the cause, whether Python (OSError), safetensors (``SafetensorError ... (os
+error 27)``) or torch.save (``RuntimeError: ... unexpected pos``) met it (`save_failure`).
 
 `check_resume` reads a checkpoint before a resumed run touches anything: the trainer
 state loads, the files the config needs are there, and the recorded layout matches the
