@@ -39,6 +39,7 @@ def healthy_history(n: int = 40, seed: int = 0) -> list[dict]:
             "params/approx_kl": 0.01 + rng.uniform(0, 0.005),
             "params/kl_to_ref": 0.2 * (1 - math.exp(-5 * u)) + rng.uniform(0, 0.01),
             "params/grad_norm": 3.0 + rng.uniform(-1, 1),
+            "rollout/logprob_gap": 3e-7 * (1 + 0.1 * (t % 3)),  # a vLLM sampler in float32 (no rng draw)
             "lr": 1e-5,
         })
         if t % 10 == 0:  # a held-out evaluation: the reward and the accuracy rise together

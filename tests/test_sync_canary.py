@@ -19,7 +19,7 @@ from rlhflab.config.schema import GenerationConfig
 from rlhflab.doctor import (Doctor, DoctorConfig, LOGPROB_GAP, gap_baseline, sync_gap_limit,
                             sync_gap_tripped)
 from rlhflab.errors import UserError
-from rlhflab.rollout.vllm import SyncCanary
+from rlhflab.rollout.vllm import BASELINE_ROLLOUTS, SyncCanary
 from test_vllm_backend import needs_vllm
 
 
@@ -60,6 +60,7 @@ def test_the_doctor_and_the_config_share_the_defaults():
     gen, doc = GenerationConfig(), DoctorConfig()
     assert gen.sync_check and (gen.sync_check_factor, gen.sync_check_floor) == (doc.gap_factor, doc.gap_floor)
     assert (doc.gap_factor, doc.gap_floor) == (10.0, 1e-3)  # the values the tests below work by hand
+    assert BASELINE_ROLLOUTS == doc.gap_baseline_steps == 3
 
 
 def test_canary_judges_each_gap_against_the_median_of_the_first_three():
@@ -175,3 +176,17 @@ def test_a_healthy_vllm_run_never_trips_the_canary(ppo_cfg, tmp_path):
     print("healthy: rollout/logprob_gap per step:", gaps)
     assert (res.final_dir / "config.json").is_file() and len(gaps) == 4
     assert max(gaps) < 1e-4  # float32 on both sides: rounding only
+
+
+def test_the_docs_state_the_defaults():
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    gen, doc = GenerationConfig(), DoctorConfig()
+    page = (docs / "rollout_backends.md").read_text()
+    assert f"`sync_check_factor` × baseline (default {gen.sync_check_factor:g})" in page
+    assert f"baseline + `sync_check_floor`\n  (default {gen.sync_check_floor:g} nats per token)" in page
+    assert "median of the first 3 judged gaps" in page
+    table = (docs / "metrics.md").read_text()
+    assert (f"is above both {doc.gap_factor:g} × and {doc.gap_floor:g} nats over the median of the first "
+            f"{doc.gap_baseline_steps} logged gaps") in table
