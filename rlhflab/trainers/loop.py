@@ -240,12 +240,22 @@ def evaluate(run: RLRun, examples, out_dir: Path, step: int, quiet: bool = False
         path = save_samples(res, out_dir / "eval" / f"step_{step}.jsonl")
         if not quiet:
             from tqdm import tqdm
-            when = "step 0 (before training)" if step == 0 else f"step {step}"
-            lines = [f"eval at {when}: " + format_metrics(res.metrics()) + f" (all samples: {path})"]
-            lines += [f"  {s['prompt']!r}\n    -> {s['response']!r}  score {s['score']:.2f}"
-                      for s in res.samples[:n_show]]
-            tqdm.write("\n".join(lines))
+            tqdm.write(format_eval(step, res, path, n_show))
     return res.metrics()
+
+
+def format_eval(step: int, res: EvalResult, path: Path, n_show: int = 2) -> str:
+    """The printout of one evaluation: its metrics over the held-out prompts, then the
+    first `n_show` of them with their greedy response (one response each; a response that
+    runs on past its answer, as an untrained model's does, is still one response)."""
+    when = "step 0 (before training)" if step == 0 else f"step {step}"
+    shown = min(n_show, len(res.samples))
+    lines = [f"eval at {when}: {format_metrics(res.metrics())} over {len(res.samples)} held-out prompts, greedy "
+             f"(all samples: {path})" + (f"; the first {shown}:" if shown else "")]
+    for s in res.samples[:shown]:
+        verdict = "" if "correct" not in s else (", correct" if s["correct"] else ", wrong")
+        lines.append(f"  {s['prompt']!r}\n    -> {s['response']!r}  score {s['score']:.2f}{verdict}")
+    return "\n".join(lines)
 
 
 def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None = None, effective=None,
