@@ -14,6 +14,7 @@ import sys
 
 from rlhflab.errors import UserError
 from rlhflab.openmp import apply_default_wait
+from rlhflab.thirdparty import defer_deepspeed
 
 # name -> (module, one-line help). The order is the pipeline's order.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -77,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     # Idle OpenMP threads poll briefly, then sleep (before torch loads; the user's
     # OMP_WAIT_POLICY or GOMP_SPINCOUNT wins): rlhflab/openmp.py says why.
     apply_default_wait()
+    # deepspeed imported only where a DeepSpeed strategy runs (before anything imports
+    # accelerate): otherwise every save prints its accelerator warning. rlhflab/thirdparty.py.
+    defer_deepspeed()
     module = importlib.import_module(COMMANDS[name][0])
     parser = argparse.ArgumentParser(prog=f"rlhflab {name}", description=COMMANDS[name][1])
     module.add_parser(parser)
