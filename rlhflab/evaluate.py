@@ -148,9 +148,8 @@ def score_rollout(roll: Rollout, scorer, checks: EvalChecks | None = None) -> Ev
             sample["correct"] = correct[i]
         sample.update({name: float(v[i]) for name, v in extra_scores.items()})
         samples.append(sample)
-    acc = sum(correct) / len(correct) if correct else None
-    extra = {name: float(v.mean()) if len(v) else 0.0 for name, v in extra_scores.items()}
-    return EvalResult(acc, float(scores.mean()) if len(scores) else 0.0, samples, extra)
+    # The means as the trainers' evaluation takes them from its gathered samples, to the last bit.
+    return EvalResult.from_samples(samples, extra=tuple(extra_scores))
 
 
 def save_samples(result: EvalResult, path: str | Path, limit: int | None = None) -> Path:
