@@ -558,7 +558,7 @@ class SyncCanary:
                     f"step {step}: generation.backend=vllm: the weight sync looks broken: after the push, "
                     f"rollout/logprob_gap is {gap:.3g} nats per token against this run's {base:.3g} (limit "
                     f"{limit:.3g}), so the engine is not sampling the weights being trained; stopped before "
-                    f"saving this step (the last checkpoint is intact). Check the vLLM version and sleep mode, "
+                    f"saving this step (any earlier checkpoint is intact). Check the vLLM version and sleep mode, "
                     f"or use generation.backend=hf; generation.sync_check=false turns the check off")
         if len(self.gaps) < BASELINE_ROLLOUTS:
             self.gaps.append(gap)
