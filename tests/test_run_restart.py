@@ -136,6 +136,31 @@ def test_a_stopped_run_with_another_config_is_refused_and_untouched(tmp_path):
     assert list(out.iterdir()) == []
 
 
+def test_a_run_still_going_is_not_taken_for_a_stopped_one(tmp_path):
+    # The same command started twice: the second must not restart (and rename the log of)
+    # the first, which holds its folder until it ends (a SIGKILL releases it too).
+    out = tmp_path / "run"
+    log = stopped_run(out, cfg())
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); "
+        "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)"), str(out)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(UserError) as err:
+            prepare_output_dir(out, config=cfg())
+        assert str(err.value) == (f"output folder {out} holds a run that is still going (another process is "
+                                  f"writing it, with no checkpoint yet); wait for it or stop it, or choose another "
+                                  f"training.output_dir")
+        assert (out / "metrics.jsonl").read_bytes() == log
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    prepare_output_dir(out, config=cfg())  # killed: its folder is free, and the run starts over
+    assert not (out / "metrics.jsonl").exists() and list(out.glob("metrics.stopped-*.jsonl"))
+    prepare_output_dir(out, config=cfg())  # this process's own hold never blocks it
+
+
 @pytest.mark.parametrize("marker", ["final", "train_result.json", "step_3"])
 def test_a_finished_or_checkpointed_run_is_still_refused_with_the_same_config(tmp_path, marker):
     out = tmp_path / "run"

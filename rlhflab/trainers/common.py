@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import time
 import warnings
@@ -174,6 +175,52 @@ def stopped_before_first_checkpoint(out: str | Path) -> bool:
             and not any((out / n).exists() for n in RUN_MARKERS if n != "metrics.jsonl"))
 
 
+# Folders this process writes a run into, each held open under an exclusive flock until the
+# process ends (a SIGKILL releases it too): a live run is never taken for a stopped one.
+_HELD: dict[str, int] = {}
+
+
+def _hold(out: Path) -> None:
+    """Hold `out` for this process (an flock on the folder itself; where the file system has
+    no locks, nothing)."""
+    key = str(out.resolve())
+    if key in _HELD:
+        return
+    try:
+        import fcntl
+
+        fd = os.open(key, os.O_RDONLY)
+    except (ImportError, OSError):
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _HELD[key] = fd
+    except OSError:  # held by another process (refused before this), or no locks here
+        os.close(fd)
+
+
+def _in_use(out: Path) -> bool:
+    """Whether another live process holds `out` (`_hold`)."""
+    key = str(out.resolve())
+    if key in _HELD:
+        return False  # this process: an earlier run of it, finished
+    try:
+        import fcntl
+
+        fd = os.open(key, os.O_RDONLY)
+    except (ImportError, OSError):
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # no locks on this file system
+        return False
+    finally:
+        os.close(fd)  # closing drops the shared lock
+    return False
+
+
 def check_output_dir(path: str | Path, *, resume: bool = False, overwrite: bool = False,
                      resumable: bool = True, config=None) -> Path:
     """Refuse to start a new run in a folder that holds another run; touches nothing.
@@ -207,6 +254,10 @@ def check_output_dir(path: str | Path, *, resume: bool = False, overwrite: bool 
         raise UserError(f"output folder {out} already holds checkpoints ({names}) of another run; {cont}"
                         f"{start_over}, or choose another training.output_dir")
     if stopped_before_first_checkpoint(out):
+        if _in_use(out):
+            raise UserError(f"output folder {out} holds a run that is still going (another process is writing it, "
+                            f"with no checkpoint yet); wait for it or stop it, or choose another "
+                            f"training.output_dir")
         saved = out / "effective_config.yaml"
         differ = config_differences(saved, config) if config is not None else None
         if differ == []:
@@ -274,6 +325,7 @@ def prepare_output_dir(path: str | Path, resume: bool = False, overwrite: bool =
         for p in old:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
     out.mkdir(parents=True, exist_ok=True)
+    _hold(out)
     return out
 
 
