@@ -2,7 +2,7 @@
 """PPO episodes/s at 1 and 2 processes with the same global batch, and the memory each
 strategy needs per GPU.
 
-    .venv/bin/python bench/scaling.py [--steps 6] [--repeats 3] [--episodes 64]
+    .venv/bin/python bench/scaling.py [--steps 6] [--repeats 3] [--episodes 64] [--sides 1,ddp,fsdp2,zero2,zero3]
     .venv/bin/python bench/scaling.py --memory-only --params 0.5e9 7e9
     .venv/bin/python bench/scaling.py --memory-model 512x8 [--repeats 2]
 
@@ -35,7 +35,10 @@ differ between sides: DeepSpeed imports more) cancelling out. Last line of that 
 `scaling memory: MiB per rank for N extra parameters: 1 process A, DDP B, FSDP2 C[, ZeRO-2 D, ZeRO-3 E]`.
 
 Last line: `scaling: 1 process X eps/s, 2 processes Y eps/s, ratio Z (tiny model, 64 episodes/step);
-FSDP2 2 processes W eps/s, ratio V`.
+FSDP2 2 processes W eps/s, ratio V`. `--sides` runs some of the sides only (a figure of a side
+not run reads nan). Every run trains in a folder of its own (`run<side>_<N>` in a fresh
+temporary folder, emptied first where a side reuses a name), so no round meets another
+round's finished run.
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ def memory_run(spec: str, work: Path, a: argparse.Namespace) -> None:
     extra = n_params - _param_count(tiny)
     runs = argparse.Namespace(**{**vars(a), "steps": 2})
     rows = {}
-    for side in SIDES:
+    for side in a.sides:
         deltas = []
         for r in range(a.repeats):
             _, small_peak = _run(side, tiny, data, work / f"mem_tiny_{r}", runs)
@@ -140,6 +143,18 @@ def _free_port() -> int:
 SIDES = {"1": None, "2 DDP": "cpu_2proc.yaml", "2 FSDP2": "fsdp_cpu.yaml"}  # side -> accelerate config
 if importlib.util.find_spec("deepspeed") is not None:  # the optional extra (make venv installs it)
     SIDES.update({"2 ZeRO-2": "zero2_cpu.yaml", "2 ZeRO-3": "zero3_cpu.yaml"})
+SIDE_NAMES = {"1": "1", "ddp": "2 DDP", "fsdp2": "2 FSDP2", "zero2": "2 ZeRO-2", "zero3": "2 ZeRO-3"}  # --sides
+
+
+def _sides(text: str) -> list[str]:
+    """`--sides`' value: comma-separated names from SIDE_NAMES, as the SIDES keys."""
+    names = [n.strip().lower() for n in text.split(",") if n.strip()]
+    if not names or any(n not in SIDE_NAMES for n in names):
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated, from {', '.join(SIDE_NAMES)}")
+    absent = [n for n in names if SIDE_NAMES[n] not in SIDES]
+    if absent:
+        raise argparse.ArgumentTypeError(f"{', '.join(absent)} need the deepspeed extra (pip install -e '.[deepspeed]')")
+    return [SIDE_NAMES[n] for n in dict.fromkeys(names)]
 
 
 def _run(side: str, model: Path, data: Path, out: Path, a: argparse.Namespace) -> tuple[float, float]:
@@ -201,7 +216,11 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-only", action="store_true", help="print only the memory table")
     ap.add_argument("--memory-model", default=None, metavar="HxL", type=_model_spec,
                     help="measure each side's peak RSS on a larger model (hidden H, L layers) against the tiny one")
+    ap.add_argument("--sides", type=_sides, default=list(SIDES),
+                    help=f"comma-separated, from {', '.join(SIDE_NAMES)} (default: all installed)")
     a = ap.parse_args(argv)
+    if a.repeats < 1 or a.steps < 1 or a.episodes < 4:
+        ap.error("--repeats and --steps must be at least 1, --episodes at least 4 (2 processes x 2 minibatches)")
     if a.memory_model:
         work = Path(tempfile.mkdtemp(prefix="rlhflab-scaling-"))
         memory_run(a.memory_model, work, a)
@@ -210,9 +229,9 @@ def main(argv=None) -> int:
     if not a.memory_only:
         work = Path(tempfile.mkdtemp(prefix="rlhflab-scaling-"))
         model, data = _inputs(work)
-        rates, peaks = {side: [] for side in SIDES}, {side: [] for side in SIDES}
+        rates, peaks = {side: [] for side in a.sides}, {side: [] for side in a.sides}
         for r in range(a.repeats):  # the sides interleaved, so a change in the machine's load hits each alike
-            for side in SIDES:
+            for side in a.sides:
                 eps, peak = _run(side, model, data, work / f"run{side.replace(' ', '_')}_{r}", a)
                 rates[side].append(eps)
                 peaks[side].append(peak)
@@ -222,13 +241,13 @@ def main(argv=None) -> int:
         print(f"\n## PPO episodes/s, {a.episodes} episodes per step, {a.steps} steps, {os.cpu_count()} CPU cores\n")
         print("| processes | episodes/s (median) | range | peak RSS MiB per process (rank 0), range |")
         print("| --- | --- | --- | --- |")
-        for side in SIDES:
+        for side in a.sides:
             print(f"| {side} | {med[side]:.2f} | {min(rates[side]):.2f}-{max(rates[side]):.2f} | "
                   f"{min(peaks[side]):.0f}-{max(peaks[side]):.0f} |")
         shutil.rmtree(work, ignore_errors=True)
     memory_table(a.params, a.ranks)
     if not a.memory_only:
-        one, ddp, fsdp = med["1"], med["2 DDP"], med["2 FSDP2"]
+        one, ddp, fsdp = (med.get(side, float("nan")) for side in ("1", "2 DDP", "2 FSDP2"))
         print(f"\nscaling: 1 process {one:.2f} eps/s, 2 processes {ddp:.2f} eps/s, ratio {ddp / one:.2f} "
               f"(tiny model, {a.episodes} episodes/step); FSDP2 2 processes {fsdp:.2f} eps/s, ratio {fsdp / one:.2f}")
     return 0

@@ -126,3 +126,32 @@ def test_scaling_memory_model_takes_hidden_x_layers_and_names_the_form_otherwise
     for bad in ("512", "512x", "x8", "0x8", "512x8x2", "ax8"):
         with pytest.raises(argparse.ArgumentTypeError, match="give HxL, hidden size H and L layers, e.g. 512x8"):
             scaling._model_spec(bad)
+
+
+def test_scaling_sides_take_short_names_and_say_what_exists(bench_modules):
+    import argparse
+
+    _, scaling = bench_modules
+    assert scaling._sides("1,ddp") == ["1", "2 DDP"]
+    assert scaling._sides(" FSDP2 , 1,fsdp2") == ["2 FSDP2", "1"]  # order kept, repeats dropped
+    for bad in ("", ",", "2", "ddp,zero4"):
+        with pytest.raises(argparse.ArgumentTypeError, match="comma-separated, from 1, ddp, fsdp2, zero2, zero3"):
+            scaling._sides(bad)
+
+
+@pytest.mark.slow
+def test_scaling_runs_two_rounds_of_a_side_each_in_its_own_folder(bench_modules, tmp_path, monkeypatch, capsys):
+    """Every round's run trains in a fresh folder: a second round in the first's folder would
+    meet a finished run, which the trainer refuses (the flaw that stopped grpo_throughput)."""
+    import _common
+
+    _, scaling = bench_modules
+    monkeypatch.setattr(_common, "BENCH_DIR", tmp_path)  # the tiny model is built here, not in .bench/
+    assert scaling.main(["--sides", "1", "--repeats", "2", "--steps", "1", "--episodes", "8", "--params", "1e9"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in out if line.startswith("run ")] == ["run 1/2, 1 process(es)",
+                                                                               "run 2/2, 1 process(es)"]
+    m = re.fullmatch(r"scaling: 1 process (\S+) eps/s, 2 processes (\S+) eps/s, ratio (\S+) \(tiny model, "
+                     r"8 episodes/step\); FSDP2 2 processes (\S+) eps/s, ratio (\S+)", out[-1])
+    assert m, out[-1]
+    assert float(m.group(1)) > 0 and all(math.isnan(float(m.group(i))) for i in (2, 3, 4, 5))  # sides not run
