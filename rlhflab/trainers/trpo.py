@@ -43,6 +43,7 @@ from rlhflab.config.schema import (DatasetConfig, EvalConfig, GenerationConfig, 
                                    ModelConfig, OptimizerFields, RewardConfig, TrainingConfig, check_reference, f)
 from rlhflab.engine.scoring import score_rollout
 from rlhflab.models.actor_critic import response_hidden
+from rlhflab.ops.losses import LOG_RATIO_CLAMP
 from rlhflab.rollout import Rollout
 from rlhflab.trainers.common import Timer, TrainResult
 from rlhflab.trainers.loop import (PolicyMethod, RLRun, add_policy_parser, rollout_metrics, run_policy_command,
@@ -126,6 +127,21 @@ def _flat(tensors) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors])
 
 
+def surrogate_objective(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                        response_mask: torch.Tensor) -> torch.Tensor:
+    """L = mean over real tokens of ratio · A, ratio = π/π_old; all inputs (B, T).
+
+    The log-ratio is clamped to ±`ops.losses.LOG_RATIO_CLAMP` before the exp, as in
+    `ops.ppo_policy_loss`: a log-ratio past float32's exp limit (~88.7; a line-search step
+    far outside the trust region can reach it) would make the ratio inf and the gradient
+    NaN. A clamped token contributes e^±20·A and no gradient; any ordinary ratio is
+    untouched.
+    """
+    mask = response_mask.float()
+    ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # (B, T)
+    return (ratio * advantages * mask).sum() / mask.sum().clamp(min=1.0)
+
+
 def natural_gradient_step(actor, roll: Rollout, sec: TRPOSection, temperature: float = 1.0) -> StepStats:
     """Move the policy along F⁻¹g within the trust region (see the module docstring).
 
@@ -147,8 +163,7 @@ def natural_gradient_step(actor, roll: Rollout, sec: TRPOSection, temperature: f
         return (logits.float() / temperature).log_softmax(-1)
 
     def surrogate(dist: torch.Tensor) -> torch.Tensor:  # L = mean_t ratio_t · A_t over real tokens
-        lp = dist.gather(-1, tokens).squeeze(-1)
-        return ((lp - old_lp).exp() * roll.advantages * mask).sum() / n
+        return surrogate_objective(dist.gather(-1, tokens).squeeze(-1), old_lp, roll.advantages, mask)
 
     def mean_kl(dist: torch.Tensor) -> torch.Tensor:
         return (ops.categorical_kl(old_dist, dist) * mask).sum() / n
