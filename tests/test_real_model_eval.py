@@ -5,6 +5,8 @@ accuracy (tests/sampler_helpers.py runs both sides)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from sampler_helpers import assert_same_evaluation, trainer_and_cli_eval
 
@@ -38,7 +40,6 @@ def test_eval_equals_the_trainers_evaluation_on_smollm2(smollm2_dir, tmp_path, m
     assert all(s["prompt"].startswith("<|im_start|>") and s["prompt"].endswith("<|im_start|>assistant\n")
                and "Question: " in s["prompt"] for s in samples)
     assert all(s["response"].strip() and "<|im_end|>" not in s["response"] for s in samples)
-    assert both.cli_lines[2] == (f'prompts: chat template of {smollm2_dir} (auto) around '
-                                 f'"Question: {{prompt}}\\nAnswer:"')
+    assert both.cli_lines[2] == f"prompts: chat template of {smollm2_dir} (auto) around {json.dumps(PROMPT_TEMPLATE)}"
     print(f"SmolLM2 eval == trainer: accuracy {both.trainer['eval/accuracy']:.3f}, "
           f"reward_mean {both.trainer['eval/reward_mean']:.3f} on 8 rows")
