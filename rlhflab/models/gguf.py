@@ -196,9 +196,17 @@ def import_gguf(file: str | os.PathLike, out: str | os.PathLike, dtype: str = "f
     for key in ("quantization_config",):
         if hasattr(config, key):
             delattr(config, key)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
+    # Built on the meta device and given the loaded tensors (assign): no random init of
+    # weights that are overwritten at once.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), assign=True)
+    model.tie_weights()  # assign gave the tied embedding and LM head two Parameters
     del loaded
+    empty = [k for k, v in model.state_dict().items() if v.is_meta]
+    if empty:
+        raise UserError(f"{src}: the GGUF file holds no weights for {empty[:3]} ({len(empty)} tensors); "
+                        f"it cannot be imported")
     model.to(getattr(torch, dtype))
     stops = stop_ids_of(header)
     gen = model.generation_config
