@@ -55,6 +55,11 @@ FOREIGN_KEYS: dict[str, str] = {
     "kl_penalty_method": "kl_estimator", "kl_penalty_beta": "kl_coeff",
     "grpo.kl_penalty_beta": "grpo.beta", "dr_grpo.kl_penalty_beta": "dr_grpo.beta",
     "reward_score_clip": "reward.score_clip",
+    # the tutorial's value-head options (TRL's AutoModelForCausalLMWithValueHead kwargs)
+    "summary_dropout_prob": "model.value_head_dropout", "v_head_initializer_range": "model.value_head_init_std",
+    "v_head_init_strategy": "model.value_head_init",
+    # the notebook's labels = input_ids (Axolotl calls it train_on_inputs)
+    "train_on_inputs": "sft.train_on_prompt",
     # Hugging Face TrainingArguments
     "save_steps": "training.save_interval", "save_total_limit": "training.keep_last_checkpoints",
     "eval_steps": "training.eval_interval",

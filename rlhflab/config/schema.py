@@ -86,6 +86,32 @@ class ModelConfig:
                                    "same gradients, no more memory (rlhflab/engine/overlap.py)")
     reference: Literal["copy", "lora_disabled", "none"] = f(
         "copy", "frozen copy, the same weights with the LoRA adapter off, or none (no KL)")
+    load_in_4bit: bool = f(False, "QLoRA: load the base weights in 4 bits (bitsandbytes NF4, double quantisation, "
+                                  "computing in torch_dtype) and train a LoRA adapter on them; CUDA only, needs "
+                                  "lora.enabled (rlhflab/models/quant.py)")
+    load_in_8bit: bool = f(False, "load the base weights in 8 bits (bitsandbytes LLM.int8) and train a LoRA adapter "
+                                  "on them; CUDA only, needs lora.enabled")
+
+    def check(self) -> list[str]:
+        if self.load_in_4bit and self.load_in_8bit:
+            return ["load_in_8bit: load_in_4bit is set too; choose one of them"]
+        return []
+
+
+def check_quantization(model_cfg, lora_cfg) -> list[str]:
+    """Cross-section rules on model.load_in_4bit / load_in_8bit: a quantised base only
+    carries a LoRA adapter (its own weights cannot train)."""
+    key = "model.load_in_4bit" if model_cfg.load_in_4bit else "model.load_in_8bit" if model_cfg.load_in_8bit else None
+    if key is None:
+        return []
+    errs = []
+    if not lora_cfg.enabled:
+        errs.append(f"{key}: a quantised base cannot be trained itself; set lora.enabled=true (QLoRA trains an "
+                    f"adapter on it) or {key}=false")
+    if getattr(model_cfg, "critic", "value_head") == "separate":
+        errs.append(f"{key}: the separate critic trains all its weights, which a quantised base cannot; use "
+                    f"model.critic=value_head or {key}=false")
+    return errs
 
 
 @dataclass
@@ -339,8 +365,9 @@ class GroupSection(PolicySection):
 
 
 def check_reference(model_cfg, lora_cfg, kl_weight: float, kl_key: str) -> list[str]:
-    """Cross-section rules on model.reference for a method whose KL weight is `kl_key`."""
-    errs = []
+    """Cross-section rules on model.reference for a method whose KL weight is `kl_key`
+    (and the quantised base's, `check_quantization`: every policy method calls this)."""
+    errs = check_quantization(model_cfg, lora_cfg)
     if model_cfg.reference == "lora_disabled" and not lora_cfg.enabled:
         errs.append("model.reference: lora_disabled needs lora.enabled=true; use reference: copy")
     if kl_weight > 0 and model_cfg.reference == "none":

@@ -23,7 +23,10 @@ are used and EOS is appended, giving ``User: {prompt}\\n\\nAssistant: {response}
 Prompt and response are tokenized separately and concatenated, exactly as a prompt is
 tokenized at generation time and the response is then produced token by token; so the
 model learns to answer right after the prompt's last token. Labels are -100 on the
-prompt (and later on padding): the loss covers response tokens only.
+prompt (and later on padding): the loss covers response tokens only. With
+``train_on_prompt`` (`sft.train_on_prompt`) the prompt's labels are its token ids, as in
+the notebook seed's ``labels = input_ids``: the model also learns to write the prompts
+(padding stays -100; the first token is never a target, nothing precedes it).
 
 Truncation to `max_seq_length` cuts from the right, keeping the prompt's start; a row
 whose prompt alone fills the budget has no response left and is dropped. Both are
@@ -195,7 +198,7 @@ def format_example(ex: SFTExample, tokenizer, tpl: Template) -> tuple[str, str, 
 @dataclass
 class TokenizedExample:
     input_ids: list[int]
-    labels: list[int]      # IGNORE_INDEX on the prompt
+    labels: list[int]      # IGNORE_INDEX on the prompt (its ids under train_on_prompt)
     prompt_len: int
     truncated: bool
 
@@ -216,8 +219,9 @@ class TokenizeReport:
 
 
 def tokenize_example(prompt: str, response: str, append_eos: bool, tokenizer,
-                     max_seq_length: int) -> TokenizedExample | None:
-    """Token ids and labels (prompt masked); None when no response token fits."""
+                     max_seq_length: int, train_on_prompt: bool = False) -> TokenizedExample | None:
+    """Token ids and labels (prompt masked unless `train_on_prompt`); None when no
+    response token fits."""
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
     if append_eos and tokenizer.eos_token_id is not None and (
@@ -229,16 +233,16 @@ def tokenize_example(prompt: str, response: str, append_eos: bool, tokenizer,
     n_prompt = min(len(prompt_ids), len(ids))
     if n_prompt >= len(ids):
         return None
-    labels = [IGNORE_INDEX] * n_prompt + ids[n_prompt:]
+    labels = list(ids) if train_on_prompt else [IGNORE_INDEX] * n_prompt + ids[n_prompt:]
     return TokenizedExample(ids, labels, n_prompt, truncated)
 
 
 def tokenize_examples(examples: Sequence[SFTExample], tokenizer, tpl: Template,
-                      max_seq_length: int) -> TokenizeReport:
+                      max_seq_length: int, train_on_prompt: bool = False) -> TokenizeReport:
     out, truncated, dropped = [], 0, 0
     for ex in examples:
         prompt, response, eos = format_example(ex, tokenizer, tpl)
-        tok = tokenize_example(prompt, response, eos, tokenizer, max_seq_length)
+        tok = tokenize_example(prompt, response, eos, tokenizer, max_seq_length, train_on_prompt)
         if tok is None:
             dropped += 1
             continue
@@ -248,7 +252,8 @@ def tokenize_examples(examples: Sequence[SFTExample], tokenizer, tpl: Template,
 
 
 def collate(batch: Sequence[TokenizedExample], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded input_ids, attention_mask and labels (-100 on prompt and padding). (B, L)."""
+    """Right-padded input_ids, attention_mask and labels (-100 on padding, and on the
+    prompt unless it was tokenized with train_on_prompt). (B, L)."""
     width = max(len(b.input_ids) for b in batch)
     ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)    # (B, L)
     labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)  # (B, L)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import copy
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import Iterator, Literal, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -48,18 +48,53 @@ from rlhflab.models.head import linear_lm_head
 from rlhflab.models.precision import autocast, float32_region
 
 
-class ValueHead(nn.Module):
-    """hidden (…, H) -> value (…), a linear layer in float32 with a small-normal init."""
+ValueHeadInit = Literal["normal", "zero", "uniform"]
 
-    def __init__(self, hidden_size: int, init_std: float = 1e-2):
+
+class ValueHead(nn.Module):
+    """hidden (…, H) -> value (…), a linear layer in float32 (`model.value_head_*`).
+
+    `init`: ``normal`` (default): weight ~ N(0, init_std²), bias 0, so the first values
+    are small (std init_std·|h|); ``zero``: weight and bias 0, every first value is
+    exactly 0; ``uniform``: PyTorch's own `nn.Linear` init, U(±1/√H) for weight and bias
+    (TRL's ``v_head_init_strategy: null``).
+
+    `dropout` (TRL's ``summary_dropout_prob``) drops hidden features before the linear
+    layer, only in a pass that trains the head: train mode *and* gradients on. The
+    no-grad scoring of a rollout (old values, the GAE targets and the value-clip centre)
+    runs in train mode too, and there it would add noise to the targets, so it gets the
+    full head; `eval()` switches it off as usual. With 0 there is no dropout module at
+    all: the head computes exactly what it did before these options existed.
+    """
+
+    def __init__(self, hidden_size: int, init_std: float = 1e-2, init: ValueHeadInit = "normal",
+                 dropout: float = 0.0):
         super().__init__()
-        self.summary = nn.Linear(hidden_size, 1, dtype=torch.float32)
-        nn.init.normal_(self.summary.weight, std=init_std)
-        nn.init.zeros_(self.summary.bias)
+        if init not in ("normal", "zero", "uniform"):
+            raise ValueError(f"value head init must be normal, zero or uniform, got {init!r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"value head dropout must be in [0, 1), got {dropout}")
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else None
+        self.summary = nn.Linear(hidden_size, 1, dtype=torch.float32)  # PyTorch's init: the "uniform" case
+        if init == "normal":
+            nn.init.normal_(self.summary.weight, std=init_std)
+            nn.init.zeros_(self.summary.bias)
+        elif init == "zero":
+            nn.init.zeros_(self.summary.weight)
+            nn.init.zeros_(self.summary.bias)
 
     def forward(self, hidden: Tensor) -> Tensor:
         with float32_region(hidden.device):  # float32 also inside an autocast region
-            return self.summary(hidden.float()).squeeze(-1)
+            hidden = hidden.float()
+            if self.dropout is not None and self.training and torch.is_grad_enabled():
+                hidden = self.dropout(hidden)
+            return self.summary(hidden).squeeze(-1)
+
+    @classmethod
+    def from_config(cls, hidden_size: int, model_cfg) -> "ValueHead":
+        """The head `model.value_head_init`, `_init_std` and `_dropout` describe."""
+        return cls(hidden_size, init_std=model_cfg.value_head_init_std, init=model_cfg.value_head_init,
+                   dropout=model_cfg.value_head_dropout)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -269,6 +269,8 @@ def load_model(name_or_path: str, torch_dtype: str = "float32", device: str = "c
 
     A LoRA adapter folder loads its base (adapter_config.json's base_model_name_or_path)
     with the adapter merged in: a plain model, as if the merged folder had been given.
+    A `quantization_config` (bitsandbytes, `models.quant`) places the weights on the
+    device as they load (a quantised model cannot be moved afterwards).
     """
     from transformers import AutoModelForCausalLM
 
@@ -283,6 +285,9 @@ def load_model(name_or_path: str, torch_dtype: str = "float32", device: str = "c
                         f"the base available at that path")
     check_model_source(source, "model" if base is None else f"base model (of the LoRA adapter {name_or_path!r})")
     tok = load_tokenizer(tokenizer or name_or_path, trust_remote_code, kind="model" if tokenizer is None else "tokenizer")
+    quantized = kwargs.get("quantization_config") is not None
+    if quantized:
+        kwargs.setdefault("device_map", {"": dev})
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
@@ -292,7 +297,8 @@ def load_model(name_or_path: str, torch_dtype: str = "float32", device: str = "c
             model = PeftModel.from_pretrained(model, str(Path(name_or_path).expanduser())).merge_and_unload()
     except Exception as exc:
         raise _load_error("model", source, exc) from None
-    model.to(dev)
+    if not quantized:
+        model.to(dev)
     use_fast_linears(model)  # oneDNN float32 products where model.cpu_matmul chose them (models/cpu_matmul.py)
     if model.generation_config is not None:
         if model.generation_config.pad_token_id is None:

@@ -9,8 +9,12 @@ its models here, so a resume, LoRA and the reference follow one rule:
   off (the base weights never train, so that *is* the starting policy; a copy would
   compute the same function in twice the memory).
 - `need_reference=False` loads no reference at all (a KL weight of 0).
+- `model.load_in_4bit` / `load_in_8bit` load the policy's base quantised (QLoRA, CUDA
+  only: `models.quant`); the adapter trains on it and the reference is the same base
+  with the adapter off.
 - Dropout is switched off everywhere, so before the first update the ratio π/π_old is
-  exactly 1.
+  exactly 1. The one exception is the value head's own `model.value_head_dropout` (0 by
+  default), which touches no log-prob and runs only in passes with gradients.
 - `model.lean_mlp` switches the gated MLPs of the trained models (policy, separate critic)
   to `models.lean.GatedMLP`: the same function, half the MLP's saved activations;
   `model.lean_norm` their RMSNorms to `models.lean.RMSNormFn` (one saved tensor, not two).
@@ -37,6 +41,7 @@ from rlhflab.models.actor_critic import (ActorCritic, Critic, PolicyOnly, Refere
 from rlhflab.models.lean import make_lean
 from rlhflab.models.load import add_lora, disable_dropout, load_adapter, load_model, resolve_device
 from rlhflab.models.precision import check_mixed_precision
+from rlhflab.models.quant import prepare_quantized, quantization_kwargs
 
 CriticKind = Literal["value_head", "separate"]
 M_MMAP_THRESHOLD = -3            # mallopt's parameter number (<malloc.h>)
@@ -66,8 +71,9 @@ def build_models(model_cfg, lora_cfg, device: str, *, need_reference: bool,
     map_large_allocations(dev)
     load_kw = dict(torch_dtype=model_cfg.torch_dtype, device=str(dev),
                    trust_remote_code=model_cfg.trust_remote_code, tokenizer=model_cfg.tokenizer)
+    quant = quantization_kwargs(model_cfg, lora_cfg, dev)  # {} unless model.load_in_4bit/8bit (QLoRA)
     full_resume = resume_dir is not None and not lora_cfg.enabled
-    policy, tok = load_model(str(resume_dir) if full_resume else model_cfg.name_or_path, **load_kw)
+    policy, tok = load_model(str(resume_dir) if full_resume else model_cfg.name_or_path, **load_kw, **quant)
     reference = None
     if need_reference and not lora_cfg.enabled:
         # The reference is always the starting policy, also when resuming.
@@ -76,6 +82,7 @@ def build_models(model_cfg, lora_cfg, device: str, *, need_reference: bool,
         disable_dropout(reference.model)
         del src
     if lora_cfg.enabled:
+        policy = prepare_quantized(policy, model_cfg.gradient_checkpointing)
         if resume_dir is not None:
             policy = load_adapter(policy, resume_dir / "adapter", trainable=True)
         else:
@@ -94,13 +101,13 @@ def build_models(model_cfg, lora_cfg, device: str, *, need_reference: bool,
         base = load_model(src, **load_kw)[0]
         disable_dropout(base)
         make_lean(base, model_cfg)
-        head = ValueHead(hidden_size_of(base)).to(dev)
+        head = ValueHead.from_config(hidden_size_of(base), model_cfg).to(dev)
         if resume_dir is not None:
             load_value_head(head, resume_dir / "critic")
         actor = ActorCritic(policy, critic=Critic(base, head))
         actor.critic_overlap = model_cfg.critic_overlap
     else:
-        head = ValueHead(hidden_size_of(policy)).to(dev)
+        head = ValueHead.from_config(hidden_size_of(policy), model_cfg).to(dev)
         if resume_dir is not None:
             load_value_head(head, resume_dir)
         actor = ActorCritic(policy, value_head=head)

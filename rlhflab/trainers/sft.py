@@ -4,7 +4,8 @@ One visible loop:
 
     1. data        read rows (local file or `datasets` name), recognise the layout,
                    format (chat template or prompt/response templates), tokenize,
-                   mask the prompt (labels -100), truncate to max_seq_length
+                   mask the prompt (labels -100; kept with sft.train_on_prompt),
+                   truncate to max_seq_length
     2. model       the causal LM, with a LoRA adapter (peft) or all weights trainable
     3. update      shuffled micro-batches, gradient accumulation, token-weighted loss
                    over response tokens, grad-norm clipping, warmup then decay
@@ -22,6 +23,9 @@ Where this departs from common recipes:
   weighs the same (the usual per-micro-batch mean over-weights short batches).
 - Prompt and response are tokenized separately (see `rlhflab.data.sft`), matching how
   a prompt is encoded before generation.
+- `sft.train_on_prompt: true` puts the prompt's tokens in the training loss too (the
+  notebook seed's ``labels = input_ids``); the held-out ``eval/loss`` stays the response
+  tokens' NLL either way, so runs with and without it compare on the same number.
 - The loss never materialises the (B, L, V) logits: the LM head runs on the response
   positions only, a chunk of rows at a time (`batch_nll`, `ops.chunked_cross_entropy`).
 """
@@ -44,7 +48,7 @@ import torch.nn.functional as F
 from rlhflab import ops
 from rlhflab.config import load_config, save_effective_config
 from rlhflab.config.schema import (CHAT_TEMPLATE_HELP, ChatTemplateUse, LoggingConfig, LoRAConfig, ModelConfig,
-                                   TrainingConfig, f)
+                                   TrainingConfig, check_quantization, f)
 from rlhflab.data import sft as sftdata
 from rlhflab.data.chat import resolve_use_chat_template
 from rlhflab.data.loading import read_rows
@@ -58,6 +62,7 @@ from rlhflab.models.head import linear_lm_head
 from rlhflab.models.load import add_lora, load_model, resolve_device
 from rlhflab.models.lean import make_lean
 from rlhflab.models.precision import autocast, check_mixed_precision
+from rlhflab.models.quant import prepare_quantized, quantization_kwargs
 from rlhflab.models.setup import map_large_allocations
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, check_output_dir, choose_cpu_matmul,
                                      finish_run, format_metrics, log_step, make_doctor, make_optimizer, make_scheduler,
@@ -120,6 +125,9 @@ class SFTSection:
     num_eval_generate: int = f(64, "held-out prompts answered greedily for ROUGE-L and exact match; 0 skips", ge=0)
     eval_max_new_tokens: int = f(64, "largest generated response during evaluation", gt=0)
     save_merged: bool = f(True, "under LoRA, also save the adapter merged into a plain model in final/")
+    train_on_prompt: bool = f(False, "put the prompt's tokens in the training loss too (labels = input_ids, as in "
+                                     "the notebook seed); false trains on the response only. eval/loss is always "
+                                     "the response's")
 
     def check(self) -> list[str]:
         if self.min_learning_rate > self.learning_rate:
@@ -141,6 +149,9 @@ class SFTRunConfig:
     sft: SFTSection = field(default_factory=SFTSection)
     training: TrainingConfig = field(default_factory=_sft_training)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def check(self) -> list[str]:
+        return check_quantization(self.model, self.lora)
 
 
 # --------------------------------------------------------------------------------------
@@ -234,13 +245,15 @@ def _read(source: str, split: str, subset: str | None, d: SFTDataConfig, warn) -
     return sftdata.parse_rows(rows, str(source), d.max_bad_fraction, warn)
 
 
-def load_sft_data(d: SFTDataConfig, tokenizer, seed: int = 0, warn=print) -> SFTData:
-    """Train and held-out examples, tokenized; truncation reported through `warn`."""
+def load_sft_data(d: SFTDataConfig, tokenizer, seed: int = 0, warn=print, train_on_prompt: bool = False) -> SFTData:
+    """Train and held-out examples, tokenized; truncation reported through `warn`.
+    `train_on_prompt` labels the training rows' prompts with their ids; the held-out rows
+    keep the prompt masked (eval/loss is the response's NLL)."""
     source = d.path or d.name
     train, held = train_and_held_out(d, lambda src, split, subset: _read(src, split, subset, d, warn), seed)
     use_chat = resolve_use_chat_template(d.use_chat_template, tokenizer, "data.use_chat_template")
     tpl = sftdata.Template(d.prompt_template, d.response_template, use_chat)
-    tr = sftdata.tokenize_examples(train, tokenizer, tpl, d.max_seq_length)
+    tr = sftdata.tokenize_examples(train, tokenizer, tpl, d.max_seq_length, train_on_prompt)
     ev = sftdata.tokenize_examples(held, tokenizer, tpl, d.max_seq_length)
     for rep, name in ((tr, str(source)), (ev, str(d.eval_path or source) + " (held out)")):
         msg = rep.message(name, d.max_seq_length)
@@ -353,9 +366,11 @@ class SFTResult:
 def build_model(cfg: SFTRunConfig, device: torch.device):
     map_large_allocations(device)  # on CPU, freed large buffers go back to the system
     m = cfg.model
+    quant = quantization_kwargs(m, cfg.lora, device)  # {} unless model.load_in_4bit/8bit (QLoRA)
     model, tok = load_model(m.name_or_path, torch_dtype=m.torch_dtype, device=str(device),
-                            trust_remote_code=m.trust_remote_code, tokenizer=m.tokenizer)
+                            trust_remote_code=m.trust_remote_code, tokenizer=m.tokenizer, **quant)
     if cfg.lora.enabled:
+        model = prepare_quantized(model, m.gradient_checkpointing)
         model = add_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
     make_lean(model, m)
     if m.gradient_checkpointing:
@@ -404,7 +419,7 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
 
     # 1-2. data and model
     model, tok = build_model(cfg, device)
-    data = load_sft_data(cfg.data, tok, t.seed, warn=say)
+    data = load_sft_data(cfg.data, tok, t.seed, warn=say, train_on_prompt=s.train_on_prompt)
     dist.on_main(lambda: prepare_output_dir(out_dir, overwrite=t.overwrite, resumable=False,
                                             config=effective if effective is not None else cfg))
     if dist.is_main:
