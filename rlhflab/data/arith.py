@@ -112,8 +112,13 @@ def write_task(out_dir: str | Path, n_train: int = 2000, n_test: int = 200, seed
 def add_parser(parser: argparse.ArgumentParser) -> None:
     from rlhflab.cliargs import count, number, seed
 
-    parser.add_argument("--out", default="outputs/arith",
-                        help="output folder for train.jsonl, test.jsonl and sft.jsonl (default: %(default)s)")
+    parser.add_argument("--task", choices=["arith", "word-problems"], default="arith",
+                        help="arith: one-digit sums for a tiny model; word-problems: two-digit, one- and "
+                             "two-step problems for a small pretrained chat model (rlhflab/data/wordproblems.py) "
+                             "(default: %(default)s)")
+    parser.add_argument("--out", default=None,
+                        help="output folder for train.jsonl, test.jsonl and sft.jsonl (default: outputs/arith, "
+                             "or outputs/wordproblems with --task word-problems)")
     parser.add_argument("--n-train", type=count(1, MAX_PROBLEMS), default=2000,
                         help="training problems, also the SFT demonstrations (default: %(default)s)")
     parser.add_argument("--n-test", type=count(1, MAX_PROBLEMS), default=200,
@@ -125,10 +130,16 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rlhflab.errors import UserError
+    if args.task == "word-problems":
+        from rlhflab.data.wordproblems import write_task as write_word_problems
+        paths = write_word_problems(args.out or "outputs/wordproblems", args.n_train, args.n_test, args.seed)
+        for name, path in paths.items():
+            print(f"{name:>5}: {path}")
+        return 0
     if args.n_train + args.n_test > MAX_PROBLEMS:
         raise UserError(f"--n-train {args.n_train} + --n-test {args.n_test}: the task has about 93,000 distinct "
                         f"problems and draws at most {MAX_PROBLEMS:,} in all; ask for fewer")
-    paths = write_task(args.out, args.n_train, args.n_test, args.seed, args.wrong_rate)
+    paths = write_task(args.out or "outputs/arith", args.n_train, args.n_test, args.seed, args.wrong_rate)
     for name, path in paths.items():
         print(f"{name:>5}: {path}")
     return 0

@@ -1,0 +1,89 @@
+"""The word-problem task for a real chat model: the generator's rows and splits, the
+answer extractor on a chat model's natural answers, and make-data's --task option."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+
+from rlhflab import cli
+from rlhflab.data import wordproblems as wp
+
+
+def _operands(question: str) -> list[int]:
+    return [int(x) for x in re.findall(r"\d+", question)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_answer_is_the_arithmetic_of_its_question(seed):
+    rng = random.Random(seed)
+    for _ in range(300):
+        row = wp.make_problem(rng)
+        nums, r = _operands(row["question"]), row["result"]
+        assert isinstance(r, int) and r >= 0
+        assert row["answer"].endswith(f"#### {r}")
+        if row["kind"] == "add":       # "has 23 and gets 18 more" -> 23 + 18
+            assert r == nums[0] + nums[1]
+        elif row["kind"] == "sub":     # "has 66 and gives away 59" -> 66 - 59 = 7
+            assert r == nums[0] - nums[1]
+        elif row["kind"] == "mul":     # "4 bags with 6 in each" -> 24 (the sentence order varies)
+            assert r == nums[0] * nums[1]
+        elif row["kind"] == "div":     # "shares 24 among 4" -> 6, always exact
+            assert nums[0] % nums[1] == 0 and r == nums[0] // nums[1]
+        else:                          # "has 12, buys 5 more, gives 7" -> 12 + 5 - 7 = 10
+            assert row["kind"] == "two_step" and r == nums[0] + nums[1] - nums[2]
+
+
+def test_every_kind_is_drawn_and_splits_are_fixed_and_disjoint(tmp_path):
+    paths = wp.write_task(tmp_path, n_train=300, n_test=50, seed=0)
+    rows = {k: [json.loads(x) for x in p.read_text().splitlines()] for k, p in paths.items()}
+    assert len(rows["train"]) == 300 and len(rows["test"]) == 50
+    assert {r["kind"] for r in rows["train"]} == set(wp.KINDS)
+    assert not {r["question"] for r in rows["train"]} & {r["question"] for r in rows["test"]}
+    again = wp.write_task(tmp_path / "again", n_train=300, n_test=50, seed=0)
+    assert again["test"].read_text() == paths["test"].read_text()  # the same seed, the same held-out rows
+    # a demonstration's own answer passes the checker
+    for demo, row in zip(rows["sft"], rows["train"]):
+        assert wp.correct(demo["prompt"], demo["completion"], row)
+
+
+@pytest.mark.parametrize("response, expected", [
+    ("7 + 5 = 12", 12),
+    ("The answer is 12.", 12),
+    ("**12**", 12),
+    ("The answer is **12**.", 12),
+    ("There are **12 apples** in the box.", 12),
+    ("Answer: 12", 12),
+    ("\\boxed{12}", 12),
+    ("#### 12\nThe answer is: 12", 12),
+    ("So Ben has 7 + 5 = 12 apples.", 12),                      # the number after the last "="
+    ("The answer is 12. Check: 7 + 5 = 12, and 12 - 5 = 7.", 12),  # an explicit answer beats a later "="
+    ("The answer is: 1,200", 1200),                               # thousands separator
+    ("Ivy has 66 books. She gives 59 away, so 7 are left", 7),     # no "=": the last number
+    ("3 - 6 = -3", -3),                                           # a sign
+    ("12.0", 12),
+    ("12.5", None),                                               # not an integer
+    ("no number here", None),
+    ("", None),
+])
+def test_extract_answer_reads_natural_chat_answers(response, expected):
+    assert wp.extract_answer(response) == expected
+
+
+def test_reward_and_correct_check_the_integer():
+    row = {"question": "q", "answer": "5 + 7 = 12\n#### 12", "result": 12}
+    assert wp.reward("q", "5 + 7 = 12", row) == 1.0 and wp.correct("q", "The answer is 12.", row)
+    assert wp.reward("q", "5 + 7 = 13", row) == 0.0 and not wp.correct("q", "no idea", row)
+    # a row read back without `result` uses the text after ####
+    assert wp.reward("q", "**12**", {"answer": "5 + 7 = 12\n#### 12"}) == 1.0
+
+
+def test_make_data_task_word_problems(tmp_path, capsys):
+    assert cli.main(["make-data", "--task", "word-problems", "--out", str(tmp_path), "--n-train", "40",
+                     "--n-test", "10"]) == 0
+    test = [json.loads(x) for x in (tmp_path / "test.jsonl").read_text().splitlines()]
+    assert len(test) == 10 and {"question", "answer", "result", "kind"} <= set(test[0])
+    assert "train: " in capsys.readouterr().out
