@@ -61,6 +61,7 @@ DPO_MARGIN = "rewards/margins"    # mean of beta * (log-ratio of chosen - log-ra
 DPO_CHOSEN = "logps/chosen"       # the policy's sequence log-probs, batch means
 DPO_REJECTED = "logps/rejected"
 LOGPROB_GAP = "rollout/logprob_gap"  # vLLM: mean |trainer - sampler| log-prob per response token
+APPROX_KL = "params/approx_kl"       # how far an update moved the policy from the one that sampled
 
 
 
@@ -128,6 +129,26 @@ class DoctorConfig:
     gap_factor: float = 10.0
     gap_floor: float = 1e-3
     gap_baseline_steps: int = 3
+    # kl_fading (the tutorial FAQ's "approx_kl decreasing, nothing is learning"): over the
+    # last `fade_window` steps params/approx_kl (how far each update moved the policy)
+    # has a negative slope and the median of its last `fade_avg_steps` values is below
+    # the median of its first ones divided by `fade_factor`, while rollout/reward_mean
+    # moved by at most `fade_reward_move` times the rollout's reward_std between the same
+    # ends, and the learning rate did not fall by half (a decaying schedule shrinks the
+    # updates on purpose). Medians: approx_kl jumps 10x between single steps of a healthy
+    # run (the quickstart PPO: 0.0005 to 0.017 over 20 steps, its reward 0.35 -> 0.63).
+    fade_window: int = 10
+    fade_avg_steps: int = 3
+    fade_factor: float = 4.0
+    fade_reward_move: float = 0.1
+    # value_flat_early (the FAQ's "loss/value flat over the first rollouts"): the value
+    # rule above waits `value_window` steps; this one judges the first
+    # `value_early_steps`: the mean of the last `value_avg_early` of them not below
+    # `value_drop` times the mean of the first ones, while the rewards vary (mean
+    # reward_std above reward_eps). Once `value_window` values exist it hands over to
+    # value_loss. The quickstart PPO's critic fell to 0.78x of its start by step 8.
+    value_early_steps: int = 8
+    value_avg_early: int = 3
 
     # --- the stop rule (every method)
     # The config key a diverging run is told to lower; None: <method>.learning_rate
@@ -505,6 +526,67 @@ def _rule_logprob_gap(history: History, latest: dict[str, float], cfg: DoctorCon
             f"> 1 part of the gap is the weights' staleness")
 
 
+def _median(xs: Sequence[float]) -> float:
+    ys = sorted(xs)
+    mid = len(ys) // 2
+    return ys[mid] if len(ys) % 2 else (ys[mid - 1] + ys[mid]) / 2
+
+
+def _rule_kl_fading(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
+    kl = history.get(APPROX_KL, [])
+    if len(kl) < cfg.fade_window:
+        return None
+    w = kl[-cfg.fade_window:]
+    steps = {s for s, _ in w}
+    rewards = [v for s, v in history.get(REWARD_MEAN, []) if s in steps]
+    stds = [v for s, v in history.get(REWARD_STD, []) if s in steps]
+    k = max(1, min(cfg.fade_avg_steps, cfg.fade_window // 2))
+    if len(rewards) < 2 * k or not stds:
+        return None
+    xs = [v for _, v in w]
+    start, recent = _median(xs[:k]), _median(xs[-k:])
+    if not (start > 0 and _slope(xs) < 0 and recent < start / cfg.fade_factor):
+        return ""
+    spread = _mean(stds)
+    if spread <= cfg.reward_eps:
+        return ""  # every reward equal: reward_constant's finding
+    r0, r1 = _mean(rewards[:k]), _mean(rewards[-k:])
+    if abs(r1 - r0) > cfg.fade_reward_move * spread:
+        return ""  # the reward moved: the updates shrink because the policy got there
+    lrs = [v for s, v in history.get("lr", []) if s in steps]
+    if len(lrs) >= 2 and lrs[0] > 0 and lrs[-1] < 0.5 * lrs[0]:
+        return ""  # the schedule shrinks the updates
+    return (f"{APPROX_KL} fell from {start:.3g} to {recent:.3g} over the last {len(w)} steps while the reward "
+            f"stayed at {r1:.3g} ({r1 - r0:+.3g}, against a spread of {spread:.3g} within a rollout): the "
+            f"updates shrink toward nothing and nothing is learning. The KL penalty may outweigh the reward "
+            f"(lower {cfg.kl_knob}, e.g. 3-10x, and watch params/kl_to_ref); else raise {lr_knob(cfg)} "
+            f"or check that the reward can tell the responses apart")
+
+
+def _rule_value_flat_early(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
+    pts = history.get(VALUE_LOSS, [])
+    n = cfg.value_early_steps
+    if len(pts) < n:
+        return None
+    if len(pts) >= cfg.value_window:
+        return ""  # the value_loss rule judges from here on
+    first = pts[:n]
+    steps = {s for s, _ in first}
+    stds = [v for s, v in history.get(REWARD_STD, []) if s in steps]
+    if not stds or _mean(stds) <= cfg.reward_eps:
+        return ""  # no spread in the rewards: nothing for the critic to learn (reward_constant)
+    xs = [v for _, v in first]
+    k = max(1, min(cfg.value_avg_early, n // 2))
+    start, recent = _mean(xs[:k]), _mean(xs[-k:])
+    if recent < cfg.value_drop * start:
+        return ""
+    return (f"value loss has not fallen over the first {n} rollouts ({start:.3g} -> {recent:.3g}, means of "
+            f"{k}) while the rewards vary (reward_std {_mean(stds):.3g}): the critic is not learning the "
+            f"returns, so the advantages are noise. Check that the value head trains (ppo.vf_coeff > 0, "
+            f"model.value_head_dropout), raise ppo.vf_coeff or loosen ppo.value_clip, and check the reward "
+            f"scale; the value_loss rule judges again after {cfg.value_window} steps")
+
+
 # ------------------------------------------------------------ SFT, reward model, DPO
 
 def _rule_grad_norm_spike(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
@@ -655,6 +737,10 @@ RULES: tuple[Rule, ...] = (
          "held-out checks do not fall while the reward stays up", _rule_reward_hacking),
     Rule("logprob_gap", "warn", LOGPROB_GAP, "the sampler's log-probs stay as close to the trainer's as at the start",
          _rule_logprob_gap),
+    Rule("kl_fading", "warn", f"{APPROX_KL} against {REWARD_MEAN}",
+         "the updates do not fade to nothing while the reward stands still", _rule_kl_fading),
+    Rule("value_flat_early", "warn", f"{VALUE_LOSS} over the first rollouts", "value loss falls from the start",
+         _rule_value_flat_early),
 )
 RULE_SETS: dict[str, tuple[Rule, ...]] = {
     "rl": RULES,

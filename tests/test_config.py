@@ -313,6 +313,7 @@ def test_knobs_md_maps_exactly_the_loaders_foreign_keys():
     from rlhflab.trainers.dr_grpo import DrGRPORunConfig
     from rlhflab.trainers.grpo import GRPORunConfig
     from rlhflab.trainers.rloo import RLOORunConfig
+    from rlhflab.trainers.sft import SFTRunConfig
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "knobs.md").read_text()
     section = text.split("## The same knobs under other names", 1)[1].split("\n## ", 1)[0]
@@ -333,7 +334,8 @@ def test_knobs_md_maps_exactly_the_loaders_foreign_keys():
             assert all(target.split(".", 1)[1] in fields(sec) for sec in method_sections), (name, target)
         else:  # a section of the PPO run (training, reward, ...) or a method's own (grpo.beta)
             section, key = target.split(".")
-            owners = [getattr(run, section) for run in [*runs, DrGRPORunConfig()] if hasattr(run, section)]
+            owners = [getattr(run, section) for run in [*runs, DrGRPORunConfig(), SFTRunConfig()]
+                      if hasattr(run, section)]
             assert owners and all(key in fields(sec) for sec in owners), (name, target)
 
 
