@@ -428,6 +428,10 @@ def init_dist(device: str = "auto") -> Dist:
     On CPU each rank gets an equal share of the cores as torch threads (2 ranks on 2
     cores: one thread each), unless training.num_threads says otherwise.
     """
+    # deepspeed is imported only where a DeepSpeed strategy runs, for trainers called from
+    # Python too (the CLI does this before any import): rlhflab/thirdparty.py says why.
+    from rlhflab.thirdparty import defer_deepspeed
+    defer_deepspeed()
     world = launched_world_size()
     if world <= 1:
         return Dist()
