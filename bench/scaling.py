@@ -153,7 +153,8 @@ def _sides(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(f"{text!r}: comma-separated, from {', '.join(SIDE_NAMES)}")
     absent = [n for n in names if SIDE_NAMES[n] not in SIDES]
     if absent:
-        raise argparse.ArgumentTypeError(f"{', '.join(absent)} need the deepspeed extra (pip install -e '.[deepspeed]')")
+        raise argparse.ArgumentTypeError(f"{', '.join(absent)} need the deepspeed extra "
+                                         "(pip install -e '.[deepspeed]')")
     return [SIDE_NAMES[n] for n in dict.fromkeys(names)]
 
 
