@@ -8,6 +8,7 @@ import random
 import re
 
 import pytest
+import torch
 
 from rlhflab import cli
 from rlhflab.data import wordproblems as wp
@@ -87,3 +88,33 @@ def test_make_data_task_word_problems(tmp_path, capsys):
     test = [json.loads(x) for x in (tmp_path / "test.jsonl").read_text().splitlines()]
     assert len(test) == 10 and {"question", "answer", "result", "kind"} <= set(test[0])
     assert "train: " in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_grpo_smollm2_recipe_runs_two_steps_on_the_real_model(smollm2_dir, tmp_path):
+    """configs/grpo_smollm2.yaml resolves as shipped and trains SmolLM2 (tiny budget)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from rlhflab.config import load_config
+    from rlhflab.trainers.grpo import GRPORunConfig, train
+
+    wp.write_task(tmp_path / "data", n_train=16, n_test=4, seed=0)
+    root = Path(__file__).resolve().parents[1]
+    cfg, eff = load_config(root / "configs" / "grpo_smollm2.yaml", GRPORunConfig, [
+        f"model.name_or_path={smollm2_dir}", f"dataset.path={tmp_path / 'data' / 'train.jsonl'}",
+        f"dataset.eval_path={tmp_path / 'data' / 'test.jsonl'}", f"training.output_dir={tmp_path / 'run'}",
+        "training.total_steps=2", "training.eval_interval=0", "grpo.prompts_per_step=2", "grpo.group_size=2",
+        "grpo.batch_size=4", "grpo.mini_batch_size=4", "generation.max_new_tokens=8",
+        "logging.progress_bar=false", "logging.plots=false"])
+    assert cfg.dataset.use_chat_template == "auto" and cfg.eval.correct == "rlhflab.data.wordproblems:correct"
+    res = train(cfg, effective=eff, quiet=True)
+    assert [h["step"] for h in res.history] == [1, 2]
+    for h in res.history:  # the recipe's reward is 0/1 per response
+        assert 0.0 <= h["rollout/reward_mean"] <= 1.0 and h["rollout/response_length"] <= 8
+    name = "model.layers.0.self_attn.q_proj.weight"
+    with safe_open(str(smollm2_dir / "model.safetensors"), "pt") as fh:
+        before = fh.get_tensor(name)
+    after = dict(res.models.policy.named_parameters())[name].detach()
+    assert not torch.equal(before, after)  # the update moved the weights
