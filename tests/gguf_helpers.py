@@ -15,7 +15,8 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 
 
 def write_tiny_gguf(path: Path, arch: str = "llama", specials: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>",
-                    "<|im_end|>"), eos_id: int = 2, chat_template: str | None = CHATML, seed: int = 0) -> Path:
+                    "<|im_end|>"), eos_id: int = 2, chat_template: str | None = CHATML, seed: int = 0,
+                    add_bos: bool | None = None) -> Path:
     import gguf
     import numpy as np
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -39,6 +40,8 @@ def write_tiny_gguf(path: Path, arch: str = "llama", specials: tuple[str, ...] =
     w.add_token_merges(["Ġ t"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(eos_id)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
     if chat_template is not None:
         w.add_chat_template(chat_template)
     rng = np.random.default_rng(seed)

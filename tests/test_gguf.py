@@ -71,6 +71,19 @@ def test_end_of_turn_found_by_name_beside_a_different_eos(tmp_path):
     assert stop_ids_of(header._replace(eot_id=None)) == [1]
 
 
+def test_add_bos_token_of_the_file_is_kept(tmp_path):
+    from transformers import AutoTokenizer
+
+    # Gemma's files say tokenizer.ggml.add_bos_token = true; transformers' GGUF tokenizer
+    # drops it, the imported one adds <|im_start|> (id 1, the file's BOS here) again.
+    for add_bos, first in ((True, [1]), (False, [])):
+        path = write_tiny_gguf(tmp_path / f"bos-{add_bos}.gguf", add_bos=add_bos)
+        assert read_header(path).add_bos is add_bos
+        tok = AutoTokenizer.from_pretrained(str(import_gguf(path, tmp_path / f"out-{add_bos}", quiet=True).out_dir))
+        plain = tok("hi t", add_special_tokens=False).input_ids
+        assert tok("hi t").input_ids == first + plain
+
+
 def test_bfloat16_import(tiny_gguf, tiny_imported, tmp_path):
     from safetensors.torch import load_file
 

@@ -6,7 +6,8 @@ every rlhflab command reads like any `save_pretrained` folder:
 
     config.json, model.safetensors        the weights, in --dtype (float32 by default)
     tokenizer.json, tokenizer_config.json the tokenizer, with its chat template when the
-    chat_template.jinja                   file carries one (tokenizer.chat_template)
+    chat_template.jinja                   file carries one (tokenizer.chat_template); it
+                                          adds the BOS when the file says so (add_bos_token)
     generation_config.json                eos_token_id lists the end-of-turn token
                                           (<|im_end|>, <end_of_turn>, ...) and the EOS
     import_info.json                      source file, its SHA-256, dtype, architecture
@@ -57,6 +58,7 @@ class GGUFHeader(NamedTuple):
     eot_id: int | None       # end of turn, from tokenizer.ggml.eot_token_id or a known name
     pad_id: int | None
     tokens: list[str]
+    add_bos: bool = False    # tokenizer.ggml.add_bos_token: text starts with the BOS (Gemma)
 
 
 class ImportResult(NamedTuple):
@@ -147,7 +149,8 @@ def read_header(path: str | os.PathLike) -> GGUFHeader:
         index = {t: i for i, t in enumerate(tokens)}
         eot = next((index[n] for n in END_OF_TURN_NAMES if n in index), None)
     return GGUFHeader(arch, len(reader.tensors), _field(reader, "tokenizer.ggml.eos_token_id"), eot,
-                      _field(reader, "tokenizer.ggml.padding_token_id"), tokens)
+                      _field(reader, "tokenizer.ggml.padding_token_id"), tokens,
+                      bool(_field(reader, "tokenizer.ggml.add_bos_token")))
 
 
 def _check_out(out: Path) -> None:
@@ -176,8 +179,8 @@ def import_gguf(file: str | os.PathLike, out: str | os.PathLike, dtype: str = "f
     _check_out(out)
     header = read_header(src)
     say = (lambda *a: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    say(f"importing {src.name} ({header.architecture}, {header.n_tensors} tensors): dequantizing, "
-        f"this takes a few seconds per 100 MB")
+    say(f"importing {src.name} ({header.architecture}, {header.n_tensors} tensors): dequantizing every tensor "
+        f"to float32 and writing {out}")
     digest = sha256_of(src)
 
     import torch
@@ -191,6 +194,10 @@ def import_gguf(file: str | os.PathLike, out: str | os.PathLike, dtype: str = "f
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise UserError(f"{src}: transformers {transformers.__version__} could not load this GGUF file ({first}); "
                         f"convert the original model with save_pretrained instead") from None
+    if header.add_bos and tok.bos_token_id is not None and tok("a").input_ids[:1] != [tok.bos_token_id]:
+        # transformers' GGUF tokenizer drops the file's add_bos_token; Gemma without its
+        # BOS answers "The capital of France is" with " France. The The The ..."
+        tok.add_bos_token = True
     # The GGUF-loaded model refuses save_pretrained (it is marked quantized): rebuild it.
     config = loaded.config
     for key in ("quantization_config",):
