@@ -152,6 +152,15 @@ def _check_callable(spec: str, fn: Any) -> None:
 
 def load_function(spec: str, plugin_dir: str | os.PathLike | None = None) -> Callable:
     """The function named by ``module:function`` or ``path/to/file.py:function``."""
+    fn = load_object(spec, plugin_dir)
+    _check_callable(spec, fn)
+    return fn
+
+
+def load_object(spec: str, plugin_dir: str | os.PathLike | None = None) -> Any:
+    """Whatever ``module:name`` or ``path/to/file.py:name`` names (a function, a class),
+    found as a plug-in is; nothing about its signature is checked here. Environments
+    and tools (`rlhflab.envs`) are loaded with it."""
     module_part, _, attr = spec.rpartition(":")
     if not module_part or not attr:
         raise UserError(f"plug-in {spec!r}: write module:function or path/to/file.py:function")
@@ -165,9 +174,7 @@ def load_function(spec: str, plugin_dir: str | os.PathLike | None = None) -> Cal
         hint = f"did you mean {near[0]!r}? " if near else ""
         raise UserError(f"plug-in {spec!r}: {module_part} has no {attr!r}; {hint}"
                         f"it defines: {', '.join(public) or 'no functions'}")
-    fn = getattr(module, attr)
-    _check_callable(spec, fn)
-    return fn
+    return getattr(module, attr)
 
 
 # --------------------------------------------------------------------------------------
