@@ -9,6 +9,12 @@ from rlhflab.ops.chunked import TokenLogprobs, chunked_cross_entropy, chunked_lo
 from rlhflab.ops.importance import logprob_gap, truncated_is_weights
 from rlhflab.ops.kl import KL_KINDS, kl_estimate, kl_shaped_rewards, last_token_index
 from rlhflab.ops.logprobs import entropy_from_logits, logprobs_from_logits
+from rlhflab.ops.multiturn import (
+    discounted_returns_over_actions,
+    episode_returns,
+    gae_over_actions,
+    place_turn_rewards,
+)
 from rlhflab.ops.losses import (
     DPOLossOutput,
     EntropyLossOutput,
@@ -32,6 +38,7 @@ __all__ = [
     "chunked_logprobs", "chunked_cross_entropy", "TokenLogprobs",
     "KL_KINDS", "kl_estimate", "kl_shaped_rewards", "last_token_index",
     "GAEOutput", "gae", "group_advantages", "batch_std_of", "rloo_advantages", "discounted_returns",
+    "gae_over_actions", "discounted_returns_over_actions", "place_turn_rewards", "episode_returns",
     "aggregate", "ppo_policy_loss", "PolicyLossOutput", "value_loss", "ValueLossOutput",
     "entropy_loss", "EntropyLossOutput", "dpo_loss", "DPOLossOutput",
     "reward_model_loss", "RewardModelLossOutput",
