@@ -69,6 +69,9 @@ INSTALL_HINT = (f"{ROOT / '.venv/bin/pip'} install --no-deps --target {TRL_DIR} 
                 f"charset_normalizer urllib3 certifi idna")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402  (the bench folder is not a package)
+import _mfu  # noqa: E402
+
+PHASES = ("generate", "score", "forward", "update")
 
 
 def _baseline(device: str) -> float:
@@ -101,11 +104,11 @@ def _memory(device: str, baseline: float) -> dict:
 # --------------------------------------------------------------------------------------
 # Workers (each in its own process)
 # --------------------------------------------------------------------------------------
-def _rates(marks: list[tuple[float, float]]) -> dict:
+def _rates(marks: list[tuple[float, float]], completions: int) -> dict:
     """completions/s (wall) and completions per CPU-second from (wall, cpu) marks taken at
     the end of each step; the first step is the warm-up, so timing starts at its end."""
     (w0, c0), (w1, c1) = marks[0], marks[-1]
-    n = COMPLETIONS * (len(marks) - 1)
+    n = completions * (len(marks) - 1)
     return {"completions_per_s": n / (w1 - w0), "completions_per_cpu_s": n / (c1 - c0), "steps_timed": len(marks) - 1}
 
 
@@ -133,9 +136,9 @@ def _train_rlhflab(a: argparse.Namespace, steps: int, out: str) -> dict:
 
     cfg, _ = load_config(ROOT / "configs" / "grpo_debug.yaml", grpo.GRPORunConfig, [
         f"model.name_or_path={a.model}", f"dataset.path={a.data}/train.jsonl", "dataset.eval_path=null",
-        f"generation.max_new_tokens={MAX_NEW_TOKENS}", "generation.temperature=1.0", f"grpo.group_size={GROUP_SIZE}",
-        f"grpo.prompts_per_step={COMPLETIONS // GROUP_SIZE}", f"grpo.batch_size={COMPLETIONS}",
-        f"grpo.mini_batch_size={COMPLETIONS}", "grpo.gradient_accumulation_steps=1", "grpo.epochs=1",
+        f"generation.max_new_tokens={a.max_new_tokens}", "generation.temperature=1.0",
+        f"grpo.group_size={a.group_size}", f"grpo.prompts_per_step={a.completions // a.group_size}",
+        f"grpo.batch_size={a.completions}", f"grpo.mini_batch_size={a.completions}", "grpo.gradient_accumulation_steps=1", "grpo.epochs=1",
         f"grpo.learning_rate={a.lr}", f"grpo.beta={a.beta}", "grpo.clip_eps=0.2", "grpo.max_grad_norm=1.0",
         f"grpo.share_prompt={str(not a.no_share_prompt).lower()}",
         f"training.total_steps={steps}", "training.eval_interval=0", "training.save_interval=0",
@@ -153,7 +156,9 @@ def _train_rlhflab(a: argparse.Namespace, steps: int, out: str) -> dict:
     if steps < 2:
         return {}
     timed = res.history[1:]
-    return {**_rates(marks), "mean_response_length": sum(h["rollout/response_length"] for h in timed) / len(timed)}
+    phases = {k: statistics.median(h.get(f"time/{k}", 0.0) for h in timed) for k in PHASES}
+    return {**_rates(marks, a.completions), "phases_s": phases,
+            "mean_response_length": sum(h["rollout/response_length"] for h in timed) / len(timed)}
 
 
 def run_trl(a: argparse.Namespace) -> dict:
@@ -200,20 +205,63 @@ def _train_trl(a: argparse.Namespace, steps: int, out: str) -> dict:
     tok = AutoTokenizer.from_pretrained(a.model, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
     args = GRPOConfig(
-        output_dir=f"{a.out}/{out}", per_device_train_batch_size=COMPLETIONS, num_generations=GROUP_SIZE,
-        gradient_accumulation_steps=1, num_iterations=1, max_completion_length=MAX_NEW_TOKENS,
+        output_dir=f"{a.out}/{out}", per_device_train_batch_size=a.completions, num_generations=a.group_size,
+        gradient_accumulation_steps=1, num_iterations=1, max_completion_length=a.max_new_tokens,
         temperature=1.0, top_p=1.0, top_k=0, learning_rate=a.lr, lr_scheduler_type="constant",
         beta=a.beta, epsilon=0.2, max_grad_norm=1.0, max_steps=steps, logging_steps=1,
         gradient_checkpointing=False,  # rlhflab's run does not checkpoint either
         save_strategy="no", report_to=[], use_cpu=a.device == "cpu", bf16=False, fp16=False,
         dataloader_num_workers=0, seed=42, disable_tqdm=True)
     cb = StepMarks()
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds,
-                          processing_class=tok, callbacks=[cb])
+    spent: dict[str, float] = {}  # seconds in TRL's own methods, summed since the last step end
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+        return wrapper
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        """TRL's trainer with its phases timed: `_generate` (sampling), `_calculate_rewards`
+        (the reward), `_generate_and_score_completions` (both, plus the no-grad log-prob
+        passes: old and reference); the rest of a step is the update."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            for name in ("_generate", "_calculate_rewards", "_generate_and_score_completions"):
+                setattr(self, name, timed(name, getattr(self, name)))
+
+    class PhaseMarks(TrainerCallback):
+        def __init__(self):
+            self.phases, self.last = [], None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if self.last is None:
+                self.last = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now = time.perf_counter()
+            step_s = now - self.last
+            gen, rew = spent.get("_generate", 0.0), spent.get("_calculate_rewards", 0.0)
+            prep = spent.get("_generate_and_score_completions", 0.0)
+            self.phases.append({"generate": gen, "score": rew, "forward": max(prep - gen - rew, 0.0),
+                                "update": max(step_s - prep, 0.0)})
+            spent.clear()
+            self.last = now
+
+    phase_marks = PhaseMarks()
+    trainer = TimedGRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds,
+                               processing_class=tok, callbacks=[cb, phase_marks])
     trainer.train()
     if steps < 2:
         return {}
-    return {**_rates(cb.marks), "mean_response_length": sum(cb.lengths[1:]) / max(len(cb.lengths) - 1, 1)}
+    timed_steps = phase_marks.phases[1:]
+    phases = {k: statistics.median(p[k] for p in timed_steps) for k in PHASES}
+    return {**_rates(cb.marks, a.completions), "phases_s": phases,
+            "mean_response_length": sum(cb.lengths[1:]) / max(len(cb.lengths) - 1, 1)}
 
 
 # --------------------------------------------------------------------------------------
@@ -225,7 +273,9 @@ def _worker(which: str, a: argparse.Namespace, round_: int) -> dict:
     folder = tempfile.mkdtemp(prefix=f"{which}-round{round_}-", dir=a.out)
     cmd = [sys.executable, __file__, "--worker", which, "--model", str(a.model), "--data", str(a.data),
            "--out", folder, "--steps", str(a.steps), "--beta", str(a.beta), "--lr", str(a.lr),
-           "--device", a.device, "--threads", str(a.threads)] + (["--no-share-prompt"] if a.no_share_prompt else []) \
+           "--device", a.device, "--threads", str(a.threads), "--group-size", str(a.group_size),
+           "--completions", str(a.completions), "--max-new-tokens", str(a.max_new_tokens)] \
+        + (["--no-share-prompt"] if a.no_share_prompt else []) \
         + ([] if a.prime else ["--no-prime"])
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -234,11 +284,65 @@ def _worker(which: str, a: argparse.Namespace, round_: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _mean_prompt_tokens(model: str | Path, data: str | Path, limit: int = 256) -> float:
+    """Mean tokens of the task's prompts (the first `limit` rows, the bench's template, no
+    special tokens): steps draw different prompts, so the MFU uses the mean."""
+    from transformers import AutoTokenizer
+
+    from rlhflab.data.loading import read_rows
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    rows = read_rows(f"{data}/train.jsonl")[:limit]
+    return statistics.mean(len(tok(TEMPLATE.format(prompt=r["question"]), add_special_tokens=False)["input_ids"])
+                           for r in rows)
+
+
+def phase_flops(a: argparse.Namespace, n: "_mfu.LinearParams", prompt_tokens: float,
+                response_length: float) -> dict[str, float]:
+    """Model FLOPs of one GRPO step's phases (bench/_mfu.py says how they are counted): each
+    prompt counted once per group (the least work that gives the result; TRL computes it
+    group-size times, rlhflab once), `completions` x `response_length` response tokens.
+    generate: one forward; forward: the reference's pass when beta > 0 (one optimizer step
+    per rollout: no pass for old log-probs on either side); update: forward + backward."""
+    prompts = a.completions // a.group_size
+    seq = prompts * prompt_tokens + a.completions * response_length
+    head = a.completions * response_length
+    once = _mfu.pass_flops(n, seq, head)
+    return {"generate": once, "score": 0.0, "forward": once if a.beta > 0 else 0.0,
+            "update": _mfu.pass_flops(n, seq, head, backward=True)}
+
+
+def mfu_lines(results: dict[str, list[dict]], a: argparse.Namespace, n: "_mfu.LinearParams",
+              prompt_tokens: float, peak: float) -> list[str]:
+    """Per side: median seconds, model FLOPs and MFU of each phase of a timed step."""
+    lines = [f"per phase (median seconds of the timed steps of every run); MFU against the float32 matmul peak "
+             f"measured here, {peak / 1e9:.1f} GFLOP/s ({_mfu.cpu_name()}); N = {n.body / 1e6:.1f}M decoder + "
+             f"{n.head / 1e6:.1f}M LM-head linear weights, {prompt_tokens:.1f} prompt tokens on average; "
+             f"2N per token forward, 6N forward+backward (bench/_mfu.py)"]
+    for name, runs in results.items():
+        if not runs or "phases_s" not in runs[0]:
+            continue
+        seconds = {k: statistics.median(r["phases_s"][k] for r in runs) for k in PHASES}
+        length = statistics.median(r["mean_response_length"] for r in runs)
+        flops = phase_flops(a, n, prompt_tokens, length)
+        lines.append(_mfu.format_mfu(f"  {name}", {k: flops[k] for k in PHASES if k != "score"}, seconds, peak)
+                     + f"; score {seconds['score']:.2f} s")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=6, help="GRPO steps per trainer (the first is not timed)")
     p.add_argument("--repeats", type=int, default=3, help="runs of each trainer, alternating; the median is reported")
-    p.add_argument("--model", default=None, help="model folder; default: a tiny Llama built in a temp dir")
+    p.add_argument("--model", "--model-dir", dest="model", default=None,
+                   help="model folder; default: a tiny Llama built in a temp dir. The real model: "
+                        "outputs/models/smollm2-135m-instruct (make models)")
+    p.add_argument("--group-size", type=int, default=GROUP_SIZE, help="completions per prompt")
+    p.add_argument("--completions", type=int, default=COMPLETIONS,
+                   help="completions per step (a multiple of --group-size)")
+    p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
+    p.add_argument("--peak-sizes", nargs="+", type=int, default=[2048, 4096],
+                   help="square float32 matmuls that measure the machine's peak for the MFU")
     p.add_argument("--data", default=None, help="folder with train.jsonl; default: the arithmetic task")
     p.add_argument("--out", default=None,
                    help="scratch folder: the inputs it builds, and one fresh folder per run (default: a temp dir)")
@@ -265,6 +369,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--sides {a.sides!r}: give rlhflab, trl or rlhflab,trl")
     if a.repeats < 1 or a.steps < 2:
         p.error("--repeats must be at least 1 and --steps at least 2 (the first step is not timed)")
+    if a.group_size < 2 or a.completions % a.group_size:
+        p.error(f"--completions {a.completions} must be a multiple of --group-size {a.group_size} (at least 2)")
+    if a.model is not None and not (Path(a.model) / "config.json").is_file():
+        p.error(f"--model {a.model}: no config.json there; for SmolLM2-135M-Instruct run `make models` first")
     trl_version = "not run"
     if "trl" in sides:
         if not (TRL_DIR / "trl").is_dir():
@@ -290,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
         if not (a.data / "train.jsonl").exists():
             write_task(a.data, n_train=500, n_test=10)
     a.out = scratch
+    n = _mfu.linear_params(a.model)
+    prompt_tokens = _mean_prompt_tokens(a.model, a.data)
+    peak = _mfu.measure_peak(a.threads, tuple(a.peak_sizes)) if a.device == "cpu" else float("nan")
 
     results: dict[str, list[dict]] = {"rlhflab": [], "trl": []}
     for r in range(a.repeats):  # alternate, so both see the same machine load on average
@@ -308,8 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     cpu_speed = ours["completions_per_cpu_s"] / theirs["completions_per_cpu_s"]
     memory = ours["peak_memory_mb"] / theirs["peak_memory_mb"]
     mem_name = "peak CUDA MiB" if a.device == "cuda" else "peak RSS MiB above imports"
-    print(f"model {a.model}; device {a.device}, {a.threads} thread(s); group {GROUP_SIZE}, {COMPLETIONS} "
-          f"completions/step, <= {MAX_NEW_TOKENS} new tokens, beta {a.beta}; {a.steps} steps (first untimed); "
+    print(f"model {a.model}; device {a.device}, {a.threads} thread(s); group {a.group_size}, {a.completions} "
+          f"completions/step, <= {a.max_new_tokens} new tokens, beta {a.beta}; {a.steps} steps (first untimed); "
           f"median of {a.repeats} alternating runs; trl {trl_version}; rlhflab share_prompt "
           f"{not a.no_share_prompt}; memory baseline {'after a priming run' if a.prime else 'after the imports'}; "
           f"load average {os.getloadavg()[0]:.1f}")
@@ -327,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"speed ratio by CPU time {cpu_speed:.2f} (less sensitive to other load on the machine); "
           f"ratio of whole-process ru_maxrss (imports included) "
           f"{ours['process_peak_rss_mb'] / theirs['process_peak_rss_mb']:.2f}")
+    print()
+    for line in mfu_lines(results, a, n, prompt_tokens, peak):
+        print(line)
     print(f"grpo_throughput: rlhflab {ours['completions_per_s']:.1f} completions/s, trl "
           f"{theirs['completions_per_s']:.1f} completions/s, speed ratio {speed:.2f}, memory ratio {memory:.2f}")
     return 0

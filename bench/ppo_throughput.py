@@ -45,6 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402  (the bench folder is not a package)
+import _mfu  # noqa: E402
 
 TRL_VERSION = "1.12.0"
 TRL_DIR = _common.BENCH_DIR / "trl"
@@ -67,6 +68,7 @@ SIDES = {
 DEFAULT_SIDES = ("rlhflab", "rlhflab-critic", "rlhflab-critic-torchmm", "trl", "rlhflab-critic-bf16", "trl-bf16")
 LABELS = {name: label for name, (label, _) in SIDES.items()}
 PHASES = ("generate", "score", "forward", "update", "other")
+SEQUENTIAL_ABOVE = 50_000_000  # parameters: above this the sides run one at a time (--sequential)
 
 
 @dataclass
@@ -398,6 +400,16 @@ def _held_tensors(modules, optimizer) -> list:
 # --------------------------------------------------------------------------------------
 # Workers: one process per side, stepped by the parent
 # --------------------------------------------------------------------------------------
+def count_prompt_tokens(s: BenchSettings) -> int:
+    """Tokens of the step's prompts (the same every step, on every side), no special tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(s.model_dir)
+    rows = _common.bench_rows(s.episodes, s.seed)
+    return sum(len(tok(_common.format_bench_prompt(r["question"]), add_special_tokens=False)["input_ids"])
+               for r in rows)
+
+
 def make_side(name: str, s: BenchSettings):
     if name not in SIDES:
         raise ValueError(f"unknown side {name!r}; choose from {', '.join(SIDES)}")
@@ -484,6 +496,23 @@ class Worker:
         return self.expect(kind)
 
 
+def run_sequential(sides: list[str], s: BenchSettings, repeats: int, warmup: int, tensor_memory: bool = True,
+                   log=print) -> dict:
+    """The sides one at a time: each side's worker is started, stepped, finished and gone
+    before the next starts. On a real model every side's process alive at once does not
+    fit (SmolLM2-135M: TRL's side was killed for memory on 24 GiB); the price is that load
+    from other work on the machine no longer falls on every side alike."""
+    merged: dict = {}
+    for name in sides:
+        one = run([name], s, repeats, warmup, tensor_memory, log)
+        if not merged:
+            merged = one
+        else:
+            for key in ("info", "steps", "memory"):
+                merged[key].update(one[key])
+    return merged
+
+
 def run(sides: list[str], s: BenchSettings, repeats: int, warmup: int, tensor_memory: bool = True,
         log=print) -> dict:
     """Start one worker per side, warm each up, then step them in rotating order."""
@@ -552,6 +581,36 @@ PAIRS = (("rlhflab", "trl", "value head vs TRL"), ("rlhflab-critic", "trl", "lik
          ("rlhflab-bf16", "trl-bf16", "value head vs TRL, bf16 autocast"))
 
 
+def phase_flops(name: str, n: "_mfu.LinearParams", prompt_tokens: float, response_tokens: float,
+                epochs: int) -> dict[str, float]:
+    """Model FLOPs of one PPO step's phases on side `name` (bench/_mfu.py says how they are
+    counted). generate: one policy forward over prompt + response tokens. forward: the
+    policy's pass (old log-probs; with the value head, the values too) and the reference's,
+    plus the critic's where there is one (TRL always has one). update: `epochs` x forward +
+    backward of the policy, and of the critic where there is one."""
+    seq = prompt_tokens + response_tokens
+    policy = _mfu.pass_flops(n, seq, response_tokens)
+    critic = _mfu.pass_flops(_mfu.LinearParams(n.body, 0), seq, 0) \
+        if name.startswith(("trl", "rlhflab-critic")) else 0.0
+    return {"generate": policy, "forward": 2 * policy + critic, "update": epochs * 3 * (policy + critic)}
+
+
+def mfu_lines(summary: dict[str, dict], n: "_mfu.LinearParams", prompt_tokens: float, epochs: int,
+              peak: float) -> list[str]:
+    """Per side: seconds, model FLOPs and MFU of generate, forward (no-grad scoring) and update;
+    the MFU goes into the summary too."""
+    lines = [f"MFU per phase: model FLOPs / phase seconds / the float32 matmul peak measured here, "
+             f"{peak / 1e9:.1f} GFLOP/s ({_mfu.cpu_name()}); N = {n.body / 1e6:.1f}M decoder + "
+             f"{n.head / 1e6:.1f}M LM-head linear weights, {prompt_tokens:.0f} prompt tokens a step; "
+             f"2N per token forward, 6N forward+backward (bench/_mfu.py)"]
+    for name, m in summary.items():
+        flops = phase_flops(name, n, prompt_tokens, m["tokens"], epochs)
+        seconds = {k: m["phases_s"][k] for k in flops}
+        m["mfu"] = _mfu.mfu_cells(flops, seconds, peak)
+        lines.append(_mfu.format_mfu(f"  {LABELS[name]}", flops, seconds, peak))
+    return lines
+
+
 def format_report(result: dict, summary: dict[str, dict]) -> str:
     from rlhflab.openmp import describe
 
@@ -561,9 +620,9 @@ def format_report(result: dict, summary: dict[str, dict]) -> str:
         f"one {s['episodes']}-episode minibatch, KL {s['kl_coeff']} in the reward (k1, frozen-copy reference), "
         f"lr {s['learning_rate']:g}, no grad clipping, float32 weights (bf16 rows: bfloat16 autocast), CPU, "
         f"{s['threads']} threads "
-        f"({describe()}); tiny model {s['model_dir']}",
+        f"({describe()}); model {s['model_dir']}",
         f"medians of {result['repeats']} steps per side after {result['warmup']} warm-up steps, sides "
-        f"interleaved step by step",
+        + ("run one after the other (--sequential)" if result.get("sequential") else "interleaved step by step"),
         "",
         f"{'side':<34} {'eps/s':>6} {'step s':>7} {'noise':>6} {'cpu s':>6} {'eps/cpu-s':>9}"
         f" {'peak MiB':>8} {'tensor MiB':>10} {'proc RSS':>8}",
@@ -618,7 +677,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2, help="torch threads in every worker")
     ap.add_argument("--model-dir", default=str(_common.BENCH_DIR / "tiny-model"),
-                    help="tiny model folder, built there when missing")
+                    help="model folder (default: the tiny model, built there when missing); a real one, e.g. "
+                         "outputs/models/smollm2-135m-instruct (make models), runs its sides one at a time")
+    ap.add_argument("--sequential", action="store_true",
+                    help="run the sides one at a time instead of interleaved (on by itself for a model of "
+                         f"more than {SEQUENTIAL_ABOVE // 10**6}M parameters)")
+    ap.add_argument("--peak-sizes", nargs="+", type=int, default=[2048, 4096],
+                    help="square float32 matmuls that measure the machine's peak for the MFU")
     ap.add_argument("--json", default=None, help="also write the raw timings and summary here")
     ap.add_argument("--no-tensor-memory", action="store_true",
                     help="skip the profiled step that counts tensor bytes exactly")
@@ -637,18 +702,32 @@ def main(argv: list[str] | None = None) -> int:
                   + (" --upgrade" if version else "")
                   + "\nor run without it: --sides rlhflab,rlhflab-critic", file=sys.stderr)
             return 3
+    default_dir = _common.BENCH_DIR / "tiny-model"
+    if Path(args.model_dir).resolve() != default_dir.resolve() and not (Path(args.model_dir) / "config.json").is_file():
+        ap.error(f"--model-dir {args.model_dir}: no config.json there; for SmolLM2-135M-Instruct run "
+                 f"`make models` first (outputs/models/smollm2-135m-instruct), or leave --model-dir out")
     settings = BenchSettings(model_dir=str(_common.ensure_tiny_model(args.model_dir)),
                              episodes=args.episodes, response_length=args.response_length,
                              epochs=args.epochs, threads=args.threads)
-    print(f"ppo_throughput: {', '.join(sides)}; {args.warmup} warm-up + {args.repeats} measured steps each "
-          f"({_common.cpu_count()} CPUs visible)", file=sys.stderr)
+    n = _mfu.linear_params(settings.model_dir)
+    sequential = args.sequential or n.total > SEQUENTIAL_ABOVE
+    prompt_tokens = count_prompt_tokens(settings)
+    print(f"ppo_throughput: {', '.join(sides)}; {args.warmup} warm-up + {args.repeats} measured steps each"
+          f"{', sides one at a time' if sequential else ''} ({_common.cpu_count()} CPUs visible)", file=sys.stderr)
     from rlhflab.openmp import apply_default_wait
     apply_default_wait()  # as the CLI: idle OpenMP threads poll briefly, then sleep
-    result = run(sides, settings, args.repeats, args.warmup, tensor_memory=not args.no_tensor_memory)
+    peak = _mfu.measure_peak(args.threads, tuple(args.peak_sizes))  # before any worker computes
+    result = (run_sequential if sequential else run)(sides, settings, args.repeats, args.warmup,
+                                                     tensor_memory=not args.no_tensor_memory)
+    result.update(sequential=sequential, peak_flops=peak, prompt_tokens=prompt_tokens,
+                  linear_params={"body": n.body, "head": n.head})
     summary = summarize(result)
+    mfu = mfu_lines(summary, n, prompt_tokens, settings.epochs, peak)
     if args.json:
         Path(args.json).write_text(json.dumps({**result, "summary": summary}, indent=1))
     print(format_report(result, summary))
+    print()
+    print("\n".join(mfu))
     print(final_line(summary))
     return 0
 
