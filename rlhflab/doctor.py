@@ -137,16 +137,20 @@ class DoctorConfig:
     # ends, and the learning rate did not fall by half (a decaying schedule shrinks the
     # updates on purpose). Medians: approx_kl jumps 10x between single steps of a healthy
     # run (the quickstart PPO: 0.0005 to 0.017 over 20 steps, its reward 0.35 -> 0.63).
+    # scripts/doctor_symptoms.py: the quickstart PPO with kl_coeff 2.0 (reward flat near
+    # 0.45) fires at step 10 with a factor of 3 (its approx_kl medians 0.0039 -> 0.0011,
+    # 3.6x); the healthy runs (seeds 0, 1, 2) stay silent down to 2.
     fade_window: int = 10
     fade_avg_steps: int = 3
-    fade_factor: float = 4.0
+    fade_factor: float = 3.0
     fade_reward_move: float = 0.1
     # value_flat_early (the FAQ's "loss/value flat over the first rollouts"): the value
     # rule above waits `value_window` steps; this one judges the first
     # `value_early_steps`: the mean of the last `value_avg_early` of them not below
     # `value_drop` times the mean of the first ones, while the rewards vary (mean
     # reward_std above reward_eps). Once `value_window` values exist it hands over to
-    # value_loss. The quickstart PPO's critic fell to 0.78x of its start by step 8.
+    # value_loss. The quickstart PPO's critic fell to 0.78x of its start by step 8; with
+    # ppo.vf_coeff 0 (scripts/doctor_symptoms.py) it rose, 0.137 -> 0.169, and this fired.
     value_early_steps: int = 8
     value_avg_early: int = 3
 
@@ -923,7 +927,8 @@ RULE_PANEL = {"reward_constant": "reward", "reward_hacking": "reward", "value_lo
               "grad_norm": "grad norm (pre-clip)", "grad_norm_spike": "grad norm (pre-clip)",
               "loss_flat": "loss", "overfitting": "loss", "accuracy_at_chance": "pairwise accuracy",
               "margin_growth": "margin", "logps_falling": "sequence log-probs",
-              "logprob_gap": "sampler vs trainer log-prob gap (nats per token)"}
+              "logprob_gap": "sampler vs trainer log-prob gap (nats per token)",
+              "kl_fading": "update size: clip fractions, approx KL", "value_flat_early": "value loss"}
 
 
 def plot_trends(records: Sequence[dict[str, Any]], out: Path, findings: Sequence[Finding] = (),

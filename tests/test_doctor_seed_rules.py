@@ -20,9 +20,22 @@ QUICKSTART = [
 ]
 
 
-def quickstart_rows() -> list[dict]:
+# The same run with ppo.kl_coeff 2.0, 100x the quickstart's (scripts/doctor_symptoms.py,
+# variant kl_high): the KL penalty outweighs the reward, which stays near 0.45.
+KL_HIGH = [
+    (0.083, 0.01087, 0.3516, 0.409), (0.2927, 0.003929, 0.5922, 0.4516), (0.2624, 0.001895, 0.4516, 0.4426),
+    (0.0942, 0.00162, 0.3391, 0.4006), (0.2658, 0.002112, 0.4937, 0.45), (0.1317, 0.002292, 0.4797, 0.448),
+    (0.2395, 0.002424, 0.4094, 0.4308), (0.08313, 0.001083, 0.4375, 0.4392), (0.1226, 0.0005128, 0.4656, 0.4455),
+    (0.1174, 0.001636, 0.4797, 0.448), (0.07992, 0.001001, 0.3109, 0.3843), (0.1305, 0.0009845, 0.4781, 0.4495),
+    (0.09757, 0.001892, 0.3812, 0.4205), (0.091, 0.0004419, 0.4094, 0.4308), (0.159, 0.00431, 0.4094, 0.4308),
+    (0.08873, 0.00113, 0.3812, 0.4205), (0.2927, 0.003636, 0.4641, 0.447), (0.1267, 0.002159, 0.45, 0.444),
+    (0.07895, 0.000539, 0.5078, 0.4516), (0.08929, 0.0003362, 0.5078, 0.4516),
+]
+
+
+def quickstart_rows(series=QUICKSTART) -> list[dict]:
     return [{"step": i + 1, "loss/value": v, "params/approx_kl": kl, "rollout/reward_mean": r,
-             "rollout/reward_std": s, "lr": 5e-5} for i, (v, kl, r, s) in enumerate(QUICKSTART)]
+             "rollout/reward_std": s, "lr": 5e-5} for i, (v, kl, r, s) in enumerate(series)]
 
 
 def fading_rows(n: int = 14, reward=lambda t: 0.30 + 0.01 * (t % 2), lr=lambda t: 1e-5,
@@ -44,7 +57,7 @@ def fired(rows, rule: str) -> list[int]:
 
 def test_kl_fading_fires_when_the_updates_fade_and_the_reward_stands_still():
     # At step 9 the window holds steps 0..9: median of the first 3 approx_kl 0.02·0.6 =
-    # 0.012, of the last 3 0.02·0.6^8 = 3.4e-4 < 0.012 / 4 = 0.003; the reward's ends,
+    # 0.012, of the last 3 0.02·0.6^8 = 3.4e-4 < 0.012 / 3 = 0.004; the reward's ends,
     # means of 3: (0.30 + 0.31 + 0.30)/3 and (0.31 + 0.30 + 0.31)/3, differ by 0.0067
     # < 0.1 · 0.4 = 0.04.
     rows = fading_rows()
@@ -55,6 +68,13 @@ def test_kl_fading_fires_when_the_updates_fade_and_the_reward_stands_still():
     grpo = next(f for f in diagnose(rows, DoctorConfig(method="grpo", kl_knob="grpo.beta")).findings
                 if f.rule == "kl_fading")
     assert "grpo.beta" in grpo.message
+
+
+def test_kl_fading_fires_on_a_real_run_with_a_kl_weight_too_high():
+    # Steps 1-10: approx_kl medians 0.003929 (steps 1-3) -> 0.001083 (steps 8-10), 3.6x
+    # below, more than fade_factor 3; reward means (0.3516 + 0.5922 + 0.4516)/3 = 0.4651
+    # -> (0.4375 + 0.4656 + 0.4797)/3 = 0.4609, a move of 0.004 against 0.1 x 0.44.
+    assert fired(quickstart_rows(KL_HIGH), "kl_fading") == [10]
 
 
 def test_kl_fading_is_silent_when_the_reward_moves():
