@@ -41,6 +41,7 @@ How it measures (bench/README.md says why):
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402  (the bench folder is not a package)
+import _mfu  # noqa: E402
 
 MODELS = {  # name -> make_tiny_model arguments
     "tiny": dict(hidden_size=192, num_layers=4, num_heads=6, max_positions=512),
@@ -59,6 +61,7 @@ BACKENDS = ("hf", "vllm")
 WITH_LOGPROBS = "vllm+lp"
 HEADLINE = ("25M", 64, 128)  # model, response length, batch of the last line
 MAX_PROMPT = 64
+FOLDERS: dict[str, Path] = {}  # name -> a model folder of the user's (--model-dir), used as it is
 
 
 @dataclass
@@ -126,6 +129,8 @@ def model_flops(config: dict, params: int, prompt_lens: list[int], length: int) 
 
 
 def build_model(name: str) -> Path:
+    if name in FOLDERS:
+        return FOLDERS[name]
     folder = _common.BENCH_DIR / f"rollout-{name}"
     if not (folder / "config.json").is_file():
         from rlhflab.models.tiny import make_tiny_model
@@ -276,7 +281,7 @@ def targets(cells: list[Cell], peak: Peak) -> str:
     """The issue's targets on the headline cell: ratio >= 1.5, vllm MFU >= 40% at 25M."""
     match = [c for c in cells if (c.model, c.length, c.batch) == HEADLINE]
     if not match:
-        return "targets: the headline cell (25M, response 64, batch 128) was not measured"
+        return f"targets: the headline cell ({HEADLINE[0]}, response {HEADLINE[1]}, batch {HEADLINE[2]}) was not measured"
     c = match[0]
     mfu = c.flops / _common.median(c.seconds["vllm"]) / peak.wall
     mfu_cpu = c.flops / _common.median(c.cpu["vllm"]) / peak.per_cpu
@@ -284,7 +289,8 @@ def targets(cells: list[Cell], peak: Peak) -> str:
           if c.seconds.get(WITH_LOGPROBS) else "")
     return (f"targets: ratio >= 1.50: {c.tok_s('vllm') / c.tok_s('hf'):.2f} "
             f"(on CPU seconds {c.tok_cpu_s('vllm') / c.tok_cpu_s('hf'):.2f}{lp}); "
-            f"vllm MFU at 25M >= 40%: {100 * mfu:.1f}% (per CPU-second {100 * mfu_cpu:.1f}%)")
+            f"vllm MFU at {c.model} >= {'60' if c.model in FOLDERS else '40'}%: {100 * mfu:.1f}% "
+            f"(per CPU-second {100 * mfu_cpu:.1f}%)")
 
 
 def headline(cells: list[Cell]) -> str:
@@ -297,7 +303,11 @@ def headline(cells: list[Cell]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--models", nargs="+", default=None, choices=list(MODELS),
+                    help="the bench's own models (default: all, or none with --model-dir)")
+    ap.add_argument("--model-dir", default=None,
+                    help="a model folder to measure, e.g. outputs/models/smollm2-135m-instruct (make models); "
+                         "the last line then reports its cell at the first --lengths and the largest --batches")
     ap.add_argument("--lengths", nargs="+", type=int, default=[16, 64, 256])
     ap.add_argument("--batches", nargs="+", type=int, default=[32, 128])
     ap.add_argument("--repeats", type=int, default=3, help="measured rounds per cell (after a warm-up)")
@@ -312,12 +322,27 @@ def main(argv: list[str] | None = None) -> int:
                     help="the vllm engine without torch.compile (generation.enforce_eager=true); default: compiled")
     ap.add_argument("--ppo", action="store_true", help="also PPO episodes/s end to end with each backend")
     args = ap.parse_args(argv)
+    global HEADLINE
+    models = args.models if args.models is not None else ([] if args.model_dir else list(MODELS))
+    if args.model_dir:
+        folder = Path(args.model_dir)
+        if not (folder / "config.json").is_file():
+            ap.error(f"--model-dir {folder}: no config.json there; for SmolLM2-135M-Instruct run `make models` first")
+        quant = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
+        if quant.get("quant_method") == "gguf":
+            ap.error(f"--model-dir {folder}: its config.json still names a GGUF file (quantization_config), which "
+                     f"vLLM cannot load; import the model with `make models` or `rlhflab import-gguf FILE --out DIR`")
+        name = folder.resolve().name
+        FOLDERS[name] = folder.resolve()  # vLLM reads a relative path as a hub id
+        models.append(name)
+        HEADLINE = (name, args.lengths[0], max(args.batches))
     from rlhflab.openmp import apply_default_wait
     from rlhflab.rollout.vllm import CPU_BLOCK_SIZE
     apply_default_wait()  # as the CLI: idle OpenMP threads poll briefly, then sleep
 
     peak = matmul_peak(args.threads, tuple(args.peak_sizes))
-    cells, info = measure(args.models, args.lengths, args.batches, args.repeats, args.threads,
+    print(f"machine: {_mfu.cpu_name()}, {args.threads} threads")
+    cells, info = measure(models, args.lengths, args.batches, args.repeats, args.threads,
                           args.dtype, args.engine_dtype, args.enforce_eager)
     if args.dtype != "float32" or args.engine_dtype:
         print(f"dtype: hf {args.dtype}, vllm {args.engine_dtype or args.dtype} (MFU is against the float32 peak)")
