@@ -193,7 +193,7 @@ def _turn(ep: Episode, env, out, setup: EpisodeSetup, tok, stop: set[int], max_t
         ep.tool_errors += tool_turn.errors
         reward, new, done = 0.0, tool_turn.messages, False
     else:
-        reward, new, done = env_step(env, setup.spec, ep.messages, text, step_timeout_s)
+        new, reward, done = env_step(env, setup.spec, ep.messages, text, step_timeout_s)
     ep.turn_rewards.append(reward)
     ep.hit_limit = not closed  # out of tokens mid-turn: the template cannot go on from here
     ep.done = bool(done)
