@@ -406,3 +406,39 @@ def test_template_that_rewrites_earlier_turns_is_refused(plugin_dir):
 def test_tokenizer_without_template_refused():
     with pytest.raises(EnvError, match="need a chat template.*--chat-template chatml"):
         ChatRenderer(build_tokenizer())
+
+
+def test_a_one_turn_episode_is_laid_out_as_a_single_turn_rollout(plugin_dir, tiny_tokenizers):
+    """A one-turn episode's tensors equal what the single-turn rollout builds from the same
+    prompt text and the same sampled ids (`finish_rollout`): phase 2's bit-for-bit parity."""
+    from rlhflab.config.schema import DatasetConfig
+    from rlhflab.data.prompts import load_prompts
+    from rlhflab.rollout import finish_rollout
+
+    tok = tiny_tokenizers["chatml"]
+    one_turn = plugin_dir / "one_turn_t.py"
+    one_turn.write_text("class OneTurn:\n    def reset(self, example):\n"
+                        "        return [{'role': 'user', 'content': example['prompt']}]\n"
+                        "    def step(self, messages, text):\n        return None, float(len(text)), True\n")
+    rows = plugin_dir / "rows.jsonl"
+    rows.write_text('{"question": "Game 0: 2 + 2?", "answer": "4"}\n{"question": "Game 1: 10 - 3?", "answer": "7"}\n')
+    # The single-turn prompt text: the dataset's prompt through the chat template.
+    examples = load_prompts(DatasetConfig(path=str(rows)), tok, "train")
+    plain = load_prompts(DatasetConfig(path=str(rows), use_chat_template=False), tok, "train")
+    setup = setup_episodes(cfg_for(plugin_dir, name="one_turn_t:OneTurn"), tok)
+    model = FakeModel(tok, setup.renderer.end_of_turn_id, {0: ["It is 4."], 1: ["7"]})
+    eps = run_episodes(setup, [{"prompt": e.prompt} for e in plain], model, max_turns=3)
+    batch = collate_episodes(eps, tok.pad_token_id)
+
+    enc = tok([e.prompt for e in examples], return_tensors="pt", padding=True, add_special_tokens=False)
+    assert torch.equal(enc.input_ids, batch.prompt_ids) and torch.equal(enc.attention_mask, batch.prompt_mask)
+    width = max(len(g) for g in model.made[0] + model.made[1]) + 2  # what a backend returns: junk after the stop
+    sampled = [m[0] + [setup.renderer.end_of_turn_id] * (width - len(m[0])) for m in (model.made[0], model.made[1])]
+    roll = finish_rollout(torch.cat([enc.input_ids, torch.tensor(sampled)], 1), enc.input_ids, enc.attention_mask,
+                          tok, [tok.eos_token_id, setup.renderer.end_of_turn_id], [], [])
+    t = batch.response_ids.shape[1]
+    assert torch.equal(roll.response_ids[:, :t], batch.response_ids) and (roll.response_mask[:, t:] == 0).all()
+    assert torch.equal(roll.response_mask[:, :t], batch.response_mask)
+    assert torch.equal(batch.response_mask, batch.response_attention_mask)  # one turn: no context after the prompt
+    assert roll.responses == [ep.messages[-1]["content"] for ep in eps] and batch.turn_rewards[:, 0].tolist() == \
+        [float(len(r)) for r in roll.responses]

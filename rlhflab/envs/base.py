@@ -49,10 +49,11 @@ import math
 import numbers
 import threading
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Optional, Protocol
+from typing import Any, Callable, Literal, NamedTuple, Optional, Protocol
 
+from rlhflab.config.schema import f
 from rlhflab.errors import UserError
 
 CONTEXT_ROLES = ("user", "tool", "system")
@@ -79,16 +80,24 @@ class EnvError(UserError):
 
 @dataclass
 class EnvConfig:
-    """The `env:` section of a multi-turn run (phase 2 puts it into the run configs)."""
+    """The `env:` section of a multi-turn run (typed and documented as config/schema.py's
+    sections are; phase 2 of issue 25 puts it into the RL run configs)."""
 
-    name: Optional[str] = None         # module:Class or file.py:Class; null: tool use only (the built-in ToolUseEnv)
-    max_turns: int = 4                 # assistant turns per episode at most
-    step_timeout_s: Optional[float] = 30.0  # seconds one reset/step/tool call may take; null: no limit
-    tools: list[str] = field(default_factory=list)  # module:function or file.py:function, each a tool
-    tool_format: str = "auto"          # hermes (<tool_call>{json}</tool_call>), plain (CALL f(x=1)), auto
-    max_length: Optional[int] = None   # tokens per episode (prompt, actions and context) at most; null: no limit
-    kwargs: dict = field(default_factory=dict)  # passed to the environment's constructor
-    plugin_dir: Optional[str] = None   # where plug-ins are looked for after the cwd; the config's folder
+    name: Optional[str] = f(None, "the environment: module:Class or path/to/file.py:Class (docs/environments.md); "
+                                  "null: tool use only (the row's prompt, tools answered, the first turn without "
+                                  "a call ends the episode)")
+    max_turns: int = f(4, "assistant turns per episode at most (an episode stopped here counts as hit_max_turns)",
+                       ge=1)
+    step_timeout_s: Optional[float] = f(30.0, "seconds one reset/step/tool call may take; null: no limit", gt=0)
+    tools: list[str] = f(factory=list, help="tools the model may call: module:function or file.py:function each")
+    tool_format: Literal["auto", "hermes", "plain"] = f(
+        "auto", "how the model calls tools: hermes (<tool_call>{json}</tool_call>), plain (a line "
+                "CALL name(arg=\"value\")), auto (hermes when the chat template renders tools, else plain)")
+    max_length: Optional[int] = f(None, "tokens per episode (prompt, actions and context) at most; null: no limit",
+                                  ge=2)
+    kwargs: dict = f(factory=dict, help="keyword arguments for the environment's constructor")
+    plugin_dir: Optional[str] = f(None, "where plug-ins are looked for after the current directory; null: the "
+                                        "config file's folder (filled in when the config is loaded)")
 
     def check(self) -> list[str]:
         errs = []
@@ -210,19 +219,19 @@ def check_step_result(out: Any, spec: str) -> StepResult:
                        "StepResult(messages or None, reward, done) (or that 3-tuple)")
     messages, reward, done = out
     messages = check_messages(messages, spec, "step()", allow_none=True)
-    if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
-        if getattr(reward, "ndim", None) == 0 and hasattr(reward, "item"):
-            reward = reward.item()
-        if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
-            raise EnvError(f"environment {spec!r}: step() returned reward {reward!r:.40}; return a finite number "
-                           "(0.0 for no reward this turn)")
-    if not isinstance(done, (bool, int)) and not (getattr(done, "ndim", None) == 0):
+    value = reward.item() if getattr(reward, "ndim", None) == 0 and hasattr(reward, "item") else reward
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise EnvError(f"environment {spec!r}: step() returned reward {reward!r:.40}; return a finite number "
+                       "(0.0 for no reward this turn)")
+    if getattr(done, "ndim", None) == 0 and hasattr(done, "item"):
+        done = done.item()
+    if not isinstance(done, (bool, int)):
         raise EnvError(f"environment {spec!r}: step() returned done={done!r:.40}; return True or False")
     done = bool(done)
     if not done and not messages:
         raise EnvError(f"environment {spec!r}: step() returned done=False with no messages, so the model has "
                        "nothing new to answer and the episode would never end; return messages, or done=True")
-    return StepResult(messages, float(reward), done)
+    return StepResult(messages, float(value), done)
 
 
 def env_reset(env, spec: str, example: dict, timeout_s: float | None) -> list[dict]:

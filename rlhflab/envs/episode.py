@@ -47,7 +47,8 @@ from torch import Tensor
 
 from rlhflab.envs.base import EnvConfig, ToolUseEnv, env_reset, env_step, load_environment_factory, make_environment
 from rlhflab.envs.render import ChatRenderer
-from rlhflab.envs.tools import Tool, answer_calls, load_tools, resolve_tool_format, tools_system_prompt
+from rlhflab.envs.tools import Tool, answer_calls, load_tools, resolve_tool_format, template_renders_tools, \
+    tools_system_prompt
 
 
 class Generated(NamedTuple):
@@ -102,8 +103,6 @@ def setup_episodes(cfg: EnvConfig, tokenizer) -> EpisodeSetup:
     spec = cfg.name or "tool use (no env.name)"
     tools = load_tools(cfg.tools, cfg.plugin_dir)
     tool_format = resolve_tool_format(cfg.tool_format, tokenizer, tools)
-    from rlhflab.envs.tools import template_renders_tools
-
     rendered = template_renders_tools(tokenizer, tools)
     renderer = ChatRenderer(tokenizer, [t.schema for t in tools] if rendered else None)
     system = tools_system_prompt(tools, tool_format) if tools and not rendered else None
@@ -173,7 +172,8 @@ def _append(ep: Episode, ids: list[int], role: int, logprobs: list[float] | None
 def _turn(ep: Episode, env, out, setup: EpisodeSetup, tok, stop: set[int], max_turns: int,
           step_timeout_s: float | None, max_length: int | None) -> bool:
     """One turn of one episode: the model's ids, then the answer. True: the episode goes on."""
-    gen = out if isinstance(out, Generated) else Generated([int(t) for t in out])
+    gen = out if isinstance(out, Generated) else Generated(out)
+    gen = Generated([int(t) for t in gen.ids], None if gen.logprobs is None else [float(x) for x in gen.logprobs])
     ids, closed = _cut_at_stop(gen.ids, stop)
     if max_length is not None:
         room = max_length - len(ep.prompt_ids) - len(ep.ids)
