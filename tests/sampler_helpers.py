@@ -45,7 +45,7 @@ def trainer_and_cli_eval(model_dir: Path, data: Path, out: Path, *, template: st
     cfg = load_config(ROOT / "configs" / "grpo_debug.yaml", GRPORunConfig, overrides)[0]
     run = build_run(cfg, method(cfg))
     examples = load_prompts(cfg.dataset, run.models.tokenizer, "eval")
-    trainer = evaluate(run, examples, out / "run", 0, quiet=True)
+    trainer = evaluate(run, examples, out / "run", 0)
     trainer_samples = rows_of(out / "run" / "eval" / "step_0.jsonl")
     del run
 

@@ -1,5 +1,6 @@
-"""Pieces every trainer shares: seeding, optimizer and schedule, output folder, timing,
-and the end of a run (logger, plots, peak memory, train_result.json, before/after table)."""
+"""Pieces the trainers' loops share: optimizer and schedule, held-out splits, timing, and
+the divergence checks. What surrounds a loop (ranks, seeds, folders, sinks, the finish)
+is the run context's (`rlhflab.run`); its names stay importable from here."""
 
 from __future__ import annotations
 
@@ -18,18 +19,11 @@ import numpy as np
 import torch
 
 from rlhflab.errors import TrainingDiverged, UserError
-from rlhflab.metrics import plot_metrics
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % (2**32))
-    torch.manual_seed(seed)
-
-
-def set_threads(num_threads: int | None) -> None:
-    if num_threads:
-        torch.set_num_threads(num_threads)
+from rlhflab.run.context import log_step, make_doctor, seed_everything, set_threads  # noqa: F401
+from rlhflab.run.finish import (TrainResult, finish_run, peak_memory_mb, print_before_after,  # noqa: F401
+                                write_train_result)
+from rlhflab.run.folders import (RUN_MARKERS, RUN_OUTPUTS, STOPPED_LOGS, check_output_dir,  # noqa: F401
+                                 check_resume_dir, prepare_output_dir, stopped_before_first_checkpoint)
 
 
 def choose_cpu_matmul(mode: str) -> str:
@@ -155,222 +149,9 @@ class Timer:
         return {f"time/{k}": v for k, v in self.seconds.items()}
 
 
-# What a run writes at its top level: a folder holding any of RUN_MARKERS (or a step_N/
-# checkpoint) holds another run, which a new run must not mix into or overwrite.
-RUN_MARKERS = ("final", "metrics.jsonl", "train_result.json")
-RUN_OUTPUTS = RUN_MARKERS + ("effective_config.yaml", "eval", "plots", "peak_memory_mb.txt", "tensorboard")
-# A restarted run's old logs, kept beside the new one (`prepare_output_dir`).
-STOPPED_LOGS = ("metrics.jsonl", "tensorboard")
-
-
-def stopped_before_first_checkpoint(out: str | Path) -> bool:
-    """Whether `out` holds a run that died before its first checkpoint (out of memory,
-    Ctrl-C, a preempted node): its metrics.jsonl, but no step_N/, no final/ and no
-    train_result.json (an effective_config.yaml, plots/, eval/ and `step_K.tmp/` debris
-    may be there). Nothing of it can be resumed."""
-    from rlhflab.models.checkpoint import checkpoint_steps
-
-    out = Path(out)
-    return ((out / "metrics.jsonl").is_file() and not checkpoint_steps(out)
-            and not any((out / n).exists() for n in RUN_MARKERS if n != "metrics.jsonl"))
-
-
-# Folders this process writes a run into, each held open under an exclusive flock until the
-# process ends (a SIGKILL releases it too): a live run is never taken for a stopped one.
-_HELD: dict[str, int] = {}
-
-
-def _hold(out: Path) -> None:
-    """Hold `out` for this process (an flock on the folder itself; where the file system has
-    no locks, nothing)."""
-    key = str(out.resolve())
-    if key in _HELD:
-        return
-    try:
-        import fcntl
-
-        fd = os.open(key, os.O_RDONLY)
-    except (ImportError, OSError):
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        _HELD[key] = fd
-    except OSError:  # held by another process (refused before this), or no locks here
-        os.close(fd)
-
-
-def _in_use(out: Path) -> bool:
-    """Whether another live process holds `out` (`_hold`)."""
-    key = str(out.resolve())
-    if key in _HELD:
-        return False  # this process: an earlier run of it, finished
-    try:
-        import fcntl
-
-        fd = os.open(key, os.O_RDONLY)
-    except (ImportError, OSError):
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:  # no locks on this file system
-        return False
-    finally:
-        os.close(fd)  # closing drops the shared lock
-    return False
-
-
-def check_output_dir(path: str | Path, *, resume: bool = False, overwrite: bool = False,
-                     resumable: bool = True, config=None) -> Path:
-    """Refuse to start a new run in a folder that holds another run; touches nothing.
-
-    Another run is a `step_N/` checkpoint or any of final/, metrics.jsonl,
-    train_result.json (SFT and RM save no step_N/ by default). `resume` (continuing that
-    run) and `overwrite` (training.overwrite=true: replacing it) are the ways in.
-    `resumable` says whether the trainer has --resume, for the message. Leftover
-    `step_N.tmp/` folders of a save cut short are debris, not checkpoints.
-
-    A run that stopped before its first checkpoint (`stopped_before_first_checkpoint`)
-    is let in when its effective_config.yaml equals `config` (this run's typed config or
-    resolved tree; keys such as logging.progress_bar aside): the same command run again
-    starts it over (`prepare_output_dir`). With another config, or no `config` given, it
-    is refused with a message saying that nothing there can be resumed.
-    """
-    from rlhflab.config.loader import config_differences
-    from rlhflab.models.checkpoint import checkpoint_steps
-
-    out = Path(path)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"training.output_dir {out} is a file; choose a folder")
-    if resume or overwrite or not out.exists():
-        return out
-    steps = checkpoint_steps(out)
-    found = [n + ("/" if (out / n).is_dir() else "") for n in RUN_MARKERS if (out / n).exists()]
-    start_over = "start over with training.overwrite=true (it replaces that run)"
-    if steps:
-        names = ", ".join(p.name + "/" for p in steps[-3:])
-        cont = (f"continue it with --resume {out}/step_N (newest: {steps[-1].name}), " if resumable else "")
-        raise UserError(f"output folder {out} already holds checkpoints ({names}) of another run; {cont}"
-                        f"{start_over}, or choose another training.output_dir")
-    if stopped_before_first_checkpoint(out):
-        if _in_use(out):
-            raise UserError(f"output folder {out} holds a run that is still going (another process is writing it, "
-                            f"with no checkpoint yet); wait for it or stop it, or choose another "
-                            f"training.output_dir")
-        saved = out / "effective_config.yaml"
-        differ = config_differences(saved, config) if config is not None else None
-        if differ == []:
-            return out  # the same run again: prepare_output_dir starts it over
-        if config is None:
-            why = ""
-        elif differ is None:
-            why = " (it has no readable effective_config.yaml, so it cannot be told to be this same run)"
-        else:
-            shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
-            why = f" with another config ({shown} differ{'s' if len(differ) == 1 else ''})"
-        raise UserError(f"output folder {out} holds a run that stopped before its first checkpoint{why}: "
-                        f"nothing there can be resumed; start over with training.overwrite=true (its "
-                        f"metrics.jsonl is replaced), or choose another training.output_dir")
-    if found:
-        raise UserError(f"output folder {out} already holds another run ({', '.join(found)}) and no checkpoint "
-                        f"to resume; {start_over}, or choose another training.output_dir")
-    return out
-
-
-def _keep_stopped_logs(out: Path) -> list[str]:
-    """Rename a stopped run's logs (STOPPED_LOGS) to `<name>.stopped-<when it last wrote,
-    UTC><suffix>`, beside the new run's; returns the new names."""
-    kept = []
-    for name in STOPPED_LOGS:
-        old = out / name
-        if not old.exists():
-            continue
-        stem, dot, suffix = name.partition(".")
-        when = time.strftime("%Y%m%d-%H%M%S", time.gmtime(old.stat().st_mtime))
-        new, n = out / f"{stem}.stopped-{when}{dot}{suffix}", 1
-        while new.exists():
-            n += 1
-            new = out / f"{stem}.stopped-{when}-{n}{dot}{suffix}"
-        old.rename(new)
-        kept.append(new.name)
-    return kept
-
-
-def prepare_output_dir(path: str | Path, resume: bool = False, overwrite: bool = False,
-                       resumable: bool = True, config=None) -> Path:
-    """`check_output_dir`, then create the folder; call it once the config is valid and the
-    model has loaded, so a run that fails before leaves no trace.
-
-    Removes `step_N.tmp/` debris; with `overwrite` (and not resuming) also the previous
-    run's outputs (RUN_OUTPUTS and step_N/ folders; nothing else in the folder). A run of
-    the same `config` that stopped before its first checkpoint is started over, with one
-    line saying so: its metrics.jsonl (and tensorboard/) are kept beside the new ones as
-    `metrics.stopped-<UTC time>.jsonl`, its eval/ and plots/ removed.
-    """
-    import shutil
-
-    from rlhflab.models.checkpoint import checkpoint_steps, save_debris
-
-    out = check_output_dir(path, resume=resume, overwrite=overwrite, resumable=resumable, config=config)
-    if out.is_dir():
-        old = list(save_debris(out))
-        if overwrite and not resume:
-            old += checkpoint_steps(out) + [out / n for n in RUN_OUTPUTS if (out / n).exists()]
-        elif not resume and stopped_before_first_checkpoint(out):
-            kept = _keep_stopped_logs(out)
-            old += [out / n for n in ("eval", "plots", "peak_memory_mb.txt") if (out / n).exists()]
-            print(f"{out} holds this same run, stopped before its first checkpoint: starting it over "
-                  f"(its log kept as {', '.join(kept)})", flush=True)
-        for p in old:
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-    _hold(out)
-    return out
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    try:
-        import resource
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-    except ImportError:  # pragma: no cover
-        return float("nan")
-
-
 # --------------------------------------------------------------------------------------
 # The end of a run
 # --------------------------------------------------------------------------------------
-@dataclass
-class TrainResult:
-    """What a training run returns: where its outputs went and what it measured."""
-
-    output_dir: Path
-    final_dir: Path
-    history: list[dict] = field(default_factory=list)
-    eval_before: dict | None = None
-    eval_after: dict | None = None
-    samples_per_s: float = 0.0    # episodes (RL), pairs (DPO) or rows (SFT, RM) per second of training
-    unit: str = "episodes"
-    world_size: int = 1
-    is_main: bool = True                       # False on the other processes of a multi-process run
-    extra: dict = field(default_factory=dict)  # method-specific facts for train_result.json
-    models: object | None = None               # the trained models, for callers in the same process
-    state: dict = field(default_factory=dict)  # other in-process objects (e.g. DPO's reference cache)
-
-    def report(self, skip_missing: bool = False) -> None:
-        """Print the end-of-run summary and write train_result.json (the main process only)."""
-        if not self.is_main:
-            return
-        print(f"done: {self.output_dir} (final model in {self.final_dir}); "
-              f"{self.samples_per_s:.2f} {self.unit}/s")
-        print_before_after(self.eval_before, self.eval_after, skip_missing)
-        write_train_result(self.output_dir, eval_before=self.eval_before, eval_after=self.eval_after,
-                           **{f"{self.unit}_per_s": self.samples_per_s}, world_size=self.world_size,
-                           **self.extra)
-
-
 def format_metrics(metrics: dict[str, float]) -> str:
     """`k=v, ...` with three decimals: the "step 0 (before training)" line."""
     return ", ".join(f"{k}={v:.3f}" for k, v in metrics.items())
@@ -382,62 +163,6 @@ def last_eval(history: list[dict]) -> dict[str, float] | None:
     if not evals:
         return None
     return {k: v for k, v in evals[-1].items() if k.startswith("eval/")}
-
-
-def finish_run(logger, out_dir: Path, device: torch.device, plots: bool,
-               plot_groups: dict[str, list[str]] | None = None) -> None:
-    """Close the metrics logger, draw plots/ when asked, write peak_memory_mb.txt."""
-    logger.close()
-    if plots:
-        plot_metrics(logger.path, out_dir / "plots", plot_groups)
-    (out_dir / "peak_memory_mb.txt").write_text(f"{peak_memory_mb(device):.1f}\n")
-
-
-def write_train_result(out_dir: Path, **fields) -> None:
-    """train_result.json: the run's summary fields, in the order given, then the float32
-    matmul library the run used on a CPU (`cpu_matmul`: "onednn" or "torch", what
-    `model.cpu_matmul` resolved to; rlhflab/models/cpu_matmul.py)."""
-    from rlhflab.models.cpu_matmul import cpu_matmul
-
-    fields = {**fields, "cpu_matmul": cpu_matmul()}
-    (out_dir / "train_result.json").write_text(json.dumps(fields, indent=2))
-
-
-def print_before_after(before: dict | None, after: dict | None, skip_missing: bool = False) -> None:
-    """`  key: before -> after` per final eval metric; nothing unless both are there.
-
-    A key the starting evaluation lacks prints as nan, or is skipped with `skip_missing`.
-    """
-    if not (before and after):
-        return
-    for k in after:
-        if skip_missing and k not in before:
-            continue
-        print(f"  {k}: {before.get(k, float('nan')):.3f} -> {after[k]:.3f}")
-
-
-def check_resume_dir(resume: str | Path | None, *, method: str | None = None, lora: bool | None = None,
-                     critic: str = "none", world_size: int | None = None, fsdp: bool | None = None,
-                     deepspeed: bool | None = None) -> Path | None:
-    """The `--resume` folder as a Path (None when not resuming); it must hold trainer state.
-
-    With `method` and `lora` given (the config's), the whole of
-    `rlhflab.models.checkpoint.check_resume` runs: the state loads, the recorded method,
-    LoRA, `critic` layout (value_head, separate or none), `world_size`, `fsdp` and `deepspeed` match, and the
-    files that layout needs are there. Call it before anything is written.
-    """
-    from rlhflab.models.checkpoint import STATE_FILE, check_not_debris, check_resume
-
-    if resume is None:
-        return None
-    path = Path(resume)
-    check_not_debris(path)
-    if not (path / STATE_FILE).is_file():
-        raise UserError(f"--resume {path}: no {STATE_FILE} there; point it at a step_N/ folder")
-    if method is not None and lora is not None:
-        check_resume(path, method=method, lora=lora, critic=critic, world_size=world_size, fsdp=fsdp,
-                     deepspeed=deepspeed)
-    return path
 
 
 # --------------------------------------------------------------------------------------
@@ -489,29 +214,3 @@ def check_finite_model(model: torch.nn.Module, probe_batch: dict[str, torch.Tens
                               f"so this step is not saved", knob, lr)
 
 
-def make_doctor(enabled: bool, max_grad_norm: float | None, kl_knob: str = "ppo.kl_coeff", *,
-                method: str = "rl", lr_knob: str | None = None):
-    """The training doctor of a run, or None when `logging.doctor` is off. `method` (sft,
-    rm, dpo, or an RL method's name) picks its rules and the section its advice names;
-    `lr_knob` is the key a diverging run is told to lower (default <method>.learning_rate)."""
-    if not enabled:
-        return None
-    from rlhflab.doctor import Doctor
-
-    return Doctor(max_grad_norm=max_grad_norm, kl_knob=kl_knob, method=method, lr_knob=lr_knob)
-
-
-def log_step(logger, doctor, step: int, metrics: dict) -> None:
-    """Phase 6's bookkeeping: the step's metrics to every sink, then the doctor's new
-    findings printed above the progress bar. A "stop" finding (a non-finite loss or
-    gradient norm) raises `TrainingDiverged` after the row is written, before anything
-    is saved, so the newest checkpoint on disk is the last good one."""
-    logger.log(step, metrics)
-    if doctor is None:
-        return
-    from tqdm import tqdm
-
-    for finding in doctor.observe(step, metrics):
-        if finding.stop:
-            raise TrainingDiverged(f"step {step}: {finding.message}")
-        tqdm.write(str(finding))

@@ -9,7 +9,6 @@ critic, whether it needs the reference. Everything around it is here, once.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -19,21 +18,17 @@ from typing import Callable
 import torch
 
 from rlhflab import ops
-from rlhflab.config import save_effective_config
 from rlhflab.data.prompts import load_prompts, step_prompts
-from rlhflab.engine.dist import Dist, check_strategy, default_threads, init_dist
+from rlhflab.engine.dist import Dist
 from rlhflab.engine.update import PPOMath, policy_update
 from rlhflab.evaluate import EvalChecks, EvalResult, build_eval_checks, evaluate_policy, save_samples
-from rlhflab.metrics import MetricsLogger
-from rlhflab.models.checkpoint import prune_checkpoints, restore_trainer_state, rng_state, save_checkpoint
 from rlhflab.models.setup import CriticKind, PolicyModels, build_models
 from rlhflab.rewards import build_reward
 from rlhflab.rewards.preflight import preflight
 from rlhflab.rollout import Rollout, RolloutBackend, make_backend
-from rlhflab.trainers.common import (Timer, TrainResult, check_finite_model, check_output_dir, check_resume_dir,
-                                     choose_cpu_matmul, diverged, finish_run, format_metrics, last_eval, log_step,
-                                     make_doctor, make_optimization, make_probe_batch, prepare_output_dir,
-                                     seed_everything, set_threads)
+from rlhflab.run import Run, TrainResult, start_run
+from rlhflab.trainers.common import (Timer, check_finite_model, diverged, format_metrics, last_eval,
+                                     make_optimization, make_probe_batch)
 
 
 @dataclass
@@ -65,6 +60,7 @@ class RLRun:
     dist: Dist = field(default_factory=Dist)
     train_model: torch.nn.Module | None = None  # models.actor as the strategy wraps it (itself in one process)
     checks: EvalChecks | None = None  # eval.correct and eval.rewards, for the held-out evaluation
+    context: Run | None = None  # the run context (rlhflab.run): rank 0's writes and prints
 
     def ptx_batches(self, step: int):
         return self.ptx.batches(step) if self.ptx is not None else None
@@ -170,21 +166,18 @@ PLOT_GROUPS: dict[str, list[str]] = {
 }
 
 
-def check_world_size(sec, dist: Dist, key: str) -> None:
-    """Every global count a method's section sets must divide among the processes; a
-    one-line error before anything loads."""
-    if not dist.distributed:
-        return
-    dist.local(sec.rollout_size // sec.samples_per_prompt, f"{key}: prompts per step")
-    dist.local(sec.mini_batch_size, f"{key}.mini_batch_size")
+def world_counts(sec, key: str) -> dict[str, int]:
+    """The global counts of a method's section that must divide among the processes (the
+    run context checks them before anything loads), by the name its error gives them."""
+    return {f"{key}: prompts per step": sec.rollout_size // sec.samples_per_prompt,
+            f"{key}.mini_batch_size": sec.mini_batch_size}
 
 
 def build_run(cfg, method: PolicyMethod, *, resume_dir: Path | None = None, math_: PPOMath | None = None,
-              dist: Dist | None = None) -> RLRun:
+              dist: Dist | None = None, context: Run | None = None) -> RLRun:
     """The models, sampler, reward, optimizer and schedule of a run (no disk writes);
     under several processes the trained module is wrapped for the launcher's strategy."""
     train_cfg, sec, dist = cfg.training, getattr(cfg, method.name), dist or Dist()
-    choose_cpu_matmul(cfg.model.cpu_matmul)  # before the models load: their Linear layers follow it
     models = build_models(cfg.model, cfg.lora, train_cfg.device, need_reference=method.need_reference(cfg),
                           critic=method.critic, resume_dir=resume_dir, mixed_precision=train_cfg.mixed_precision)
     scorer = build_reward(cfg.reward, models.device)
@@ -204,7 +197,7 @@ def build_run(cfg, method: PolicyMethod, *, resume_dir: Path | None = None, math
                            max_seq_length=cfg.dataset.max_prompt_length + cfg.generation.max_new_tokens,
                            seed=train_cfg.seed * 1_009 + dist.rank, device=models.device)
     return RLRun(cfg, sec, models, backend, scorer, optimizer, scheduler, math_ or PPOMath(), ptx, dist,
-                 train_model, checks)
+                 train_model, checks, context)
 
 
 def run_update(run: RLRun, roll: Rollout, step: int) -> dict[str, float]:
@@ -217,7 +210,7 @@ def run_update(run: RLRun, roll: Rollout, step: int) -> dict[str, float]:
                              ptx=run.ptx_batches(step), dist=run.dist)
 
 
-def evaluate(run: RLRun, examples, out_dir: Path, step: int, quiet: bool = False, n_show: int = 2) -> dict:
+def evaluate(run: RLRun, examples, out_dir: Path, step: int, n_show: int = 2) -> dict:
     """Greedy held-out evaluation; every sample saved to eval/step_N.jsonl, the first
     `n_show` printed. Under several processes each rank decodes whole batches (batch i on
     rank i mod N, so every batch is the one a single process would decode) and the main
@@ -236,11 +229,13 @@ def evaluate(run: RLRun, examples, out_dir: Path, step: int, quiet: bool = False
     gathered = dist.gather(parts)                       # rank r holds batches r, r+N, r+2N, ...
     samples = [s for i in range(len(batches)) for s in gathered[i % dist.world_size][i // dist.world_size]]
     res = EvalResult.from_samples(samples, extra=tuple(run.checks.rewards) if run.checks is not None else ())
-    if dist.is_main:
+
+    def write() -> None:  # the main process writes every sample and prints the first few
         path = save_samples(res, out_dir / "eval" / f"step_{step}.jsonl")
-        if not quiet:
-            from tqdm import tqdm
-            tqdm.write(format_eval(step, res, path, n_show))
+        if run.context is not None:
+            run.context.write(format_eval(step, res, path, n_show))
+
+    dist.on_main(write)
     return res.metrics()
 
 
@@ -264,86 +259,41 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
     evaluate, save. Returns where the outputs went and the metric history.
 
     Under several processes (`accelerate launch`, `torchrun`) each rank samples its share
-    of the step's prompts and the engine reduces what must be global; the main process
-    alone writes (config, metrics, plots, eval samples, checkpoints).
+    of the step's prompts and the engine reduces what must be global; the run context
+    (`rlhflab.run`) has the main process alone write.
     """
     train_cfg, sec = cfg.training, getattr(cfg, method.name)
-    dist = init_dist(train_cfg.device)
-    check_world_size(sec, dist, method.name)
-    set_threads(train_cfg.num_threads or default_threads(dist, train_cfg.device))
-    preflight(cfg, quiet or not dist.is_main)  # every reward/check plug-in imported and called once, before any model loads
-    # Everything is checked before anything is written: the checkpoint to resume (it loads,
-    # its method, LoRA, critic and world size match), and the output folder (another run
-    # there is never trained over).
-    check_strategy(dist, cfg.lora.enabled, method.name, cfg.generation.backend)
-    resume_dir = check_resume_dir(resume, method=method.name, lora=cfg.lora.enabled,
-                                  critic=method.critic or "none", world_size=dist.world_size,
-                                  fsdp=dist.strategy == "fsdp", deepspeed=dist.strategy == "deepspeed")
-    record = effective if effective is not None else cfg  # the run's effective_config.yaml
-    check_output_dir(train_cfg.output_dir, resume=resume_dir is not None, overwrite=train_cfg.overwrite,
-                     config=record)
-    seed_everything(train_cfg.seed)
-
-    run = build_run(cfg, method, resume_dir=resume_dir, math_=math_, dist=dist)
-    models, optimizer, scheduler = run.models, run.optimizer, run.scheduler
+    run_ = start_run(cfg, method.name, effective=effective, resume=resume, quiet=quiet, resumable=True,
+                     backend=cfg.generation.backend, critic=method.critic or "none",
+                     local=world_counts(sec, method.name))
+    preflight(cfg, run_.silent)  # every reward/check plug-in imported and called once, before any model loads
+    run = build_run(cfg, method, resume_dir=run_.resume_dir, math_=math_, dist=run_.dist, context=run_)
+    models, optimizer = run.models, run.optimizer
     train_examples = load_prompts(cfg.dataset, models.tokenizer, "train")
     eval_examples = load_prompts(cfg.dataset, models.tokenizer, "eval") if train_cfg.eval_interval else []
-    # The models and the data loaded: now the folder is made and the config written (rank 0 alone).
-    out_dir = dist.on_main(lambda: prepare_output_dir(train_cfg.output_dir, resume=resume_dir is not None,
-                                                      overwrite=train_cfg.overwrite, config=record),
-                           Path(train_cfg.output_dir))
-    if dist.is_main:  # a resume keeps the run's record; a changed config goes beside it
-        save_effective_config(record, out_dir, resume_from=resume_dir)
-    start_step = 0
-    if resume_dir is not None:
-        start_step = restore_trainer_state(resume_dir, optimizer, scheduler, rank=dist.rank,
-                                           load_optimizer=lambda st: dist.load_optimizer(run.train_model, optimizer, st,
-                                                                                         resume_dir))
-    elif dist.distributed:  # each rank its own random stream (the seeded sampler does not use it)
-        torch.manual_seed(train_cfg.seed * 1_000_003 + dist.rank)
-
+    start_step = run_.restore(optimizer, run.scheduler, run.train_model, rank_streams=True)
     knob = f"{method.name}.{method.step_knob}"  # what a divergence message tells the user to lower
-    doctor = (make_doctor(cfg.logging.doctor, sec.max_grad_norm, f"{method.name}.{sec.KL_KNOB}",
-                          method=method.name, lr_knob=knob) if dist.is_main else None)
-    logger = None
-    if dist.is_main:
-        logger = MetricsLogger(out_dir, cfg.logging.report_to, cfg.logging.run_name, cfg.logging.wandb_project,
-                               config=dataclasses.asdict(cfg), resume=resume_dir is not None,
-                               resume_step=start_step if resume_dir is not None else None)
-    result = TrainResult(out_dir, out_dir / "final", unit="episodes", world_size=dist.world_size,
-                         is_main=dist.is_main)
+    out_dir = run_.open(sec.max_grad_norm, kl_knob=f"{method.name}.{sec.KL_KNOB}", lr_knob=knob)
+    result = run_.result(unit="episodes")
     if eval_examples and start_step == 0:
-        result.eval_before = evaluate(run, eval_examples, out_dir, 0, quiet)
-        if logger is not None:
-            logger.log(0, result.eval_before)
-        if doctor is not None:  # the held-out checks' starting point, for the reward_hacking rule
-            doctor.observe(0, result.eval_before)
+        result.eval_before = evaluate(run, eval_examples, out_dir, 0)
+        run_.log_start(result.eval_before, show=False)  # evaluate printed it
 
     probe = make_probe_batch(models.tokenizer, [e.prompt for e in train_examples[:4]], models.device)
 
     def save(folder: Path, step: int) -> None:
-        rng = dist.gather(rng_state())  # every rank's random state, for an exact resume
-        state, optimizer_state = dist.full_state(run.train_model, optimizer)  # FSDP: gathered to rank 0
-        engine_state = dist.stage_engine_state(run.train_model, folder)  # DeepSpeed: every rank's partitions
-        if dist.is_main:
-            save_checkpoint(folder, models.actor, models.tokenizer, optimizer=optimizer, scheduler=scheduler,
-                            step=step, method=method.name, rank_rng=rng if dist.distributed else None,
-                            state=state, optimizer_state=optimizer_state, engine_state=engine_state)
-        dist.barrier()
+        run_.save_checkpoint(folder, step, module=run.train_model, actor=models.actor, tokenizer=models.tokenizer,
+                             optimizer=optimizer, scheduler=run.scheduler, rank_rng=True, hold=False)
 
-    from tqdm import tqdm
-    bar = tqdm(range(start_step, train_cfg.total_steps), initial=start_step, total=train_cfg.total_steps,
-               disable=quiet or not cfg.logging.progress_bar or not dist.is_main, desc=method.name,
-               dynamic_ncols=True)
+    bar = run_.progress(train_cfg.total_steps, initial=start_step)
     total_samples, total_seconds = 0, 0.0
-    for step_idx in bar:
-        step = step_idx + 1
+    for step in range(start_step + 1, train_cfg.total_steps + 1):
         timer = Timer()
         t0 = time.perf_counter()
         # Fresh prompts every step; the draw depends only on (seed, step), so a resume
         # matches; each rank takes its contiguous share of them.
         prompts = step_prompts(train_examples, sec.rollout_size // sec.samples_per_prompt, train_cfg.seed, step)
-        examples = dist.shard(prompts, f"{method.name}: prompts per step")
+        examples = run.dist.shard(prompts, f"{method.name}: prompts per step")
         # 1-5. the method's phases: rollout, score, forward, advantages, update.
         try:
             metrics = method.step(run, examples, step, timer)
@@ -365,29 +315,25 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
             metrics["perf/tokens_per_s"] = (metrics["rollout/response_length"] * sec.rollout_size
                                             / max(metrics["time/generate"], 1e-9))
         if eval_examples and (step % train_cfg.eval_interval == 0 or step == train_cfg.total_steps):
-            metrics.update(evaluate(run, eval_examples, out_dir, step, quiet))
-        result.history.append({"step": step, **metrics})
-        if logger is not None:
-            log_step(logger, doctor, step, metrics)
+            metrics.update(evaluate(run, eval_examples, out_dir, step))
+        run_.log(step, metrics)
         check_sync = getattr(run.backend, "check_sync", None)  # vllm: the weight-sync canary, before a save
         if check_sync is not None:
             check_sync(metrics.get("rollout/logprob_gap"), step)
         postfix = {"reward": f"{metrics['rollout/reward_mean']:.3f}"}
         if "params/kl_to_ref" in metrics:
             postfix["kl"] = f"{metrics['params/kl_to_ref']:.3f}"
+        bar.update(1)
         bar.set_postfix(**postfix)
         if train_cfg.save_interval and step % train_cfg.save_interval == 0 and step < train_cfg.total_steps:
             save(out_dir / f"step_{step}", step)
-            if dist.is_main:
-                prune_checkpoints(out_dir, train_cfg.keep_last_checkpoints)
     bar.close()
     save(result.final_dir, train_cfg.total_steps)
-    if dist.is_main:
-        finish_run(logger, out_dir, models.device, cfg.logging.plots, method.plot_groups or PLOT_GROUPS)
     result.eval_after = last_eval(result.history)
     result.samples_per_s = total_samples / total_seconds if total_seconds else 0.0
     result.models = models
-    dist.barrier()  # every rank leaves together, once rank 0 has written the run
+    run_.finish(method.plot_groups or PLOT_GROUPS, eval_before=result.eval_before, eval_after=result.eval_after,
+                episodes_per_s=result.samples_per_s)
     return result
 
 
