@@ -1,6 +1,7 @@
 """Model FLOPs and MFU per phase, for the benches' real-model options.
 
-How FLOPs are counted (the same on every side of a bench, so MFU compares like for like):
+How FLOPs are counted (the same rule on every side of a bench; each side is counted for the
+passes it runs, a bench's `phase_flops` says which):
 
 - `N_body`: the weights of the decoder's linear layers (every layer's attention and MLP
   projections). `N_head`: the LM head's weights (vocabulary x hidden), counted whether

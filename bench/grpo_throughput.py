@@ -2,6 +2,8 @@
 
     python bench/grpo_throughput.py [--steps 6] [--repeats 3] [--sides rlhflab,trl] [--out DIR]
                                     [--model DIR] [--data DIR] [--beta 0.0] [--device cpu]
+                                    [--completions 32] [--group-size 8] [--max-new-tokens 16]
+    python bench/grpo_throughput.py --model-dir outputs/models/smollm2-135m-instruct ...  # the real model
 
 Both run the same GRPO on the same model (a tiny Llama built locally unless --model is
 given), on the arithmetic task's prompts with the GSM8K checker as the reward: group
@@ -41,6 +43,10 @@ removed once it has run) and `run/` (the measured run). The scratch folder itsel
 only the inputs it builds (`tiny-model/`, `arith/`), reused by later rounds and by later
 invocations with the same `--out`; no run ever starts in a folder that holds another run,
 which the trainer would refuse.
+
+Above the last line, one line per side gives the median seconds, model FLOPs and MFU of
+each phase (generate, forward = the no-grad reference pass, update) against the float32
+peak measured here (bench/_mfu.py); TRL's phases are timed around its own methods.
 
 The last line reads
 `grpo_throughput: rlhflab X completions/s, trl Y completions/s, speed ratio Z, memory ratio W`
@@ -138,7 +144,8 @@ def _train_rlhflab(a: argparse.Namespace, steps: int, out: str) -> dict:
         f"model.name_or_path={a.model}", f"dataset.path={a.data}/train.jsonl", "dataset.eval_path=null",
         f"generation.max_new_tokens={a.max_new_tokens}", "generation.temperature=1.0",
         f"grpo.group_size={a.group_size}", f"grpo.prompts_per_step={a.completions // a.group_size}",
-        f"grpo.batch_size={a.completions}", f"grpo.mini_batch_size={a.completions}", "grpo.gradient_accumulation_steps=1", "grpo.epochs=1",
+        f"grpo.batch_size={a.completions}", f"grpo.mini_batch_size={a.completions}",
+        "grpo.gradient_accumulation_steps=1", "grpo.epochs=1",
         f"grpo.learning_rate={a.lr}", f"grpo.beta={a.beta}", "grpo.clip_eps=0.2", "grpo.max_grad_norm=1.0",
         f"grpo.share_prompt={str(not a.no_share_prompt).lower()}",
         f"training.total_steps={steps}", "training.eval_interval=0", "training.save_interval=0",

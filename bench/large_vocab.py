@@ -171,8 +171,7 @@ def _run(method: str, a: dict) -> dict:
             "max_logits_mib": rec.max_bytes / 2**20, "max_logits_shape": list(rec.max_shape),
             "max_logits_op": rec.max_op, "response_rows": rows,
             "full_logits_mib": rows * vocab * 4 / 2**20,
-            "chunk_rows": default_chunk_size(vocab), "chunk_mib": default_chunk_size(vocab) * vocab * 4 / 2**20,
-            "params": sum(p.numel() for p in res.models.policy.parameters()) if getattr(res, "models", None) else None}
+            "chunk_rows": default_chunk_size(vocab), "chunk_mib": default_chunk_size(vocab) * vocab * 4 / 2**20}
 
 
 def _child(conn, method: str, a: dict) -> None:
@@ -257,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         ph = r["phases_s"]
         print(f"| {m} | {r['step_s']:.1f} | {ph['generate']:.1f} | {ph['forward']:.1f} | {ph['update']:.1f} | "
               f"{r['peak_mib']:.0f} | {r['process_peak_rss_mib']:.0f} | {tuple(r['max_logits_shape'])} "
-              f"({r['max_logits_op']}) | {r['max_logits_mib']:.1f} | {r['chunk_mib']:.0f} | {r['full_logits_mib']:.0f} |")
+              f"({r['max_logits_op']}) | {r['max_logits_mib']:.1f} | {r['chunk_mib']:.0f} | "
+              f"{r['full_logits_mib']:.0f} |")
     within = all(r["max_logits_mib"] <= r["chunk_mib"] * 1.0001 for r in results.values())
     print(f"largest logits tensor within one chunk: {'yes' if within else 'NO'}")
     if args.json:

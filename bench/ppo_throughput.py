@@ -2,12 +2,16 @@
 
     python bench/ppo_throughput.py                 # full run (see --help for the knobs)
     python bench/ppo_throughput.py --sides rlhflab # rlhflab only, no TRL needed
+    python bench/ppo_throughput.py --model-dir outputs/models/smollm2-135m-instruct  # the real model
+                                                   # (sides one at a time, see --sequential)
 
 Prints a table (episodes/s, seconds and tokens/s per phase, peak memory) and, last, the
 line `ppo_throughput: rlhflab X eps/s, trl Y eps/s, speed ratio Z, memory ratio W, critic
 speed ratio Z2, critic memory ratio W2` (ratios are rlhflab / TRL in float32: Z, W with
 rlhflab's value head, Z2, W2 with its separate critic, like for like; a side that did not
-run reads nan). The bfloat16-autocast pair (TRL's PPOConfig default) is in the table.
+run reads nan). The bfloat16-autocast pair (TRL's PPOConfig default) is in the table, and
+above the last line one line per side gives seconds, model FLOPs and MFU of generate,
+forward (no-grad scoring) and update against the float32 peak measured here (bench/_mfu.py).
 
 How it measures (bench/README.md says why):
 - Each side runs in a worker process of its own (spawned, so it shares no memory with
@@ -583,16 +587,19 @@ PAIRS = (("rlhflab", "trl", "value head vs TRL"), ("rlhflab-critic", "trl", "lik
 
 def phase_flops(name: str, n: "_mfu.LinearParams", prompt_tokens: float, response_tokens: float,
                 epochs: int) -> dict[str, float]:
-    """Model FLOPs of one PPO step's phases on side `name` (bench/_mfu.py says how they are
-    counted). generate: one policy forward over prompt + response tokens. forward: the
-    policy's pass (old log-probs; with the value head, the values too) and the reference's,
-    plus the critic's where there is one (TRL always has one). update: `epochs` x forward +
-    backward of the policy, and of the critic where there is one."""
+    """Model FLOPs of one PPO step's phases on side `name`: the passes that side runs
+    (bench/_mfu.py says how a pass is counted). generate: one policy forward over prompt +
+    response tokens. forward: rlhflab's policy pass (old log-probs; with the value head, the
+    values too) and the reference's, plus the critic's where there is one; TRL takes the
+    old log-probs from the sampling logits, so it runs the reference's and its critic's
+    only. update: `epochs` x forward + backward of the policy, and of the critic where
+    there is one (TRL always has one)."""
     seq = prompt_tokens + response_tokens
     policy = _mfu.pass_flops(n, seq, response_tokens)
     critic = _mfu.pass_flops(_mfu.LinearParams(n.body, 0), seq, 0) \
         if name.startswith(("trl", "rlhflab-critic")) else 0.0
-    return {"generate": policy, "forward": 2 * policy + critic, "update": epochs * 3 * (policy + critic)}
+    scoring = (1 if name.startswith("trl") else 2) * policy + critic
+    return {"generate": policy, "forward": scoring, "update": epochs * 3 * (policy + critic)}
 
 
 def mfu_lines(summary: dict[str, dict], n: "_mfu.LinearParams", prompt_tokens: float, epochs: int,

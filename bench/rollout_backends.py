@@ -281,7 +281,8 @@ def targets(cells: list[Cell], peak: Peak) -> str:
     """The issue's targets on the headline cell: ratio >= 1.5, vllm MFU >= 40% at 25M."""
     match = [c for c in cells if (c.model, c.length, c.batch) == HEADLINE]
     if not match:
-        return f"targets: the headline cell ({HEADLINE[0]}, response {HEADLINE[1]}, batch {HEADLINE[2]}) was not measured"
+        model, length, batch = HEADLINE
+        return f"targets: the headline cell ({model}, response {length}, batch {batch}) was not measured"
     c = match[0]
     mfu = c.flops / _common.median(c.seconds["vllm"]) / peak.wall
     mfu_cpu = c.flops / _common.median(c.cpu["vllm"]) / peak.per_cpu

@@ -64,9 +64,11 @@ def test_ppo_phase_flops_by_hand(benches):
     # value head: generate 132; forward: policy (+values) and reference = 264;
     # update: 3 epochs x 3 x 132 = 1188
     assert head == {"generate": 132, "forward": 264, "update": 1188}
-    for side in ("rlhflab-critic", "trl", "rlhflab-critic-torchmm"):
+    for side in ("rlhflab-critic", "rlhflab-critic-torchmm"):
         # with a critic: forward 264 + 120 = 384; update 3 x 3 x (132 + 120) = 2268
         assert ppo.phase_flops(side, n, 4, 2, epochs=3) == {"generate": 132, "forward": 384, "update": 2268}
+    # TRL reads the old log-probs from the sampling logits: forward = reference 132 + critic 120 = 252
+    assert ppo.phase_flops("trl", n, 4, 2, epochs=3) == {"generate": 132, "forward": 252, "update": 2268}
 
 
 def test_grpo_phase_flops_by_hand(benches):
