@@ -251,7 +251,7 @@ def test_sft_rm_and_dpo_feed_every_logged_row_to_the_doctor(tiny_sft_rm_dir, ari
     # metrics.jsonl gets), so the rules run live as they do in the RL loop.
     from rlhflab.data.preferences import write_arith_pairs, write_off_by_one_pairs
     from rlhflab.doctor import Doctor
-    from rlhflab.trainers import common, dpo, rm, sft
+    from rlhflab.run import context
 
     seen: dict[str, list[int]] = {}
 
@@ -264,8 +264,7 @@ def test_sft_rm_and_dpo_feed_every_logged_row_to_the_doctor(tiny_sft_rm_dir, ari
         assert enabled and max_grad_norm == 1.0
         return Recorder(max_grad_norm=max_grad_norm, method=method, lr_knob=lr_knob)
 
-    for module in (sft, rm, dpo):
-        monkeypatch.setattr(module, "make_doctor", recording_doctor)
+    monkeypatch.setattr(context, "make_doctor", recording_doctor)  # the run context makes every trainer's doctor
     assert cli.main(sft_args(tiny_sft_rm_dir, arith_dir, tmp_path / "sft", "sft.logging_steps=1")) == 0
     prefs = write_arith_pairs(tmp_path / "prefs", n_train=32, n_test=8)
     assert cli.main(["rm", "--config", str(ROOT / "configs" / "rm_debug.yaml"), f"model.name_or_path={tiny_sft_rm_dir}",

@@ -21,10 +21,8 @@ tokens added, cut from the left to `data.max_length`, so training and scoring ag
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import random
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, NamedTuple, Optional, Sequence
@@ -33,18 +31,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlhflab.config import load_config, save_effective_config
+from rlhflab.config import load_config
 from rlhflab.config.schema import LoggingConfig, ModelConfig, TrainingConfig, f
 from rlhflab.data.loading import read_rows, require_fields
 from rlhflab.errors import UserError
-from rlhflab.metrics import MetricsLogger
 from rlhflab.models.cpu_matmul import use_fast_linears
-from rlhflab.models.load import disable_dropout, load_tokenizer, resolve_device, resolve_dtype
+from rlhflab.models.load import disable_dropout, load_tokenizer, resolve_dtype
 from rlhflab.models.setup import map_large_allocations
-from rlhflab.trainers.common import (check_finite_model, check_finite_step, check_output_dir, choose_cpu_matmul,
-                                     finish_run, format_metrics, make_optimizer, make_probe_batch, make_scheduler,
-                                     prepare_output_dir, print_before_after, seed_everything, set_threads,
-                                     write_train_result)
+from rlhflab.run import TrainResult, start_run
+from rlhflab.trainers.common import (check_finite_model, check_finite_step, make_optimizer, make_probe_batch,
+                                     make_scheduler)
 
 
 # --------------------------------------------------------------------------------------
@@ -218,15 +214,8 @@ PLOT_GROUPS = {"loss": ["train/loss", "eval/loss"], "accuracy": ["train/accuracy
 
 
 @dataclass
-class ClassifierResult:
-    output_dir: Path
-    final_dir: Path
-    labels: list[str]
-    eval_before: dict | None = None
-    eval_after: dict | None = None
-    history: list[dict] = field(default_factory=list)
-    steps: int = 0
-    seconds: float = 0.0
+class ClassifierResult(TrainResult):
+    labels: list[str] = field(default_factory=list)
 
 
 def save_classifier(model, tokenizer, folder: Path) -> None:
@@ -242,21 +231,10 @@ def save_classifier(model, tokenizer, folder: Path) -> None:
 def train_classifier(cfg: ClassifierRunConfig, effective=None, quiet: bool = False) -> ClassifierResult:
     """Train a sequence classifier as configured; returns where it went and its held-out metrics."""
     t, c, d = cfg.training, cfg.classifier, cfg.data
-    say = (lambda *a, **k: None) if quiet else print
-    set_threads(t.num_threads)
-    choose_cpu_matmul(cfg.model.cpu_matmul)
-    # Refused before anything loads; written only once the data and the model have loaded.
-    out_dir = check_output_dir(t.output_dir, overwrite=t.overwrite, resumable=False,
-                               config=effective if effective is not None else cfg)
+    run = start_run(cfg, "classifier", effective=effective, quiet=quiet)
     data = load_classifier_data(d, t.seed)  # 1. data first: a bad file fails before the model loads
-    seed_everything(t.seed)
-    device = resolve_device(t.device)
-    start = time.perf_counter()
-
-    model, tok = build_classifier(cfg, data.labels, device)  # 2. model
-    prepare_output_dir(out_dir, overwrite=t.overwrite, resumable=False,
-                       config=effective if effective is not None else cfg)
-    save_effective_config(effective if effective is not None else cfg, out_dir)
+    model, tok = build_classifier(cfg, data.labels, run.device)  # 2. model
+    device, say = run.device, run.print
     probe = make_probe_batch(tok, [r.text for r in data.train[:4]], device)  # for check_finite_model
     steps_per_epoch = math.ceil(len(data.train) / c.batch_size)
     total_steps = c.max_steps or max(1, math.ceil(steps_per_epoch * c.epochs))
@@ -268,17 +246,14 @@ def train_classifier(cfg: ClassifierRunConfig, effective=None, quiet: bool = Fal
     say(f"classifier: {len(data.train)} training rows ({', '.join(f'{n} {name}' for n, name in zip(counts, data.labels))}), "
         f"{len(data.eval)} held out; {total_steps} optimizer steps")
 
-    logger = MetricsLogger(out_dir, cfg.logging.report_to, cfg.logging.run_name, cfg.logging.wandb_project,
-                           config=dataclasses.asdict(cfg))
-    result = ClassifierResult(out_dir, out_dir / "final", data.labels)
+    run.open(doctor=False)
+    result = run.result(ClassifierResult, labels=data.labels)
     evaluate = lambda: evaluate_classifier(model, tok, data.eval, d.max_length, t.eval_batch_size, device)  # noqa: E731
     if c.eval_before:
         result.eval_before = evaluate()
-        logger.log(0, result.eval_before)
-        say("step 0 (before training): " + format_metrics(result.eval_before))
+        run.log_start(result.eval_before)
 
-    from tqdm import tqdm
-    bar = tqdm(total=total_steps, disable=quiet or not cfg.logging.progress_bar, desc="classifier", dynamic_ncols=True)
+    bar = run.progress(total_steps)
     step, epoch, last_eval = 0, 0, {}
     win_loss, win_correct, win_n, win_norms = 0.0, 0, 0, []
     while step < total_steps:
@@ -319,20 +294,16 @@ def train_classifier(cfg: ClassifierRunConfig, effective=None, quiet: bool = Fal
                 last_eval = evaluate()
                 metrics.update(last_eval)
             if metrics:
-                logger.log(step, metrics)
-                result.history.append({"step": step, **metrics})
+                run.log(step, metrics)
                 if "train/loss" in metrics:
                     bar.set_postfix(loss=f"{metrics['train/loss']:.3f}")
     bar.close()
     check_finite_model(model, probe, step=step, knob="classifier.learning_rate", lr=c.learning_rate)
     model.eval()
-    save_classifier(model, tok, result.final_dir)
-    finish_run(logger, out_dir, device, cfg.logging.plots, PLOT_GROUPS)
-    result.eval_after = last_eval or None
-    result.steps = step
-    result.seconds = time.perf_counter() - start
-    write_train_result(out_dir, eval_before=result.eval_before, eval_after=result.eval_after, steps=step,
-                       labels=data.labels, seconds=result.seconds)
+    run.save(lambda: save_classifier(model, tok, result.final_dir))
+    result.eval_after, result.steps, result.seconds = last_eval or None, step, run.seconds
+    run.finish(PLOT_GROUPS, eval_before=result.eval_before, eval_after=result.eval_after, steps=step,
+               labels=data.labels, seconds=result.seconds)
     return result
 
 
@@ -347,7 +318,6 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg, effective = load_config(args.config, ClassifierRunConfig, args.overrides)
     res = train_classifier(cfg, effective=effective)
-    print(f"done in {res.seconds:.0f}s: classifier in {res.final_dir} (labels {', '.join(res.labels)}); "
-          f"use it as reward.sources: [{{type: classifier, path: {res.final_dir}, label: {res.labels[-1]}}}]")
-    print_before_after(res.eval_before, res.eval_after)
+    res.report(f"done in {res.seconds:.0f}s: classifier in {res.final_dir} (labels {', '.join(res.labels)}); "
+               f"use it as reward.sources: [{{type: classifier, path: {res.final_dir}, label: {res.labels[-1]}}}]")
     return 0

@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from rlhflab import ops
-from rlhflab.config import load_config, save_effective_config
+from rlhflab.config import load_config
 from rlhflab.config.schema import (DatasetConfig, GenerationConfig, LoggingConfig, LoRAConfig, ModelConfig,
                                    OptimizerFields, TrainingConfig, check_reference, f)
 from rlhflab.data.chat import resolve_use_chat_template, response_end_id
@@ -53,19 +53,16 @@ from rlhflab.data.loading import read_rows
 from rlhflab.data.preferences import PairText, pair_texts, parse_pairs, write_off_by_one_pairs
 from rlhflab.data.prompts import format_prompt, load_prompts
 from rlhflab.errors import UserError
-from rlhflab.engine.dist import Forward, check_strategy, default_threads, even_share, init_dist
+from rlhflab.engine.dist import Forward, even_share
 from rlhflab.engine.update import inner
 from rlhflab.evaluate import evaluate_policy, save_samples
-from rlhflab.metrics import MetricsLogger
 from rlhflab.models.actor_critic import PolicyOnly, Reference, response_hidden
 from rlhflab.models.head import linear_lm_head
-from rlhflab.models.checkpoint import prune_checkpoints, restore_trainer_state, save_checkpoint, state_part
 from rlhflab.rewards import RuleScorer, resolve_rule
 from rlhflab.models.setup import PolicyModels, build_models
-from rlhflab.trainers.common import (Timer, TrainResult, check_finite_model, check_finite_step, check_output_dir,
-                                     check_resume_dir, choose_cpu_matmul, finish_run, format_metrics, last_eval,
-                                     log_step, make_doctor, make_optimization, make_probe_batch, prepare_output_dir,
-                                     seed_everything, set_threads)
+from rlhflab.run import TrainResult, start_run
+from rlhflab.trainers.common import (Timer, check_finite_model, check_finite_step, last_eval, make_optimization,
+                                     make_probe_batch)
 
 
 # --------------------------------------------------------------------------------------
@@ -399,22 +396,10 @@ def _evaluate(models: PolicyModels, eval_tok, eval_cache, task_examples, task_sc
 def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, quiet: bool = False) -> TrainResult:
     """Run DPO as configured; returns where the outputs went and the metric history."""
     t, sec, d = cfg.training, cfg.dpo, cfg.dataset
-    dist = init_dist(t.device)
-    check_strategy(dist, cfg.lora.enabled, "dpo", rl=False)
-    say = (lambda *a: None) if quiet or not dist.is_main else print
-    set_threads(t.num_threads or default_threads(dist, t.device))
-    choose_cpu_matmul(cfg.model.cpu_matmul)
-    if dist.distributed:
-        dist.local(sec.batch_size, "dpo.batch_size")
-    # Checked before anything is loaded or written: the checkpoint (state, layout, files)
-    # and an output folder holding another run.
-    resume_dir = check_resume_dir(resume, method="dpo", lora=cfg.lora.enabled, critic="none",
-                                  world_size=dist.world_size, fsdp=dist.strategy == "fsdp",
-                                  deepspeed=dist.strategy == "deepspeed")
-    out_dir = check_output_dir(t.output_dir, resume=resume_dir is not None, overwrite=t.overwrite,
-                               config=effective if effective is not None else cfg)
-    seed_everything(t.seed)
-    models = build_models(cfg.model, cfg.lora, t.device, need_reference=True, resume_dir=resume_dir,
+    run = start_run(cfg, "dpo", effective=effective, resume=resume, quiet=quiet, resumable=True,
+                    local={"dpo.batch_size": sec.batch_size})
+    dist, say = run.dist, run.print
+    models = build_models(cfg.model, cfg.lora, t.device, need_reference=True, resume_dir=run.resume_dir,
                           mixed_precision=t.mixed_precision)
     tok, pad = models.tokenizer, models.tokenizer.pad_token_id
 
@@ -427,10 +412,6 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     else:
         train_pairs, eval_pairs = _split(train_pairs, sec.eval_fraction, t.seed)
         eval_pairs = eval_pairs[: d.num_eval_samples] if d.num_eval_samples else eval_pairs
-    dist.on_main(lambda: prepare_output_dir(out_dir, resume=resume_dir is not None, overwrite=t.overwrite,
-                                            config=effective if effective is not None else cfg))
-    if dist.is_main:
-        save_effective_config(effective if effective is not None else cfg, out_dir, resume_from=resume_dir)
     probe = make_probe_batch(tok, [p.prompt + p.chosen for p in train_pairs[:4]], models.device)
     tok_args = (tok, d.max_prompt_length, sec.max_response_length, sec.append_eos,
                 response_end_id(tok, resolve_use_chat_template(d.use_chat_template, tok)))
@@ -461,50 +442,26 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     # The sequence log-probs as a module's forward, wrapped for the launcher's strategy.
     logprob_model, optimizer = dist.prepare(Forward(models.actor, policy_sequence_logprobs), optimizer,
                                             sec.max_grad_norm)
-    start_step = 0
-    if resume_dir is not None:
-        start_step = restore_trainer_state(resume_dir, optimizer, scheduler, rank=dist.rank,
-                                           load_optimizer=lambda st: dist.load_optimizer(logprob_model, optimizer, st,
-                                                                                         resume_dir))
-
-    logger = None
-    if dist.is_main:
-        logger = MetricsLogger(out_dir, cfg.logging.report_to, cfg.logging.run_name, cfg.logging.wandb_project,
-                               config=dataclasses.asdict(cfg), resume=resume_dir is not None,
-                               resume_step=start_step if resume_dir is not None else None)
+    start_step = run.restore(optimizer, scheduler, logprob_model)
     # The doctor reads each step's row (implicit-reward accuracy at chance, a growing margin,
     # chosen and rejected log-probs falling together, overfitting, gradient spikes) and
     # stops the run on a non-finite loss.
-    doctor = make_doctor(cfg.logging.doctor, sec.max_grad_norm, method="dpo") if dist.is_main else None
-    result = TrainResult(out_dir, out_dir / "final", unit="pairs", world_size=dist.world_size, is_main=dist.is_main,
-                         models=models, state={"ref_cache": train_cache})
-    if t.eval_interval and start_step == 0:  # evaluation on the main process
-        with dist.holding(logprob_model, "whole"):  # FSDP: whole weights on every rank while rank 0 evaluates
-            if dist.is_main:
-                result.eval_before = _evaluate(models, eval_tok, eval_cache, task_examples, task_scorer, cfg,
-                                               out_dir, 0)
-                log_step(logger, doctor, 0, {**result.eval_before, **timer.metrics()})
-                say("step 0 (before training): " + format_metrics(result.eval_before))
+    out_dir = run.open(sec.max_grad_norm)
+    result = run.result(unit="pairs", models=models, state={"ref_cache": train_cache})
+    evaluate = lambda at: _evaluate(models, eval_tok, eval_cache, task_examples, task_scorer, cfg,  # noqa: E731
+                                    out_dir, at)
+    if t.eval_interval and start_step == 0:  # on the main process (whole weights held: FSDP)
+        result.eval_before = run.on_main(lambda: evaluate(0), logprob_model)
+        run.log_start(result.eval_before and {**result.eval_before, **timer.metrics()})
 
     def save(folder: Path, at: int) -> None:
-        """Rank 0: the checkpoint, once its forward pass is checked finite."""
-        state, optimizer_state = dist.full_state(logprob_model, optimizer)  # FSDP: gathered to rank 0
-        engine_state = dist.stage_engine_state(logprob_model, folder)  # DeepSpeed: every rank's partitions
+        """The checkpoint, once its forward pass is checked finite."""
+        run.save_checkpoint(folder, at, module=logprob_model, actor=models.actor, tokenizer=tok, optimizer=optimizer,
+                            scheduler=scheduler, state_prefix="model.",
+                            check=lambda: check_finite_model(models.policy, probe, step=at, knob="dpo.learning_rate",
+                                                             lr=sec.learning_rate))
 
-        def write() -> None:
-            check_finite_model(models.policy, probe, step=at, knob="dpo.learning_rate", lr=sec.learning_rate)
-            save_checkpoint(folder, models.actor, tok, optimizer=optimizer, scheduler=scheduler, step=at,
-                            method="dpo", rank_rng=None, state=state_part(state, "model."),
-                            optimizer_state=optimizer_state, engine_state=engine_state)
-            if folder.name.startswith("step_"):
-                prune_checkpoints(out_dir, t.keep_last_checkpoints)
-
-        with dist.holding(logprob_model, "whole"):
-            dist.on_main(write)
-
-    from tqdm import tqdm
-    bar = tqdm(total=total_steps, initial=start_step, disable=quiet or not cfg.logging.progress_bar or not dist.is_main,
-               desc="dpo", dynamic_ncols=True)
+    bar = run.progress(total_steps, initial=start_step)
     params = models.actor.trainable_parameters()
     step, total_pairs, total_seconds = 0, 0, 0.0
     for epoch in range(sec.epochs):
@@ -560,24 +517,18 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
                        "params/grad_norm": grad_norm, "lr": optimizer.param_groups[0]["lr"], "epoch": epoch,
                        **timer.metrics(), "perf/pairs_per_s": n_batch / seconds}
             if t.eval_interval and (step % t.eval_interval == 0 or step == total_steps):
-                with dist.holding(logprob_model, "whole"):
-                    if dist.is_main:
-                        metrics.update(_evaluate(models, eval_tok, eval_cache, task_examples, task_scorer, cfg,
-                                                 out_dir, step))
-            result.history.append({"step": step, **metrics})
-            if logger is not None:
-                log_step(logger, doctor, step, metrics)
+                metrics.update(run.on_main(lambda: evaluate(step), logprob_model, default={}))
+            run.log(step, metrics)
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['rewards/accuracies']:.2f}")
             if t.save_interval and step % t.save_interval == 0 and step < total_steps:
                 save(out_dir / f"step_{step}", step)
     bar.close()
     save(result.final_dir, total_steps)
-    if dist.is_main:
-        finish_run(logger, out_dir, models.device, cfg.logging.plots, PLOT_GROUPS)
     result.eval_after = last_eval(result.history)
     result.samples_per_s = total_pairs / total_seconds if total_seconds else 0.0
-    dist.barrier()  # every rank leaves together, once rank 0 has written the run
+    run.finish(PLOT_GROUPS, eval_before=result.eval_before, eval_after=result.eval_after,
+               pairs_per_s=result.samples_per_s)
     return result
 
 

@@ -28,10 +28,8 @@ Where this departs from common recipes:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import random
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, NamedTuple, Optional, Sequence
@@ -41,26 +39,24 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlhflab import ops
-from rlhflab.config import load_config, save_effective_config
+from rlhflab.config import load_config
 from rlhflab.config.schema import (CHAT_TEMPLATE_HELP, ChatTemplateUse, LoggingConfig, LoRAConfig, ModelConfig,
                                    TrainingConfig, f)
 from rlhflab.data import preferences as prefdata
 from rlhflab.data.chat import resolve_use_chat_template
 from rlhflab.data.loading import read_rows
-from rlhflab.engine.dist import Forward, check_strategy, default_threads, even_share, init_dist
+from rlhflab.engine.dist import Forward, even_share
 from rlhflab.errors import UserError
-from rlhflab.metrics import MetricsLogger
 from rlhflab.models.cpu_matmul import use_fast_linears
-from rlhflab.models.load import default_lora_targets, disable_dropout, load_tokenizer, resolve_device, resolve_dtype
+from rlhflab.models.load import default_lora_targets, disable_dropout, load_tokenizer, resolve_dtype
 from rlhflab.models.lean import make_lean
-from rlhflab.models.precision import autocast, check_mixed_precision
+from rlhflab.models.precision import autocast
 from rlhflab.models.setup import map_large_allocations
 from rlhflab.rewards.model import META_FILE, RMMeta, encode, score_head, sequence_scores
 from rlhflab.models.checkpoint import atomic_folder, state_part, untied
-from rlhflab.trainers.common import (check_finite_model, check_finite_step, check_output_dir, choose_cpu_matmul,
-                                     finish_run, format_metrics, log_step, make_doctor, make_optimizer,
-                                     make_probe_batch, make_scheduler, prepare_output_dir, print_before_after,
-                                     seed_everything, set_threads, train_and_held_out, write_train_result)
+from rlhflab.run import TrainResult, start_run
+from rlhflab.trainers.common import (check_finite_model, check_finite_step, make_optimizer, make_probe_batch,
+                                     make_scheduler, train_and_held_out)
 
 
 # --------------------------------------------------------------------------------------
@@ -329,17 +325,8 @@ PLOT_GROUPS = {
 
 
 @dataclass
-class RMResult:
-    output_dir: Path
-    final_dir: Path                  # AutoModelForSequenceClassification folder + rlhflab_rm.json
-    adapter_dir: Path | None         # final/adapter/ under LoRA
-    eval_before: dict | None = None
-    eval_after: dict | None = None
-    history: list[dict] = field(default_factory=list)
-    steps: int = 0
+class RMResult(TrainResult):
     train_pairs: int = 0
-    seconds: float = 0.0
-    is_main: bool = True             # False on the other processes of a multi-process run
 
 
 def save_reward_model(model, tokenizer, meta: RMMeta, folder: Path, state: dict | None = None) -> None:
@@ -362,29 +349,13 @@ def save_reward_model(model, tokenizer, meta: RMMeta, folder: Path, state: dict 
 def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
     """Train a reward model as configured; returns where it went and the before/after metrics."""
     t, r = cfg.training, cfg.rm
-    dist = init_dist(t.device)
-    check_strategy(dist, cfg.lora.enabled, "rm", rl=False)
-    say = (lambda *a, **k: None) if quiet or not dist.is_main else print
-    set_threads(t.num_threads or default_threads(dist, t.device))
-    choose_cpu_matmul(cfg.model.cpu_matmul)
-    if dist.distributed:
-        dist.local(r.batch_size, "rm.batch_size")
-    # Refused before anything loads; written only once the model and the data have loaded.
-    out_dir = check_output_dir(t.output_dir, overwrite=t.overwrite, resumable=False,
-                               config=effective if effective is not None else cfg)
-    seed_everything(t.seed)
-    device = dist.device or resolve_device(t.device)
-    check_mixed_precision(t.mixed_precision, device)
-    start = time.perf_counter()
+    run = start_run(cfg, "rm", effective=effective, quiet=quiet, local={"rm.batch_size": r.batch_size})
+    dist, device, say = run.dist, run.device, run.print
 
     # 1-2. data and model
     model, tok = build_reward_model(cfg, device)
     meta = RMMeta(append_eos=cfg.data.append_eos, add_special_tokens=False, max_length=cfg.data.max_length)
     data = load_rm_data(cfg.data, tok, t.seed, warn=say)
-    dist.on_main(lambda: prepare_output_dir(out_dir, overwrite=t.overwrite, resumable=False,
-                                            config=effective if effective is not None else cfg))
-    if dist.is_main:
-        save_effective_config(effective if effective is not None else cfg, out_dir)
     probe = make_probe_batch(tok, [p.chosen for p in data.train[:4]], device)  # for check_finite_model
     cut = count_truncated(tok, data.train, meta)
     if cut:
@@ -403,23 +374,17 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
     say(f"rm: {len(data.train)} training pairs, {len(data.eval)} held out; {total_steps} optimizer steps; "
         f"{sum(p.numel() for p in params):,} trainable parameters")
 
-    logger = MetricsLogger(out_dir, cfg.logging.report_to, cfg.logging.run_name, cfg.logging.wandb_project,
-                           config=dataclasses.asdict(cfg)) if dist.is_main else None
     # The doctor reads each logged row (accuracy stuck at chance, a growing score gap,
     # overfitting, gradient spikes) and stops the run on a non-finite loss.
-    doctor = make_doctor(cfg.logging.doctor, r.max_grad_norm, method="rm") if dist.is_main else None
-    result = RMResult(out_dir, out_dir / "final", out_dir / "final" / "adapter" if cfg.lora.enabled else None,
-                      train_pairs=len(data.train), is_main=dist.is_main)
-    if r.eval_before and data.eval:  # evaluation on the main process, which alone writes
-        with dist.holding(loss_model, "whole"):  # FSDP: whole weights on every rank while rank 0 evaluates
-            if dist.is_main:
-                result.eval_before = evaluate_rm(model, tok, data.eval, meta, t.eval_batch_size, device)
-                log_step(logger, doctor, 0, result.eval_before)
-                say("step 0 (before training): " + format_metrics(result.eval_before))
+    out_dir = run.open(r.max_grad_norm)
+    result = run.result(RMResult, adapter_dir=out_dir / "final" / "adapter" if cfg.lora.enabled else None,
+                        train_pairs=len(data.train))
+    evaluate = lambda: evaluate_rm(model, tok, data.eval, meta, t.eval_batch_size, device)  # noqa: E731
+    if r.eval_before and data.eval:  # on the main process, which alone writes (whole weights held: FSDP)
+        result.eval_before = run.on_main(evaluate, loss_model)
+        run.log_start(result.eval_before)
 
-    from tqdm import tqdm
-    bar = tqdm(total=total_steps, disable=quiet or not cfg.logging.progress_bar or not dist.is_main, desc="rm",
-               dynamic_ncols=True)
+    bar = run.progress(total_steps)
     step, epoch = 0, 0
     win_loss, win_acc, win_n, win_norms = 0.0, 0.0, 0, []
     last_eval: dict[str, float] = {}
@@ -465,13 +430,10 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
                                 "lr": optimizer.param_groups[0]["lr"], "epoch": step / groups_per_epoch})
                 win_loss, win_acc, win_n, win_norms = 0.0, 0.0, 0, []
             if data.eval and ((t.eval_interval and step % t.eval_interval == 0) or step == total_steps):
-                with dist.holding(loss_model, "whole"):
-                    if dist.is_main:
-                        last_eval = evaluate_rm(model, tok, data.eval, meta, t.eval_batch_size, device)
-                        metrics.update(last_eval)
-            if metrics and dist.is_main:
-                result.history.append({"step": step, **metrics})
-                log_step(logger, doctor, step, metrics)
+                last_eval = run.on_main(evaluate, loss_model, default={})
+                metrics.update(last_eval)
+            if metrics:
+                run.log(step, metrics)
                 if "train/loss" in metrics:
                     bar.set_postfix(loss=f"{metrics['train/loss']:.3f}")
     bar.close()
@@ -487,16 +449,10 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
         check_finite_model(model, probe, step=step, knob="rm.learning_rate", lr=r.learning_rate)
         save_reward_model(model, tok, meta, result.final_dir, state_part(state, "model."))
 
-    with dist.holding(loss_model, "whole"):
-        dist.on_main(save)
-    result.eval_after = last_eval or None
-    result.steps = step
-    result.seconds = time.perf_counter() - start
-    if dist.is_main:
-        finish_run(logger, out_dir, device, cfg.logging.plots, PLOT_GROUPS)
-        write_train_result(out_dir, eval_before=result.eval_before, eval_after=result.eval_after, steps=step,
-                           train_pairs=result.train_pairs, seconds=result.seconds, world_size=dist.world_size)
-    dist.barrier()
+    run.save(save, loss_model)
+    result.eval_after, result.steps, result.seconds = last_eval or None, step, run.seconds
+    run.finish(PLOT_GROUPS, eval_before=result.eval_before, eval_after=result.eval_after, steps=step,
+               train_pairs=result.train_pairs, seconds=result.seconds)
     return result
 
 
@@ -511,9 +467,6 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg, effective = load_config(args.config, RMRunConfig, args.overrides)
     res = train_rm(cfg, effective=effective)
-    if not res.is_main:
-        return 0
-    print(f"done in {res.seconds:.0f}s: reward model in {res.final_dir}"
-          + (f" (adapter in {res.adapter_dir})" if res.adapter_dir else ""))
-    print_before_after(res.eval_before, res.eval_after)
+    res.report(f"done in {res.seconds:.0f}s: reward model in {res.final_dir}"
+               + (f" (adapter in {res.adapter_dir})" if res.adapter_dir else ""))
     return 0

@@ -33,7 +33,6 @@ Where this departs from common recipes:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import random
@@ -46,28 +45,26 @@ import torch
 import torch.nn.functional as F
 
 from rlhflab import ops
-from rlhflab.config import load_config, save_effective_config
+from rlhflab.config import load_config
 from rlhflab.config.schema import (CHAT_TEMPLATE_HELP, ChatTemplateUse, LoggingConfig, LoRAConfig, ModelConfig,
                                    TrainingConfig, check_quantization, f)
 from rlhflab.data import sft as sftdata
 from rlhflab.data.chat import resolve_use_chat_template
 from rlhflab.data.loading import read_rows
-from rlhflab.engine.dist import Dist, Forward, check_strategy, default_threads, even_share, init_dist
+from rlhflab.engine.dist import Dist, Forward, even_share
 from rlhflab.engine.update import inner
 from rlhflab.errors import UserError
-from rlhflab.metrics import MetricsLogger
 from rlhflab.models.actor_critic import decoder_and_head
-from rlhflab.models.checkpoint import atomic_folder, prune_checkpoints, save_policy, state_part
+from rlhflab.models.checkpoint import atomic_folder, save_policy, state_part
 from rlhflab.models.head import linear_lm_head
-from rlhflab.models.load import add_lora, load_model, resolve_device
+from rlhflab.models.load import add_lora, load_model
 from rlhflab.models.lean import make_lean
-from rlhflab.models.precision import autocast, check_mixed_precision
+from rlhflab.models.precision import autocast
 from rlhflab.models.quant import prepare_quantized, quantization_kwargs
 from rlhflab.models.setup import map_large_allocations
-from rlhflab.trainers.common import (check_finite_model, check_finite_step, check_output_dir, choose_cpu_matmul,
-                                     finish_run, format_metrics, log_step, make_doctor, make_optimizer, make_scheduler,
-                                     prepare_output_dir, print_before_after, seed_everything, set_threads,
-                                     train_and_held_out, write_train_result)
+from rlhflab.run import TrainResult, start_run
+from rlhflab.trainers.common import (check_finite_model, check_finite_step, make_optimizer, make_scheduler,
+                                     train_and_held_out)
 
 
 # --------------------------------------------------------------------------------------
@@ -350,17 +347,8 @@ PLOT_GROUPS = {
 
 
 @dataclass
-class SFTResult:
-    output_dir: Path
-    final_dir: Path                      # plain HF folder (merged under LoRA)
-    adapter_dir: Path | None             # final/adapter/ under LoRA
-    eval_before: dict | None = None      # eval/* metrics of the starting model
-    eval_after: dict | None = None       # eval/* metrics of the final model
-    history: list[dict] = field(default_factory=list)
-    steps: int = 0
+class SFTResult(TrainResult):
     train_rows: int = 0
-    seconds: float = 0.0
-    is_main: bool = True                 # False on the other processes of a multi-process run
 
 
 def build_model(cfg: SFTRunConfig, device: torch.device):
@@ -401,29 +389,12 @@ def _save(model, tokenizer, folder: Path, merged: bool, state: dict | None = Non
 def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResult:
     """Run SFT as configured; returns where the model went and the before/after metrics."""
     t, s = cfg.training, cfg.sft
-    dist = init_dist(t.device)
-    check_strategy(dist, cfg.lora.enabled, "sft", rl=False)
-    say = (lambda *a, **k: None) if quiet or not dist.is_main else print
-    set_threads(t.num_threads or default_threads(dist, t.device))
-    choose_cpu_matmul(cfg.model.cpu_matmul)
-    if dist.distributed:
-        dist.local(s.batch_size, "sft.batch_size")
-    # An output folder holding another run is refused before anything is loaded; the
-    # folder is written only once the model and the data have loaded.
-    out_dir = check_output_dir(t.output_dir, overwrite=t.overwrite, resumable=False,
-                               config=effective if effective is not None else cfg)
-    seed_everything(t.seed)
-    device = dist.device or resolve_device(t.device)
-    check_mixed_precision(t.mixed_precision, device)
-    start = time.perf_counter()
+    run = start_run(cfg, "sft", effective=effective, quiet=quiet, local={"sft.batch_size": s.batch_size})
+    dist, device = run.dist, run.device
 
     # 1-2. data and model
     model, tok = build_model(cfg, device)
-    data = load_sft_data(cfg.data, tok, t.seed, warn=say, train_on_prompt=s.train_on_prompt)
-    dist.on_main(lambda: prepare_output_dir(out_dir, overwrite=t.overwrite, resumable=False,
-                                            config=effective if effective is not None else cfg))
-    if dist.is_main:
-        save_effective_config(effective if effective is not None else cfg, out_dir)
+    data = load_sft_data(cfg.data, tok, t.seed, warn=run.print, train_on_prompt=s.train_on_prompt)
     # A few training rows, run through the model before each save: a checkpoint whose
     # forward pass is not finite is never written.
     probe = {k: v.to(device) for k, v in sftdata.collate(data.train[:4], tok.pad_token_id).items() if k != "labels"}
@@ -436,40 +407,29 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
     nll_model, optimizer = dist.prepare(Forward(model, batch_nll), optimizer, s.max_grad_norm)
     scheduler = make_scheduler(optimizer, total_steps, int(s.warmup_ratio * total_steps), s.lr_schedule,
                                s.min_learning_rate)
-    n_trainable = sum(p.numel() for p in params)
-    say(f"sft: {len(data.train)} training rows, {len(data.eval)} held out; {total_steps} optimizer steps; "
-        f"{n_trainable:,} trainable parameters")
-
-    logger = MetricsLogger(out_dir, cfg.logging.report_to, cfg.logging.run_name, cfg.logging.wandb_project,
-                           config=dataclasses.asdict(cfg)) if dist.is_main else None
+    run.print(f"sft: {len(data.train)} training rows, {len(data.eval)} held out; {total_steps} optimizer steps; "
+              f"{sum(p.numel() for p in params):,} trainable parameters")
     # The doctor reads each logged row (loss not falling, overfitting, gradient spikes) and
     # stops the run on a non-finite loss, as check_finite_step does before each update.
-    doctor = make_doctor(cfg.logging.doctor, s.max_grad_norm, method="sft") if dist.is_main else None
-    result = SFTResult(out_dir, out_dir / "final", out_dir / "final" / "adapter" if cfg.lora.enabled else None,
-                       train_rows=len(data.train), is_main=dist.is_main)
-    if s.eval_before:  # evaluation on the main process, which alone writes
-        with dist.holding(nll_model, "whole"):  # FSDP: whole weights on every rank while rank 0 evaluates
-            if dist.is_main:
-                result.eval_before = evaluate_sft(model, tok, data, cfg, device, out_dir, 0)
-                log_step(logger, doctor, 0, result.eval_before)
-                say("step 0 (before training): " + format_metrics(result.eval_before))
+    out_dir = run.open(s.max_grad_norm)
+    result = run.result(SFTResult, adapter_dir=out_dir / "final" / "adapter" if cfg.lora.enabled else None,
+                        train_rows=len(data.train))
+    evaluate = lambda at: evaluate_sft(model, tok, data, cfg, device, out_dir, at)  # noqa: E731
+    if s.eval_before:  # on the main process, which alone writes (whole weights held: FSDP)
+        result.eval_before = run.on_main(lambda: evaluate(0), nll_model)
+        run.log_start(result.eval_before)
 
     def save(folder: Path, at: int) -> None:
-        """Rank 0: the model, once its forward pass is checked finite (a failure stops every rank)."""
+        """The model, once its forward pass is checked finite (a failure stops every rank)."""
         state, _ = dist.full_state(nll_model)  # FSDP: the full weights, gathered to rank 0
 
         def write() -> None:
             check_finite_model(model, probe, step=at, knob="sft.learning_rate", lr=s.learning_rate)
             _save(model, tok, folder, merged=s.save_merged, state=state_part(state, "model."))
-            if folder.name.startswith("step_"):
-                prune_checkpoints(out_dir, t.keep_last_checkpoints)
 
-        with dist.holding(nll_model, "whole"):
-            dist.on_main(write)
+        run.save(write, nll_model, folder)
 
-    from tqdm import tqdm
-    bar = tqdm(total=total_steps, disable=quiet or not cfg.logging.progress_bar or not dist.is_main, desc="sft",
-               dynamic_ncols=True)
+    bar = run.progress(total_steps)
     step, epoch = 0, 0
     window_nll, window_tokens, window_norms, window_start = 0.0, 0, [], time.perf_counter()
     last_eval: dict[str, float] = {}
@@ -507,27 +467,19 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
                                 "perf/tokens_per_s": window_tokens / max(elapsed, 1e-9)})
                 window_nll, window_tokens, window_norms, window_start = 0.0, 0, [], time.perf_counter()
             if (t.eval_interval and step % t.eval_interval == 0) or step == total_steps:
-                with dist.holding(nll_model, "whole"):
-                    if dist.is_main:
-                        last_eval = evaluate_sft(model, tok, data, cfg, device, out_dir, step)
-                        metrics.update(last_eval)
-            if metrics and dist.is_main:
-                result.history.append({"step": step, **metrics})
-                log_step(logger, doctor, step, metrics)
+                last_eval = run.on_main(lambda: evaluate(step), nll_model, default={})
+                metrics.update(last_eval)
+            if metrics:
+                run.log(step, metrics)
                 if "train/loss" in metrics:
                     bar.set_postfix(loss=f"{metrics['train/loss']:.3f}")
             if t.save_interval and step % t.save_interval == 0 and step < total_steps:
                 save(out_dir / f"step_{step}", step)
     bar.close()
     save(result.final_dir, step)
-    result.eval_after = last_eval or None
-    result.steps = step
-    result.seconds = time.perf_counter() - start
-    if dist.is_main:
-        finish_run(logger, out_dir, device, cfg.logging.plots, PLOT_GROUPS)
-        write_train_result(out_dir, eval_before=result.eval_before, eval_after=result.eval_after, steps=step,
-                           train_rows=result.train_rows, seconds=result.seconds, world_size=dist.world_size)
-    dist.barrier()
+    result.eval_after, result.steps, result.seconds = last_eval or None, step, run.seconds
+    run.finish(PLOT_GROUPS, eval_before=result.eval_before, eval_after=result.eval_after, steps=step,
+               train_rows=result.train_rows, seconds=result.seconds)
     return result
 
 
@@ -542,9 +494,6 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg, effective = load_config(args.config, SFTRunConfig, args.overrides)
     res = train_sft(cfg, effective=effective)
-    if not res.is_main:
-        return 0
-    print(f"done in {res.seconds:.0f}s: {res.output_dir} (model in {res.final_dir}"
-          + (f", adapter in {res.adapter_dir})" if res.adapter_dir else ")"))
-    print_before_after(res.eval_before, res.eval_after)
+    res.report(f"done in {res.seconds:.0f}s: {res.output_dir} (model in {res.final_dir}"
+               + (f", adapter in {res.adapter_dir})" if res.adapter_dir else ")"))
     return 0
