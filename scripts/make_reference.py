@@ -40,7 +40,7 @@ USAGE_WIDTH = 100  # usage lines are wrapped at a fixed width, not the terminal'
 
 def _cell(text: object) -> str:
     """Text for one markdown table cell."""
-    return str(text).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ").strip()
+    return str(text).replace("|", "\\|").replace("\n", " ").strip()
 
 
 def _sentence(text: str) -> str:
@@ -93,7 +93,8 @@ def _default(action: argparse.Action) -> str:
         return ""
     if isinstance(d, str) and d and d in os.environ.values():
         return ""  # read from the environment (an access token): not the same on every machine
-    return _code(str(d) if not isinstance(d, (list, tuple)) else " ".join(map(str, d)))
+    text = str(d) if not isinstance(d, (list, tuple)) else " ".join(map(str, d))
+    return _code(text.replace("\n", "\\n"))  # a newline in a template shows as \n
 
 
 def _value(action: argparse.Action) -> str:
