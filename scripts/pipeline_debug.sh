@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The whole pipeline on a tiny local model, offline, on CPU (167-191 s on this project's shared
-# 2-core machine; scripts/measure_readme.py measures it):
+# The whole pipeline on a tiny local model, offline, on CPU (a few minutes on 2 cores; its wall
+# time, with the machine's load, is what `scripts/measure_readme.py` prints for it):
 #   make-tiny -> make-data -> SFT (policy, sloppy demonstrations) -> SFT (judge, worked solutions)
 #   -> preference pairs -> reward model on the judge -> PPO of the policy on the reward model
 #   -> base / SFT / PPO answers side by side.
