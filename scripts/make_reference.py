@@ -4,7 +4,7 @@
     .venv/bin/python scripts/make_reference.py --check    # exit 1 and name the pages that differ
 
 docs/reference/config.md is built from the typed config dataclasses, through the same
-`schema_rows` that `rlhflab config show CMD` prints: every command that has a config
+`schema_rows` that `rlhflab config show CMD` prints (defaults as each command starts them): every command that has a config
 (`rlhflab.config.cli.SCHEMAS`), every section, every key with its type, default and help.
 A section that several commands read with the same keys and defaults is listed once,
 with the commands that read it.
@@ -191,31 +191,12 @@ def _slug(title: str) -> str:
     return re.sub(r"[^\w\- ]", "", title).replace(" ", "-")
 
 
-def _true_default(root, row: tuple[str, str, str, str]) -> tuple[str, str, str, str]:
-    """`row` with the default this command really starts from. `schema_rows` reads each
-    section class's own defaults, but a run config may build a section with other values
-    (`rlhflab sft`'s training.output_dir is outputs/sft, not the class's outputs/run)."""
-    import json
-
-    key, type_, default, help_ = row
-    if type_ == "section" or "[]" in key:
-        return row
-    value = root
-    for part in key.split("."):
-        value = getattr(value, part)
-    if dataclasses.is_dataclass(value):
-        value = dataclasses.asdict(value)
-    elif isinstance(value, list):
-        value = [dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for v in value]
-    return key, type_, json.dumps(value), help_
-
-
 def _sections(command: str):
     """(section name, section docstring, rows with the section's prefix) of a command's config."""
     from rlhflab.config.cli import schema_for, schema_rows
 
     schema = schema_for(command)
-    rows = [_true_default(schema(), r) for r in schema_rows(schema)]
+    rows = schema_rows(schema)  # defaults as this command starts them (sft: training.output_dir outputs/sft)
     hints = typing.get_type_hints(schema)
     out = []
     for fl in dataclasses.fields(schema):

@@ -64,6 +64,20 @@ def test_config_page_lists_every_key_of_every_command(generated):
     assert re.search(r"\| `training.output_dir` \| str \| `\"outputs/run\"` \(.*sft: `\"outputs/sft\"`", text)
 
 
+def test_config_show_prints_the_defaults_a_command_starts_from(capsys):
+    # `rlhflab sft` builds its training section with its own output folder and intervals;
+    # `config show sft` once printed the section class's (outputs/run, 50, 25) instead.
+    from rlhflab.cli import main
+
+    assert main(["config", "show", "sft"]) == 0
+    rows = {line.split()[0]: line.split()[2] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("  training.")}
+    assert rows["training.output_dir"] == '"outputs/sft"'
+    assert rows["training.save_interval"] == "0" and rows["training.eval_interval"] == "50"
+    assert main(["config", "show", "ppo"]) == 0
+    assert '"outputs/run"' in capsys.readouterr().out
+
+
 def test_commands_page_lists_every_command_and_option(generated):
     from rlhflab import cli
 

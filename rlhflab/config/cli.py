@@ -75,6 +75,10 @@ def _default(fl: dataclasses.Field) -> str:
         value = fl.default_factory()  # type: ignore[misc]
     else:
         return "(required)"
+    return _value_text(value)
+
+
+def _value_text(value: Any) -> str:
     if dataclasses.is_dataclass(value):
         value = dataclasses.asdict(value)
     elif isinstance(value, list):
@@ -86,23 +90,31 @@ def _doc(cls: type) -> str:
     return (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
 
 
-def schema_rows(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
+def schema_rows(cls: type, prefix: str = "", instance: Any = None) -> list[tuple[str, str, str, str]]:
     """(key, type, default, help) for every key of `cls`, sections expanded in order.
 
     A section gives a row of its own (type "section", help its docstring); a list of
-    sections gives a row for the list and rows `key[].field` for its items.
+    sections gives a row for the list and rows `key[].field` for its items. Defaults are
+    read from `instance` (by default `cls()`), so a run config that builds a section with
+    its own values (`rlhflab sft`'s training.output_dir is outputs/sft) shows those.
     """
     rows: list[tuple[str, str, str, str]] = []
     hints = typing.get_type_hints(cls)
+    if instance is None:
+        try:
+            instance = cls()
+        except TypeError:  # a field without a default: each field's own default below
+            instance = None
     for fl in dataclasses.fields(cls):
         key = f"{prefix}{fl.name}"
         tp = hints[fl.name]
         help_ = fl.metadata.get("help", "")
         if dataclasses.is_dataclass(tp):
             rows.append((key, "section", "", help_ or _doc(tp)))
-            rows.extend(schema_rows(tp, key + "."))
+            rows.extend(schema_rows(tp, key + ".", getattr(instance, fl.name, None)))
             continue
-        rows.append((key, _type_name(tp), _default(fl), help_))
+        default = _value_text(getattr(instance, fl.name)) if instance is not None else _default(fl)
+        rows.append((key, _type_name(tp), default, help_))
         item = typing.get_args(tp)[0] if typing.get_origin(tp) in (list, tuple) and typing.get_args(tp) else None
         if item is not None and dataclasses.is_dataclass(item):
             rows.extend(schema_rows(item, key + "[]."))
