@@ -13,7 +13,7 @@ import os
 import sys
 
 from rlhflab.errors import UserError
-from rlhflab.openmp import apply_default_wait
+from rlhflab.cpu import apply_default_wait
 from rlhflab.thirdparty import defer_deepspeed
 
 # name -> (module, one-line help). The order is the pipeline's order.

@@ -260,11 +260,13 @@ def run(args: argparse.Namespace) -> int:
     from rlhflab.models.load import load_model
     from rlhflab.rewards import build_reward
     from rlhflab.rewards.preflight import preflight
-    from rlhflab.trainers.common import choose_cpu_matmul, seed_everything, set_threads
+    from rlhflab import cpu
+    from rlhflab.models.load import resolve_device
+    from rlhflab.trainers.common import seed_everything, set_threads
 
     cfg, effective = load_config(args.config, TPORunConfig, args.overrides)
     set_threads(cfg.run.num_threads)
-    choose_cpu_matmul(cfg.model.cpu_matmul)
+    cpu.setup_process(resolve_device(cfg.run.device), cfg.model)
     preflight(_as_eval_run(cfg))  # the plug-ins, on the held-out rows, before the model loads
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -273,6 +275,7 @@ def run(args: argparse.Namespace) -> int:
     model, tok = load_model(cfg.model.name_or_path, cfg.model.torch_dtype, cfg.run.device,
                             cfg.model.trust_remote_code, cfg.model.tokenizer)
     device = next(model.parameters()).device
+    cpu.apply(model, cfg.model, device, trained=False)  # oneDNN linears where chosen, on a CPU
     examples = load_prompts(cfg.dataset, tok, "eval")  # with the tokenizer: its chat template, if used
     scorer = build_reward(cfg.reward, device)
     checks = build_eval_checks(cfg.eval, device)

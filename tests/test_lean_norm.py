@@ -106,7 +106,10 @@ def test_other_layers_and_dtypes_keep_the_models_own_forward(tiny_arch_dirs):
     assert lean_norms(bf16) == 0                                    # bfloat16 weights: left as they are
 
 
-def test_build_models_switches_the_trained_models_norms(tiny_model_dir):
+def test_the_cpu_seam_switches_the_trained_models_norms(tiny_model_dir):
+    import torch
+
+    from rlhflab import cpu
     from rlhflab.config.schema import LoRAConfig, ModelConfig
     from rlhflab.models.lean import _lean_norm_forward
     from rlhflab.models.setup import build_models
@@ -116,8 +119,14 @@ def test_build_models_switches_the_trained_models_norms(tiny_model_dir):
                 if type(x).__name__.endswith("RMSNorm")]
 
     for on in (True, False):
-        models = build_models(ModelConfig(name_or_path=str(tiny_model_dir), critic="separate", lean_norm=on),
-                              LoRAConfig(), "cpu", need_reference=True, critic="separate")
+        model_cfg = ModelConfig(name_or_path=str(tiny_model_dir), critic="separate", lean_norm=on)
+        models = build_models(model_cfg, LoRAConfig(), "cpu", need_reference=True, critic="separate")
+        assert not any(lean(models.policy))                         # build_models is device-neutral
+        cpu.apply_to_models(models, model_cfg)                      # the run context's call on a CPU
         for m in (models.policy, models.actor.critic.base):
             assert lean(m) and all(f is on for f in lean(m))
         assert not any(lean(models.reference.model))               # no gradients there: its own forward
+        cuda = build_models(model_cfg, LoRAConfig(), "cpu", need_reference=False, critic="separate")
+        cuda.device = torch.device("cuda")                          # a CUDA run: the seam leaves it alone
+        cpu.apply_to_models(cuda, model_cfg)
+        assert not any(lean(cuda.policy)) and not any(lean(cuda.actor.critic.base))

@@ -17,7 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = """
 import sys, torch
-from rlhflab.models.setup import map_large_allocations
+from rlhflab.cpu import map_large_allocations
 if sys.argv[1] == "mapped":
     assert map_large_allocations(torch.device("cpu"))
 if sys.argv[1] == "gpu-run":  # a run on another device leaves the allocator as it is

@@ -8,6 +8,8 @@ where `auto` picks torch's own matmul."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,7 +18,7 @@ from rlhflab.config import load_config
 from rlhflab.errors import UserError
 from rlhflab.models import cpu_matmul as cm
 from rlhflab.ops import matmul
-from rlhflab.trainers.common import choose_cpu_matmul
+from rlhflab import cpu
 
 needs_onednn = pytest.mark.skipif(not matmul.onednn_available(), reason="this torch build has no oneDNN linear op")
 
@@ -76,7 +78,7 @@ def test_onednn_asked_for_without_the_op_is_a_user_error(monkeypatch):
     force(monkeypatch, "torch")
     monkeypatch.setattr(cm, "_mode", None)
     with pytest.raises(UserError, match=r"model\.cpu_matmul: onednn .* set model\.cpu_matmul=torch"):
-        choose_cpu_matmul("onednn")
+        cpu.setup_process(torch.device("cpu"), types.SimpleNamespace(cpu_matmul="onednn"))
     assert cm.resolve("auto", AMD) == "torch"   # auto falls back quietly
 
 
@@ -172,7 +174,8 @@ def test_fast_linears_keep_the_model_and_its_checkpoint(onednn, tiny_model_dir, 
 
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     n_linear = sum(type(m) is torch.nn.Linear for m in plain.modules())
-    fast, tok = load_model(str(tiny_model_dir))           # switched by load_model under onednn
+    fast, tok = load_model(str(tiny_model_dir))
+    cm.use_fast_linears(fast)                             # what rlhflab.cpu.apply does under onednn
     assert sum(type(m) is cm.FastLinear for m in fast.modules()) == n_linear > 0
     assert all(isinstance(m, torch.nn.Linear) for m in fast.modules() if type(m) is cm.FastLinear)
     assert list(fast.state_dict()) == list(plain.state_dict())
@@ -199,6 +202,7 @@ def test_a_fast_linear_head_keeps_the_chunked_log_probs(onednn, tiny_model_dir, 
     from rlhflab.models.load import load_model
 
     model, _ = load_model(str(tiny_model_dir))
+    cm.use_fast_linears(model)                            # what rlhflab.cpu.apply does under onednn
     head = model.get_output_embeddings()
     assert type(head) is cm.FastLinear
     lin = linear_lm_head(model)
@@ -233,8 +237,10 @@ def test_ppo_model_gradients_equal_under_both_libraries(monkeypatch, tiny_model_
     for mode in ("torch", "onednn"):
         force(monkeypatch, mode)
         torch.manual_seed(0)
-        models = build_models(ModelConfig(name_or_path=str(tiny_model_dir), critic="separate"),
-                              LoRAConfig(enabled=lora, r=4), "cpu", need_reference=False, critic="separate")
+        model_cfg = ModelConfig(name_or_path=str(tiny_model_dir), critic="separate")
+        models = build_models(model_cfg, LoRAConfig(enabled=lora, r=4), "cpu", need_reference=False,
+                              critic="separate")
+        cpu.apply_to_models(models, model_cfg)  # what the run context does on a CPU
         actor, tok = models.actor, models.tokenizer
         fast = sum(type(m) is cm.FastLinear for m in actor.modules())
         assert (fast > 0) == (mode == "onednn")

@@ -235,13 +235,12 @@ def _plain_tensor(t: Tensor) -> bool:
 
 
 def make_lean(model: nn.Module, model_cfg) -> None:
-    """The lean layers a model section asks for (`model.lean_mlp`, `model.lean_norm`) on a
-    model about to be trained. Call after LoRA is attached: an adapted projection keeps
-    the model's own MLP."""
+    """The lean MLP a model section asks for (`model.lean_mlp`, any device) on a model
+    about to be trained. Call after LoRA is attached: an adapted projection keeps the
+    model's own MLP. The lean RMSNorm (`model.lean_norm`) is a CPU-only trick, applied by
+    `rlhflab.cpu.apply`."""
     if model_cfg.lean_mlp:
         lean_mlp(model)
-    if model_cfg.lean_norm:
-        lean_norms(model)
 
 
 def lean_norms(model: nn.Module) -> int:

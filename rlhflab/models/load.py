@@ -26,7 +26,6 @@ from urllib.parse import urlparse
 import torch
 
 from rlhflab.errors import UserError
-from rlhflab.models.cpu_matmul import use_fast_linears
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -299,7 +298,6 @@ def load_model(name_or_path: str, torch_dtype: str = "float32", device: str = "c
         raise _load_error("model", source, exc) from None
     if not quantized:
         model.to(dev)
-    use_fast_linears(model)  # oneDNN float32 products where model.cpu_matmul chose them (models/cpu_matmul.py)
     if model.generation_config is not None:
         if model.generation_config.pad_token_id is None:
             model.generation_config.pad_token_id = tok.pad_token_id
@@ -362,9 +360,7 @@ def add_lora(model: torch.nn.Module, r: int = 8, alpha: float = 16.0, dropout: f
                         f"some module names it has: {sorted(present)[:12]}")
     cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
                      task_type="CAUSAL_LM", bias="none")
-    peft_model = get_peft_model(model, cfg)
-    use_fast_linears(peft_model)  # the adapter's own A and B layers
-    return peft_model
+    return get_peft_model(model, cfg)
 
 
 def load_adapter(model: torch.nn.Module, adapter_dir: str | Path, trainable: bool = False):
@@ -372,6 +368,4 @@ def load_adapter(model: torch.nn.Module, adapter_dir: str | Path, trainable: boo
     like `add_lora`'s (models/cpu_matmul.py)."""
     from peft import PeftModel
 
-    peft_model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=trainable)
-    use_fast_linears(peft_model)
-    return peft_model
+    return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=trainable)

@@ -16,12 +16,9 @@ its models here, so a resume, LoRA and the reference follow one rule:
   exactly 1. The one exception is the value head's own `model.value_head_dropout` (0 by
   default), which touches no log-prob and runs only in passes with gradients.
 - `model.lean_mlp` switches the gated MLPs of the trained models (policy, separate critic)
-  to `models.lean.GatedMLP`: the same function, half the MLP's saved activations;
-  `model.lean_norm` their RMSNorms to `models.lean.RMSNormFn` (one saved tensor, not two).
-- On a CPU, glibc is asked to give every block of 4 MiB or more back to the system when
-  it is freed (`map_large_allocations`): by default it keeps freed gradient and
-  activation buffers in its heap, 1.15 GiB of them at the second optimizer step of a
-  Qwen2.5-0.5B-sized PPO step (bench/real_scale.py).
+  to `models.lean.GatedMLP`: the same function, half the MLP's saved activations.
+- Nothing here is CPU-specific: oneDNN linears, the lean RMSNorm, the critic's worker
+  thread and `mallopt` are the run context's (`rlhflab.cpu`), on a CPU only.
 - `mixed_precision` ("no" or "bf16", `training.mixed_precision`) is set on the actor and
   the reference alike: their decoders run under the same autocast, so the old log-probs,
   the reference's and the update's are computed the same way.
@@ -44,8 +41,6 @@ from rlhflab.models.precision import check_mixed_precision
 from rlhflab.models.quant import prepare_quantized, quantization_kwargs
 
 CriticKind = Literal["value_head", "separate"]
-M_MMAP_THRESHOLD = -3            # mallopt's parameter number (<malloc.h>)
-MMAP_THRESHOLD_BYTES = 4 << 20   # blocks this large get their own mapping, unmapped when freed
 
 
 @dataclass
@@ -68,7 +63,6 @@ def build_models(model_cfg, lora_cfg, device: str, *, need_reference: bool,
     `mixed_precision`: the autocast of every decoder pass ("no" or "bf16")."""
     dev = resolve_device(device)
     check_mixed_precision(mixed_precision, dev)
-    map_large_allocations(dev)
     load_kw = dict(torch_dtype=model_cfg.torch_dtype, device=str(dev),
                    trust_remote_code=model_cfg.trust_remote_code, tokenizer=model_cfg.tokenizer)
     quant = quantization_kwargs(model_cfg, lora_cfg, dev)  # {} unless model.load_in_4bit/8bit (QLoRA)
@@ -105,7 +99,6 @@ def build_models(model_cfg, lora_cfg, device: str, *, need_reference: bool,
         if resume_dir is not None:
             load_value_head(head, resume_dir / "critic")
         actor = ActorCritic(policy, critic=Critic(base, head))
-        actor.critic_overlap = model_cfg.critic_overlap
     else:
         head = ValueHead.from_config(hidden_size_of(policy), model_cfg).to(dev)
         if resume_dir is not None:
@@ -117,29 +110,3 @@ def build_models(model_cfg, lora_cfg, device: str, *, need_reference: bool,
     actor.train()
     return PolicyModels(actor, reference, tok, dev)
 
-
-def map_large_allocations(device: torch.device | None = None, threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
-    """Have glibc serve every allocation of `threshold` bytes or more from its own
-    mapping, which `free` returns to the system; True when set (glibc only, else a no-op).
-    Every trainer calls it with its device: a run whose tensors live on a GPU (`device`
-    not the CPU) leaves the allocator as it is.
-
-    glibc's default threshold moves: each time a mapped block is freed it rises to that
-    block's size (up to 32 MiB), and later blocks below it come from the heap, whose freed
-    space is given back only from its top. A training step frees and re-allocates
-    hundreds of 1-32 MiB gradients and activations, so freed memory stays resident: at
-    Qwen2.5-0.5B's size, 1.15 GiB at the second optimizer step's peak (11.20 GiB above
-    the baseline, 10.04-10.05 GiB with this: bench/real_scale.py). The cost is a page
-    fault per fresh page of such blocks (about 3% more CPU time over that step).
-    Process-wide; calling it again is harmless.
-    """
-    if device is not None and device.type != "cpu":
-        return False
-    import ctypes
-
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError, TypeError):  # not glibc (macOS, Windows)
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return mallopt(M_MMAP_THRESHOLD, threshold) == 1

@@ -22,7 +22,6 @@ import torch
 from torch import Tensor
 
 from rlhflab.errors import UserError
-from rlhflab.models.cpu_matmul import use_fast_linears
 
 
 def label_index(config, label: str | None, where: str) -> int | None:
@@ -71,7 +70,6 @@ class ClassifierScorer:
         if model.config.pad_token_id is None:
             model.config.pad_token_id = tok.pad_token_id
         model.to(device).eval()
-        use_fast_linears(model)
         scorer = cls(model, tok, label_index(model.config, source.label, repr(source.path)), source.batch_size,
                      getattr(source, "text", "prompt_response"))
         if source.normalize:

@@ -28,7 +28,6 @@ import torch
 from torch import Tensor
 
 from rlhflab.errors import UserError
-from rlhflab.models.cpu_matmul import use_fast_linears
 
 META_FILE = "rlhflab_rm.json"
 
@@ -125,7 +124,6 @@ def load_reward_model(path: str, device: torch.device | str = "cpu", torch_dtype
         raise UserError(f"reward model {path!r} has {model.config.num_labels} outputs, not 1; "
                         "for a classifier use type: classifier with a label")
     model.to(device).eval()
-    use_fast_linears(model)
     return model, tok, RMMeta.read(path)
 
 

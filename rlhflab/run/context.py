@@ -29,6 +29,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from rlhflab import cpu
 from rlhflab.errors import TrainingDiverged
 from rlhflab.run.finish import TrainResult, finish_run, write_train_result
 from rlhflab.run.folders import check_output_dir, check_resume_dir, prepare_output_dir
@@ -121,6 +122,18 @@ class Run:
 
         return tqdm(total=total, initial=initial, desc=desc or self.method, dynamic_ncols=True,
                     disable=self.silent or not self.cfg.logging.progress_bar)
+
+    # ---------------------------------------------------------------- models
+    def adopt(self, module: torch.nn.Module, trained: bool = True) -> torch.nn.Module:
+        """A model this run trains (or, `trained=False`, only runs): the CPU-only speed
+        tricks applied as model.* asks when the device is a CPU (`rlhflab.cpu.apply`);
+        on any other device it is returned as it is."""
+        cpu.apply(module, self.cfg.model, self.device, trained=trained)
+        return module
+
+    def adopt_models(self, models) -> None:
+        """`adopt` for a policy run's models (actor trained, a reference copy frozen)."""
+        cpu.apply_to_models(models, self.cfg.model)
 
     # ---------------------------------------------------------------- folder and sinks
     def restore(self, optimizer, scheduler, module: torch.nn.Module, rank_streams: bool = False) -> int:
@@ -267,7 +280,7 @@ def start_run(cfg, method: str, *, effective=None, resume: str | Path | None = N
     set_threads(t.num_threads or default_threads(dist, t.device))
     check_strategy(dist, lora, method, backend or "hf", rl=backend is not None)
     device = dist.device or resolve_device(t.device)
-    _cpu_setup(cfg, device)
+    cpu.setup_process(device, cfg.model)  # the CPU-only speed settings; on CUDA the plain path
     resume_dir = None
     if resumable:
         resume_dir = check_resume_dir(resume, method=method, lora=lora, critic=critic, world_size=dist.world_size,
@@ -278,9 +291,3 @@ def start_run(cfg, method: str, *, effective=None, resume: str | Path | None = N
     seed_everything(t.seed)
     check_mixed_precision(t.mixed_precision, device)
     return Run(cfg, method, dist, device, record, resume_dir, quiet, Path(t.output_dir))
-
-
-def _cpu_setup(cfg, device: torch.device) -> None:
-    from rlhflab.trainers.common import choose_cpu_matmul
-
-    choose_cpu_matmul(cfg.model.cpu_matmul)

@@ -35,9 +35,7 @@ from rlhflab.config import load_config
 from rlhflab.config.schema import LoggingConfig, ModelConfig, TrainingConfig, f
 from rlhflab.data.loading import read_rows, require_fields
 from rlhflab.errors import UserError
-from rlhflab.models.cpu_matmul import use_fast_linears
 from rlhflab.models.load import disable_dropout, load_tokenizer, resolve_dtype
-from rlhflab.models.setup import map_large_allocations
 from rlhflab.run import TrainResult, start_run
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, make_optimizer, make_probe_batch,
                                      make_scheduler)
@@ -153,7 +151,6 @@ def load_classifier_data(d: ClassifierDataConfig, seed: int = 0) -> ClassifierDa
 # --------------------------------------------------------------------------------------
 def build_classifier(cfg: ClassifierRunConfig, labels: list[str], device: torch.device):
     """(model, tokenizer): the base with a fresh `len(labels)`-way head."""
-    map_large_allocations(device)  # on CPU, freed large buffers go back to the system
     from transformers import AutoModelForSequenceClassification
 
     from rlhflab.models.load import _load_error
@@ -173,7 +170,6 @@ def build_classifier(cfg: ClassifierRunConfig, labels: list[str], device: torch.
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     model.to(device).train()
-    use_fast_linears(model)
     return model, tok
 
 
@@ -234,6 +230,7 @@ def train_classifier(cfg: ClassifierRunConfig, effective=None, quiet: bool = Fal
     run = start_run(cfg, "classifier", effective=effective, quiet=quiet)
     data = load_classifier_data(d, t.seed)  # 1. data first: a bad file fails before the model loads
     model, tok = build_classifier(cfg, data.labels, run.device)  # 2. model
+    run.adopt(model)  # the CPU-only speed tricks, on a CPU
     device, say = run.device, run.print
     probe = make_probe_batch(tok, [r.text for r in data.train[:4]], device)  # for check_finite_model
     steps_per_epoch = math.ceil(len(data.train) / c.batch_size)

@@ -26,16 +26,6 @@ from rlhflab.run.folders import (RUN_MARKERS, RUN_OUTPUTS, STOPPED_LOGS, check_o
                                  check_resume_dir, prepare_output_dir, stopped_before_first_checkpoint)
 
 
-def choose_cpu_matmul(mode: str) -> str:
-    """`model.cpu_matmul` for this process (rlhflab/models/cpu_matmul.py): "onednn" or "torch"."""
-    from rlhflab.models.cpu_matmul import set_cpu_matmul
-
-    try:
-        return set_cpu_matmul(mode)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-
-
 def make_optimizer(params: list[torch.nn.Parameter], lr: float, weight_decay: float = 0.0,
                    betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                    use_8bit: bool = False) -> torch.optim.Optimizer:

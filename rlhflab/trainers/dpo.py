@@ -401,6 +401,7 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     dist, say = run.dist, run.print
     models = build_models(cfg.model, cfg.lora, t.device, need_reference=True, resume_dir=run.resume_dir,
                           mixed_precision=t.mixed_precision)
+    run.adopt_models(models)  # the CPU-only speed tricks, on a CPU
     tok, pad = models.tokenizer, models.tokenizer.pad_token_id
 
     # 1. data: the export rows as they are; held-out pairs from eval_path or a split.

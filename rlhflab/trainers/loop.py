@@ -17,11 +17,12 @@ from typing import Callable
 
 import torch
 
-from rlhflab import ops
+from rlhflab import cpu, ops
 from rlhflab.data.prompts import load_prompts, step_prompts
 from rlhflab.engine.dist import Dist
 from rlhflab.engine.update import PPOMath, policy_update
 from rlhflab.evaluate import EvalChecks, EvalResult, build_eval_checks, evaluate_policy, save_samples
+from rlhflab.models.load import resolve_device
 from rlhflab.models.setup import CriticKind, PolicyModels, build_models
 from rlhflab.rewards import build_reward
 from rlhflab.rewards.preflight import preflight
@@ -178,8 +179,12 @@ def build_run(cfg, method: PolicyMethod, *, resume_dir: Path | None = None, math
     """The models, sampler, reward, optimizer and schedule of a run (no disk writes);
     under several processes the trained module is wrapped for the launcher's strategy."""
     train_cfg, sec, dist = cfg.training, getattr(cfg, method.name), dist or Dist()
+    if context is None:  # a run built outside the run context (tests, benches): its CPU settings
+        cpu.setup_process(resolve_device(train_cfg.device), cfg.model)
     models = build_models(cfg.model, cfg.lora, train_cfg.device, need_reference=method.need_reference(cfg),
                           critic=method.critic, resume_dir=resume_dir, mixed_precision=train_cfg.mixed_precision)
+    # The CPU-only speed tricks (rlhflab.cpu), on a CPU: through the run context when there is one.
+    context.adopt_models(models) if context is not None else cpu.apply_to_models(models, cfg.model)
     scorer = build_reward(cfg.reward, models.device)
     checks = build_eval_checks(cfg.eval, models.device) if train_cfg.eval_interval else None
     params = (method.optimizer_params or (lambda actor: actor.trainable_parameters()))(models.actor)

@@ -47,11 +47,9 @@ from rlhflab.data.chat import resolve_use_chat_template
 from rlhflab.data.loading import read_rows
 from rlhflab.engine.dist import Forward, even_share
 from rlhflab.errors import UserError
-from rlhflab.models.cpu_matmul import use_fast_linears
 from rlhflab.models.load import default_lora_targets, disable_dropout, load_tokenizer, resolve_dtype
 from rlhflab.models.lean import make_lean
 from rlhflab.models.precision import autocast
-from rlhflab.models.setup import map_large_allocations
 from rlhflab.rewards.model import META_FILE, RMMeta, encode, score_head, sequence_scores
 from rlhflab.models.checkpoint import atomic_folder, state_part, untied
 from rlhflab.run import TrainResult, start_run
@@ -226,7 +224,6 @@ def count_truncated(tokenizer, texts: Sequence[JoinedPair], meta: RMMeta) -> int
 # --------------------------------------------------------------------------------------
 def build_reward_model(cfg: RMRunConfig, device: torch.device):
     """(model, tokenizer): the base LM with a fresh scalar head, LoRA-wrapped if asked."""
-    map_large_allocations(device)  # on CPU, freed large buffers go back to the system
     from transformers import AutoModelForSequenceClassification
 
     from rlhflab.models.load import _load_error, reject_adapter
@@ -242,7 +239,6 @@ def build_reward_model(cfg: RMRunConfig, device: torch.device):
     except Exception as exc:
         raise _load_error("model", m.name_or_path, exc) from None
     model.config.pad_token_id = tok.pad_token_id
-    use_fast_linears(model)  # before LoRA: the adapter's own layers are switched by add_lora
     head = score_head(model)
     head_name = "score" if hasattr(model, "score") else "classifier"
     if any(k.startswith(head_name) for k in info.get("missing_keys", [])):
@@ -354,6 +350,7 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
 
     # 1-2. data and model
     model, tok = build_reward_model(cfg, device)
+    run.adopt(model)  # the CPU-only speed tricks, on a CPU
     meta = RMMeta(append_eos=cfg.data.append_eos, add_special_tokens=False, max_length=cfg.data.max_length)
     data = load_rm_data(cfg.data, tok, t.seed, warn=say)
     probe = make_probe_batch(tok, [p.chosen for p in data.train[:4]], device)  # for check_finite_model

@@ -61,7 +61,6 @@ from rlhflab.models.load import add_lora, load_model
 from rlhflab.models.lean import make_lean
 from rlhflab.models.precision import autocast
 from rlhflab.models.quant import prepare_quantized, quantization_kwargs
-from rlhflab.models.setup import map_large_allocations
 from rlhflab.run import TrainResult, start_run
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, make_optimizer, make_scheduler,
                                      train_and_held_out)
@@ -352,7 +351,6 @@ class SFTResult(TrainResult):
 
 
 def build_model(cfg: SFTRunConfig, device: torch.device):
-    map_large_allocations(device)  # on CPU, freed large buffers go back to the system
     m = cfg.model
     quant = quantization_kwargs(m, cfg.lora, device)  # {} unless model.load_in_4bit/8bit (QLoRA)
     model, tok = load_model(m.name_or_path, torch_dtype=m.torch_dtype, device=str(device),
@@ -394,6 +392,7 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
 
     # 1-2. data and model
     model, tok = build_model(cfg, device)
+    run.adopt(model)  # the CPU-only speed tricks, on a CPU
     data = load_sft_data(cfg.data, tok, t.seed, warn=run.print, train_on_prompt=s.train_on_prompt)
     # A few training rows, run through the model before each save: a checkpoint whose
     # forward pass is not finite is never written.

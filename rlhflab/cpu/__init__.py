@@ -1,0 +1,128 @@
+"""The CPU-only speed seam: every trick fitted to training on a CPU, in one place, applied
+by the run context (`rlhflab.run`) when the training device is a CPU and never otherwise.
+
+    setup_process(device, model_cfg)   once per process, before the models load:
+        - the float32 linear library (`model.cpu_matmul`: oneDNN or torch's own;
+          rlhflab/models/cpu_matmul.py, docs/cpu_matmul.md)
+        - glibc hands freed blocks of 4 MiB or more back to the system (`mallopt`,
+          `map_large_allocations`: 1.15 GiB less resident at a Qwen2.5-0.5B-sized PPO step,
+          bench/real_scale.py)
+    apply(module, model_cfg, device)   on each model a run trains or scores with:
+        - `nn.Linear` layers switched to `FastLinear` when oneDNN was chosen
+        - RMSNorms switched to the lean `RMSNormFn` (`model.lean_norm`; trained models only)
+        - a separate critic's pass beside the policy's in a worker thread
+          (`model.critic_overlap`, engine/overlap.py; trained actor-critics only)
+    apply_default_wait()               how idle OpenMP threads wait (rlhflab/openmp.py); it
+        must run before torch is imported, so the command line calls it, not the context.
+
+On any other device (CUDA) `setup_process` sets the plain library path (torch's own float32
+linears) and does nothing else, and `apply` changes nothing: no module is swapped and no
+thread is started. `model.lean_mlp` (half the MLP's saved activations on any device) is a
+model option, not part of this seam (`models.lean.make_lean`).
+
+The defaults (`model.cpu_matmul: auto`, `lean_norm: true`, `critic_overlap: true`) were set
+from the tiny model's measurements; each trick's docstring holds its figure.
+
+Standard library only at import time: the CLI imports `apply_default_wait` before torch.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from rlhflab.openmp import apply_default_wait, default_wait, describe  # noqa: F401  (re-exported)
+
+MMAP_THRESHOLD_BYTES = 4 << 20   # blocks this large get their own mapping, unmapped when freed
+_M_MMAP_THRESHOLD = -3           # mallopt's parameter number (<malloc.h>)
+
+
+class Applied(NamedTuple):
+    """What `apply` changed on one module."""
+
+    linears: int          # nn.Linear layers switched to FastLinear (oneDNN)
+    norms: int            # RMSNorms switched to the lean RMSNormFn
+    critic_overlap: bool  # the separate critic's pass runs in the worker thread
+
+
+NOTHING = Applied(0, 0, False)
+
+
+def on_cpu(device) -> bool:
+    return getattr(device, "type", str(device)) == "cpu"
+
+
+def setup_process(device, model_cfg=None) -> str:
+    """The process-wide CPU settings for a run on `device` (see the module docstring);
+    returns the float32 linear library in use: "onednn" or "torch"."""
+    from rlhflab.errors import UserError
+    from rlhflab.models.cpu_matmul import set_cpu_matmul
+
+    if not on_cpu(device):
+        return set_cpu_matmul("torch")  # the plain library path; FastLinear is never used
+    try:
+        mode = set_cpu_matmul(getattr(model_cfg, "cpu_matmul", "auto"))
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    map_large_allocations(device)
+    return mode
+
+
+def apply(module, model_cfg, device, *, trained: bool = True) -> Applied:
+    """The per-model CPU tricks on `module` (a causal LM, a sequence classifier, an
+    `ActorCritic`), as `model_cfg` asks; nothing unless `device` is a CPU. Call it after
+    LoRA is attached (the adapter's own layers are switched too). `trained=False` (a
+    frozen reference, a scorer) switches the linear layers only."""
+    if module is None or not on_cpu(device):
+        return NOTHING
+    from rlhflab.models.cpu_matmul import use_fast_linears
+    from rlhflab.models.lean import lean_norms
+
+    critic = getattr(module, "critic", None)
+    heads = [h for h in (getattr(module, "value_head", None), getattr(critic, "value_head", None)) if h is not None]
+    held = [(m, m.__class__) for head in heads for m in head.modules()]  # value heads keep torch's own
+    linears = use_fast_linears(module)
+    for m, cls in held:
+        if m.__class__ is not cls:
+            m.__class__ = cls
+            linears -= 1
+    norms = lean_norms(module) if trained and getattr(model_cfg, "lean_norm", False) else 0
+    overlap = False
+    if trained and critic is not None and hasattr(module, "critic_overlap"):
+        module.critic_overlap = overlap = bool(getattr(model_cfg, "critic_overlap", False))
+    return Applied(linears, norms, overlap)
+
+
+def apply_to_models(models, model_cfg) -> None:
+    """`apply` on a policy run's models (`models.setup.PolicyModels`): the actor (policy and
+    critic) as trained, a reference copy as frozen."""
+    apply(models.actor, model_cfg, models.device)
+    reference = getattr(models, "reference", None)
+    ref_model = getattr(reference, "model", None)
+    if ref_model is not None and ref_model is not getattr(models.actor, "policy", None):
+        apply(ref_model, model_cfg, models.device, trained=False)
+
+
+def map_large_allocations(device=None, threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Have glibc serve every allocation of `threshold` bytes or more from its own
+    mapping, which `free` returns to the system; True when set (glibc only, else a no-op;
+    a device other than the CPU: a no-op).
+
+    glibc's default threshold moves: each time a mapped block is freed it rises to that
+    block's size (up to 32 MiB), and later blocks below it come from the heap, whose freed
+    space is given back only from its top. A training step frees and re-allocates
+    hundreds of 1-32 MiB gradients and activations, so freed memory stays resident: at
+    Qwen2.5-0.5B's size, 1.15 GiB at the second optimizer step's peak (11.20 GiB above
+    the baseline, 10.04-10.05 GiB with this: bench/real_scale.py). The cost is a page
+    fault per fresh page of such blocks (about 3% more CPU time over that step).
+    Process-wide; calling it again is harmless.
+    """
+    if device is not None and not on_cpu(device):
+        return False
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError, TypeError):  # not glibc (macOS, Windows)
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt(_M_MMAP_THRESHOLD, threshold) == 1
