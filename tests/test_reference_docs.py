@@ -260,3 +260,29 @@ def test_reference_links_resolve(md):
         assert dest.exists(), f"docs/reference/{md}: broken link {target!r}"
         if anchor:
             assert anchor in _anchors(dest), f"docs/reference/{md}: no heading #{anchor} in {dest.name}"
+
+
+# ----------------------------------------------------------------- commands on these pages
+
+def _docs_commands():
+    """tests/test_docs_commands.py as a module (its dataclass needs it in sys.modules)."""
+    import sys
+
+    name = "_reference_docs_commands"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "tests" / "test_docs_commands.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.mark.parametrize("md", sorted(p.name for p in REF.glob("*.md")))
+def test_reference_commands_resolve(md):
+    # tests/test_docs_commands.py reads docs/*.md; the same checks on docs/reference/.
+    dc = _docs_commands()
+    commands = dc._page_commands(REF / md)
+    found = {c.where: dc.problems(c) + dc._launch_problems(c) for c in commands}
+    assert not {w: p for w, p in found.items() if p}, found
+    if md == "data_formats.md":
+        assert any(c.tokens[:2] == ["label", "import"] for c in commands)   # the extraction found them
