@@ -58,14 +58,15 @@ def _code(text: str) -> str:
 def command_table() -> list[tuple[str, str, str]]:
     """(name, module, one-line help) of every `rlhflab` command, in `rlhflab --help`'s order.
 
-    Reads `rlhflab.cli.COMMANDS`, whose values are `(module, help)` pairs or objects with
-    `module` and `help` attributes (a registry entry)."""
+    Reads `rlhflab.cli.COMMANDS`, whose values are `(module, help)` or `(command, module,
+    help)` tuples, or objects with `module` and `help` attributes (a registry entry such as
+    `rlhflab.config.methods.Method`)."""
     from rlhflab import cli
 
     rows = []
     for name, entry in cli.COMMANDS.items():
         if isinstance(entry, (tuple, list)):
-            module, help_ = entry[0], entry[1]
+            module, help_ = entry[-2], entry[-1]  # (module, help) or (command, module, help)
         else:
             module, help_ = getattr(entry, "module"), getattr(entry, "help", "")
         rows.append((name, module, help_))
