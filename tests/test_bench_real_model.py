@@ -259,3 +259,15 @@ def test_large_vocab_bench_runs_both_methods(benches, tiny_model_dir, tmp_path, 
         assert res[m]["max_logits_shape"][-1] == 512
         assert 0 < res[m]["max_logits_mib"] <= 16 * 512 * 4 / 2**20 + 1e-9
         assert res[m]["step_s"] > 0
+
+
+def test_real_model_script_is_valid_bash_and_runs_every_bench():
+    import subprocess
+
+    script = BENCH / "real_model.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    text = script.read_text()
+    # both modes run the three SmolLM2 benches with their real-model option, then Gemma's
+    for bench in ("ppo_throughput", "grpo_throughput", "rollout_backends"):
+        assert text.count(f"run {bench} bench/{bench}.py --model-dir \"$SMOL\"") == 2, bench
+    assert 'run large_vocab bench/large_vocab.py --model-dir "$GEMMA"' in text
