@@ -12,12 +12,14 @@ import importlib
 import os
 import sys
 
+from rlhflab.config.methods import METHODS
 from rlhflab.errors import UserError
 from rlhflab.cpu import apply_default_wait
 from rlhflab.thirdparty import defer_deepspeed
 
-# name -> (module, one-line help). The order is the pipeline's order.
-COMMANDS: dict[str, tuple[str, str]] = {
+# name -> (module, one-line help). The order is the pipeline's order; the training methods
+# come from the one registry (rlhflab/config/methods.py).
+_TOOLS_BEFORE: dict[str, tuple[str, str]] = {
     "quickstart": ("rlhflab.quickstart", "offline demo: tiny model, arithmetic task, SFT warm start, PPO, before/after table"),
     "make-tiny": ("rlhflab.models.tiny", "build a tiny causal LM and tokenizer locally (save_pretrained)"),
     "import-gguf": ("rlhflab.models.gguf", "import a GGUF file (llama.cpp's format) as a Hugging Face model folder"),
@@ -26,23 +28,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "make-prefs": ("rlhflab.data.preferences", "write preference pairs for the arithmetic task (synthetic or policy-sampled)"),
     "make-reviews": ("rlhflab.data.reviews", "write the offline sentiment task: review openings, demonstrations, labelled sentences"),
     "generate": ("rlhflab.generate", "generate from one or more models on prompts, side by side"),
-    "sft": ("rlhflab.trainers.sft", "supervised fine-tuning (LoRA or full) on instruction data"),
     "label": ("rlhflab.label.cli", "human preference collection: generate, serve, stats, export"),
-    "rm": ("rlhflab.trainers.rm", "train a Bradley-Terry reward model on preference pairs"),
-    "classifier": ("rlhflab.trainers.classifier", "train a sequence classifier on labelled texts (for type: classifier rewards)"),
-    "ppo": ("rlhflab.trainers.ppo", "PPO with a value head or separate critic, KL to a reference"),
-    "grpo": ("rlhflab.trainers.grpo", "GRPO: group-relative advantages, no critic"),
-    "rloo": ("rlhflab.trainers.rloo", "RLOO: leave-one-out baseline, no critic"),
-    "reinforce-pp": ("rlhflab.trainers.reinforce_pp", "REINFORCE++: KL-shaped returns whitened over the batch, no critic"),
-    "dr-grpo": ("rlhflab.trainers.dr_grpo", "Dr. GRPO: GRPO without the std and length normalisations"),
-    "trpo": ("rlhflab.trainers.trpo", "TRPO (teaching): natural-gradient step by conjugate gradient, KL line search"),
-    "dpo": ("rlhflab.trainers.dpo", "DPO/IPO/hinge on offline preference pairs"),
+}
+_TOOLS_AFTER: dict[str, tuple[str, str]] = {
     "eval": ("rlhflab.evaluate", "accuracy and mean reward of a model on a task split (greedy or sampled; hf or vllm)"),
     "tpo": ("rlhflab.tpo", "test-time preference optimisation: resample with feedback from a reward, no training"),
     "learn": ("rlhflab.learn.cli", "learner mode: PPO exercises, grader, reference solutions"),
     "doctor": ("rlhflab.doctor", "health report of a run from its metrics.jsonl"),
     "config": ("rlhflab.config.cli", "show a command's config schema or a resolved config"),
 }
+COMMANDS: dict[str, tuple[str, str]] = {**_TOOLS_BEFORE, **{m.command: (m.module, m.help) for m in METHODS},
+                                        **_TOOLS_AFTER}
 
 
 def _top_parser() -> argparse.ArgumentParser:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, NamedTuple, Optional, Sequence
 
+from rlhflab.config.methods import method_sections
 from rlhflab.errors import TrainingDiverged, UserError
 from rlhflab.metrics import read_metrics
 
@@ -891,7 +892,7 @@ def _max_grad_norm_from(config: dict, method: str) -> Optional[float]:
 
 
 # The section only that method's config has; the RL methods are told apart by theirs.
-_METHOD_SECTIONS = ("sft", "rm", "dpo", "ppo", "grpo", "rloo", "reinforce_pp", "dr_grpo", "trpo")
+_METHOD_SECTIONS = method_sections()  # the one registry of methods (rlhflab/config/methods.py)
 
 
 def guess_method(config: dict, records: Sequence[dict[str, Any]]) -> str:

@@ -26,13 +26,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-METHODS = {  # command -> (trainer module, run config class)
-    "ppo": ("rlhflab.trainers.ppo", "PPORunConfig"),
-    "grpo": ("rlhflab.trainers.grpo", "GRPORunConfig"),
-    "rloo": ("rlhflab.trainers.rloo", "RLOORunConfig"),
-    "reinforce-pp": ("rlhflab.trainers.reinforce_pp", "ReinforcePPRunConfig"),
-    "dr-grpo": ("rlhflab.trainers.dr_grpo", "DrGRPORunConfig"),
-}
+from rlhflab.config.methods import METHODS as REGISTRY  # noqa: E402
+
+# command -> (trainer module, run config class): the registry's policy methods that have
+# a configs/<section>_quickstart.yaml
+METHODS = {m.command: (m.module, m.schema) for m in REGISTRY if m.compare}
 
 
 def warm_start(folder: Path, threads: int | None) -> Path:

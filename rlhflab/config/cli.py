@@ -18,22 +18,12 @@ import types
 import typing
 from typing import Any, Literal, Union
 
+from rlhflab.config.methods import METHODS
 from rlhflab.errors import UserError
 
-# command -> the root dataclass of its config
-SCHEMAS: dict[str, str] = {
-    "ppo": "rlhflab.trainers.ppo:PPORunConfig",
-    "sft": "rlhflab.trainers.sft:SFTRunConfig",
-    "rm": "rlhflab.trainers.rm:RMRunConfig",
-    "grpo": "rlhflab.trainers.grpo:GRPORunConfig",
-    "rloo": "rlhflab.trainers.rloo:RLOORunConfig",
-    "reinforce-pp": "rlhflab.trainers.reinforce_pp:ReinforcePPRunConfig",
-    "dr-grpo": "rlhflab.trainers.dr_grpo:DrGRPORunConfig",
-    "trpo": "rlhflab.trainers.trpo:TRPORunConfig",
-    "dpo": "rlhflab.trainers.dpo:DPORunConfig",
-    "classifier": "rlhflab.trainers.classifier:ClassifierRunConfig",
-    "tpo": "rlhflab.tpo:TPORunConfig",
-}
+# command -> the root dataclass of its config: every training method (the one registry,
+# rlhflab/config/methods.py) and tpo.
+SCHEMAS: dict[str, str] = {**{m.command: m.schema_path for m in METHODS}, "tpo": "rlhflab.tpo:TPORunConfig"}
 
 
 def schema_for(command: str) -> type:
