@@ -54,6 +54,8 @@ METHODS: tuple[Method, ...] = (
            "REINFORCE++: KL-shaped returns whitened over the batch, no critic", policy=True, compare=True),
     Method("dr-grpo", "rlhflab.trainers.dr_grpo", "DrGRPORunConfig",
            "Dr. GRPO: GRPO without the std and length normalisations", policy=True, compare=True),
+    Method("gspo", "rlhflab.trainers.gspo", "GSPORunConfig",
+           "GSPO: GRPO with one clipped importance ratio per response", policy=True),
     Method("trpo", "rlhflab.trainers.trpo", "TRPORunConfig",
            "TRPO (teaching): natural-gradient step by conjugate gradient, KL line search", policy=True),
     Method("dpo", "rlhflab.trainers.dpo", "DPORunConfig", "DPO/IPO/hinge on offline preference pairs"),

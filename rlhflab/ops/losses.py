@@ -1,4 +1,4 @@
-"""Losses: PPO clipped surrogate, clipped value loss, entropy bonus, DPO, reward model.
+"""Losses: PPO clipped surrogate (and GSPO's sequence-level one), clipped value loss, entropy bonus, DPO, reward model.
 
 Aggregation over tokens (`aggregation`):
 - "token_mean": Σ loss·mask / Σ mask — every response token weighs the same.
@@ -117,6 +117,61 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
         # The clipped branch is taken below (A < 0) or above (A > 0): the two parts of clip_frac.
         low = masked_mean(((ratio < 1.0 - clip_eps) & (advantages < 0)).to(dt), response_mask)
         high = masked_mean(((ratio > 1.0 + eps_high) & (advantages > 0)).to(dt), response_mask)
+    return PolicyLossOutput(loss, clip_frac, approx_kl, low, high)
+
+
+def gspo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
+                     response_mask: Tensor, clip_eps: float = 3e-4,
+                     clip_eps_high: float | None = 4e-4, dual_clip: float | None = None,
+                     aggregation: Aggregation = "seq_mean",
+                     normalizer: float | Tensor | None = None,
+                     token_weights: Tensor | None = None) -> PolicyLossOutput:
+    """GSPO's clipped surrogate (Zheng et al., 2025, "Group Sequence Policy Optimization"):
+    one importance ratio per response, clipped at the sequence level.
+
+    All inputs (B, T); a response's advantage is the same on its tokens (GRPO's group
+    advantage), read as their mean. With n_i real tokens,
+
+        s_i = exp( (1/n_i) Σ_t (log π − log π_old) )         the geometric mean of the
+                                                              token ratios, (B,)
+        ℓ_i = max(−A_i·s_i, −A_i·clip(s_i, 1 − ε_low, 1 + ε_high))
+
+    and ℓ_i stands on each of row i's real tokens before `aggregate`: "seq_mean" (the
+    default, the paper's 1/G Σ_i) is the mean of ℓ_i over responses; "token_mean" weighs
+    each response by its length. The clip ranges are small (the paper's 3e-4 and 4e-4)
+    because s_i averages the log-ratios: a sequence ratio moves far less than a token's.
+    Worked example: log-ratios (0.2, −0.1) give s = exp(0.05) = 1.0513.
+
+    `dual_clip` and `token_weights` are token-level and have no sequence-level meaning
+    here: either raises ValueError (GSPO's section refuses them in its `check`).
+    Returned fractions are over responses; approx_kl is the token mean of ½(log ratio)².
+    """
+    if not (logprobs.shape == old_logprobs.shape == advantages.shape == response_mask.shape):
+        raise ValueError(
+            f"gspo_policy_loss expects equal (B, T) shapes; got logprobs {tuple(logprobs.shape)}, "
+            f"old_logprobs {tuple(old_logprobs.shape)}, advantages {tuple(advantages.shape)}, "
+            f"response_mask {tuple(response_mask.shape)}")
+    if dual_clip is not None or token_weights is not None:
+        raise ValueError("gspo_policy_loss: dual_clip and token_weights are token-level; leave them unset")
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    mask = response_mask.to(logprobs.dtype)
+    n = mask.sum(-1).clamp(min=1.0)                                               # (B,)
+    log_ratio = logprobs - old_logprobs                                           # (B, T)
+    seq_log_ratio = (log_ratio * mask).sum(-1) / n                                # (B,)
+    ratio = torch.exp(seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))     # (B,) s_i
+    seq_adv = (advantages * mask).sum(-1) / n                                     # (B,) A_i
+    unclipped = -seq_adv * ratio
+    clipped = -seq_adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + eps_high)
+    per_seq = torch.maximum(unclipped, clipped)                                   # (B,) ℓ_i
+    per_token = per_seq.unsqueeze(1).expand_as(logprobs)                          # (B, T)
+    loss = aggregate(per_token, response_mask, aggregation, normalizer)
+    with torch.no_grad():
+        real = (mask.sum(-1) > 0).to(logprobs.dtype)                              # (B,) rows with a token
+        rows = real.sum().clamp(min=1.0)
+        clip_frac = ((clipped > unclipped).to(real.dtype) * real).sum() / rows
+        approx_kl = masked_mean(0.5 * log_ratio.square(), response_mask)
+        low = (((ratio < 1.0 - clip_eps) & (seq_adv < 0)).to(real.dtype) * real).sum() / rows
+        high = (((ratio > 1.0 + eps_high) & (seq_adv > 0)).to(real.dtype) * real).sum() / rows
     return PolicyLossOutput(loss, clip_frac, approx_kl, low, high)
 
 

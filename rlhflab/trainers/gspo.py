@@ -1,0 +1,89 @@
+"""GSPO: `rlhflab gspo --config configs/gspo_debug.yaml [key=value ...]`.
+
+Group Sequence Policy Optimization (Zheng et al., 2025) is GRPO with the importance ratio
+taken per response instead of per token: s_i = exp(mean_t log π/π_old), the geometric
+mean of the response's token ratios, clipped at the sequence level
+(`ops.gspo_policy_loss`). A response is rewarded as a whole, so its off-policy
+correction is made as a whole too; token ratios' noise no longer enters the gradient one
+token at a time. Phases 1-4 are GRPO's (group advantages); phase 5 is the engine with
+this policy loss.
+
+Where it departs from GRPO's defaults, as in the paper:
+- `clip_eps` 3e-4 below and `clip_eps_high` 4e-4 above: a mean of log-ratios moves
+  little, so the clip range is two orders of magnitude below PPO's 0.2.
+- `loss_aggregation: seq_mean`: the mean over responses of each response's loss.
+- `beta: 0`: no KL term (and no reference loaded); set beta > 0 to add GRPO's k3 term.
+- Token-level options (`dual_clip`, `tis_cap`) are refused.
+With one optimizer step per rollout the ratio is exactly 1 and GSPO's update equals
+GRPO's with seq_mean; the clip acts once a rollout feeds several minibatch steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from rlhflab import ops
+from rlhflab.config.schema import (Aggregation, DatasetConfig, EvalConfig, GenerationConfig, LoggingConfig, LoRAConfig,
+                                   ModelConfig, RewardConfig, TrainingConfig, check_reference, f)
+from rlhflab.engine.update import PPOMath
+from rlhflab.run import TrainResult
+from rlhflab.trainers.grpo import GRPOSection, grpo_step
+from rlhflab.trainers.loop import PolicyMethod, add_policy_parser, run_policy_command, run_policy_training
+
+
+@dataclass
+class GSPOSection(GRPOSection):
+    """GSPO settings: GRPO's, with the sequence-level ratio's clip range and aggregation."""
+
+    clip_eps: float = f(3e-4, "sequence-ratio clip below: s_i under 1-clip_eps stops the gradient (paper: 3e-4)",
+                        gt=0, lt=1)
+    clip_eps_high: Optional[float] = f(4e-4, "sequence-ratio clip above (paper: 4e-4); null uses clip_eps", gt=0)
+    loss_aggregation: Aggregation = f("seq_mean", "seq_mean: the mean over responses of their loss (GSPO's)")
+    beta: float = f(0.0, "weight of the KL(policy||reference) term in the loss; 0 loads no reference", ge=0)
+
+    def check(self) -> list[str]:
+        errs = super().check()
+        for key in ("dual_clip", "tis_cap"):
+            if getattr(self, key) is not None:
+                errs.append(f"{key}: a token-level option; GSPO clips the sequence ratio, set {key}=null")
+        return errs
+
+
+@dataclass
+class GSPORunConfig:
+    """`rlhflab gspo`: every section of a GSPO run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    gspo: GSPOSection = field(default_factory=GSPOSection)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def check(self) -> list[str]:
+        return check_reference(self.model, self.lora, self.gspo.beta, "gspo.beta")
+
+
+def method(cfg: GSPORunConfig) -> PolicyMethod:
+    return PolicyMethod("gspo", grpo_step, need_reference=lambda c: c.gspo.beta > 0)
+
+
+def train(cfg: GSPORunConfig, resume: str | Path | None = None, effective=None,
+          quiet: bool = False) -> TrainResult:
+    """Run GSPO as configured: GRPO's step, the engine with the sequence-level loss."""
+    return run_policy_training(cfg, method(cfg), resume=resume, effective=effective, quiet=quiet,
+                               math_=PPOMath(policy_loss=ops.gspo_policy_loss))
+
+
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    add_policy_parser(parser, "gspo", "gspo.clip_eps=3e-4")
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_policy_command(args, GSPORunConfig, train)
