@@ -245,6 +245,15 @@ class Run:
         return cls(self.out_dir, self.out_dir / "final", history=self.history, world_size=self.dist.world_size,
                    is_main=self.dist.is_main, **kwargs)
 
+    def end(self, result: TrainResult, plot_groups: dict[str, list[str]] | None, eval_after: dict | None,
+            steps: int, **facts) -> TrainResult:
+        """`finish` for a trainer that counts steps (SFT, RM, classifier): the result's last
+        evaluation, steps and seconds set, train_result.json holding them and `facts`."""
+        result.eval_after, result.steps, result.seconds = eval_after or None, steps, self.seconds
+        self.finish(plot_groups, eval_before=result.eval_before, eval_after=result.eval_after, steps=steps,
+                    **facts, seconds=result.seconds)
+        return result
+
     def finish(self, plot_groups: dict[str, list[str]] | None, **fields) -> None:
         """The end of the run: the logger closed, plots/ drawn (logging.plots),
         peak_memory_mb.txt and train_result.json (`fields` in their order, then world_size)

@@ -31,14 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlhflab.config import load_config
 from rlhflab.config.schema import LoggingConfig, ModelConfig, TrainingConfig, f
 from rlhflab.data.loading import read_rows, require_fields
 from rlhflab.errors import UserError
 from rlhflab.models.load import disable_dropout, load_tokenizer, resolve_dtype
 from rlhflab.run import TrainResult, start_run
-from rlhflab.trainers.common import (check_finite_model, check_finite_step, make_optimizer, make_probe_batch,
-                                     make_scheduler)
+from rlhflab.trainers.common import (add_config_parser, check_finite_model, check_finite_step, clip_and_step,
+                                     make_optimizer, make_probe_batch, make_scheduler, run_config_command)
 
 
 # --------------------------------------------------------------------------------------
@@ -268,13 +267,8 @@ def train_classifier(cfg: ClassifierRunConfig, effective=None, quiet: bool = Fal
             lr = optimizer.param_groups[0]["lr"]
             check_finite_step(step + 1, loss=float(loss.detach()), knob="classifier.learning_rate", lr=lr)
             loss.backward()
-            max_norm = c.max_grad_norm if c.max_grad_norm is not None else float("inf")
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-            check_finite_step(step + 1, grad_norm=grad_norm, knob="classifier.learning_rate", lr=lr)
-            win_norms.append(grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            win_norms.append(clip_and_step(params, optimizer, scheduler, c.max_grad_norm, step=step + 1,
+                                           knob="classifier.learning_rate"))
             step += 1
             bar.update(1)
             win_loss += float(loss.detach()) * len(batch)
@@ -298,23 +292,17 @@ def train_classifier(cfg: ClassifierRunConfig, effective=None, quiet: bool = Fal
     check_finite_model(model, probe, step=step, knob="classifier.learning_rate", lr=c.learning_rate)
     model.eval()
     run.save(lambda: save_classifier(model, tok, result.final_dir))
-    result.eval_after, result.steps, result.seconds = last_eval or None, step, run.seconds
-    run.finish(PLOT_GROUPS, eval_before=result.eval_before, eval_after=result.eval_after, steps=step,
-               labels=data.labels, seconds=result.seconds)
-    return result
+    return run.end(result, PLOT_GROUPS, last_eval, step, labels=data.labels)
 
 
 # --------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="YAML config, e.g. configs/classifier_debug.yaml")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. classifier.learning_rate=1e-4")
+    add_config_parser(parser, "classifier", "classifier.learning_rate=1e-4")
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg, effective = load_config(args.config, ClassifierRunConfig, args.overrides)
-    res = train_classifier(cfg, effective=effective)
-    res.report(f"done in {res.seconds:.0f}s: classifier in {res.final_dir} (labels {', '.join(res.labels)}); "
-               f"use it as reward.sources: [{{type: classifier, path: {res.final_dir}, label: {res.labels[-1]}}}]")
-    return 0
+    return run_config_command(args, ClassifierRunConfig, train_classifier, lambda res: (
+        f"done in {res.seconds:.0f}s: classifier in {res.final_dir} (labels {', '.join(res.labels)}); "
+        f"use it as reward.sources: [{{type: classifier, path: {res.final_dir}, label: {res.labels[-1]}}}]"))

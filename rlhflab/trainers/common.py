@@ -204,3 +204,38 @@ def check_finite_model(model: torch.nn.Module, probe_batch: dict[str, torch.Tens
                               f"so this step is not saved", knob, lr)
 
 
+def clip_and_step(params: list, optimizer, scheduler, max_grad_norm: float | None, *, step: int, knob: str,
+                  dist=None) -> float:
+    """The end of one optimizer step: the global gradient norm clipped to `max_grad_norm`
+    (None: measured only; over every rank with `dist`), the run stopped in one line naming
+    `knob` when that norm is not finite (before the weights move), then the optimizer and
+    the schedule step and the gradients are cleared. Returns the norm before clipping."""
+    lr = optimizer.param_groups[0]["lr"]
+    max_norm = max_grad_norm if max_grad_norm is not None else float("inf")
+    grad_norm = (dist.clip_grad_norm_(params, max_norm) if dist is not None
+                 else float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+    check_finite_step(step, grad_norm=grad_norm, knob=knob, lr=lr)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+# --------------------------------------------------------------------------------------
+# The command line of a trainer that takes a config and overrides (SFT, RM, classifier)
+# --------------------------------------------------------------------------------------
+def add_config_parser(parser, stem: str, example: str) -> None:
+    """`rlhflab <command> --config FILE [key=value ...]`."""
+    parser.add_argument("--config", required=True, help=f"YAML config, e.g. configs/{stem}_debug.yaml")
+    parser.add_argument("overrides", nargs="*", help=f"dotted overrides, e.g. {example}")
+
+
+def run_config_command(args, schema, train, headline: Callable) -> int:
+    """Load the config (file, then overrides), train, print `headline(result)` and the
+    before/after table (main process)."""
+    from rlhflab.config import load_config
+
+    cfg, effective = load_config(args.config, schema, args.overrides)
+    res = train(cfg, effective=effective)
+    res.report(headline(res))
+    return 0

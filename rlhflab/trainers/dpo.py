@@ -61,8 +61,8 @@ from rlhflab.models.head import linear_lm_head
 from rlhflab.rewards import RuleScorer, resolve_rule
 from rlhflab.models.setup import PolicyModels, build_models
 from rlhflab.run import TrainResult, start_run
-from rlhflab.trainers.common import (Timer, check_finite_model, check_finite_step, last_eval, make_optimization,
-                                     make_probe_batch)
+from rlhflab.trainers.common import (Timer, check_finite_model, check_finite_step, clip_and_step, last_eval,
+                                     make_optimization, make_probe_batch)
 
 
 # --------------------------------------------------------------------------------------
@@ -497,13 +497,8 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
                                           knob="dpo.learning_rate", lr=optimizer.param_groups[0]["lr"])
                         dist.backward(loss * len(mb) / n_batch * dist.scale)
                     stats.append((len(mb), st))
-                max_norm = sec.max_grad_norm if sec.max_grad_norm is not None else float("inf")
-                grad_norm = dist.clip_grad_norm_(params, max_norm)
-                check_finite_step(step, grad_norm=grad_norm, knob="dpo.learning_rate",
-                                  lr=optimizer.param_groups[0]["lr"])
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
+                grad_norm = clip_and_step(params, optimizer, scheduler, sec.max_grad_norm, step=step,
+                                          knob="dpo.learning_rate", dist=dist)
             seconds = time.perf_counter() - t0
             total_pairs += n_batch
             total_seconds += seconds

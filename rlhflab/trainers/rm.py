@@ -39,7 +39,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlhflab import ops
-from rlhflab.config import load_config
 from rlhflab.config.schema import (CHAT_TEMPLATE_HELP, ChatTemplateUse, LoggingConfig, LoRAConfig, ModelConfig,
                                    TrainingConfig, f)
 from rlhflab.data import preferences as prefdata
@@ -53,8 +52,9 @@ from rlhflab.models.precision import autocast
 from rlhflab.rewards.model import META_FILE, RMMeta, encode, score_head, sequence_scores
 from rlhflab.models.checkpoint import atomic_folder, state_part, untied
 from rlhflab.run import TrainResult, start_run
-from rlhflab.trainers.common import (check_finite_model, check_finite_step, make_optimizer, make_probe_batch,
-                                     make_scheduler, train_and_held_out)
+from rlhflab.trainers.common import (add_config_parser, check_finite_model, check_finite_step, clip_and_step,
+                                     make_optimizer, make_probe_batch, make_scheduler, run_config_command,
+                                     train_and_held_out)
 
 
 # --------------------------------------------------------------------------------------
@@ -408,13 +408,8 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
                 win_loss += float(out.loss.detach()) * len(b)
                 win_acc += float(out.accuracy) * len(b) if math.isfinite(float(out.accuracy)) else 0.0
                 win_n += len(b)
-            max_norm = r.max_grad_norm if r.max_grad_norm is not None else float("inf")
-            grad_norm = dist.clip_grad_norm_(params, max_norm)
-            check_finite_step(step + 1, grad_norm=grad_norm, knob="rm.learning_rate", lr=lr)
-            win_norms.append(grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            win_norms.append(clip_and_step(params, optimizer, scheduler, r.max_grad_norm, step=step + 1,
+                                           knob="rm.learning_rate", dist=dist))
             step += 1
             bar.update(1)
             # 5. log, evaluate
@@ -447,23 +442,17 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
         save_reward_model(model, tok, meta, result.final_dir, state_part(state, "model."))
 
     run.save(save, loss_model)
-    result.eval_after, result.steps, result.seconds = last_eval or None, step, run.seconds
-    run.finish(PLOT_GROUPS, eval_before=result.eval_before, eval_after=result.eval_after, steps=step,
-               train_pairs=result.train_pairs, seconds=result.seconds)
-    return result
+    return run.end(result, PLOT_GROUPS, last_eval, step, train_pairs=result.train_pairs)
 
 
 # --------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="YAML config, e.g. configs/rm_debug.yaml")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rm.learning_rate=1e-4")
+    add_config_parser(parser, "rm", "rm.learning_rate=1e-4")
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg, effective = load_config(args.config, RMRunConfig, args.overrides)
-    res = train_rm(cfg, effective=effective)
-    res.report(f"done in {res.seconds:.0f}s: reward model in {res.final_dir}"
-               + (f" (adapter in {res.adapter_dir})" if res.adapter_dir else ""))
-    return 0
+    return run_config_command(args, RMRunConfig, train_rm, lambda res: (
+        f"done in {res.seconds:.0f}s: reward model in {res.final_dir}"
+        + (f" (adapter in {res.adapter_dir})" if res.adapter_dir else "")))

@@ -45,7 +45,6 @@ import torch
 import torch.nn.functional as F
 
 from rlhflab import ops
-from rlhflab.config import load_config
 from rlhflab.config.schema import (CHAT_TEMPLATE_HELP, ChatTemplateUse, LoggingConfig, LoRAConfig, ModelConfig,
                                    TrainingConfig, check_quantization, f)
 from rlhflab.data import sft as sftdata
@@ -62,8 +61,8 @@ from rlhflab.models.lean import make_lean
 from rlhflab.models.precision import autocast
 from rlhflab.models.quant import prepare_quantized, quantization_kwargs
 from rlhflab.run import TrainResult, start_run
-from rlhflab.trainers.common import (check_finite_model, check_finite_step, make_optimizer, make_scheduler,
-                                     train_and_held_out)
+from rlhflab.trainers.common import (add_config_parser, check_finite_model, check_finite_step, clip_and_step,
+                                     make_optimizer, make_scheduler, run_config_command, train_and_held_out)
 
 
 # --------------------------------------------------------------------------------------
@@ -442,17 +441,12 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
                      for b in micro[g : g + s.gradient_accumulation_steps]]
             # 3. update: backward over the group, then clip and step.
             nll = accumulate_group(nll_model, group, device, dist, t.mixed_precision)
-            lr = optimizer.param_groups[0]["lr"]
-            check_finite_step(step + 1, loss=nll.total, knob="sft.learning_rate", lr=lr)
+            check_finite_step(step + 1, loss=nll.total, knob="sft.learning_rate",
+                              lr=optimizer.param_groups[0]["lr"])
             window_nll += nll.total
             window_tokens += nll.tokens
-            max_norm = s.max_grad_norm if s.max_grad_norm is not None else float("inf")
-            grad_norm = dist.clip_grad_norm_(params, max_norm)
-            check_finite_step(step + 1, grad_norm=grad_norm, knob="sft.learning_rate", lr=lr)
-            window_norms.append(grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            window_norms.append(clip_and_step(params, optimizer, scheduler, s.max_grad_norm, step=step + 1,
+                                              knob="sft.learning_rate", dist=dist))
             step += 1
             bar.update(1)
             # 5. log, evaluate, save
@@ -476,23 +470,17 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
                 save(out_dir / f"step_{step}", step)
     bar.close()
     save(result.final_dir, step)
-    result.eval_after, result.steps, result.seconds = last_eval or None, step, run.seconds
-    run.finish(PLOT_GROUPS, eval_before=result.eval_before, eval_after=result.eval_after, steps=step,
-               train_rows=result.train_rows, seconds=result.seconds)
-    return result
+    return run.end(result, PLOT_GROUPS, last_eval, step, train_rows=result.train_rows)
 
 
 # --------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------
 def add_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="YAML config, e.g. configs/sft_debug.yaml")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sft.learning_rate=1e-4")
+    add_config_parser(parser, "sft", "sft.learning_rate=1e-4")
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg, effective = load_config(args.config, SFTRunConfig, args.overrides)
-    res = train_sft(cfg, effective=effective)
-    res.report(f"done in {res.seconds:.0f}s: {res.output_dir} (model in {res.final_dir}"
-               + (f", adapter in {res.adapter_dir})" if res.adapter_dir else ")"))
-    return 0
+    return run_config_command(args, SFTRunConfig, train_sft, lambda res: (
+        f"done in {res.seconds:.0f}s: {res.output_dir} (model in {res.final_dir}"
+        + (f", adapter in {res.adapter_dir})" if res.adapter_dir else ")")))
