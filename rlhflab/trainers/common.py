@@ -4,18 +4,13 @@ is the run context's (`rlhflab.run`); its names stay importable from here."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import random
 import time
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Iterator
 
-import numpy as np
 import torch
 
 from rlhflab.errors import TrainingDiverged, UserError

@@ -16,16 +16,12 @@ engine does the rest. Every GRPO key still applies.
 
 from __future__ import annotations
 
-import argparse
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Literal
 
-from rlhflab.config.schema import (Aggregation, DatasetConfig, EvalConfig, GenerationConfig, LoggingConfig, LoRAConfig,
-                                   ModelConfig, RewardConfig, TrainingConfig, check_reference, f)
-from rlhflab.trainers.common import TrainResult
+from rlhflab.config.schema import Aggregation, f
 from rlhflab.trainers.grpo import GRPOSection, grpo_step
-from rlhflab.trainers.loop import PolicyMethod, add_policy_parser, run_policy_command, run_policy_training
+from rlhflab.trainers.loop import PolicyMethod, policy_entry_points, policy_run_config
 
 
 @dataclass
@@ -39,37 +35,13 @@ class DrGRPOSection(GRPOSection):
     beta: float = f(0.0, "weight of the KL(policy||reference) term in the loss; 0 loads no reference", ge=0)
 
 
-@dataclass
-class DrGRPORunConfig:
-    """`rlhflab dr-grpo`: every section of a Dr. GRPO run."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    lora: LoRAConfig = field(default_factory=LoRAConfig)
-    dataset: DatasetConfig = field(default_factory=DatasetConfig)
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    dr_grpo: DrGRPOSection = field(default_factory=DrGRPOSection)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-
-    def check(self) -> list[str]:
-        return check_reference(self.model, self.lora, self.dr_grpo.beta, "dr_grpo.beta")
+DrGRPORunConfig = policy_run_config(
+    "DrGRPORunConfig", "dr_grpo", DrGRPOSection, command="dr-grpo", title="a Dr. GRPO", kl_weight="beta", module=__name__)
 
 
 def method(cfg: DrGRPORunConfig) -> PolicyMethod:
     return PolicyMethod("dr_grpo", grpo_step, need_reference=lambda c: c.dr_grpo.beta > 0)
 
 
-def train(cfg: DrGRPORunConfig, resume: str | Path | None = None, effective=None,
-          quiet: bool = False) -> TrainResult:
-    """Run Dr. GRPO as configured."""
-    return run_policy_training(cfg, method(cfg), resume=resume, effective=effective, quiet=quiet)
-
-
-def add_parser(parser: argparse.ArgumentParser) -> None:
-    add_policy_parser(parser, "dr-grpo", "dr_grpo.group_size=8")
-
-
-def run(args: argparse.Namespace) -> int:
-    return run_policy_command(args, DrGRPORunConfig, train)
+train, add_parser, run = policy_entry_points(
+    method, DrGRPORunConfig, command="dr-grpo", example="dr_grpo.group_size=8")

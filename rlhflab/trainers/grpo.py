@@ -33,19 +33,15 @@ Where we depart from the paper or from common practice:
 
 from __future__ import annotations
 
-import argparse
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Literal
 
 from rlhflab import ops
-from rlhflab.config.schema import (DatasetConfig, EvalConfig, GenerationConfig, GroupSection, KLKind, LoggingConfig,
-                                   LoRAConfig, ModelConfig, RewardConfig, TrainingConfig, check_reference, f)
+from rlhflab.config.schema import GroupSection, KLKind, f
 from rlhflab.engine.scoring import score_rollout
-from rlhflab.trainers.common import Timer, TrainResult
-from rlhflab.trainers.loop import (PolicyMethod, RLRun, add_policy_parser, broadcast_advantages, group_advantages,
-                                   rollout_metrics, run_policy_command, run_policy_training, run_update,
-                                   score_responses)
+from rlhflab.trainers.common import Timer
+from rlhflab.trainers.loop import (PolicyMethod, RLRun, broadcast_advantages, group_advantages, policy_entry_points,
+                                   policy_run_config, rollout_metrics, run_update, score_responses)
 
 
 # --------------------------------------------------------------------------------------
@@ -72,22 +68,8 @@ class GRPOSection(GroupSection):
         return self.beta
 
 
-@dataclass
-class GRPORunConfig:
-    """`rlhflab grpo`: every section of a GRPO run."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    lora: LoRAConfig = field(default_factory=LoRAConfig)
-    dataset: DatasetConfig = field(default_factory=DatasetConfig)
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    grpo: GRPOSection = field(default_factory=GRPOSection)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-
-    def check(self) -> list[str]:
-        return check_reference(self.model, self.lora, self.grpo.beta, "grpo.beta")
+GRPORunConfig = policy_run_config(
+    "GRPORunConfig", "grpo", GRPOSection, command="grpo", title="a GRPO", kl_weight="beta", module=__name__)
 
 
 # --------------------------------------------------------------------------------------
@@ -136,18 +118,5 @@ def method(cfg: GRPORunConfig) -> PolicyMethod:
     return PolicyMethod("grpo", grpo_step, need_reference=lambda c: c.grpo.beta > 0)
 
 
-def train(cfg: GRPORunConfig, resume: str | Path | None = None, effective=None,
-          quiet: bool = False) -> TrainResult:
-    """Run GRPO as configured."""
-    return run_policy_training(cfg, method(cfg), resume=resume, effective=effective, quiet=quiet)
-
-
-# --------------------------------------------------------------------------------------
-# CLI
-# --------------------------------------------------------------------------------------
-def add_parser(parser: argparse.ArgumentParser) -> None:
-    add_policy_parser(parser, "grpo", "grpo.group_size=8")
-
-
-def run(args: argparse.Namespace) -> int:
-    return run_policy_command(args, GRPORunConfig, train)
+train, add_parser, run = policy_entry_points(
+    method, GRPORunConfig, command="grpo", example="grpo.group_size=8")

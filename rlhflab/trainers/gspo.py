@@ -20,18 +20,14 @@ GRPO's with seq_mean; the clip acts once a rollout feeds several minibatch steps
 
 from __future__ import annotations
 
-import argparse
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Optional
 
 from rlhflab import ops
-from rlhflab.config.schema import (Aggregation, DatasetConfig, EvalConfig, GenerationConfig, LoggingConfig, LoRAConfig,
-                                   ModelConfig, RewardConfig, TrainingConfig, check_reference, f)
+from rlhflab.config.schema import Aggregation, f
 from rlhflab.engine.update import PPOMath
-from rlhflab.run import TrainResult
 from rlhflab.trainers.grpo import GRPOSection, grpo_step
-from rlhflab.trainers.loop import PolicyMethod, add_policy_parser, run_policy_command, run_policy_training
+from rlhflab.trainers.loop import PolicyMethod, policy_entry_points, policy_run_config
 
 
 @dataclass
@@ -52,38 +48,14 @@ class GSPOSection(GRPOSection):
         return errs
 
 
-@dataclass
-class GSPORunConfig:
-    """`rlhflab gspo`: every section of a GSPO run."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    lora: LoRAConfig = field(default_factory=LoRAConfig)
-    dataset: DatasetConfig = field(default_factory=DatasetConfig)
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    gspo: GSPOSection = field(default_factory=GSPOSection)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-
-    def check(self) -> list[str]:
-        return check_reference(self.model, self.lora, self.gspo.beta, "gspo.beta")
+GSPORunConfig = policy_run_config(
+    "GSPORunConfig", "gspo", GSPOSection, command="gspo", title="a GSPO", kl_weight="beta", module=__name__)
 
 
 def method(cfg: GSPORunConfig) -> PolicyMethod:
     return PolicyMethod("gspo", grpo_step, need_reference=lambda c: c.gspo.beta > 0)
 
 
-def train(cfg: GSPORunConfig, resume: str | Path | None = None, effective=None,
-          quiet: bool = False) -> TrainResult:
-    """Run GSPO as configured: GRPO's step, the engine with the sequence-level loss."""
-    return run_policy_training(cfg, method(cfg), resume=resume, effective=effective, quiet=quiet,
-                               math_=PPOMath(policy_loss=ops.gspo_policy_loss))
-
-
-def add_parser(parser: argparse.ArgumentParser) -> None:
-    add_policy_parser(parser, "gspo", "gspo.clip_eps=3e-4")
-
-
-def run(args: argparse.Namespace) -> int:
-    return run_policy_command(args, GSPORunConfig, train)
+# GRPO's step; the engine minimises the sequence-level loss instead of the token-level one.
+train, add_parser, run = policy_entry_points(method, GSPORunConfig, command="gspo", example="gspo.clip_eps=3e-4",
+                                             math_=PPOMath(policy_loss=ops.gspo_policy_loss))

@@ -361,3 +361,55 @@ def run_policy_command(args, schema, train) -> int:
     cfg, effective = load_config(args.config, schema, args.overrides)
     train(cfg, resume=args.resume, effective=effective).report()
     return 0
+
+
+# --------------------------------------------------------------------------------------
+# A policy method's run config and entry points, written once
+# --------------------------------------------------------------------------------------
+def policy_run_config(cls_name: str, section: str, section_cls: type, *, command: str, title: str,
+                      kl_weight: str, module: str) -> type:
+    """The run config class of a policy method: the shared sections (model, lora, dataset,
+    generation, reward, eval, training, logging) and `section: section_cls`, in the order
+    the YAML shows them; `check()` applies the reference rule to `<section>.<kl_weight>`
+    (a KL weight of 0 loads no reference). `title` reads "a GRPO"; `module` is the
+    method's module, where the class is found by name (`config show`, the registry)."""
+    from dataclasses import field as dc_field, make_dataclass
+
+    from rlhflab.config.schema import (DatasetConfig, EvalConfig, GenerationConfig, LoggingConfig, LoRAConfig,
+                                       ModelConfig, RewardConfig, TrainingConfig, check_reference)
+
+    sections = [("model", ModelConfig), ("lora", LoRAConfig), ("dataset", DatasetConfig),
+                ("generation", GenerationConfig), ("reward", RewardConfig), ("eval", EvalConfig),
+                (section, section_cls), ("training", TrainingConfig), ("logging", LoggingConfig)]
+
+    def check(self) -> list[str]:
+        return check_reference(self.model, self.lora, getattr(getattr(self, section), kl_weight),
+                               f"{section}.{kl_weight}")
+
+    cls = make_dataclass(cls_name, [(name, kind, dc_field(default_factory=kind)) for name, kind in sections],
+                         namespace={"check": check, "__doc__": f"`rlhflab {command}`: every section of {title} run."})
+    cls.__module__ = module
+    return cls
+
+
+def policy_entry_points(method_of: Callable[[object], PolicyMethod], schema: type, *, command: str, example: str,
+                        math_: PPOMath | None = None):
+    """`train(cfg, resume=None, effective=None, quiet=False, math_=None)`, `add_parser` and
+    `run` of a policy method: `run_policy_training` with `method_of(cfg)` (and the
+    method's `math_`, e.g. GSPO's policy loss, unless the caller passes its own), the
+    `--config`/`--resume` parser, the command that loads, trains and reports."""
+
+    def train(cfg, resume: str | Path | None = None, effective=None, quiet: bool = False,
+              math_: PPOMath | None = math_) -> TrainResult:
+        return run_policy_training(cfg, method_of(cfg), resume=resume, effective=effective, quiet=quiet,
+                                   math_=math_)
+
+    train.__doc__ = f"Run `rlhflab {command}` as configured; returns where the outputs went and the history."
+
+    def add_parser(parser) -> None:
+        add_policy_parser(parser, command, example)
+
+    def run(args) -> int:
+        return run_policy_command(args, schema, train)
+
+    return train, add_parser, run

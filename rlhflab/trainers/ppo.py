@@ -24,21 +24,19 @@ common recipe:
 
 from __future__ import annotations
 
-import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
 from rlhflab import ops
-from rlhflab.config.schema import (DatasetConfig, EvalConfig, GenerationConfig, KLKind, LoggingConfig, LoRAConfig,
-                                   ModelConfig, PolicySection, RewardConfig, TrainingConfig, check_reference, f)
+from rlhflab.config.schema import KLKind, PolicySection, f
 from rlhflab.engine.scoring import score_rollout
 from rlhflab.models import setup
 from rlhflab.models.setup import PolicyModels
 from rlhflab.engine.update import MinibatchStats, PPOMath, minibatch_loss, update_group
-from rlhflab.trainers.common import Timer, TrainResult
-from rlhflab.trainers.loop import (PolicyMethod, RLRun, add_policy_parser, rollout_metrics, run_policy_command,
-                                   run_policy_training, run_update, score_responses, whiten)
+from rlhflab.trainers.common import Timer
+from rlhflab.trainers.loop import (PolicyMethod, RLRun, policy_entry_points, policy_run_config, rollout_metrics,
+                                   run_update, score_responses, whiten)
 
 # The names learner mode and older code use for the engine's pieces.
 ppo_minibatch_loss = minibatch_loss
@@ -78,22 +76,8 @@ class PPOSection(PolicySection):
         return self.kl_coeff if self.kl_in == "loss" else 0.0
 
 
-@dataclass
-class PPORunConfig:
-    """`rlhflab ppo`: every section of a PPO run."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    lora: LoRAConfig = field(default_factory=LoRAConfig)
-    dataset: DatasetConfig = field(default_factory=DatasetConfig)
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    ppo: PPOSection = field(default_factory=PPOSection)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-
-    def check(self) -> list[str]:
-        return check_reference(self.model, self.lora, self.ppo.kl_coeff, "ppo.kl_coeff")
+PPORunConfig = policy_run_config(
+    "PPORunConfig", "ppo", PPOSection, command="ppo", title="a PPO", kl_weight="kl_coeff", module=__name__)
 
 
 # --------------------------------------------------------------------------------------
@@ -151,22 +135,7 @@ def build_models(cfg: PPORunConfig, resume_dir: Path | None = None) -> PolicyMod
                               critic=m.critic, resume_dir=resume_dir, mixed_precision=cfg.training.mixed_precision)
 
 
-def train(cfg: PPORunConfig, resume: str | Path | None = None, math_: PPOMath | None = None,
-          effective=None, quiet: bool = False) -> TrainResult:
-    """Run PPO as configured; returns where the outputs went and the metric history."""
-    return run_policy_training(cfg, method(cfg), resume=resume, effective=effective, quiet=quiet, math_=math_)
-
-
-# --------------------------------------------------------------------------------------
-# CLI
-# --------------------------------------------------------------------------------------
-def add_parser(parser: argparse.ArgumentParser) -> None:
-    add_policy_parser(parser, "ppo", "ppo.kl_coeff=0.1")
-
-
-def run(args: argparse.Namespace) -> int:
-    return run_policy_command(args, PPORunConfig, train)
-
-
+train, add_parser, run = policy_entry_points(
+    method, PPORunConfig, command="ppo", example="ppo.kl_coeff=0.1")
 __all__ = ["PPOSection", "PPORunConfig", "PPOMath", "MinibatchStats", "collect_rollout", "ppo_step", "train",
            "ppo_minibatch_loss", "ppo_update_group"]

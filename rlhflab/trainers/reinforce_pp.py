@@ -24,18 +24,15 @@ reward never pays the policy for moving away).
 
 from __future__ import annotations
 
-import argparse
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Literal
 
 from rlhflab import ops
-from rlhflab.config.schema import (DatasetConfig, EvalConfig, GenerationConfig, GroupSection, KLKind, LoggingConfig,
-                                   LoRAConfig, ModelConfig, RewardConfig, TrainingConfig, check_reference, f)
-from rlhflab.trainers.common import Timer, TrainResult
+from rlhflab.config.schema import GroupSection, KLKind, f
+from rlhflab.trainers.common import Timer
 from rlhflab.trainers.grpo import sample_and_score
-from rlhflab.trainers.loop import (PolicyMethod, RLRun, add_policy_parser, rollout_metrics, run_policy_command,
-                                   run_policy_training, run_update, whiten)
+from rlhflab.trainers.loop import (PolicyMethod, RLRun, policy_entry_points, policy_run_config, rollout_metrics,
+                                   run_update, whiten)
 
 
 @dataclass
@@ -62,22 +59,8 @@ class ReinforcePPSection(GroupSection):
         return errs
 
 
-@dataclass
-class ReinforcePPRunConfig:
-    """`rlhflab reinforce-pp`: every section of a REINFORCE++ run."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    lora: LoRAConfig = field(default_factory=LoRAConfig)
-    dataset: DatasetConfig = field(default_factory=DatasetConfig)
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    reinforce_pp: ReinforcePPSection = field(default_factory=ReinforcePPSection)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-
-    def check(self) -> list[str]:
-        return check_reference(self.model, self.lora, self.reinforce_pp.kl_coeff, "reinforce_pp.kl_coeff")
+ReinforcePPRunConfig = policy_run_config(
+    "ReinforcePPRunConfig", "reinforce_pp", ReinforcePPSection, command="reinforce-pp", title="a REINFORCE++", kl_weight="kl_coeff", module=__name__)
 
 
 def reinforce_pp_advantages(scores, logprobs, ref_logprobs, response_mask, sec, dist) -> tuple:
@@ -111,15 +94,5 @@ def method(cfg: ReinforcePPRunConfig) -> PolicyMethod:
                         need_reference=lambda c: c.reinforce_pp.kl_coeff > 0 and c.model.reference != "none")
 
 
-def train(cfg: ReinforcePPRunConfig, resume: str | Path | None = None, effective=None,
-          quiet: bool = False) -> TrainResult:
-    """Run REINFORCE++ as configured."""
-    return run_policy_training(cfg, method(cfg), resume=resume, effective=effective, quiet=quiet)
-
-
-def add_parser(parser: argparse.ArgumentParser) -> None:
-    add_policy_parser(parser, "reinforce-pp", "reinforce_pp.kl_coeff=0.02")
-
-
-def run(args: argparse.Namespace) -> int:
-    return run_policy_command(args, ReinforcePPRunConfig, train)
+train, add_parser, run = policy_entry_points(
+    method, ReinforcePPRunConfig, command="reinforce-pp", example="reinforce_pp.kl_coeff=0.02")

@@ -23,17 +23,14 @@ KL); `normalize_advantages` whitens over the batch (TRL's option), off by defaul
 
 from __future__ import annotations
 
-import argparse
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 from rlhflab import ops
-from rlhflab.config.schema import (DatasetConfig, EvalConfig, GenerationConfig, GroupSection, KLKind, LoggingConfig,
-                                   LoRAConfig, ModelConfig, RewardConfig, TrainingConfig, check_reference, f)
-from rlhflab.trainers.common import Timer, TrainResult
+from rlhflab.config.schema import GroupSection, KLKind, f
+from rlhflab.trainers.common import Timer
 from rlhflab.trainers.grpo import sample_and_score
-from rlhflab.trainers.loop import (PolicyMethod, RLRun, add_policy_parser, broadcast_advantages, rollout_metrics,
-                                   run_policy_command, run_policy_training, run_update)
+from rlhflab.trainers.loop import (PolicyMethod, RLRun, broadcast_advantages, policy_entry_points, policy_run_config,
+                                   rollout_metrics, run_update)
 
 
 @dataclass
@@ -52,22 +49,8 @@ class RLOOSection(GroupSection):
         return self.k
 
 
-@dataclass
-class RLOORunConfig:
-    """`rlhflab rloo`: every section of an RLOO run."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    lora: LoRAConfig = field(default_factory=LoRAConfig)
-    dataset: DatasetConfig = field(default_factory=DatasetConfig)
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    rloo: RLOOSection = field(default_factory=RLOOSection)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-
-    def check(self) -> list[str]:
-        return check_reference(self.model, self.lora, self.rloo.kl_coeff, "rloo.kl_coeff")
+RLOORunConfig = policy_run_config(
+    "RLOORunConfig", "rloo", RLOOSection, command="rloo", title="an RLOO", kl_weight="kl_coeff", module=__name__)
 
 
 def rloo_step(run: RLRun, examples, step: int, timer: Timer) -> dict[str, float]:
@@ -98,15 +81,5 @@ def method(cfg: RLOORunConfig) -> PolicyMethod:
     return PolicyMethod("rloo", rloo_step, need_reference=lambda c: c.rloo.kl_coeff > 0)
 
 
-def train(cfg: RLOORunConfig, resume: str | Path | None = None, effective=None,
-          quiet: bool = False) -> TrainResult:
-    """Run RLOO as configured."""
-    return run_policy_training(cfg, method(cfg), resume=resume, effective=effective, quiet=quiet)
-
-
-def add_parser(parser: argparse.ArgumentParser) -> None:
-    add_policy_parser(parser, "rloo", "rloo.k=8")
-
-
-def run(args: argparse.Namespace) -> int:
-    return run_policy_command(args, RLOORunConfig, train)
+train, add_parser, run = policy_entry_points(
+    method, RLOORunConfig, command="rloo", example="rloo.k=8")

@@ -28,10 +28,8 @@ the clip at first-order cost (docs/trpo_to_ppo.md).
 
 from __future__ import annotations
 
-import argparse
 import math
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -39,15 +37,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from rlhflab import ops
-from rlhflab.config.schema import (DatasetConfig, EvalConfig, GenerationConfig, KLKind, LoggingConfig, LoRAConfig,
-                                   ModelConfig, OptimizerFields, RewardConfig, TrainingConfig, check_reference, f)
+from rlhflab.config.schema import KLKind, OptimizerFields, f
 from rlhflab.engine.scoring import score_rollout
 from rlhflab.models.actor_critic import response_hidden
 from rlhflab.ops.losses import LOG_RATIO_CLAMP
 from rlhflab.rollout import Rollout
-from rlhflab.trainers.common import Timer, TrainResult
-from rlhflab.trainers.loop import (PolicyMethod, RLRun, add_policy_parser, rollout_metrics, run_policy_command,
-                                   run_policy_training, score_responses, whiten)
+from rlhflab.trainers.common import Timer
+from rlhflab.trainers.loop import (PolicyMethod, RLRun, policy_entry_points, policy_run_config, rollout_metrics,
+                                   score_responses, whiten)
 
 
 @dataclass
@@ -98,22 +95,8 @@ class TRPOSection(OptimizerFields):
         return errs
 
 
-@dataclass
-class TRPORunConfig:
-    """`rlhflab trpo`: every section of a TRPO run."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    lora: LoRAConfig = field(default_factory=LoRAConfig)
-    dataset: DatasetConfig = field(default_factory=DatasetConfig)
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    trpo: TRPOSection = field(default_factory=TRPOSection)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-
-    def check(self) -> list[str]:
-        return check_reference(self.model, self.lora, self.trpo.kl_coeff, "trpo.kl_coeff")
+TRPORunConfig = policy_run_config(
+    "TRPORunConfig", "trpo", TRPOSection, command="trpo", title="a TRPO", kl_weight="kl_coeff", module=__name__)
 
 
 # --------------------------------------------------------------------------------------
@@ -281,14 +264,5 @@ def method(cfg: TRPORunConfig) -> PolicyMethod:
                                      "line_search": ["trpo/step_fraction"], "value": ["loss/value"]})
 
 
-def train(cfg: TRPORunConfig, resume: str | Path | None = None, effective=None, quiet: bool = False) -> TrainResult:
-    """Run TRPO as configured."""
-    return run_policy_training(cfg, method(cfg), resume=resume, effective=effective, quiet=quiet)
-
-
-def add_parser(parser: argparse.ArgumentParser) -> None:
-    add_policy_parser(parser, "trpo", "trpo.max_kl=0.02")
-
-
-def run(args: argparse.Namespace) -> int:
-    return run_policy_command(args, TRPORunConfig, train)
+train, add_parser, run = policy_entry_points(
+    method, TRPORunConfig, command="trpo", example="trpo.max_kl=0.02")
