@@ -36,7 +36,8 @@ class DrGRPOSection(GRPOSection):
 
 
 DrGRPORunConfig = policy_run_config(
-    "DrGRPORunConfig", "dr_grpo", DrGRPOSection, command="dr-grpo", title="a Dr. GRPO", kl_weight="beta", module=__name__)
+    "DrGRPORunConfig", "dr_grpo", DrGRPOSection, command="dr-grpo", title="a Dr. GRPO", kl_weight="beta",
+    module=__name__)
 
 
 def method(cfg: DrGRPORunConfig) -> PolicyMethod:

@@ -60,7 +60,8 @@ class ReinforcePPSection(GroupSection):
 
 
 ReinforcePPRunConfig = policy_run_config(
-    "ReinforcePPRunConfig", "reinforce_pp", ReinforcePPSection, command="reinforce-pp", title="a REINFORCE++", kl_weight="kl_coeff", module=__name__)
+    "ReinforcePPRunConfig", "reinforce_pp", ReinforcePPSection, command="reinforce-pp", title="a REINFORCE++",
+    kl_weight="kl_coeff", module=__name__)
 
 
 def reinforce_pp_advantages(scores, logprobs, ref_logprobs, response_mask, sec, dist) -> tuple:
