@@ -8,11 +8,15 @@ layers that use it.
     onednn   oneDNN whenever it applies
     torch    PyTorch's own, everywhere (what every other PyTorch program runs)
 
-The product itself is `rlhflab.ops.matmul.linear` (what "applies" means is there). Every
-`nn.Linear` of a model rlhflab loads (`models.load.load_model`, the reward model and the
-classifier, a LoRA adapter's layers) is switched to `FastLinear`, a subclass whose
-forward calls it: the parameters, their names, the checkpoints and `isinstance(m,
-nn.Linear)` do not change. Nothing is switched under `torch`. docs/cpu_matmul.md.
+The product itself is `rlhflab.ops.matmul.linear` (what "applies" means is there). The
+CPU seam (`rlhflab.cpu`, called by the run context when the training device is a CPU)
+chooses the library and switches every `nn.Linear` of the models a run trains (the
+policy, a separate critic's decoder, the SFT / reward / classifier model, their LoRA
+layers) and of a frozen reference copy to `FastLinear`, a subclass whose forward calls
+it: the parameters, their names, the checkpoints and `isinstance(m, nn.Linear)` do not
+change. Nothing is switched under `torch`, nor on any device other than the CPU; models
+loaded outside a training run (`generate`, `eval`, reward scorers) keep `nn.Linear`.
+docs/cpu_matmul.md.
 """
 
 from __future__ import annotations
