@@ -31,7 +31,7 @@ import torch
 
 from rlhflab import cpu
 from rlhflab.errors import TrainingDiverged
-from rlhflab.run.finish import TrainResult, finish_run, write_train_result
+from rlhflab.run.finish import TrainResult, finish_run, format_metrics, write_train_result
 from rlhflab.run.folders import check_output_dir, check_resume_dir, prepare_output_dir
 
 
@@ -192,7 +192,6 @@ class Run:
         if self.doctor is not None:
             self.doctor.observe(0, metrics)
         if show:
-            from rlhflab.trainers.common import format_metrics
             self.print("step 0 (before training): " + format_metrics(metrics))
 
     # ---------------------------------------------------------------- checkpoints

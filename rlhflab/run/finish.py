@@ -52,6 +52,11 @@ class TrainResult:
         print_before_after(self.eval_before, self.eval_after, skip_missing)
 
 
+def format_metrics(metrics: dict[str, float]) -> str:
+    """`k=v, ...` with three decimals: the "step 0 (before training)" line."""
+    return ", ".join(f"{k}={v:.3f}" for k, v in metrics.items())
+
+
 def finish_run(logger, out_dir: Path, device: torch.device, plots: bool,
                plot_groups: dict[str, list[str]] | None = None) -> None:
     """Close the metrics logger, draw plots/ when asked, write peak_memory_mb.txt."""

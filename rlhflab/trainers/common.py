@@ -15,8 +15,8 @@ import torch
 
 from rlhflab.errors import TrainingDiverged, UserError
 from rlhflab.run.context import log_step, make_doctor, seed_everything, set_threads  # noqa: F401
-from rlhflab.run.finish import (TrainResult, finish_run, peak_memory_mb, print_before_after,  # noqa: F401
-                                write_train_result)
+from rlhflab.run.finish import (TrainResult, finish_run, format_metrics, peak_memory_mb,  # noqa: F401
+                                print_before_after, write_train_result)
 from rlhflab.run.folders import (RUN_MARKERS, RUN_OUTPUTS, STOPPED_LOGS, check_output_dir,  # noqa: F401
                                  check_resume_dir, prepare_output_dir, stopped_before_first_checkpoint)
 
@@ -137,11 +137,6 @@ class Timer:
 # --------------------------------------------------------------------------------------
 # The end of a run
 # --------------------------------------------------------------------------------------
-def format_metrics(metrics: dict[str, float]) -> str:
-    """`k=v, ...` with three decimals: the "step 0 (before training)" line."""
-    return ", ".join(f"{k}={v:.3f}" for k, v in metrics.items())
-
-
 def last_eval(history: list[dict]) -> dict[str, float] | None:
     """The eval/* metrics of the last history row that has any; None when none has."""
     evals = [h for h in history if any(k.startswith("eval/") for k in h)]
