@@ -267,7 +267,7 @@ class Run:
 
 def start_run(cfg, method: str, *, effective=None, resume: str | Path | None = None, quiet: bool = False,
               resumable: bool = False, backend: str | None = None, critic: str = "none",
-              local: dict[str, int] | None = None) -> Run:
+              local: dict[str, int] | None = None, preflight: Callable[[bool], None] | None = None) -> Run:
     """Enter a run: the process group, threads, the CPU-only speed settings, the checks
     that come before anything loads or is written (the `--resume` checkpoint: it loads, its
     method, LoRA, critic and world size match; an output folder holding another run is
@@ -275,7 +275,8 @@ def start_run(cfg, method: str, *, effective=None, resume: str | Path | None = N
 
     `resumable`: the trainer has --resume. `backend`: a policy method's generation backend
     (None: not a policy method). `local`: global counts that must divide among the
-    processes, by config key (a one-line error otherwise)."""
+    processes, by config key (a one-line error otherwise). `preflight(silent)`: checks of
+    the method's own that come first (a policy run's reward plug-ins, each called once)."""
     from rlhflab.engine.dist import check_strategy, default_threads, init_dist
     from rlhflab.models.load import resolve_device
     from rlhflab.models.precision import check_mixed_precision
@@ -286,6 +287,8 @@ def start_run(cfg, method: str, *, effective=None, resume: str | Path | None = N
     for key, n in (local or {}).items():
         dist.local(n, key)
     set_threads(t.num_threads or default_threads(dist, t.device))
+    if preflight is not None:
+        preflight(quiet or not dist.is_main)
     check_strategy(dist, lora, method, backend or "hf", rl=backend is not None)
     device = dist.device or resolve_device(t.device)
     cpu.setup_process(device, cfg.model)  # the CPU-only speed settings; on CUDA the plain path

@@ -270,8 +270,8 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
     train_cfg, sec = cfg.training, getattr(cfg, method.name)
     run_ = start_run(cfg, method.name, effective=effective, resume=resume, quiet=quiet, resumable=True,
                      backend=cfg.generation.backend, critic=method.critic or "none",
-                     local=world_counts(sec, method.name))
-    preflight(cfg, run_.silent)  # every reward/check plug-in imported and called once, before any model loads
+                     local=world_counts(sec, method.name),
+                     preflight=lambda silent: preflight(cfg, silent))  # every reward/check plug-in, called once
     run = build_run(cfg, method, resume_dir=run_.resume_dir, math_=math_, dist=run_.dist, context=run_)
     models, optimizer = run.models, run.optimizer
     train_examples = load_prompts(cfg.dataset, models.tokenizer, "train")
