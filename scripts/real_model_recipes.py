@@ -110,7 +110,8 @@ def evaluate(model, tokenizer, cfg) -> dict:
                           batch_size=cfg.training.eval_batch_size, checks=build_eval_checks(cfg.eval, device))
     lengths = [len(tokenizer(s["response"], add_special_tokens=False)["input_ids"]) for s in res.samples]
     return {"accuracy": res.accuracy, "reward_mean": res.reward_mean, "n": len(res.samples),
-            "mean_response_tokens": sum(lengths) / max(len(lengths), 1)}
+            "mean_response_tokens": sum(lengths) / max(len(lengths), 1),
+            "hit_limit_frac": sum(n >= cfg.generation.max_new_tokens for n in lengths) / max(len(lengths), 1)}
 
 
 def before(cfg, out: Path) -> dict:
@@ -181,6 +182,9 @@ def main(argv=None) -> int:
                     help="run folders, the kept baseline and results.jsonl (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: %(default)s)")
     ap.add_argument("--table", action="store_true", help="print every recorded row and stop")
+    ap.add_argument("--eval-only", action="store_true",
+                    help="only the untrained model's held-out accuracy under the recipe's settings and the overrides "
+                         "(e.g. another dataset.prompt_template), one line; kept like the baseline of a run")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. training.total_steps=10")
     a = ap.parse_args(argv)
     if a.table:
@@ -192,6 +196,17 @@ def main(argv=None) -> int:
         return 0
     if not a.recipe:
         ap.error("--recipe is required (or --table)")
+    if a.eval_only:
+        import torch
+
+        torch.set_num_threads(a.threads)
+        _, cfg, _ = load(a.recipe, a.overrides)
+        ensure_data(cfg)
+        r = before(cfg, a.out)
+        print(f"untrained | {cfg.dataset.prompt_template!r} | max_new_tokens {cfg.generation.max_new_tokens} | "
+              f"accuracy {100 * r['accuracy']:.1f}% | {r['mean_response_tokens']:.1f} tokens | "
+              f"{100 * r.get('hit_limit_frac', float('nan')):.0f}% at the limit | {r['n']} rows")
+        return 0
     row = run_one(a.recipe, a.seed, a.overrides, a.out, a.threads)
     print(HEADER)
     print(format_row(row))
