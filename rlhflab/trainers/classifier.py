@@ -20,7 +20,6 @@ tokens added, cut from the left to `data.max_length`, so training and scoring ag
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
 from dataclasses import dataclass, field
@@ -36,8 +35,8 @@ from rlhflab.data.loading import read_rows, require_fields
 from rlhflab.errors import UserError
 from rlhflab.models.load import disable_dropout, load_tokenizer, resolve_dtype
 from rlhflab.run import TrainResult, start_run
-from rlhflab.trainers.common import (add_config_parser, check_finite_model, check_finite_step, clip_and_step,
-                                     make_optimizer, make_probe_batch, make_scheduler, run_config_command)
+from rlhflab.trainers.common import (check_finite_model, check_finite_step, clip_and_step, config_entry_points,
+                                     make_optimizer, make_probe_batch, make_scheduler)
 
 
 # --------------------------------------------------------------------------------------
@@ -298,11 +297,11 @@ def train_classifier(cfg: ClassifierRunConfig, effective=None, quiet: bool = Fal
 # --------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------
-def add_parser(parser: argparse.ArgumentParser) -> None:
-    add_config_parser(parser, "classifier", "classifier.learning_rate=1e-4")
+def _done_line(res) -> str:
+    """The last line `rlhflab classifier` prints."""
+    return (f"done in {res.seconds:.0f}s: classifier in {res.final_dir} (labels {', '.join(res.labels)}); "
+            f"use it as reward.sources: [{{type: classifier, path: {res.final_dir}, label: {res.labels[-1]}}}]")
 
 
-def run(args: argparse.Namespace) -> int:
-    return run_config_command(args, ClassifierRunConfig, train_classifier, lambda res: (
-        f"done in {res.seconds:.0f}s: classifier in {res.final_dir} (labels {', '.join(res.labels)}); "
-        f"use it as reward.sources: [{{type: classifier, path: {res.final_dir}, label: {res.labels[-1]}}}]"))
+add_parser, run = config_entry_points(ClassifierRunConfig, train_classifier, stem="classifier",
+                                      example="classifier.learning_rate=1e-4", headline=_done_line)

@@ -229,3 +229,16 @@ def run_config_command(args, schema, train, headline: Callable) -> int:
     res = train(cfg, effective=effective)
     res.report(headline(res))
     return 0
+
+
+def config_entry_points(schema, train, *, stem: str, example: str, headline: Callable):
+    """`add_parser` and `run` of a trainer with `--config` and overrides: `train(cfg,
+    effective=...)` on the loaded config, then `headline(result)` and the before/after table."""
+
+    def add_parser(parser) -> None:
+        add_config_parser(parser, stem, example)
+
+    def run(args) -> int:
+        return run_config_command(args, schema, train, headline)
+
+    return add_parser, run

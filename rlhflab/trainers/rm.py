@@ -27,7 +27,6 @@ Where this departs from common recipes:
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
 from dataclasses import dataclass, field
@@ -52,8 +51,8 @@ from rlhflab.models.precision import autocast
 from rlhflab.rewards.model import META_FILE, RMMeta, encode, score_head, sequence_scores
 from rlhflab.models.checkpoint import atomic_folder, state_part, untied
 from rlhflab.run import TrainResult, start_run
-from rlhflab.trainers.common import (add_config_parser, check_finite_model, check_finite_step, clip_and_step,
-                                     make_optimizer, make_probe_batch, make_scheduler, run_config_command,
+from rlhflab.trainers.common import (check_finite_model, check_finite_step, clip_and_step, config_entry_points,
+                                     make_optimizer, make_probe_batch, make_scheduler,
                                      train_and_held_out)
 
 
@@ -448,11 +447,11 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
 # --------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------
-def add_parser(parser: argparse.ArgumentParser) -> None:
-    add_config_parser(parser, "rm", "rm.learning_rate=1e-4")
+def _done_line(res) -> str:
+    """The last line `rlhflab rm` prints."""
+    return (f"done in {res.seconds:.0f}s: reward model in {res.final_dir}"
+            + (f" (adapter in {res.adapter_dir})" if res.adapter_dir else ""))
 
 
-def run(args: argparse.Namespace) -> int:
-    return run_config_command(args, RMRunConfig, train_rm, lambda res: (
-        f"done in {res.seconds:.0f}s: reward model in {res.final_dir}"
-        + (f" (adapter in {res.adapter_dir})" if res.adapter_dir else "")))
+add_parser, run = config_entry_points(RMRunConfig, train_rm, stem="rm",
+                                      example="rm.learning_rate=1e-4", headline=_done_line)

@@ -32,7 +32,6 @@ Where this departs from common recipes:
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
@@ -61,8 +60,8 @@ from rlhflab.models.lean import make_lean
 from rlhflab.models.precision import autocast
 from rlhflab.models.quant import prepare_quantized, quantization_kwargs
 from rlhflab.run import TrainResult, start_run
-from rlhflab.trainers.common import (add_config_parser, check_finite_model, check_finite_step, clip_and_step,
-                                     make_optimizer, make_scheduler, run_config_command, train_and_held_out)
+from rlhflab.trainers.common import (check_finite_model, check_finite_step, clip_and_step, config_entry_points,
+                                     make_optimizer, make_scheduler, train_and_held_out)
 
 
 # --------------------------------------------------------------------------------------
@@ -476,11 +475,11 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
 # --------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------
-def add_parser(parser: argparse.ArgumentParser) -> None:
-    add_config_parser(parser, "sft", "sft.learning_rate=1e-4")
+def _done_line(res) -> str:
+    """The last line `rlhflab sft` prints."""
+    return (f"done in {res.seconds:.0f}s: {res.output_dir} (model in {res.final_dir}"
+            + (f", adapter in {res.adapter_dir})" if res.adapter_dir else ")"))
 
 
-def run(args: argparse.Namespace) -> int:
-    return run_config_command(args, SFTRunConfig, train_sft, lambda res: (
-        f"done in {res.seconds:.0f}s: {res.output_dir} (model in {res.final_dir}"
-        + (f", adapter in {res.adapter_dir})" if res.adapter_dir else ")")))
+add_parser, run = config_entry_points(SFTRunConfig, train_sft, stem="sft",
+                                      example="sft.learning_rate=1e-4", headline=_done_line)
