@@ -51,6 +51,14 @@ class MiniBatch:
     sample_logprobs: Tensor | None = None  # the sampler's own log-probs (vLLM), for the mismatch correction
     lm_batch: dict | None = None           # PPO-ptx: an LM batch whose loss joins this minibatch's
     lm_weight: float = 0.0                 # ... with this weight (its share of the group's mean)
+    response_attention_mask: Tensor | None = None  # (b, T') multi-turn: context tokens attended too
+
+    @property
+    def attend_mask(self) -> Tensor:
+        """(b, T') the response part's attention mask for the forward: multi-turn episodes
+        attend to the environment's tokens, which `response_mask` (the action mask) leaves
+        out; single-turn it is `response_mask` itself."""
+        return self.response_mask if self.response_attention_mask is None else self.response_attention_mask
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -70,7 +78,7 @@ class MiniBatch:
     @property
     def attention_mask(self) -> Tensor:
         pm = self._row_prompts[1]
-        return torch.cat([pm, self.response_mask.to(pm.dtype)], 1)
+        return torch.cat([pm, self.attend_mask.to(pm.dtype)], 1)
 
     @property
     def prompt_len(self) -> int:
@@ -119,4 +127,5 @@ def select(roll: Rollout, rows: Tensor, loss_mask: Tensor, group_size: int = 1) 
         response_ids=cut(roll.response_ids), response_mask=rm[:, :t_keep], loss_mask=cut(loss_mask),
         group_size=group_size, advantages=cut(roll.advantages), old_logprobs=cut(roll.logprobs),
         ref_logprobs=cut(roll.ref_logprobs), returns=cut(roll.returns), old_values=cut(roll.values),
-        sample_logprobs=cut(getattr(roll, "sample_logprobs", None)))
+        sample_logprobs=cut(getattr(roll, "sample_logprobs", None)),
+        response_attention_mask=cut(getattr(roll, "response_attention_mask", None)))

@@ -46,7 +46,7 @@ def score_rollout(actor, reference: Reference | None, roll: Rollout, *, temperat
     width = roll.response_ids.shape[1]
     lps, vals, refs = [], [], []
     for mb in micro_batches(roll, micro_batch, k):
-        args = (mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask, k)
+        args = (mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.attend_mask, k)  # attention: context too
         if with_policy or with_values:
             out = actor(*args, temperature=temperature, with_values=with_values)
             lps.append(_pad_to(out.logprobs, width))

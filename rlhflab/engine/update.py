@@ -188,7 +188,7 @@ def critic_pass(actor, mb: MiniBatch, sec, math_: PPOMath, normalizer: float):
     """The separate critic's forward, its clipped value loss (`math_.value_loss`) and the
     backward of vf_coeff times it; returns the value loss (its `loss` and `clip_frac`).
     The caller runs the policy's pass after it, or beside it (`overlapped_passes`)."""
-    values = actor.critic(mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask, mb.group_size,
+    values = actor.critic(mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.attend_mask, mb.group_size,
                           mixed_precision=actor.mixed_precision)                      # (b, T)
     value = math_.value_loss(values, mb.old_values, mb.returns, mb.loss_mask, sec.value_clip,
                              aggregation=sec.loss_aggregation, normalizer=normalizer)
@@ -236,7 +236,7 @@ def minibatch_loss(actor, mb: MiniBatch, sec, temperature: float, math_: PPOMath
     with_values = (value is None and not critic_elsewhere and mb.returns is not None
                    and getattr(inner(actor), "has_values", False))
     kw = {"lm_batch": mb.lm_batch} if mb.lm_batch is not None else {}
-    out = actor(mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask, mb.group_size,
+    out = actor(mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.attend_mask, mb.group_size,
                 temperature=temperature, with_values=with_values, with_entropy=True,
                 entropy_grad=sec.entropy_coeff > 0, **kw)
     old = mb.old_logprobs if mb.old_logprobs is not None else out.logprobs.detach()

@@ -46,6 +46,11 @@ class Rollout:
     returns: Tensor | None = None      # (B, T)
     group_size: int = 1                # rows [i·k, (i+1)·k) answer the same prompt (GRPO, RLOO)
     sample_logprobs: Tensor | None = None  # (B, T) the sampler's own log-probs (vLLM); None for hf
+    # Multi-turn episodes (rlhflab.envs): 1 on every real response-part token, the
+    # environment's context included, which the forward attends to; response_mask stays the
+    # action mask (loss, KL, entropy, advantages). None: single-turn, the two are one mask.
+    response_attention_mask: Tensor | None = None  # (B, T)
+    episodes: object | None = None     # the rlhflab.envs.EpisodeBatch the rollout came from
 
     @property
     def prompt_len(self) -> int:
@@ -54,8 +59,14 @@ class Rollout:
     def input_ids(self) -> Tensor:
         return torch.cat([self.prompt_ids, self.response_ids], dim=1)  # (B, P+T)
 
+    @property
+    def attend_mask(self) -> Tensor:
+        """(B, T) what the forward attends to in the response part: `response_attention_mask`
+        for multi-turn episodes, else `response_mask` itself (the same tensor)."""
+        return self.response_mask if self.response_attention_mask is None else self.response_attention_mask
+
     def attention_mask(self) -> Tensor:
-        return torch.cat([self.prompt_mask, self.response_mask.to(self.prompt_mask.dtype)], dim=1)
+        return torch.cat([self.prompt_mask, self.attend_mask.to(self.prompt_mask.dtype)], dim=1)
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -94,6 +105,8 @@ def collate(parts: list[Rollout], pad_token_id: int) -> Rollout:
         prompt_mask=torch.cat([_pad_left(r.prompt_mask, p, 0) for r in parts]),
         response_ids=torch.cat([_pad_right(r.response_ids, t, pad_token_id) for r in parts]),
         response_mask=torch.cat([_pad_right(r.response_mask, t, 0) for r in parts]),
+        response_attention_mask=(None if all(r.response_attention_mask is None for r in parts) else
+                                 torch.cat([_pad_right(r.attend_mask, t, 0) for r in parts])),
         hit_limit=torch.cat([r.hit_limit for r in parts]),
         prompts=[s for r in parts for s in r.prompts],
         responses=[s for r in parts for s in r.responses],
