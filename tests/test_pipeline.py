@@ -141,7 +141,7 @@ def test_documented_sequence_runs_offline_through_the_cli(tmp_path):
     assert main(["sft", "--config", str(CONFIGS / "sft_debug.yaml"), f"model.name_or_path={out / 'tiny-model'}",
                  f"data.path={out / 'arith/sft.jsonl'}", f"data.eval_path={out / 'arith/test.jsonl'}",
                  f"training.output_dir={out / 'sft_debug'}", "sft.max_steps=2", "sft.num_eval_generate=4", *fast]) == 0
-    subprocess.run([sys.executable, "-m", "rlhflab.data.preferences", "--out", str(out / "prefs"),
+    subprocess.run([sys.executable, "-m", "rlhflab.label.make_prefs", "--out", str(out / "prefs"),
                     "--n-train", "64", "--n-test", "16"], check=True, cwd=ROOT)
     assert main(["rm", "--config", str(CONFIGS / "rm_debug.yaml"), f"model.name_or_path={out / 'sft_debug/final'}",
                  f"data.path={out / 'prefs/train.jsonl'}", f"data.eval_path={out / 'prefs/test.jsonl'}",

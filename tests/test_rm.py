@@ -276,14 +276,15 @@ def test_policy_pairs_label_the_policys_own_samples(tiny):
     from transformers import AutoModelForCausalLM
 
     from rlhflab.data import arith
+    from rlhflab.label.make_prefs import policy_pairs
     from rlhflab.models.load import load_tokenizer
 
     model, tok = AutoModelForCausalLM.from_pretrained(str(tiny)).eval(), load_tokenizer(str(tiny))
     rows = arith.make_split(6, seed=0)
     # A stand-in labeller: longer is better. Every pair's chosen outscores its rejected.
-    pairs = prefdata.policy_pairs(model, tok, rows, n=3, max_new_tokens=6, labeller=lambda r, row: len(r))
+    pairs = policy_pairs(model, tok, rows, n=3, max_new_tokens=6, labeller=lambda r, row: len(r))
     assert pairs and all(len(p["chosen"]) > len(p["rejected"]) for p in pairs)
     assert set(pairs[0]) == {"prompt", "chosen", "rejected", "margin", "pair_id", "n_labels"}
     assert all(p["prompt"] == f"Question: {rows[p['pair_id']]['question']}\nAnswer:" for p in pairs)
     # The default labeller is the GSM8K checker: an untrained model is never right, so no pairs.
-    assert prefdata.policy_pairs(model, tok, rows, n=2, max_new_tokens=4) == []
+    assert policy_pairs(model, tok, rows, n=2, max_new_tokens=4) == []

@@ -48,6 +48,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from rlhflab.errors import UserError
+from rlhflab.rollout.hf import LOCKSTEP_ATTR
 
 ENGINE_DIR = "deepspeed"  # a DeepSpeed run's checkpoint keeps the engine's own state here
 ENGINE_TAG = "state"
@@ -506,16 +507,10 @@ def fsdp_units(module: torch.nn.Module) -> list:
 
 def mark_lockstep(module: torch.nn.Module, lockstep: bool) -> None:
     """Record on every submodule whether its forward passes communicate (FSDP2 layers held
-    sharded, ZeRO-3), so that generation runs in step with the other ranks (`lockstep_of`)."""
+    sharded, ZeRO-3), so that generation runs in step with the other ranks (generation
+    reads it: `rlhflab.rollout.hf.lockstep_of`)."""
     for sub in module.modules():
-        sub._rlhflab_lockstep = lockstep
-
-
-def lockstep_of(module: torch.nn.Module) -> bool | None:
-    """Whether `module` must decode in step with the other ranks: True (sharded weights
-    gathered as it runs), False (whole weights held: one rank may run alone), None (not
-    under a sharded strategy: the caller's default)."""
-    return getattr(module, "_rlhflab_lockstep", None)
+        setattr(sub, LOCKSTEP_ATTR, lockstep)
 
 
 def _layer_classes(module: torch.nn.Module) -> set[str]:

@@ -95,7 +95,7 @@ def preflight(cfg, quiet: bool = False) -> list[PreflightCall]:
 
     Prints one line per call (and what eval/accuracy will mean) unless `quiet`.
     """
-    from rlhflab.evaluate import EvalChecks, accuracy_rule
+    from rlhflab.rewards.checks import EvalChecks, accuracy_rule
 
     def first(split: str):
         examples, row = _rows(cfg.dataset, split)

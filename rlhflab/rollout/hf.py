@@ -21,7 +21,6 @@ from typing import Sequence
 import torch
 
 from rlhflab import ops
-from rlhflab.engine.dist import lockstep_of
 from rlhflab.models.actor_critic import decoder_and_head, is_checkpointing, position_ids_from
 from rlhflab.rollout import Rollout, collate, eos_ids_of, finish_rollout
 
@@ -53,6 +52,16 @@ def _seeded_processors(keys: torch.Tensor, temperature: float, top_k: int, top_p
     return LogitsProcessorList([*procs, SeededGumbel(keys, prompt_len)])
 
 
+LOCKSTEP_ATTR = "_rlhflab_lockstep"  # set on every submodule by engine.dist.mark_lockstep
+
+
+def lockstep_of(module: torch.nn.Module) -> bool | None:
+    """Whether `module` must decode in step with the other ranks: True (sharded weights
+    gathered as it runs), False (whole weights held: one rank may run alone), None (not
+    under a sharded strategy: the caller's default)."""
+    return getattr(module, LOCKSTEP_ATTR, None)
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompts: Sequence[str], *, n: int = 1, max_new_tokens: int,
              min_new_tokens: int = 0, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
@@ -73,7 +82,7 @@ def generate(model, tokenizer, prompts: Sequence[str], *, n: int = 1, max_new_to
     shared = share_prompt and n > 1 and not is_checkpointing(model)
     kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens or None,
                   pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, use_cache=True)
-    lockstep = lockstep_of(model)  # under FSDP / ZeRO-3 (engine.dist)
+    lockstep = lockstep_of(model)  # under FSDP / ZeRO-3 (set by engine.dist.mark_lockstep)
     if lockstep is not None:  # sharded layers: every rank decodes until the last is done; whole: alone
         kwargs["synced_gpus"] = lockstep
     if greedy:
