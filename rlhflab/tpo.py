@@ -264,7 +264,10 @@ def run(args: argparse.Namespace) -> int:
     from rlhflab.models.load import resolve_device
     from rlhflab.trainers.common import seed_everything, set_threads
 
+    from rlhflab.models.quant import refuse_quantization
+
     cfg, effective = load_config(args.config, TPORunConfig, args.overrides)
+    refuse_quantization(cfg.model, "rlhflab tpo")
     set_threads(cfg.run.num_threads)
     cpu.setup_process(resolve_device(cfg.run.device), cfg.model)
     preflight(_as_eval_run(cfg))  # the plug-ins, on the held-out rows, before the model loads

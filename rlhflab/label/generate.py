@@ -90,9 +90,11 @@ def generate_pairs(cfg: LabelGenerateConfig, prompts_path: str | Path,
 
     import torch
 
+    from rlhflab.models.quant import refuse_quantization
     from rlhflab.rollout.sampler import EngineSettings, Sampler
 
     m, gen = cfg.model, cfg.generation
+    refuse_quantization(m, "rlhflab label generate")
     torch.manual_seed(cfg.seed)
     sampler = Sampler.from_folder(
         m.name_or_path, backend=gen.backend, template=cfg.prompt_template, use_chat_template=cfg.use_chat_template,

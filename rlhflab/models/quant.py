@@ -12,7 +12,8 @@ Where it runs: bitsandbytes' kernels need CUDA, so a run on any other device, a 
 without bitsandbytes, or a config without LoRA is refused with one line saying what to
 do (`check_quantization` in the config schema refuses the last at load time already).
 Not covered: the reward model, the classifier, `rlhflab tpo` and `label generate`, whose
-models load in full precision; and FSDP or DeepSpeed ZeRO-3 sharding of a quantised
+models load in full precision (`refuse_quantization` stops them with one line instead of
+ignoring the key); and FSDP or DeepSpeed ZeRO-3 sharding of a quantised
 base, which is untested.
 """
 
@@ -34,6 +35,15 @@ def quantization_key(model_cfg) -> str | None:
     if getattr(model_cfg, "load_in_8bit", False):
         return "model.load_in_8bit"
     return None
+
+
+def refuse_quantization(model_cfg, what: str) -> None:
+    """A `UserError` when `model_cfg` asks for a quantised base where `what` (a command, a
+    model) loads in full precision, instead of ignoring the key."""
+    key = quantization_key(model_cfg)
+    if key is not None:
+        raise UserError(f"{key}: {what} loads its model in full precision (a 4- or 8-bit base is for LoRA "
+                        f"training of a policy: sft, dpo and the RL methods); set {key}=false")
 
 
 def quantization_kwargs(model_cfg, lora_cfg, device: torch.device | str) -> dict[str, Any]:

@@ -475,6 +475,9 @@ def engine_for_folder(name_or_path: str, tokenizer, prompts: Sequence[str], *, m
         ``{"generation.backend": "--backend", "generation.kv_cache_gb": "--kv-cache-gb"}``:
         errors name what the user typed. None: the config keys, as `label generate` reads them.
     """
+    from rlhflab.models.load import resolve_model_path
+
+    name_or_path = resolve_model_path(name_or_path)  # a .gguf file: its imported folder
     tokenizer.truncation_side = "left"  # as `generate` and `VLLMEngine.generate` cut prompts
     lengths = [len(ids) for ids in tokenizer(list(prompts), add_special_tokens=False,
                                               truncation=max_prompt_length is not None,

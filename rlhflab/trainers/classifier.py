@@ -151,14 +151,16 @@ def build_classifier(cfg: ClassifierRunConfig, labels: list[str], device: torch.
     """(model, tokenizer): the base with a fresh `len(labels)`-way head."""
     from transformers import AutoModelForSequenceClassification
 
-    from rlhflab.models.load import _load_error
+    from rlhflab.models.load import _load_error, resolve_model_path
+    from rlhflab.models.quant import refuse_quantization
 
     m = cfg.model
+    refuse_quantization(m, "rlhflab classifier")
     tok = load_tokenizer(m.tokenizer or m.name_or_path, m.trust_remote_code, padding_side="right")
     tok.truncation_side = "left"
     try:
         model = AutoModelForSequenceClassification.from_pretrained(
-            m.name_or_path, num_labels=len(labels), id2label=dict(enumerate(labels)),
+            resolve_model_path(m.name_or_path), num_labels=len(labels), id2label=dict(enumerate(labels)),
             label2id={n: i for i, n in enumerate(labels)}, dtype=resolve_dtype(m.torch_dtype),
             trust_remote_code=m.trust_remote_code)
     except Exception as exc:

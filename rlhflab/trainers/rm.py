@@ -225,15 +225,17 @@ def build_reward_model(cfg: RMRunConfig, device: torch.device):
     """(model, tokenizer): the base LM with a fresh scalar head, LoRA-wrapped if asked."""
     from transformers import AutoModelForSequenceClassification
 
-    from rlhflab.models.load import _load_error, reject_adapter
+    from rlhflab.models.load import _load_error, reject_adapter, resolve_model_path
+    from rlhflab.models.quant import refuse_quantization
 
     m = cfg.model
+    refuse_quantization(m, "rlhflab rm")
     reject_adapter(m.name_or_path, "model")  # a reward model needs a full base model
     tok = load_tokenizer(m.tokenizer or m.name_or_path, m.trust_remote_code, padding_side="right",
                          kind="model" if m.tokenizer is None else "tokenizer")
     try:
         model, info = AutoModelForSequenceClassification.from_pretrained(
-            m.name_or_path, num_labels=1, dtype=resolve_dtype(m.torch_dtype, device), trust_remote_code=m.trust_remote_code,
+            resolve_model_path(m.name_or_path), num_labels=1, dtype=resolve_dtype(m.torch_dtype, device), trust_remote_code=m.trust_remote_code,
             output_loading_info=True)
     except Exception as exc:
         raise _load_error("model", m.name_or_path, exc) from None
