@@ -127,10 +127,12 @@ def _cut_at_stop(ids: Sequence[int], stop_ids: set[int]) -> tuple[list[int], boo
 
 def run_episodes(setup: EpisodeSetup, examples: Sequence[dict], generate: Callable, *, max_turns: int,
                  stop_ids: Sequence[int] = (), step_timeout_s: float | None = None, max_length: int | None = None,
-                 env_kwargs: dict | None = None) -> list[Episode]:
+                 env_kwargs: dict | None = None, with_rows: bool = False) -> list[Episode]:
     """One episode per example, all advanced turn by turn together (see the module docstring).
 
     `stop_ids` end a turn besides the template's end-of-turn token (the tokenizer's EOS).
+    `with_rows`: call ``generate(prompts, rows)``, `rows` the index of each prompt's episode
+    in `examples` (seeded sampling keys its noise by it).
     """
     renderer, tok = setup.renderer, setup.renderer.tokenizer
     stop = {int(s) for s in stop_ids} | {renderer.end_of_turn_id}
@@ -148,7 +150,8 @@ def run_episodes(setup: EpisodeSetup, examples: Sequence[dict], generate: Callab
         else:
             active.append(i)
     while active:
-        outs = generate([episodes[i].prompt_ids + episodes[i].ids for i in active])
+        prompts = [episodes[i].prompt_ids + episodes[i].ids for i in active]
+        outs = generate(prompts, list(active)) if with_rows else generate(prompts)
         if len(outs) != len(active):
             raise ValueError(f"generate returned {len(outs)} outputs for {len(active)} prompts")
         still = []

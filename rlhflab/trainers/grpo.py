@@ -41,7 +41,7 @@ from rlhflab.config.schema import GroupSection, KLKind, f
 from rlhflab.engine.scoring import score_rollout
 from rlhflab.trainers.common import Timer
 from rlhflab.trainers.loop import (PolicyMethod, RLRun, broadcast_advantages, group_advantages, policy_entry_points,
-                                   policy_run_config, rollout_metrics, run_update, score_responses)
+                                   policy_run_config, rollout_metrics, run_update, score_responses, outcome_scores)
 
 
 # --------------------------------------------------------------------------------------
@@ -88,7 +88,8 @@ def sample_and_score(run: RLRun, examples, timer: Timer, step: int = 0, *, kl_in
                                     examples=[e.row for e in examples], step=step)
     # 2. score: one float per response.
     with timer("score"):
-        roll.scores = score_responses(run.scorer, roll, cfg.reward, models.device)     # (B,)
+        # (B,); multi-turn: the final answer's score plus the environment's turn rewards
+        roll.scores = outcome_scores(roll, score_responses(run.scorer, roll, cfg.reward, models.device))
     # 3. forward: reference log-probs for the KL; old log-probs only when needed.
     with timer("forward"):
         need_old = sec.optimizer_steps_per_rollout() > 1 or kl_in_reward

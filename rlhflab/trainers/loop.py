@@ -77,6 +77,28 @@ def score_responses(scorer, roll: Rollout, reward_cfg, device: torch.device) -> 
     return scores
 
 
+def env_active(cfg) -> bool:
+    """True when the run config names an environment or tools (multi-turn episodes)."""
+    env = getattr(cfg, "env", None)
+    return env is not None and bool(env.name or env.tools)
+
+
+def episode_rewards(roll: Rollout, device: torch.device) -> torch.Tensor | None:
+    """(B, N) the environment's turn rewards of a multi-turn rollout, or None."""
+    batch = getattr(roll, "episodes", None)
+    return None if batch is None else (batch.turn_rewards * batch.turn_mask).float().to(device)
+
+
+def outcome_scores(roll: Rollout, scores: torch.Tensor) -> torch.Tensor:
+    """The episode's return for the outcome-based methods (GRPO, RLOO, Dr. GRPO,
+    REINFORCE++): the reward sources' score of the final answer plus the plain sum of the
+    environment's turn rewards (`ops.episode_returns`); single-turn: `scores` unchanged."""
+    turns = episode_rewards(roll, scores.device)
+    if turns is None:
+        return scores
+    return scores + ops.episode_returns(turns, torch.ones_like(turns))
+
+
 def broadcast_advantages(seq_advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """The same advantage on every response token: (B,), (B, T) -> (B, T), 0 on padding."""
     if seq_advantages.dim() != 1 or seq_advantages.shape[0] != response_mask.shape[0]:
@@ -148,6 +170,9 @@ def rollout_metrics(roll: Rollout, dist: Dist | None = None) -> dict[str, float]
         out["params/kl_to_ref"] = dist.mean(float((roll.kl * mask).sum(-1).mean()))
     if getattr(roll, "sample_logprobs", None) is not None and roll.logprobs is not None:
         out["rollout/logprob_gap"] = token_mean((roll.logprobs - roll.sample_logprobs).abs())
+    if getattr(roll, "episodes", None) is not None:  # multi-turn: turns, max_turns, tool errors
+        from rlhflab.envs.rollout import episode_metrics
+        out.update(episode_metrics(roll, dist))
     return out
 
 
@@ -194,6 +219,13 @@ def build_run(cfg, method: PolicyMethod, *, resume_dir: Path | None = None, math
     backend = make_backend(cfg.generation, models.policy, models.tokenizer,
                            max_prompt_length=cfg.dataset.max_prompt_length, batch_size=sec.batch_size,
                            seed=train_cfg.seed, rank=dist.rank)
+    if env_active(cfg):  # multi-turn episodes through the same backend (rlhflab.envs.rollout)
+        from rlhflab.envs import setup_episodes
+        from rlhflab.envs.rollout import EpisodeBackend
+        from rlhflab.rollout import eos_ids_of
+        backend = EpisodeBackend(backend, setup_episodes(cfg.env, models.tokenizer), cfg.env, models.tokenizer,
+                                 prompt_field=cfg.dataset.prompt_field,
+                                 stop_ids=eos_ids_of(models.policy, models.tokenizer))
     ptx = None
     if sec.ptx_coeff > 0:
         from rlhflab.data.ptx import PtxData
@@ -215,6 +247,20 @@ def run_update(run: RLRun, roll: Rollout, step: int) -> dict[str, float]:
                              ptx=run.ptx_batches(step), dist=run.dist)
 
 
+def env_preflight(cfg, quiet: bool = False):
+    """One canned episode of the configured environment and tools on the first training
+    row, before any model loads (`rlhflab.envs.preflight`); None without an `env:`."""
+    if not env_active(cfg):
+        return None
+    from rlhflab.data.prompts import load_prompts
+    from rlhflab.envs import preflight_env
+
+    first = load_prompts(cfg.dataset, None, "train")[0]
+    row = dict(first.row)
+    row.setdefault("prompt", row.get(cfg.dataset.prompt_field, ""))
+    return preflight_env(cfg.env, row, quiet=quiet)
+
+
 def evaluate(run: RLRun, examples, out_dir: Path, step: int, n_show: int = 2) -> dict:
     """Greedy held-out evaluation; every sample saved to eval/step_N.jsonl, the first
     `n_show` printed. Under several processes each rank decodes whole batches (batch i on
@@ -226,11 +272,16 @@ def evaluate(run: RLRun, examples, out_dir: Path, step: int, n_show: int = 2) ->
     mine = [b for i, b in enumerate(batches) if i % dist.world_size == dist.rank]
     # FSDP and ZeRO-3 decode in lockstep: a rank short of a batch decodes batch 0 again and drops it.
     spare = -(-len(batches) // dist.world_size) - len(mine) if dist.lockstep else 0
-    parts = [evaluate_policy(run.models.policy, run.models.tokenizer, b, run.scorer,
-                             max_new_tokens=cfg.generation.max_new_tokens,
-                             max_prompt_length=cfg.dataset.max_prompt_length, batch_size=size,
-                             checks=run.checks).samples
-             for b in mine + batches[:1] * spare][: len(mine)]
+    def decode(b):
+        if env_active(cfg):  # greedy episodes; the reward sources and checks read the final answer
+            from rlhflab.evaluate import score_rollout as score_eval
+            roll = run.backend.generate([e.prompt for e in b], examples=[e.row for e in b], greedy=True)
+            return score_eval(roll, run.scorer, run.checks)
+        return evaluate_policy(run.models.policy, run.models.tokenizer, b, run.scorer,
+                               max_new_tokens=cfg.generation.max_new_tokens,
+                               max_prompt_length=cfg.dataset.max_prompt_length, batch_size=size, checks=run.checks)
+
+    parts = [decode(b).samples for b in mine + batches[:1] * spare][: len(mine)]
     gathered = dist.gather(parts)                       # rank r holds batches r, r+N, r+2N, ...
     samples = [s for i in range(len(batches)) for s in gathered[i % dist.world_size][i // dist.world_size]]
     res = EvalResult.from_samples(samples, extra=tuple(run.checks.rewards) if run.checks is not None else ())
@@ -271,7 +322,8 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
     run_ = start_run(cfg, method.name, effective=effective, resume=resume, quiet=quiet, resumable=True,
                      backend=cfg.generation.backend, critic=method.critic or "none",
                      local=world_counts(sec, method.name),
-                     preflight=lambda silent: preflight(cfg, silent))  # every reward/check plug-in, called once
+                     preflight=lambda silent: (preflight(cfg, silent),  # every reward/check plug-in, called once
+                                               env_preflight(cfg, silent)))  # and one canned episode
     run = build_run(cfg, method, resume_dir=run_.resume_dir, math_=math_, dist=run_.dist, context=run_)
     models, optimizer = run.models, run.optimizer
     train_examples = load_prompts(cfg.dataset, models.tokenizer, "train")
@@ -378,13 +430,16 @@ def policy_run_config(cls_name: str, section: str, section_cls: type, *, command
     from rlhflab.config.schema import (DatasetConfig, EvalConfig, GenerationConfig, LoggingConfig, LoRAConfig,
                                        ModelConfig, RewardConfig, TrainingConfig, check_reference)
 
+    from rlhflab.envs.base import EnvConfig
+
     sections = [("model", ModelConfig), ("lora", LoRAConfig), ("dataset", DatasetConfig),
-                ("generation", GenerationConfig), ("reward", RewardConfig), ("eval", EvalConfig),
+                ("generation", GenerationConfig), ("reward", RewardConfig), ("env", EnvConfig), ("eval", EvalConfig),
                 (section, section_cls), ("training", TrainingConfig), ("logging", LoggingConfig)]
 
     def check(self) -> list[str]:
-        return check_reference(self.model, self.lora, getattr(getattr(self, section), kl_weight),
-                               f"{section}.{kl_weight}")
+        return (check_reference(self.model, self.lora, getattr(getattr(self, section), kl_weight),
+                                f"{section}.{kl_weight}")
+                + [f"env.{e}" for e in (self.env.check() if (self.env.name or self.env.tools) else [])])
 
     cls = make_dataclass(cls_name, [(name, kind, dc_field(default_factory=kind)) for name, kind in sections],
                          namespace={"check": check, "__doc__": f"`rlhflab {command}`: every section of {title} run."})

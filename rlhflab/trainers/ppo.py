@@ -36,7 +36,7 @@ from rlhflab.models.setup import PolicyModels
 from rlhflab.engine.update import MinibatchStats, PPOMath, minibatch_loss, update_group
 from rlhflab.trainers.common import Timer
 from rlhflab.trainers.loop import (PolicyMethod, RLRun, policy_entry_points, policy_run_config, rollout_metrics,
-                                   run_update, score_responses, whiten)
+                                   run_update, score_responses, whiten, episode_rewards, outcome_scores)
 
 # The names learner mode and older code use for the engine's pieces.
 ppo_minibatch_loss = minibatch_loss
@@ -102,12 +102,22 @@ def collect_rollout(run: RLRun, examples, timer: Timer, step: int = 0):
         coeff = sec.kl_coeff if sec.kl_in == "reward" else 0.0
         roll.rewards, roll.kl = ops.kl_shaped_rewards(
             roll.scores, roll.logprobs, ref_lp, roll.response_mask, coeff, sec.kl_estimator)  # (B, T) each
+        turns = episode_rewards(roll, models.device)  # multi-turn: the environment's (B, N) turn rewards
+        if turns is not None:  # each on its turn's end-of-turn token (dense rewards, docs/environments.md)
+            batch = roll.episodes
+            roll.rewards = roll.rewards + ops.place_turn_rewards(
+                turns, batch.turn_ends.to(models.device), batch.turn_mask.to(models.device),
+                roll.response_mask.shape[1]).to(roll.rewards.dtype)
+            roll.scores = outcome_scores(roll, roll.scores)  # the episode's return, for the logs
         rewards = roll.rewards
         if sec.whiten_rewards:
             rewards = whiten(rewards, roll.response_mask, run.dist, shift_mean=False)
         # 4. advantages: GAE (reverse recursion), then whitening over real tokens only
         # (of every rank).
-        adv, ret = run.math.advantages(rewards, roll.values, roll.response_mask, sec.gamma, sec.lam)
+        if turns is None:
+            adv, ret = run.math.advantages(rewards, roll.values, roll.response_mask, sec.gamma, sec.lam)
+        else:  # GAE over the action tokens only: context tokens are no time steps (ops.multiturn)
+            adv, ret = ops.gae_over_actions(rewards, roll.values, roll.response_mask, sec.gamma, sec.lam)
         if sec.whiten_advantages:
             adv = whiten(adv, roll.response_mask, run.dist)
         roll.advantages, roll.returns = adv, ret

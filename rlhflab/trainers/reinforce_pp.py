@@ -72,7 +72,9 @@ def reinforce_pp_advantages(scores, logprobs, ref_logprobs, response_mask, sec, 
     ref = ref_logprobs if ref_logprobs is not None else logprobs
     rewards, kl = ops.kl_shaped_rewards(scores, logprobs, ref, response_mask, sec.kl_coeff,
                                         sec.kl_estimator)                               # (B, T) each
-    returns = ops.discounted_returns(rewards, response_mask, sec.gamma)                 # (B, T)
+    # Over the action tokens (context tokens of a multi-turn episode are no time steps);
+    # for a single response's contiguous mask this is ops.discounted_returns exactly.
+    returns = ops.discounted_returns_over_actions(rewards, response_mask, sec.gamma)    # (B, T)
     return whiten(returns, response_mask, dist), kl
 
 
