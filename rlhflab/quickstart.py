@@ -115,7 +115,7 @@ def quickstart(out_dir: str | Path = "outputs/quickstart", overrides: list[str] 
     # Validate every override before any work starts.
     sft_cfg, sft_eff = load_config(None, SFTRunConfig, sft_over, base=dataclasses.asdict(sft_defaults(out, threads)))
     ppo_cfg, ppo_eff = load_config(None, PPORunConfig, ppo_over, base=dataclasses.asdict(ppo_defaults(out, threads)))
-    prepare_output_dir(ppo_cfg.training.output_dir)
+    prepare_output_dir(ppo_cfg.training.output_dir, config=ppo_eff)  # a PPO stage stopped early: started over
     start = time.perf_counter()
     say = (lambda *a: None) if quiet else print
 

@@ -66,3 +66,32 @@ def test_gsm8k_reward_without_answers_is_a_user_error():
 
     with _pytest.raises(UserError, match="dataset.answer_field"):
         RuleScorer(resolve_rule("gsm8k")).score(["q"], ["#### 3"], [{"question": "q"}])
+
+
+def test_a_ppo_stage_stopped_before_its_first_checkpoint_is_started_over(tmp_path, monkeypatch, capsys):
+    """The same quickstart run again: its PPO folder (metrics.jsonl, no checkpoint) is let in
+    and started over, as `rlhflab ppo` does, not refused. The stages are stubbed: only the
+    folder check before the warm start runs."""
+    import dataclasses
+
+    from rlhflab import quickstart as qs
+    from rlhflab.config import load_config, save_effective_config
+    from rlhflab.trainers import ppo
+
+    _, effective = load_config(None, ppo.PPORunConfig, [], base=dataclasses.asdict(qs.ppo_defaults(tmp_path, qs.THREADS)))
+    stopped = tmp_path / "ppo"
+    stopped.mkdir()
+    save_effective_config(effective, stopped)
+    (stopped / "metrics.jsonl").write_text('{"step": 1}\n')
+
+    class Reached(Exception):
+        pass
+
+    def stop(*a, **k):
+        raise Reached
+
+    monkeypatch.setattr(qs, "prepare_warm_start", stop)
+    with pytest.raises(Reached):
+        quickstart(tmp_path, quiet=True)
+    assert "stopped before its first checkpoint: starting it over" in capsys.readouterr().out
+    assert not (stopped / "metrics.jsonl").exists() and list(stopped.glob("metrics.stopped-*.jsonl"))
