@@ -239,4 +239,8 @@ def test_cli_trains_from_a_yaml_naming_env_and_tool(chat_model, task_dir, tmp_pa
     assert "preflight: env my_env:TwoTurns" in res.stdout + res.stderr
     rows = [json.loads(l) for l in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines() if l.strip()]
     turns = [r["episode/turns_mean"] for r in rows if "episode/turns_mean" in r]
-    assert len(turns) == 2 and all(t >= 2 for t in turns)  # TwoTurns answers the first reply
+    # An untrained model mostly runs out of tokens mid-turn (which ends an episode), so the
+    # turns lie between 1 and max_turns; every episode metric is logged at every step.
+    assert len(turns) == 2 and all(1 <= t <= 3 for t in turns)
+    assert all("episode/tool_error_rate" in r and "episode/hit_max_turns_frac" in r for r in rows
+               if "episode/turns_mean" in r)
