@@ -63,6 +63,10 @@ DPO_CHOSEN = "logps/chosen"       # the policy's sequence log-probs, batch means
 DPO_REJECTED = "logps/rejected"
 LOGPROB_GAP = "rollout/logprob_gap"  # vLLM: mean |trainer - sampler| log-prob per response token
 APPROX_KL = "params/approx_kl"       # how far an update moved the policy from the one that sampled
+MAX_TURNS_FRAC = "episode/hit_max_turns_frac"  # multi-turn: episodes stopped at env.max_turns
+TOOL_ERROR_RATE = "episode/tool_error_rate"    # failed tool calls / tool calls
+EARLY_TURN_TOKENS = "episode/early_turn_tokens_mean"  # action tokens per turn before the last
+ENV_REWARD = "episode/env_reward_mean"         # the environment's turn rewards summed per episode
 
 
 
@@ -197,6 +201,22 @@ class DoctorConfig:
     # became e^2 = 7x less likely), and the rejected fell too.
     logp_avg_steps: int = 5
     logp_drop: float = 2.0
+    # Multi-turn episodes (an `env:` section; docs/environments.md). max_turns: at least
+    # `max_turns_frac` of the episodes stopped at env.max_turns for `max_turns_patience`
+    # steps in a row. tool_errors: the mean of the last `tool_avg_steps` tool-error rates is
+    # `tool_error_rise` above the mean of the first ones and at least `tool_error_min`.
+    # early_turns_collapse: no environment reward at any turn (the reward only judges the
+    # final answer) while the action tokens of the turns before the last fell below
+    # `early_turn_drop` times their start (means of `early_turn_avg_steps` values, after
+    # `early_turn_window` steps).
+    max_turns_frac: float = 0.5
+    max_turns_patience: int = 3
+    tool_avg_steps: int = 3
+    tool_error_rise: float = 0.2
+    tool_error_min: float = 0.3
+    early_turn_window: int = 8
+    early_turn_avg_steps: int = 3
+    early_turn_drop: float = 0.3
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -697,6 +717,63 @@ def _rule_margin_growth(history: History, latest: dict[str, float], cfg: DoctorC
             f"are easy to exploit. To stop it: {fix}")
 
 
+def _multiturn_applies(history: History, key: str) -> Optional[str]:
+    """None until an RL run has logged a step; "" (nothing to judge, healthy) for a
+    single-turn run, which logs no episode/* metrics; else "check" (judge `key`)."""
+    if key in history:
+        return "check"
+    return "" if history.get(REWARD_MEAN) else None
+
+
+def _rule_max_turns(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
+    applies = _multiturn_applies(history, MAX_TURNS_FRAC)
+    if applies != "check":
+        return applies
+    n = cfg.max_turns_patience
+    fracs = _values(history, MAX_TURNS_FRAC)
+    if len(fracs) < n:
+        return None
+    if min(fracs[-n:]) < cfg.max_turns_frac:
+        return ""
+    return (f"{fracs[-1]:.0%} of episodes stopped at env.max_turns for {n} steps: the environment never says "
+            f"done for them, so their final answer is whatever the last turn said. Read a few episodes "
+            f"(eval/step_N.jsonl), then make the task or the feedback clearer, or raise env.max_turns")
+
+
+def _rule_tool_errors(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
+    applies = _multiturn_applies(history, TOOL_ERROR_RATE)
+    if applies != "check":
+        return applies
+    k = cfg.tool_avg_steps
+    rates = _values(history, TOOL_ERROR_RATE)
+    if len(rates) < 2 * k:
+        return None
+    start, recent = _mean(rates[:k]), _mean(rates[-k:])
+    if recent - start < cfg.tool_error_rise or recent < cfg.tool_error_min:
+        return ""
+    return (f"the tool-error rate rose from {start:.0%} to {recent:.0%} of calls: the policy is drifting away "
+            f"from the call format (or calling tools with arguments they refuse). Read the tool messages in a few "
+            f"episodes; lower {lr_knob(cfg)}, raise the KL weight ({cfg.kl_knob}), or start from a model that "
+            f"follows env.tool_format")
+
+
+def _rule_early_turns(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
+    applies = _multiturn_applies(history, EARLY_TURN_TOKENS)
+    if applies != "check":
+        return applies
+    tokens = _values(history, EARLY_TURN_TOKENS)
+    env_reward = _values(history, ENV_REWARD)
+    fall = _fall(tokens, cfg.early_turn_window, cfg.early_turn_avg_steps)
+    if fall is None:
+        return None
+    if any(abs(r) > 1e-12 for r in env_reward) or fall.recent >= cfg.early_turn_drop * fall.start:
+        return ""
+    return (f"only the final answer is rewarded and the turns before it shrank from {fall.start:.1f} to "
+            f"{fall.recent:.1f} action tokens: the policy learns to skip the work of the earlier turns "
+            f"(tool calls, guesses) that the environment answers. Reward the turns themselves (a per-turn reward "
+            f"from step()), or raise the KL weight ({cfg.kl_knob})")
+
+
 def _rule_logps_falling(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
     chosen, rejected = _values(history, DPO_CHOSEN), _values(history, DPO_REJECTED)
     k = cfg.logp_avg_steps
@@ -746,6 +823,12 @@ RULES: tuple[Rule, ...] = (
          "the updates do not fade to nothing while the reward stands still", _rule_kl_fading),
     Rule("value_flat_early", "warn", f"{VALUE_LOSS} over the first rollouts", "value loss falls from the start",
          _rule_value_flat_early),
+    # Multi-turn episodes (healthy by definition in a single-turn run).
+    Rule("max_turns", "warn", MAX_TURNS_FRAC, "most episodes end before env.max_turns", _rule_max_turns),
+    Rule("tool_errors", "warn", TOOL_ERROR_RATE, "the tool-error rate does not rise", _rule_tool_errors),
+    Rule("early_turns_collapse", "warn", f"{EARLY_TURN_TOKENS} against {ENV_REWARD}",
+         "the turns before the last do not shrink to nothing when only the final answer is rewarded",
+         _rule_early_turns),
 )
 RULE_SETS: dict[str, tuple[Rule, ...]] = {
     "rl": RULES,

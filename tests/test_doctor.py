@@ -581,3 +581,53 @@ def test_cli_picks_the_rules_from_the_effective_config(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "rm rules (method rm)" in out and "WARN  accuracy_at_chance" in out
     assert (run_dir / "doctor.png").is_file()   # the SFT/RM/DPO panels are drawn
+
+
+# ------------------------------------------------------------------ multi-turn episodes
+
+def multiturn_history(n: int = 20) -> list[dict]:
+    rows = healthy_history(n)
+    for r in rows:
+        r.update({"episode/turns_mean": 2.5, "episode/hit_max_turns_frac": 0.1, "episode/tool_error_rate": 0.1,
+                  "episode/early_turn_tokens_mean": 12.0, "episode/env_reward_mean": 0.0})
+    return rows
+
+
+def test_multiturn_rules_quiet_on_a_healthy_episode_run():
+    doctor, found = replay(multiturn_history())
+    assert found == [], [str(f) for f in found]
+    assert all(doctor.state[n] == "" for n in ("max_turns", "tool_errors", "early_turns_collapse"))
+
+
+def test_episodes_hitting_max_turns_fire_after_patience():
+    rows = multiturn_history()
+    for t in range(8, 11):                       # three steps in a row at 60-80% (patience 3)
+        rows[t]["episode/hit_max_turns_frac"] = 0.6 + 0.1 * (t - 8)
+    rows[15]["episode/hit_max_turns_frac"] = 0.9  # one step alone: below the patience
+    _, found = replay(rows)
+    assert rules_fired(found) == ["max_turns"] and found[0].step == 10
+    assert "80% of episodes stopped at env.max_turns for 3 steps" in found[0].message
+
+
+def test_tool_error_rate_rising_fires():
+    rows = multiturn_history()
+    for t in range(12, 20):
+        rows[t]["episode/tool_error_rate"] = 0.5
+    _, found = replay(rows)
+    # first 3 steps 0.1; at step 13 the last three are 0.1, 0.5, 0.5 (mean 0.367): up 0.267 >= 0.2,
+    # and 0.367 >= 0.3 (at step 12 the mean 0.233 is under 0.3)
+    assert rules_fired(found) == ["tool_errors"] and found[0].step == 13
+    assert "from 10% to 37%" in found[0].message
+
+
+def test_earlier_turns_collapsing_under_a_final_only_reward_fires_and_not_with_turn_rewards():
+    rows = multiturn_history()
+    for t, r in enumerate(rows):                 # 12 tokens per earlier turn falling to 2
+        r["episode/early_turn_tokens_mean"] = max(2.0, 12.0 - t)
+    _, found = replay(rows)
+    # start mean 12 (steps 0-2: 12, 11, 10 -> 11); recent under 0.3 * 11 = 3.3 once steps 8-10 average 3
+    assert rules_fired(found) == ["early_turns_collapse"] and found[0].step == 10
+    for r in rows:                               # the environment rewards the turns: not this failure
+        r["episode/env_reward_mean"] = 0.2
+    _, found = replay(rows)
+    assert found == []

@@ -186,6 +186,15 @@ def _keys(seed: int, step: int, turn: int, row_offset: int, rows: Sequence[int])
     return ops.row_keys(seed, step + turn * TURN_STEP, row_offset + torch.tensor(list(rows), dtype=torch.int64))
 
 
+def early_turn_tokens(ep) -> float | None:
+    """Mean action tokens per turn before an episode's last (None for a one-turn episode)."""
+    if ep.num_turns < 2:
+        return None
+    last_start = ep.turn_ends[-2] + 1  # the last turn's actions follow the context after turn -2
+    before = sum(ep.action_mask[:last_start])
+    return before / (ep.num_turns - 1)
+
+
 def episode_metrics(roll, dist=None) -> dict[str, float]:
     """`episode/*` metrics of a multi-turn rollout (docs/metrics.md), over every rank."""
     batch = getattr(roll, "episodes", None)
@@ -197,7 +206,11 @@ def episode_metrics(roll, dist=None) -> dict[str, float]:
     if dist is not None and dist.distributed:
         per_row = torch.cat(dist.gather(per_row))
     turns, hit_max, calls, errors, env_reward, context = per_row.unbind(1)
-    return {
+    early = torch.tensor([t for e in batch.episodes if (t := early_turn_tokens(e)) is not None], dtype=torch.float64)
+    if dist is not None and dist.distributed:
+        early = torch.cat(dist.gather(early))
+    out = {} if early.numel() == 0 else {"episode/early_turn_tokens_mean": float(early.mean())}
+    return out | {
         "episode/turns_mean": float(turns.mean()),
         "episode/hit_max_turns_frac": float(hit_max.mean()),
         "episode/tool_calls_mean": float(calls.mean()),
