@@ -442,3 +442,41 @@ def test_grpo_raises_held_out_accuracy(tmp_path_factory, tmp_path):
     before, after = res.eval_before["eval/accuracy"], res.eval_after["eval/accuracy"]
     print(f"GRPO held-out accuracy {before:.2f} -> {after:.2f}")
     assert after >= before + 0.08, (before, after)
+
+
+def test_one_optimizer_step_logs_the_samplers_gap_from_the_updates_forward(model_dir, task_dir, tmp_path,
+                                                                           monkeypatch):
+    """GRPO with one optimizer step per rollout computes no old log-probs, so rollout_metrics
+    has no rollout/logprob_gap; the update's own forward (the old policy, before its one
+    step) measures it instead, and the vLLM weight-sync canary reads it."""
+    import copy
+
+    cfg, run, examples = _setup(model_dir, task_dir, tmp_path, "grpo.prompts_per_step=4", "grpo.group_size=4",
+                                "grpo.mini_batch_size=8", "grpo.gradient_accumulation_steps=2", "grpo.epochs=1",
+                                "grpo.beta=0", need_reference=False)  # 16 rows: 2 minibatches, one step
+    assert run.sec.optimizer_steps_per_rollout() == 1
+    seen = {}
+    real_update = grpo.run_update
+
+    def with_sampler_logprobs(run_, roll, step):
+        assert roll.logprobs is None  # not computed: one optimizer step
+        exact = scoring.score_rollout(run_.models.actor, None, copy.copy(roll), temperature=cfg.generation.temperature,
+                                      micro_batch=64).logprobs                      # (B, T) the policy now
+        t = torch.arange(roll.response_ids.shape[1])
+        delta = (0.05 + 0.1 * (t % 3)).expand_as(exact)   # 0.05, 0.15, 0.25, 0.05, ... per position
+        roll.sample_logprobs = (exact - delta) * roll.response_mask                 # a sampler off by delta
+        mask = roll.response_mask.float()
+        seen["expected"] = float((delta * mask).sum() / mask.sum())
+        return real_update(run_, roll, step)
+
+    monkeypatch.setattr(grpo, "run_update", with_sampler_logprobs)
+    metrics = grpo_step(run, examples, 1, Timer())
+    assert 0.05 <= seen["expected"] <= 0.25
+    # the mean |log π - log π_sampler| over real tokens, up to float noise of the minibatch's padding
+    assert metrics["rollout/logprob_gap"] == pytest.approx(seen["expected"], abs=1e-5)
+
+
+def test_no_sampler_logprobs_no_gap_metric(model_dir, task_dir, tmp_path):
+    cfg, run, examples = _setup(model_dir, task_dir, tmp_path, "grpo.prompts_per_step=2", "grpo.group_size=4",
+                                "grpo.mini_batch_size=8", "grpo.epochs=1", "grpo.beta=0", need_reference=False)
+    assert "rollout/logprob_gap" not in grpo_step(run, examples, 1, Timer())  # the hf backend: nothing to compare

@@ -76,6 +76,10 @@ class MinibatchStats:
     kl: float = 0.0
     ptx: float = 0.0
     kl_seq_sum: float = 0.0  # Σ over rows of Σ_t KL_t (KL in the loss only): params/kl_to_ref
+    # Σ_t |log π - log π_sampler| and its token count, from the forward when no old log-probs
+    # were computed (one optimizer step: that forward's are the old ones): rollout/logprob_gap
+    gap_sum: float = 0.0
+    gap_tokens: float = 0.0
 
 
 LOSS_KEYS = ("policy", "value", "entropy", "total", "kl", "ptx")
@@ -248,10 +252,15 @@ def minibatch_loss(actor, mb: MiniBatch, sec, temperature: float, math_: PPOMath
     if out.lm_loss is not None:  # PPO-ptx: this minibatch's share of the group's mean LM loss
         total = total + sec.ptx_coeff * mb.lm_weight * out.lm_loss
         ptx = float(out.lm_loss.detach()) * mb.lm_weight
+    gap_sum = gap_tokens = 0.0
+    if mb.old_logprobs is None and mb.sample_logprobs is not None:  # the sampler's gap, as rollout_metrics logs it
+        real = mb.response_mask.to(old.dtype)
+        gap_sum = float(((old - mb.sample_logprobs).abs() * real).sum())
+        gap_tokens = float(real.sum())
     stats = MinibatchStats(float(t.policy), float(t.value), float(t.entropy), float(total.detach()),
                            float(t.clip_frac), float(t.value_clip_frac), float(t.approx_kl),
                            float(t.clip_frac_low), float(t.clip_frac_high), float(t.kl), ptx=ptx,
-                           kl_seq_sum=float(t.kl_seq_sum))
+                           kl_seq_sum=float(t.kl_seq_sum), gap_sum=gap_sum, gap_tokens=gap_tokens)
     if value is not None:  # the critic's part, already backpropagated by the caller
         stats = with_value(stats, value, sec.vf_coeff)
     return total, stats
@@ -347,6 +356,7 @@ def policy_update(actor, optimizer, scheduler, roll: Rollout, sec, *, temperatur
     grad_norms: list[float] = []
     n_mb = 0
     kl_seq_first_epoch = 0.0
+    gap = [0.0, 0.0]  # Σ |log π - log π_sampler|, tokens (first epoch; no old log-probs: one optimizer step)
     for epoch in range(sec.epochs):
         order = minibatch_order(roll, k, gen)
         minibatches = [order[i : i + mini_batch_size] for i in range(0, len(roll), mini_batch_size)]
@@ -371,6 +381,8 @@ def policy_update(actor, optimizer, scheduler, roll: Rollout, sec, *, temperatur
                     sums[key] += getattr(st, key)
                 if epoch == 0:
                     kl_seq_first_epoch += st.kl_seq_sum
+                    gap[0] += st.gap_sum
+                    gap[1] += st.gap_tokens
                 n_mb += 1
     n_opt = len(grad_norms)
     # Each rank's loss parts are its share of the global loss: summed over ranks. The
@@ -391,6 +403,12 @@ def policy_update(actor, optimizer, scheduler, roll: Rollout, sec, *, temperatur
             metrics["params/kl_to_ref"] = dist.mean(kl_seq_first_epoch / len(roll))
     if ptx is not None:
         metrics["loss/ptx"] = loss["ptx"]
+    if roll.logprobs is None and getattr(roll, "sample_logprobs", None) is not None:
+        # vLLM without old log-probs (GRPO, Dr. GRPO with one optimizer step): the update's
+        # forward is the old policy, so the weight-sync canary judges this gap
+        tokens = dist.sum(gap[1])
+        if tokens > 0:  # (learner mode's own minibatch step does not measure it)
+            metrics["rollout/logprob_gap"] = dist.sum(gap[0]) / tokens
     metrics["params/grad_norm"] = sum(grad_norms) / n_opt
     metrics["lr"] = optimizer.param_groups[0]["lr"]
     return metrics
