@@ -24,6 +24,7 @@ from rlhflab.trainers.common import Timer
 from rlhflab.trainers.loop import build_run, outcome_scores
 
 from test_grpo_helpers import ROOT, debug_config, easy_task
+from test_vllm_backend import needs_vllm
 
 ONE_TURN_ENV = '''
 from rlhflab.envs import StepResult
@@ -68,7 +69,8 @@ def chat_model(tmp_path_factory):
     from rlhflab.models.tiny import make_tiny_model
 
     out = tmp_path_factory.mktemp("chatml-model")
-    return make_tiny_model(out, hidden_size=32, num_layers=2, num_heads=2, chat_template="chatml")
+    # head_dim 32: vLLM's CPU attention has no kernel for 16
+    return make_tiny_model(out, hidden_size=64, num_layers=2, num_heads=2, chat_template="chatml")
 
 
 @pytest.fixture(scope="module")
@@ -212,9 +214,11 @@ def add(a: int, b: int) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command", ["grpo", "ppo"])
-def test_cli_trains_from_a_yaml_naming_env_and_tool(chat_model, task_dir, tmp_path, command):
-    """No PYTHONPATH: the env and the tool modules sit beside the config."""
+@pytest.mark.parametrize("command, backend", [("grpo", "hf"), ("ppo", "hf"),
+                                              pytest.param("grpo", "vllm", marks=needs_vllm),
+                                              pytest.param("ppo", "vllm", marks=needs_vllm)])
+def test_cli_trains_from_a_yaml_naming_env_and_tool(chat_model, task_dir, tmp_path, command, backend):
+    """No PYTHONPATH: the env and the tool modules sit beside the config; hf and vLLM."""
     cfg_dir = tmp_path / "cfg"
     cfg_dir.mkdir()
     (cfg_dir / "my_env.py").write_text(ONE_TURN_ENV)
@@ -226,8 +230,8 @@ def test_cli_trains_from_a_yaml_naming_env_and_tool(chat_model, task_dir, tmp_pa
         model: {{name_or_path: {chat_model}}}
         dataset: {{path: {task_dir / 'train.jsonl'}, eval_path: {task_dir / 'test.jsonl'}, prompt_template: "{{prompt}}",
                    num_eval_samples: 4}}
-        generation: {{max_new_tokens: 8}}
-        env: {{name: my_env:TwoTurns, max_turns: 3, tools: [calc_tools:add], tool_format: plain}}
+        generation: {{max_new_tokens: 8, backend: {backend}{", enforce_eager: true" if backend == "vllm" else ""}}}
+        env: {{name: my_env:TwoTurns, max_turns: 3, tools: [calc_tools:add], tool_format: plain, max_length: 200}}
         training: {{output_dir: {tmp_path / 'out'}, total_steps: 2, save_interval: 0, eval_interval: 2,
                     num_threads: 1}}
         logging: {{progress_bar: false, plots: false, doctor: false}}

@@ -169,14 +169,15 @@ class EpisodeBackend:
             return out
 
         cfg = self.env_cfg
+        engine = getattr(self.backend, "engine", None)  # vLLM: no episode longer than the engine holds
+        max_length = cfg.max_length or (engine.max_model_len if engine is not None else None)
         episodes = run_episodes(self.setup, rows, gen, max_turns=cfg.max_turns, stop_ids=self.stop_ids,
-                                step_timeout_s=cfg.step_timeout_s, max_length=cfg.max_length,
+                                step_timeout_s=cfg.step_timeout_s, max_length=max_length,
                                 env_kwargs=cfg.kwargs, with_rows=True)
         batch = collate_episodes(episodes, self.tokenizer.pad_token_id)
         self.last = batch
-        sleep = getattr(getattr(self.backend, "engine", None), "sleep", None)
-        if sleep is not None:
-            sleep()
+        if engine is not None:
+            engine.sleep()  # GPU: free the engine's memory for the update; a no-op on CPU
         return episodes_to_rollout(batch, self.tokenizer, group_size=n)
 
 

@@ -83,6 +83,13 @@ def env_active(cfg) -> bool:
     return env is not None and bool(env.name or env.tools)
 
 
+def episode_budget(cfg) -> int:
+    """Tokens one episode may take on the vLLM engine: `env.max_length`, else room for
+    `env.max_turns` turns of prompt-sized context and `max_new_tokens` actions each."""
+    env = cfg.env
+    return env.max_length or env.max_turns * ((cfg.dataset.max_prompt_length or 256) + cfg.generation.max_new_tokens)
+
+
 def episode_rewards(roll: Rollout, device: torch.device) -> torch.Tensor | None:
     """(B, N) the environment's turn rewards of a multi-turn rollout, or None."""
     batch = getattr(roll, "episodes", None)
@@ -216,8 +223,11 @@ def build_run(cfg, method: PolicyMethod, *, resume_dir: Path | None = None, math
     optimizer, scheduler = make_optimization(params, sec, train_cfg.total_steps * sec.optimizer_steps_per_rollout())
     train_model, optimizer = dist.prepare(models.actor, optimizer, sec.max_grad_norm)
     dist.hold(train_model, "root")  # FSDP: decoder layers gathered one at a time outside the update
+    prompt_room = cfg.dataset.max_prompt_length
+    if env_active(cfg) and cfg.generation.backend == "vllm":  # the engine holds whole episodes
+        prompt_room = episode_budget(cfg) - cfg.generation.max_new_tokens
     backend = make_backend(cfg.generation, models.policy, models.tokenizer,
-                           max_prompt_length=cfg.dataset.max_prompt_length, batch_size=sec.batch_size,
+                           max_prompt_length=prompt_room, batch_size=sec.batch_size,
                            seed=train_cfg.seed, rank=dist.rank)
     if env_active(cfg):  # multi-turn episodes through the same backend (rlhflab.envs.rollout)
         from rlhflab.envs import setup_episodes
