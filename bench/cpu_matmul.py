@@ -70,15 +70,15 @@ def measure(name: str, repeats: int) -> dict[str, float]:
     flops = 2 * n * i * o
     out = {}
     for mode in ("torch", "onednn"):
-        matmul.set_onednn(mode == "onednn")
+        on = mode == "onednn"
 
-        def fwd():
+        def fwd(on=on):
             with torch.no_grad():
-                matmul.linear(x, w)
+                matmul.linear(x, w, onednn=on)
 
-        def fwd_bwd():
+        def fwd_bwd(on=on):
             xg.grad = wg.grad = None
-            matmul.linear(xg, wg).backward(up)
+            matmul.linear(xg, wg, onednn=on).backward(up)
 
         out[f"{mode} fwd"] = flops / _time(fwd, repeats) / 1e9
         out[f"{mode} fwd+bwd"] = 3 * flops / _time(fwd_bwd, repeats) / 1e9

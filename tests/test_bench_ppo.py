@@ -88,13 +88,13 @@ def test_rlhflab_side_step_updates_the_policy(bench, tiny_model):
 def test_torchmm_side_runs_torchs_own_matmul(bench, tiny_model, monkeypatch):
     """The like-for-like-kernels row: rlhflab's critic with model.cpu_matmul=torch has no
     oneDNN Linear layer; the default critic row follows `auto` (oneDNN where it picks it)."""
+    from rlhflab import cpu
     from rlhflab.models import cpu_matmul as matmul
     from rlhflab.ops import matmul as ops_matmul
 
     if not ops_matmul.onednn_available():
         pytest.skip("this torch build has no oneDNN linear op")
-    monkeypatch.setattr(matmul, "_mode", None)
-    monkeypatch.setattr(ops_matmul, "_onednn_on", ops_matmul.onednn_on())
+    monkeypatch.setattr(cpu, "_matmul", None)
     monkeypatch.setattr(matmul, "resolve", lambda mode, cpuinfo=None: "torch" if mode == "torch" else "onednn")
     s = bench.BenchSettings(model_dir=str(tiny_model), episodes=4, response_length=4, epochs=1)
     for name, want in (("rlhflab-critic-torchmm", False), ("rlhflab-critic", True)):

@@ -45,9 +45,9 @@ def kinds(module: nn.Module) -> dict[str, int]:
 
 @pytest.fixture(autouse=True)
 def _restore_mode():
-    mode = cm._mode
+    mode = cpu._matmul
     yield
-    cm.set_cpu_matmul(mode or "auto")
+    cpu._matmul = mode
 
 
 def actor_critic():

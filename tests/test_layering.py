@@ -154,3 +154,11 @@ def test_no_import_cycle_between_packages():
 def test_ops_imports_no_other_rlhflab_package():
     """ops/ is the floor: pure tensor maths on torch, no model, config or rank."""
     assert import_graph().get("ops", {}) == {}
+
+
+def test_ops_hold_no_process_global_switch():
+    """No `global` statement in ops/: a setting that changes what an op computes is an
+    argument (the CPU seam, rlhflab/cpu/, owns the process's float32 linear library)."""
+    found = [f"{p.relative_to(PACKAGE.parent)}:{node.lineno}" for p in sorted((PACKAGE / "ops").rglob("*.py"))
+             for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))) if isinstance(node, ast.Global)]
+    assert found == []

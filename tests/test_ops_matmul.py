@@ -1,10 +1,10 @@
-"""Float32 linear layers through oneDNN (`ops.matmul`, chosen by `models.cpu_matmul` from
-`model.cpu_matmul`): the same function and gradients as `F.linear` to float32 rounding,
-double-differentiable, the rule that picks the library, the fallbacks, and a PPO model's
-gradients under each mode.
+"""Float32 linear layers through oneDNN (`ops.matmul`, pure: the caller passes `onednn`;
+the library chosen behind the CPU seam, `rlhflab.cpu`, from `model.cpu_matmul`): the same
+function and gradients as `F.linear` to float32 rounding, double-differentiable, the rule
+that picks the library, the fallbacks, and a PPO model's gradients under each mode.
 
-The tests force the mode (`force`), so they check the oneDNN path on any CPU, also one
-where `auto` picks torch's own matmul."""
+The tests ask for oneDNN or force the process's choice (`force`), so they check the oneDNN
+path on any CPU, also one where `auto` picks torch's own matmul."""
 
 from __future__ import annotations
 
@@ -28,9 +28,8 @@ INTEL = "vendor_id\t: GenuineIntel\nflags\t\t: fpu sse avx2 avx512f avx512bw amx
 
 
 def force(monkeypatch, mode: str) -> None:
-    """This process's library for the test (both switches; restored after it)."""
-    monkeypatch.setattr(cm, "_mode", mode)
-    monkeypatch.setattr(matmul, "_onednn_on", mode == "onednn")
+    """This process's library for the test (the CPU seam's choice; restored after it)."""
+    monkeypatch.setattr(cpu, "_matmul", mode)
 
 
 @pytest.fixture
@@ -75,8 +74,7 @@ def test_bad_mode_names_the_key():
 
 def test_onednn_asked_for_without_the_op_is_a_user_error(monkeypatch):
     monkeypatch.setattr(matmul, "onednn_available", lambda: False)
-    force(monkeypatch, "torch")
-    monkeypatch.setattr(cm, "_mode", None)
+    monkeypatch.setattr(cpu, "_matmul", None)
     with pytest.raises(UserError, match=r"model\.cpu_matmul: onednn .* set model\.cpu_matmul=torch"):
         cpu.setup_process(torch.device("cpu"), types.SimpleNamespace(cpu_matmul="onednn"))
     assert cm.resolve("auto", AMD) == "torch"   # auto falls back quietly
@@ -101,8 +99,8 @@ def test_linear_values_and_gradients_match_float64(onednn, shape):
     b64 = torch.randn(96, generator=g, dtype=torch.float64)
     up = torch.randn(*shape[:-1], 96, generator=g, dtype=torch.float64)
     x, w, b = (t.float().requires_grad_() for t in (x64, w64, b64))
-    assert matmul.applies(x, w, b)
-    y = matmul.linear(x, w, b)
+    assert matmul.applies(x, w, b, onednn=True)
+    y = matmul.linear(x, w, b, onednn=True)
     xd, wd, bd = (t.clone().requires_grad_() for t in (x64, w64, b64))
     yd = F.linear(xd, wd, bd)
     grads = torch.autograd.grad(y, (x, w, b), up.float())
@@ -115,7 +113,7 @@ def test_linear_values_and_gradients_match_float64(onednn, shape):
 
 
 @needs_onednn
-def test_linear_is_differentiable_twice(onednn):
+def test_linear_is_differentiable_twice():
     """TRPO differentiates a backward pass (create_graph): second derivatives equal float64's."""
     g = torch.Generator().manual_seed(1)
     x64 = torch.randn(40, 32, generator=g, dtype=torch.float64)
@@ -127,7 +125,8 @@ def test_linear_is_differentiable_twice(onednn):
         gx, gw = torch.autograd.grad(y, (x, w), u, create_graph=True)
         return torch.autograd.grad(gx.square().sum() + gw.square().sum(), (x, w))
 
-    got = second(x64.float().requires_grad_(), w64.float().requires_grad_(), up.float(), matmul.linear)
+    got = second(x64.float().requires_grad_(), w64.float().requires_grad_(), up.float(),
+                 lambda x, w: matmul.linear(x, w, onednn=True))
     want = second(x64.clone().requires_grad_(), w64.clone().requires_grad_(), up, F.linear)
     for a, b in zip(got, want):
         assert _rel(a, b) < 2e-6
@@ -135,31 +134,31 @@ def test_linear_is_differentiable_twice(onednn):
 
 @needs_onednn
 @pytest.mark.parametrize("rows,out_features", [(300, 16), (300, 200), (8, 200)])  # both branches of weight_grad
-def test_weight_grad_is_g_transpose_x(onednn, rows, out_features):
+def test_weight_grad_is_g_transpose_x(rows, out_features):
     g = torch.randn(rows, out_features, dtype=torch.float64)
     x = torch.randn(rows, 64, dtype=torch.float64)
-    got = matmul.weight_grad(g.float(), x.float())
+    got = matmul.weight_grad(g.float(), x.float(), onednn=True)
     assert got.shape == (out_features, 64)
     assert _rel(got, g.t() @ x) < 2e-6
 
 
 @needs_onednn
-def test_fallbacks_are_exactly_f_linear(onednn):
+def test_fallbacks_are_exactly_f_linear():
     x, w, b = torch.randn(5, 8), torch.randn(6, 8), torch.randn(6)
     cases = [(x.bfloat16(), w.bfloat16(), None), (x.double(), w.double(), b.double()),
              (torch.randn(0, 8), w, b)]
     for xi, wi, bi in cases:
-        assert not matmul.applies(xi, wi, bi)
-        assert torch.equal(matmul.linear(xi, wi, bi), F.linear(xi, wi, bi))
+        assert not matmul.applies(xi, wi, bi, onednn=True)
+        assert torch.equal(matmul.linear(xi, wi, bi, onednn=True), F.linear(xi, wi, bi))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not matmul.applies(x, w, b)
-        got = matmul.linear(x, w, b)
+        assert not matmul.applies(x, w, b, onednn=True)
+        got = matmul.linear(x, w, b, onednn=True)
         assert got.dtype == torch.bfloat16 and torch.equal(got, F.linear(x, w, b))
 
 
-def test_torch_mode_is_f_linear(torchmm):
+def test_not_asked_is_f_linear():
     x, w, b = torch.randn(5, 8, requires_grad=True), torch.randn(6, 8), torch.randn(6)
-    assert not matmul.applies(x, w, b)
+    assert not matmul.applies(x, w, b)  # onednn=False by default: no process switch decides
     assert torch.equal(matmul.linear(x, w, b), F.linear(x, w, b))
 
 
@@ -220,7 +219,8 @@ def test_no_switch_under_torch_mode(torchmm, tiny_model_dir):
     from rlhflab.models.load import load_model
 
     model, _ = load_model(str(tiny_model_dir))
-    assert cm.use_fast_linears(model) == 0
+    no_tricks = types.SimpleNamespace(lean_norm=False, critic_overlap=False)
+    assert cpu.apply(model, no_tricks, torch.device("cpu")).linears == 0
     assert not any(type(m) is cm.FastLinear for m in model.modules())
 
 

@@ -35,6 +35,11 @@ from rlhflab.openmp import apply_default_wait, default_wait, describe  # noqa: F
 MMAP_THRESHOLD_BYTES = 4 << 20   # blocks this large get their own mapping, unmapped when freed
 _M_MMAP_THRESHOLD = -3           # mallopt's parameter number (<malloc.h>)
 
+# The float32 linear library this process chose ("onednn" or "torch"; None: not chosen yet).
+# The one process-wide matmul setting: ops/ has none, and the models' FastLinear layers
+# (installed by `apply` only when this is "onednn") carry it into the forward passes.
+_matmul: str | None = None
+
 
 class Applied(NamedTuple):
     """What `apply` changed on one module."""
@@ -55,16 +60,31 @@ def setup_process(device, model_cfg=None) -> str:
     """The process-wide CPU settings for a run on `device` (see the module docstring);
     returns the float32 linear library in use: "onednn" or "torch"."""
     from rlhflab.errors import UserError
-    from rlhflab.models.cpu_matmul import set_cpu_matmul
 
     if not on_cpu(device):
-        return set_cpu_matmul("torch")  # the plain library path; FastLinear is never used
+        return set_matmul("torch")  # the plain library path; FastLinear is never used
     try:
-        mode = set_cpu_matmul(getattr(model_cfg, "cpu_matmul", "auto"))
+        mode = set_matmul(getattr(model_cfg, "cpu_matmul", "auto"))
     except ValueError as exc:
         raise UserError(str(exc)) from None
     map_large_allocations(device)
     return mode
+
+
+def set_matmul(mode: str) -> str:
+    """Choose this process's float32 linear library from `model.cpu_matmul` (auto, onednn,
+    torch; `models.cpu_matmul.resolve`); returns the resolved one, "onednn" or "torch"."""
+    from rlhflab.models.cpu_matmul import resolve
+
+    global _matmul
+    _matmul = resolve(mode)
+    return _matmul
+
+
+def matmul_library() -> str:
+    """The float32 linear library in use: "onednn" or "torch" (`auto` resolved when no run
+    chose one yet); train_result.json records it."""
+    return _matmul if _matmul is not None else set_matmul("auto")
 
 
 def apply(module, model_cfg, device, *, trained: bool = True) -> Applied:
@@ -80,7 +100,7 @@ def apply(module, model_cfg, device, *, trained: bool = True) -> Applied:
     critic = getattr(module, "critic", None)
     heads = [h for h in (getattr(module, "value_head", None), getattr(critic, "value_head", None)) if h is not None]
     held = [(m, m.__class__) for head in heads for m in head.modules()]  # value heads keep torch's own
-    linears = use_fast_linears(module)
+    linears = use_fast_linears(module) if matmul_library() == "onednn" else 0
     for m, cls in held:
         if m.__class__ is not cls:
             m.__class__ = cls

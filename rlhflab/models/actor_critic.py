@@ -239,7 +239,7 @@ def lm_loss(model: nn.Module, batch: dict[str, Tensor], mixed_precision: str = "
         decoder, _ = decoder_and_head(model)
         with autocast(mixed_precision, ids.device):
             hidden = _last_hidden(decoder(input_ids=ids, attention_mask=am, use_cache=False))[:, :-1]  # (b, L-1, H)
-        return ops.chunked_cross_entropy(hidden, lin.weight, lin.bias, labels) / n
+        return ops.chunked_cross_entropy(hidden, lin.weight, lin.bias, labels, onednn=lin.onednn) / n
     with autocast(mixed_precision, ids.device):
         logits = model(input_ids=ids, attention_mask=am, use_cache=False).logits[:, :-1]  # (b, L-1, V)
     keep = labels != -100
@@ -262,7 +262,7 @@ def token_stats(hidden: Tensor, head: nn.Module, response_ids: Tensor, temperatu
     lin = linear_lm_head(model) if model is not None else None
     if lin is not None:
         out = ops.chunked_logprobs(hidden, lin.weight, lin.bias, response_ids, temperature=temperature,
-                                   with_entropy=with_entropy)
+                                   with_entropy=with_entropy, onednn=lin.onednn)
         entropy = out.entropy if (out.entropy is None or entropy_grad) else out.entropy.detach()
         return out.logprobs, entropy
     logits = head_logits(head, hidden)                                                 # (B, T, V)

@@ -21,14 +21,11 @@ docs/cpu_matmul.md.
 
 from __future__ import annotations
 
-from typing import Optional
-
 from torch import Tensor, nn
 
 from rlhflab.ops import matmul as ops_matmul
 
 MODES = ("auto", "onednn", "torch")
-_mode: Optional[str] = None  # "onednn" or "torch" once resolved; None: resolve "auto" at first use
 
 
 # --------------------------------------------------------------------------------------
@@ -72,37 +69,21 @@ def resolve(mode: str, cpuinfo: str | None = None) -> str:
     return "onednn" if vendor and vendor != "GenuineIntel" and "avx512f" in flags else "torch"
 
 
-def set_cpu_matmul(mode: str) -> str:
-    """Choose the library for this process (`model.cpu_matmul`); returns the resolved one."""
-    global _mode
-    _mode = resolve(mode)
-    ops_matmul.set_onednn(_mode == "onednn")
-    return _mode
-
-
-def cpu_matmul() -> str:
-    """The library in use: "onednn" or "torch" ("auto" is resolved at the first call)."""
-    if _mode is None:
-        set_cpu_matmul("auto")
-    return _mode
-
-
 # --------------------------------------------------------------------------------------
 # Modules
 # --------------------------------------------------------------------------------------
 class FastLinear(nn.Linear):
-    """An `nn.Linear` whose forward is `linear` (oneDNN where it applies). Only the class
-    changes: parameters, names, state dicts and `isinstance(m, nn.Linear)` stay."""
+    """An `nn.Linear` whose forward is `linear` on oneDNN (where it applies). Only the class
+    changes: parameters, names, state dicts and `isinstance(m, nn.Linear)` stay. Being a
+    FastLinear is the switch: the CPU seam installs them only when oneDNN was chosen."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return ops_matmul.linear(x, self.weight, self.bias)
+        return ops_matmul.linear(x, self.weight, self.bias, onednn=True)
 
 
 def use_fast_linears(module: nn.Module) -> int:
-    """Switch every plain `nn.Linear` in `module` to `FastLinear` when oneDNN is in use
-    for this process; returns how many were switched (0 under `model.cpu_matmul=torch`)."""
-    if cpu_matmul() != "onednn":
-        return 0
+    """Switch every plain `nn.Linear` in `module` to `FastLinear`; returns how many were
+    switched. The CPU seam (`rlhflab.cpu.apply`) calls it when oneDNN was chosen."""
     count = 0
     for m in module.modules():
         if type(m) is nn.Linear:
@@ -114,3 +95,8 @@ def use_fast_linears(module: nn.Module) -> int:
 def is_linear(module: nn.Module) -> bool:
     """A plain linear layer: `nn.Linear` itself or `FastLinear` (the same function)."""
     return type(module) in (nn.Linear, FastLinear)
+
+
+def is_fast(module: nn.Module) -> bool:
+    """A `FastLinear`: products that read its weight go through oneDNN too (`onednn=True`)."""
+    return type(module) is FastLinear

@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 
 from torch import Tensor, nn
 
-from rlhflab.models.cpu_matmul import is_linear
+from rlhflab.models.cpu_matmul import is_fast, is_linear
 
 # Config fields that change the logits after the linear head when set (to anything but 1).
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_logit_scale")
@@ -23,6 +23,7 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
 class LinearHead(NamedTuple):
     weight: Tensor          # (V, H), shared with the input embedding when tied
     bias: Optional[Tensor]  # (V,) or None
+    onednn: bool = False    # a FastLinear head (the CPU seam chose oneDNN): the chunked op's products too
 
 
 def linear_lm_head(model: nn.Module) -> LinearHead | None:
@@ -37,4 +38,4 @@ def linear_lm_head(model: nn.Module) -> LinearHead | None:
         value = getattr(cfg, key, None)
         if value is not None and value != 1.0 and value is not False:
             return None
-    return LinearHead(head.weight, head.bias)
+    return LinearHead(head.weight, head.bias, is_fast(head))

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rlhflab.models.cpu_matmul import is_linear
+from rlhflab.models.cpu_matmul import is_fast, is_linear
 from rlhflab.ops.matmul import linear, mm, weight_grad
 
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -75,21 +75,24 @@ def _act_backward(grad: Tensor, g: Tensor, kind: str) -> Tensor:
 
 
 class GatedMLP(torch.autograd.Function):
-    """(x (..., H), W_gate (I, H), W_up (I, H), W_down (H, I), kind) -> (..., H); see the module docstring."""
+    """(x (..., H), W_gate (I, H), W_up (I, H), W_down (H, I), kind, onednn) -> (..., H); see
+    the module docstring. `onednn`: the products through oneDNN (the layers are FastLinear)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, kind: str) -> Tensor:
-        g = linear(x, w_gate)                                                # (..., I)
+    def forward(ctx, x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, kind: str,
+                onednn: bool = False) -> Tensor:
+        g = linear(x, w_gate, onednn=onednn)                                 # (..., I)
         a = _act(g, kind)
-        u = linear(x, w_up)                                                  # (..., I)
-        y = linear(a * u, w_down)                                            # (..., H)
+        u = linear(x, w_up, onednn=onednn)                                   # (..., I)
+        y = linear(a * u, w_down, onednn=onednn)                             # (..., H)
         ctx.save_for_backward(x, w_gate, w_up, w_down, g, u)
-        ctx.kind = kind
+        ctx.kind, ctx.onednn = kind, onednn
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, w_gate, w_up, w_down, g, u = ctx.saved_tensors
+        on = ctx.onednn
         dtype = g.dtype                                  # the forward's compute dtype (bfloat16 under autocast)
         with torch.autocast(dy.device.type, enabled=False):
             wg, wu, wd = w_gate.to(dtype), w_up.to(dtype), w_down.to(dtype)
@@ -99,23 +102,24 @@ class GatedMLP(torch.autograd.Function):
                 # This backward is differentiated again (create_graph, TRPO's Fisher-vector
                 # products): g and u are recomputed from the inputs so that the second
                 # derivative sees their dependence on x and the weights.
-                g2, u2 = linear(x2, wg), linear(x2, wu)                      # (N, I)
+                g2, u2 = linear(x2, wg, onednn=on), linear(x2, wu, onednn=on)  # (N, I)
             else:
                 g2, u2 = g.reshape(-1, g.shape[-1]), u.reshape(-1, u.shape[-1])  # (N, I)
             a = _act(g2, ctx.kind)                                           # recomputed
-            dp = mm(dy2, wd)                                                 # (N, I)
-            grad_down = weight_grad(dy2, a * u2) if ctx.needs_input_grad[3] else None
+            dp = mm(dy2, wd, onednn=on)                                      # (N, I)
+            grad_down = weight_grad(dy2, a * u2, onednn=on) if ctx.needs_input_grad[3] else None
             du = dp * a
             # da = dp ⊙ u in dp's storage, unless this backward is itself differentiated
             da = dp * u2 if torch.is_grad_enabled() else dp.mul_(u2)
             dg = _act_backward(da, g2, ctx.kind)
-            grad_x = mm(dg, wg) + mm(du, wu) if ctx.needs_input_grad[0] else None
-            grad_gate = weight_grad(dg, x2) if ctx.needs_input_grad[1] else None
-            grad_up = weight_grad(du, x2) if ctx.needs_input_grad[2] else None
-        return (grad_x.view(x.shape).to(x.dtype) if grad_x is not None else None,
-                grad_gate.to(w_gate.dtype) if grad_gate is not None else None,
-                grad_up.to(w_up.dtype) if grad_up is not None else None,
-                grad_down.to(w_down.dtype) if grad_down is not None else None, None)
+            grad_x = mm(dg, wg, onednn=on) + mm(du, wu, onednn=on) if ctx.needs_input_grad[0] else None
+            grad_gate = weight_grad(dg, x2, onednn=on) if ctx.needs_input_grad[1] else None
+            grad_up = weight_grad(du, x2, onednn=on) if ctx.needs_input_grad[2] else None
+        grads = (grad_x.view(x.shape).to(x.dtype) if grad_x is not None else None,
+                 grad_gate.to(w_gate.dtype) if grad_gate is not None else None,
+                 grad_up.to(w_up.dtype) if grad_up is not None else None,
+                 grad_down.to(w_down.dtype) if grad_down is not None else None, None, None)
+        return grads[: len(ctx.needs_input_grad)]  # `onednn` may be left to its default
 
 
 def _plain(linear: nn.Module) -> bool:
@@ -132,7 +136,7 @@ def _lean_forward(mlp: nn.Module, x: Tensor) -> Tensor:
     if not is_gated_mlp(mlp):  # changed since (an adapter added): the model's own expression
         return mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
     return GatedMLP.apply(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
-                          activation_kind(mlp.act_fn))
+                          activation_kind(mlp.act_fn), is_fast(mlp.gate_proj))
 
 
 def lean_mlp(model: nn.Module) -> int:

@@ -62,9 +62,9 @@ def _compute_dtype(*tensors: Tensor | None) -> torch.dtype:
     return dtype
 
 
-def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
+def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, onednn: bool) -> Tensor:
     """(c, H) x (V, H) -> (c, V) logits divided by the temperature, in weight's dtype."""
-    z = linear(h, weight, bias)
+    z = linear(h, weight, bias, onednn=onednn)
     return z.div_(temperature) if temperature != 1.0 else z
 
 
@@ -73,7 +73,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
-                temperature: float, chunk_size: int, with_entropy: bool):
+                temperature: float, chunk_size: int, with_entropy: bool, onednn: bool):
         dtype = _compute_dtype(hidden, weight, bias)
         w = weight.to(dtype)
         b = bias.to(dtype) if bias is not None else None
@@ -83,7 +83,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         entropy = hidden.new_empty(n if with_entropy else 0, dtype=dtype)    # (N,) or (0,)
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
-            z = _chunk_logits(hidden[s:e].to(dtype), w, b, temperature)      # (c, V)
+            z = _chunk_logits(hidden[s:e].to(dtype), w, b, temperature, onednn)  # (c, V)
             lz = torch.logsumexp(z, dim=-1)                                  # (c,)
             log_z[s:e] = lz
             logprobs[s:e] = z.gather(-1, targets[s:e, None]).squeeze(-1) - lz
@@ -93,6 +93,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 entropy[s:e] = -logp.exp().mul_(logp).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, targets, log_z, entropy)
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
+        ctx.onednn = onednn
         ctx.set_materialize_grads(False)  # a None gradient (e.g. entropy unused) skips its work
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -109,7 +110,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         if not ctx.with_entropy:
             g_entropy = None
         if g_logprobs is None and g_entropy is None:
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         dtype = log_z.dtype
         w = weight.to(dtype)
@@ -122,7 +123,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for s in range(0, n, ctx.chunk_size):
             e = min(s + ctx.chunk_size, n)
             h = hidden[s:e].to(dtype)                                        # (c, H)
-            logp = _chunk_logits(h, w, b, tau).sub_(log_z[s:e, None])        # (c, V) log p
+            logp = _chunk_logits(h, w, b, tau, ctx.onednn).sub_(log_z[s:e, None])  # (c, V) log p
             p = logp.exp()                                                   # (c, V) softmax
             if g_entropy is not None:
                 # dH/dz = -p (z - E_p[z]) = -p (log p + H); built in log p's storage.
@@ -137,7 +138,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if tau != 1.0:
                 g_z.div_(tau)                                                # d/dlogits
             if need_h:
-                grad_h[s:e] = mm(g_z, w).to(hidden.dtype)
+                grad_h[s:e] = mm(g_z, w, onednn=ctx.onednn).to(hidden.dtype)
             if need_w:
                 # in place (torch's own matmul): oneDNN would need a (V, H) buffer of its own
                 grad_w.addmm_(g_z.t(), h)
@@ -145,12 +146,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 grad_b += g_z.sum(0)
             del logp, p, g_z  # before the next chunk's logits exist: two chunks alive at most, not three
         return (grad_h, grad_w.to(weight.dtype) if need_w else None,
-                grad_b.to(bias.dtype) if need_b else None, None, None, None, None)
+                grad_b.to(bias.dtype) if need_b else None, None, None, None, None, None)
 
 
 def chunked_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
                      temperature: float = 1.0, chunk_size: int | None = None,
-                     with_entropy: bool = False) -> TokenLogprobs:
+                     with_entropy: bool = False, onednn: bool = False) -> TokenLogprobs:
     """log p(targets) (and the entropy) under softmax((hidden W^T + b) / temperature).
 
     hidden: (B, T, H) (any leading shape, or (N, H)); weight: (V, H), the LM head's;
@@ -159,7 +160,8 @@ def chunked_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, target
     `logprobs_from_logits` / `entropy_from_logits` of the full logits. At most
     `chunk_size` rows of logits exist at once (default: about 64 MiB of them).
     Padding positions are computed like any other; mask them afterwards (or leave
-    them out first: `hidden[mask]`, `targets[mask]`).
+    them out first: `hidden[mask]`, `targets[mask]`). `onednn`: the products through
+    oneDNN (`ops.matmul`; the caller's head is a `FastLinear`).
     """
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} does not match targets {tuple(targets.shape)}")
@@ -175,12 +177,12 @@ def chunked_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, target
     flat_t = targets.reshape(-1)                                             # (N,)
     with torch.autocast(hidden.device.type, enabled=False):  # float32 chunks also under autocast
         logprobs, entropy = _ChunkedLogprobs.apply(flat_h, weight, bias, flat_t, float(temperature),
-                                                   int(chunk), bool(with_entropy))
+                                                   int(chunk), bool(with_entropy), bool(onednn))
     return TokenLogprobs(logprobs.view(lead), entropy.view(lead) if with_entropy else None)
 
 
 def chunked_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
-                          ignore_index: int = -100, chunk_size: int | None = None) -> Tensor:
+                          ignore_index: int = -100, chunk_size: int | None = None, onednn: bool = False) -> Tensor:
     """Summed token cross-entropy -sum log p(label) over positions whose label is not
     `ignore_index`; the ignored rows are left out before any logit is computed.
 
@@ -191,5 +193,5 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, l
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} does not match labels {tuple(labels.shape)}")
     keep = labels != ignore_index                                            # (B, L)
-    out = chunked_logprobs(hidden[keep], weight, bias, labels[keep], chunk_size=chunk_size)
+    out = chunked_logprobs(hidden[keep], weight, bias, labels[keep], chunk_size=chunk_size, onednn=onednn)
     return -out.logprobs.sum()

@@ -8,10 +8,13 @@ Same float32 arithmetic on both: no reduced precision, only another order of the
 (results differ by float32 rounding, about 1e-6 relative). docs/cpu_matmul.md has the
 measurements (bench/cpu_matmul.py).
 
-`linear` runs on oneDNN when this process has switched it on (`set_onednn(True)`; which
-CPUs get it is decided in `rlhflab.models.cpu_matmul`, from `model.cpu_matmul`) and the
-tensors are float32, on the CPU, plain (not a DTensor or another subclass), not empty,
-and outside an autocast region; otherwise it is `F.linear`. The backward pass is two
+Pure functions, no process-global switch: `linear(x, w, b, onednn=True)` runs on oneDNN
+when the tensors are float32, on the CPU, plain (not a DTensor or another subclass), not
+empty, and outside an autocast region; otherwise, and always with `onednn=False` (the
+default), it is `F.linear`. Who asks for oneDNN is decided behind the CPU seam
+(`rlhflab.cpu`, from `model.cpu_matmul`): it switches a model's linear layers to
+`models.cpu_matmul.FastLinear`, whose forward passes `onednn=True`, and the chunked
+log-prob op and the lean MLP pass `onednn` when the layers they read are FastLinear. The backward pass is two
 more products (grad_x = g W, grad_W = gᵀ x) written with `linear` itself, so it is
 differentiable again when autograd records it (TRPO's Fisher-vector products). `mm`
 and `weight_grad` are the products rlhflab's own kernels need (ops.chunked,
@@ -25,21 +28,6 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-_onednn_on = False  # this process's switch (rlhflab.models.cpu_matmul sets it)
-
-
-def set_onednn(on: bool) -> None:
-    """Run `linear` on oneDNN (where it applies) in this process, or not."""
-    global _onednn_on
-    if on and not onednn_available():
-        raise ValueError("this torch build has no oneDNN linear op")
-    _onednn_on = bool(on)
-
-
-def onednn_on() -> bool:
-    return _onednn_on
-
 
 @functools.lru_cache(maxsize=1)
 def onednn_available() -> bool:
@@ -62,9 +50,9 @@ def _plain(t: Tensor | None) -> bool:
                          and t.device.type == "cpu" and t.layout == torch.strided)
 
 
-def applies(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
-    """True when `linear(x, weight, bias)` runs on oneDNN."""
-    return (_onednn_on and _plain(x) and _plain(weight) and _plain(bias)
+def applies(x: Tensor, weight: Tensor, bias: Tensor | None = None, onednn: bool = False) -> bool:
+    """True when `linear(x, weight, bias, onednn)` runs on oneDNN."""
+    return (onednn and _plain(x) and _plain(weight) and _plain(bias)
             and x.numel() > 0 and weight.numel() > 0 and not torch.is_autocast_enabled("cpu"))
 
 
@@ -92,15 +80,16 @@ class _OneDNNLinear(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])                                     # (N, in)
         need_x, need_w, need_b = ctx.needs_input_grad
         # `linear` again, so that a recorded backward (create_graph) is differentiable
-        grad_x = linear(g2, weight.t()).view(x.shape) if need_x else None      # g W      (N, in)
-        grad_w = weight_grad(g2, x2) if need_w else None                       # gᵀ x     (out, in)
+        grad_x = linear(g2, weight.t(), onednn=True).view(x.shape) if need_x else None  # g W   (N, in)
+        grad_w = weight_grad(g2, x2, onednn=True) if need_w else None                   # gᵀ x  (out, in)
         grad_b = g2.sum(0) if ctx.has_bias and need_b else None                # (out,)
         return grad_x, grad_w, grad_b
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """`F.linear(x, weight, bias)` = x Wᵀ + b, on oneDNN where `applies` (module docstring)."""
-    if applies(x, weight, bias):
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, onednn: bool = False) -> Tensor:
+    """`F.linear(x, weight, bias)` = x Wᵀ + b, on oneDNN when asked and it `applies`
+    (module docstring)."""
+    if applies(x, weight, bias, onednn):
         if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                              or (bias is not None and bias.requires_grad))):
             return _onednn_nd(x, weight, bias)
@@ -108,12 +97,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return F.linear(x, weight, bias)
 
 
-def mm(a: Tensor, b: Tensor) -> Tensor:
+def mm(a: Tensor, b: Tensor, onednn: bool = False) -> Tensor:
     """a @ b for 2-D a (N, k) and b (k, M), through `linear`."""
-    return linear(a, b.t())
+    return linear(a, b.t(), onednn=onednn)
 
 
-def weight_grad(g: Tensor, x: Tensor) -> Tensor:
+def weight_grad(g: Tensor, x: Tensor, onednn: bool = False) -> Tensor:
     """gᵀ x (out, in) for g (N, out) and x (N, in): a linear layer's weight gradient.
 
     oneDNN copies an input it reads transposed (not a transposed weight). Either g is
@@ -122,9 +111,9 @@ def weight_grad(g: Tensor, x: Tensor) -> Tensor:
     the cheaper of the two copies is taken. (At an LM head's 151,936 outputs the
     transposed result alone would be a 545 MB copy.)
     """
-    if not applies(g, x):
+    if not applies(g, x, None, onednn):
         return g.t() @ x
     n, out_f, in_f = g.shape[0], g.shape[1], x.shape[1]
     if n * in_f + out_f * in_f < n * out_f:
-        return linear(x.t(), g.t()).t()
-    return linear(g.t(), x.t())
+        return linear(x.t(), g.t(), onednn=True).t()
+    return linear(g.t(), x.t(), onednn=True)

@@ -69,10 +69,10 @@ def finish_run(logger, out_dir: Path, device: torch.device, plots: bool,
 def write_train_result(out_dir: Path, **fields) -> None:
     """train_result.json: the run's summary fields, in the order given, then the float32
     matmul library the run used on a CPU (`cpu_matmul`: "onednn" or "torch", what
-    `model.cpu_matmul` resolved to; rlhflab/models/cpu_matmul.py)."""
-    from rlhflab.models.cpu_matmul import cpu_matmul
+    `model.cpu_matmul` resolved to; the CPU seam, rlhflab/cpu/)."""
+    from rlhflab.cpu import matmul_library
 
-    fields = {**fields, "cpu_matmul": cpu_matmul()}
+    fields = {**fields, "cpu_matmul": matmul_library()}
     (out_dir / "train_result.json").write_text(json.dumps(fields, indent=2))
 
 

@@ -247,8 +247,8 @@ def policy_sequence_logprobs(actor: PolicyOnly, batch: ResponseBatch) -> Tensor:
                                  batch.response_ids, batch.response_mask)                        # (B, T, H)
     real = batch.response_mask.bool()                                                            # (B, T)
     logprobs = torch.zeros(real.shape, dtype=torch.float32, device=hidden.device)                # (B, T)
-    logprobs[real] = ops.chunked_logprobs(hidden[real], head.weight, head.bias,
-                                          batch.response_ids[real]).logprobs.float()
+    logprobs[real] = ops.chunked_logprobs(hidden[real], head.weight, head.bias, batch.response_ids[real],
+                                          onednn=head.onednn).logprobs.float()
     return logprobs.sum(-1)
 
 
