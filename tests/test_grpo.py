@@ -134,15 +134,16 @@ def test_advantage_is_broadcast_to_every_response_token():
 #        A = (2/3, −1/3, −1/3) / (0.577350 + 1e-4) = (1.154500, −0.577250, −0.577250); the
 #        equal group gets 0 / (0 + 1e-4) = 0.
 #        token_mean: −(1.154500·1 − 0.577250·2 − 0.577250·3) / 11 = 1.731750 / 11 = 0.157432
-# batch: std of all six = sqrt((4·(1/3)² + 2·(2/3)²) / 5) = sqrt(4/15) = 0.516398;
-#        A = (2/3, −1/3, −1/3) / 0.516498 = (1.290744, −0.645372, −0.645372)
-#        token_mean: −(1.290744 − 0.645372·5) / 11 = 1.936116 / 11 = 0.176011
+# batch: mean of all six 2/3; the population std (a whole-batch statistic divides by n)
+#        sqrt((4·(1/3)² + 2·(2/3)²) / 6) = sqrt(2/9) = 0.471405;
+#        A = (2/3, −1/3, −1/3) / 0.471505 = (1.413914, −0.706957, −0.706957)
+#        token_mean: −(1.413914 − 0.706957·5) / 11 = 2.120871 / 11 = 0.192806
 # none:  A = (2/3, −1/3, −1/3); token_mean: −(2/3 − 5/3) / 11 = 1/11 = 0.090909
 # seq_mean (any scale): each response's mean is −A_i; the mean over the 6 is −ΣA/6 = 0,
 #        since the advantages of a group sum to 0; only the KL term is left.
 HAND = {
     ("group", "token_mean"): 0.157432 + 0.0193147,
-    ("batch", "token_mean"): 0.176011 + 0.0193147,
+    ("batch", "token_mean"): 0.192806 + 0.0193147,
     ("none", "token_mean"): 0.090909 + 0.0193147,
     ("group", "seq_mean"): 0.0 + 0.0193147,
     ("batch", "seq_mean"): 0.0 + 0.0193147,

@@ -108,10 +108,10 @@ def test_group_advantages_batch_and_none_hand_worked():
     # group means -1 and 1 -> centred [-2, 2, 0, 0]
     # "none": the centred scores
     torch.testing.assert_close(group_advantages(scores, 2, scale="none"), torch.tensor([-2.0, 2.0, 0.0, 0.0]))
-    # "batch": batch mean 0; squares 9 + 1 + 1 + 1 = 12; unbiased var 12 / 3 = 4, std 2
-    #   -> [-2, 2, 0, 0] / 2 = [-1, 1, 0, 0]
+    # "batch": batch mean 0; squares 9 + 1 + 1 + 1 = 12; population var 12 / 4 = 3 (every
+    #   whole-batch statistic divides by n), std sqrt(3) -> [-2, 2, 0, 0] / sqrt(3)
     torch.testing.assert_close(group_advantages(scores, 2, scale="batch", eps=0.0),
-                               torch.tensor([-1.0, 1.0, 0.0, 0.0]))
+                               torch.tensor([-2.0, 2.0, 0.0, 0.0]) / 3 ** 0.5)
     # "group": group 0 unbiased std sqrt((4 + 4) / 1) = 2·sqrt(2) -> ±1/sqrt(2); group 1 -> 0
     torch.testing.assert_close(group_advantages(scores, 2, scale="group", eps=0.0)[:2],
                                torch.tensor([-2 ** -0.5, 2 ** -0.5]))
@@ -126,7 +126,7 @@ def test_group_advantages_constant_groups_no_nan():
 
 
 def _group_loop(scores, k, scale, eps):
-    out, all_std = [], statistics.stdev(scores)
+    out, all_std = [], statistics.pstdev(scores)  # the batch: population std (n), a group: n - 1
     for i in range(0, len(scores), k):
         grp = scores[i:i + k]
         mean = sum(grp) / k

@@ -140,7 +140,7 @@ def _on_two_ranks(fn, shards):
 
 
 def test_two_rank_whitening_equals_one_process_and_is_exact_on_constants():
-    from rlhflab.trainers.loop import whiten as loop_whiten
+    from rlhflab.engine.dist import whiten as loop_whiten
 
     def whiten(d, x, m):
         return loop_whiten(x, m, d)
@@ -160,7 +160,7 @@ def test_two_rank_whitening_equals_one_process_and_is_exact_on_constants():
 
 
 def test_two_rank_batch_std_equals_one_process():
-    from rlhflab.trainers.loop import group_advantages as loop_group_advantages
+    from rlhflab.engine.dist import group_advantages as loop_group_advantages
 
     g = torch.Generator().manual_seed(5)
     s = torch.randn(16, generator=g) + 0.7
@@ -315,3 +315,16 @@ def test_float64_in_float64_out(name):
     tensors = _float_tensors(FLOAT64_CALLS[name]())
     assert tensors, name
     assert all(t.dtype == torch.float64 for t in tensors), [t.dtype for t in tensors]
+
+
+def test_batch_moments_hand_worked_one_convention():
+    from rlhflab.engine.dist import Dist, batch_moments
+
+    # real values 1, 2, 3 (the 4 is masked out): n 3, mean 2, population var (1 + 0 + 1) / 3
+    x, m = torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([1.0, 1.0, 1.0, 0.0])
+    got = batch_moments(x, m, Dist())
+    assert (got.count, got.mean) == (3.0, 2.0) and got.var == pytest.approx(2 / 3, abs=1e-12)
+    # the op's batch std is the same statistic: scores 1, 2, 3 -> sqrt(2/3)
+    assert ops.batch_std_of(x[:3]).item() == pytest.approx((2 / 3) ** 0.5, abs=1e-12)
+    # a constant batch: variance exactly 0, from the pivot shift
+    assert batch_moments(torch.full((5,), 0.7), None, Dist()).var == 0.0

@@ -7,9 +7,10 @@ accelerate. Under `accelerate launch` or `torchrun` (WORLD_SIZE > 1 in the envir
 strategy the launcher's config names (DDP, FSDP, DeepSpeed ZeRO); this module adds only
 what the algorithms need on top:
 
-- global statistics: sums over every rank (`sum`), from which the trainers take the
-  token-mean normaliser, whitening means and variances, and metric averages; the ops
-  receive them as arguments and never communicate;
+- global statistics: sums over every rank (`sum`, `max`), from which come the token-mean
+  normaliser and metric averages, and the batch statistics written once below
+  (`batch_moments`, `whiten`, `group_advantages`); the ops receive them as arguments
+  and never communicate;
 - sharding: each rank takes a contiguous, equal share of the step's prompts or rows;
 - the backward pass under gradient accumulation (`no_sync` on every micro-batch but the
   last of a group) and the gradient-norm clip of the whole, possibly sharded, model;
@@ -38,15 +39,17 @@ count must be summed over ranks, so the engine multiplies it by the world size b
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import shutil
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 
+from rlhflab import ops
 from rlhflab.errors import UserError
 from rlhflab.rollout.hf import LOCKSTEP_ATTR
 
@@ -130,7 +133,7 @@ class Dist:
 
     def max(self, value: float) -> float:
         """The largest of every rank's `value` (exact in any order; the pivot of the
-        global whitening, `trainers.loop.whiten`)."""
+        batch statistics, `batch_moments`)."""
         if not self.distributed:
             return value
         import torch.distributed as tdist
@@ -412,6 +415,58 @@ class Dist:
         if self.distributed:
             return float(self.accelerator.clip_grad_norm_(params, max_norm))
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+
+# ---------------------------------------------------------------- statistics over every rank
+# One variance convention for every statistic of the whole batch (every rank's tokens or
+# responses): the population variance, Σ(x − mean)² / n (docs/conventions.md, 1). It is
+# what token whitening always used; GRPO's `advantage_scale: batch` std and RLOO's
+# `normalize_advantages` used n − 1 before and now divide by n too (a factor
+# sqrt((n − 1)/n): 0.992 at n = 64 responses). A group's own std (GRPO's default scale,
+# inside one prompt's k responses, which never straddle ranks) is not a batch statistic
+# and keeps n − 1, as every tool computes it (ops.group_advantages). Leave-one-out
+# baselines (RLOO) are per prompt, so they need no reduction either.
+class BatchMoments(NamedTuple):
+    """The statistics of a batch's real elements over every rank."""
+
+    count: float  # n: real elements over every rank
+    mean: float   # their mean
+    var: float    # Σ (x − mean)² / n, the population variance (the one convention above)
+
+
+def batch_moments(x: torch.Tensor, mask: torch.Tensor | None, dist: Dist) -> BatchMoments:
+    """n, mean and variance of `x` where `mask` is 1 (None: every element), over every
+    rank, computed as one process computes them (`ops.masked_whiten`): first shifted by the
+    pivot, the largest real value of any rank (`ops.masked_pivot`, then `max`), which is
+    one of the values, so a constant batch is exactly 0 before any sum and its variance
+    exactly 0; then the mean of the shifted values, then the squares around it (two
+    passes, float64 sums on the wire). One process: the same arithmetic, no reduction."""
+    m = torch.ones_like(x) if mask is None else mask.to(x.dtype)
+    count = max(dist.sum(float(m.sum())), 1.0)
+    pivot = dist.max(float(ops.masked_pivot(x, m)) if bool(m.bool().any()) else -math.inf)
+    pivot = 0.0 if pivot == -math.inf else pivot   # no real element on any rank
+    d = x - pivot                                  # the pivot is one of the values: exact 0 where equal
+    mean_d = dist.sum(float((d * m).sum())) / count
+    var = dist.sum(float(((d - mean_d).square() * m).sum())) / count
+    return BatchMoments(count, pivot + mean_d, var)
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, dist: Dist, shift_mean: bool = True) -> torch.Tensor:
+    """`ops.masked_whiten` over every rank's real tokens (`batch_moments`): on one process
+    the op's own statistics, under several the reduced ones passed into it."""
+    if not dist.distributed:
+        return ops.masked_whiten(x, mask, shift_mean=shift_mean)
+    mom = batch_moments(x, mask, dist)
+    return ops.masked_whiten(x, mask, shift_mean=shift_mean, mean=mom.mean, var=mom.var)
+
+
+def group_advantages(scores: torch.Tensor, group_size: int, scale: str, dist: Dist) -> torch.Tensor:
+    """`ops.group_advantages`; with scale "batch" the std is that of every rank's scores
+    (`batch_moments` in float64, the population convention), passed into the op."""
+    batch_std = None
+    if scale == "batch":
+        batch_std = batch_moments(scores.double(), None, dist).var ** 0.5
+    return ops.group_advantages(scores, group_size, scale, batch_std=batch_std)
 
 
 def default_threads(dist: Dist, device: str) -> int | None:

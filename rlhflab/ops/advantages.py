@@ -61,9 +61,12 @@ def group_advantages(scores: Tensor, group_size: int,
     for float64 scores, else float32.
     scale="group" divides by the group's std (Shao et al., 2024), "batch" by the
     std of the whole batch (less biased towards easy/hard prompts, Liu et al. 2025),
-    "none" leaves the centred score. Std is the unbiased (n − 1) estimate; `eps` is
-    added to it (1e-4, as TRL; verl 1e-6, OpenRLHF 1e-9: docs/conventions.md).
-    `batch_std` replaces the batch's std (e.g. the std over every process's scores).
+    "none" leaves the centred score. A group's std is the unbiased (n − 1) estimate,
+    as every tool computes it; the batch's std is the population one (divided by n),
+    the convention of every whole-batch statistic (`batch_std_of`, rlhflab.engine.dist).
+    `eps` is added to the std (1e-4, as TRL; verl 1e-6, OpenRLHF 1e-9:
+    docs/conventions.md). `batch_std` replaces the batch's std (e.g. the std over every
+    process's scores).
 
     A group whose scores are all equal gets advantage exactly 0, at any size and
     magnitude: each group is first shifted by its own first score, so equal scores are
@@ -72,7 +75,7 @@ def group_advantages(scores: Tensor, group_size: int,
     std + eps ≈ 1e-4 gave every response of the group the same advantage, +6e-4 for
     0.7 and −0.037 for 42.1.) The shift changes no mean, std or advantage otherwise.
     The batch std is computed in float64 around its own mean (two passes), as
-    `trainers.loop.group_advantages` computes it over several processes.
+    `engine.dist.group_advantages` computes it over several processes.
     """
     if scores.dim() != 1:
         raise ValueError(f"scores must be (B,), got {tuple(scores.shape)}")
@@ -98,15 +101,17 @@ def group_advantages(scores: Tensor, group_size: int,
 
 
 def batch_std_of(scores: Tensor) -> Tensor:
-    """Unbiased std of every score of the batch, in float64 (two passes: the mean, then
-    the squares around it); 0 for fewer than two scores. The one-process form of the
-    statistic `trainers.loop.group_advantages` reduces over processes."""
+    """Std of every score of the batch, the population one (Σ(s − mean)² / n, the
+    convention of every whole-batch statistic), in float64: shifted by the largest score
+    first (a constant batch is exactly 0), then two passes (the mean, then the squares
+    around it); 0 for no score. The one-process form of `engine.dist.batch_moments`."""
     x = scores.reshape(-1).double()
     n = x.numel()
-    if n < 2:
+    if n < 1:
         return x.new_zeros(())
-    mean = x.sum() / n
-    return ((x - mean).square().sum() / (n - 1)).sqrt()
+    d = x - x.max()
+    mean = d.sum() / n
+    return ((d - mean).square().sum() / n).sqrt()
 
 
 def discounted_returns(rewards: Tensor, response_mask: Tensor, gamma: float = 1.0) -> Tensor:

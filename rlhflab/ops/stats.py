@@ -9,8 +9,8 @@ sum is taken, so its variance is exactly 0 and its whitened values are exactly 0
 plain form, mean = Σx / n, is off by an ulp or so for most constant tensors (the float32
 sum of eight 0.7s is not 8 × 0.7), and dividing that ulp by sqrt(0 + eps) turned it
 into a whitened value of about 6e-4 with one sign for every token. The same pivot is a
-max over every process's tokens under several processes (`trainers.loop.whiten`), so
-one and several processes compute the same statistic.
+max over every process's tokens under several processes (`engine.dist.batch_moments`),
+so one and several processes compute the same statistic.
 """
 
 from __future__ import annotations

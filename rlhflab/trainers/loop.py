@@ -9,7 +9,6 @@ critic, whether it needs the reference. Everything around it is here, once.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,7 @@ import torch
 
 from rlhflab import cpu, ops
 from rlhflab.data.prompts import load_prompts, step_prompts
-from rlhflab.engine.dist import Dist
+from rlhflab.engine.dist import Dist, group_advantages, whiten  # noqa: F401 (the batch statistics, re-exported)
 from rlhflab.engine.update import PPOMath, policy_update
 from rlhflab.evaluate import EvalChecks, EvalResult, build_eval_checks, evaluate_policy, save_samples
 from rlhflab.models.load import resolve_device
@@ -112,33 +111,6 @@ def broadcast_advantages(seq_advantages: torch.Tensor, response_mask: torch.Tens
         raise ValueError(f"advantages must be (B,) = ({response_mask.shape[0]},), "
                          f"got {tuple(seq_advantages.shape)}")
     return seq_advantages.float().unsqueeze(1) * response_mask.float()  # (B, T)
-
-
-def whiten(x: torch.Tensor, mask: torch.Tensor, dist: Dist, shift_mean: bool = True) -> torch.Tensor:
-    """`ops.masked_whiten` over every rank's real tokens, computed as one process computes
-    it: shifted by the largest real value of any rank (the pivot, so a constant batch
-    whitens to exactly 0), then the mean, then the population variance around it."""
-    if not dist.distributed:
-        return ops.masked_whiten(x, mask, shift_mean=shift_mean)
-    m = mask.to(x.dtype)
-    count = max(dist.sum(float(m.sum())), 1.0)
-    pivot = dist.max(float(ops.masked_pivot(x, mask)) if bool(mask.any()) else -math.inf)
-    pivot = 0.0 if pivot == -math.inf else pivot   # no real token on any rank
-    d = x - pivot                                  # the pivot is one of the values: exact 0 where equal
-    mean_d = dist.sum(float((d * m).sum())) / count
-    var = dist.sum(float(((d - mean_d).square() * m).sum())) / count
-    return ops.masked_whiten(x, mask, shift_mean=shift_mean, mean=pivot + mean_d, var=var)
-
-
-def group_advantages(scores: torch.Tensor, group_size: int, scale: str, dist: Dist) -> torch.Tensor:
-    """`ops.group_advantages`; with scale "batch" the std is over every rank's scores
-    (float64, two passes, as `ops.batch_std_of` computes it on one process)."""
-    batch_std = None
-    if scale == "batch" and dist.distributed:
-        n = dist.sum(float(scores.numel()))
-        mean = dist.sum(float(scores.double().sum())) / n
-        batch_std = (dist.sum(float((scores.double() - mean).square().sum())) / max(n - 1, 1.0)) ** 0.5
-    return ops.group_advantages(scores, group_size, scale, batch_std=batch_std)
 
 
 def rollout_metrics(roll: Rollout, dist: Dist | None = None) -> dict[str, float]:

@@ -18,19 +18,22 @@ One step (phases 1-3 and 5 are GRPO's; the loop around it is `rlhflab.trainers.l
                     rollout the ratio is 1 and this is plain REINFORCE with the baseline)
 
 Departures: the KL is k1 summed over the response by default (an unbiased sequence
-KL); `normalize_advantages` whitens over the batch (TRL's option), off by default.
+KL); `normalize_advantages` whitens over the batch (TRL's option, with the population
+variance of every batch statistic, `engine.dist`), off by default.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from rlhflab import ops
 from rlhflab.config.schema import GroupSection, KLKind, f
 from rlhflab.trainers.common import Timer
 from rlhflab.trainers.grpo import sample_and_score
 from rlhflab.trainers.loop import (PolicyMethod, RLRun, broadcast_advantages, policy_entry_points, policy_run_config,
-                                   rollout_metrics, run_update)
+                                   rollout_metrics, run_update, whiten)
 
 
 @dataclass
@@ -63,12 +66,8 @@ def rloo_step(run: RLRun, examples, step: int, timer: Timer) -> dict[str, float]
         rewards = roll.scores - sec.kl_coeff * roll.kl.sum(-1)                           # (B,)
     # 4. advantages: leave-one-out baseline, the same value on every token.
     seq_adv = ops.rloo_advantages(rewards, sec.k)                                      # (B,)
-    if sec.normalize_advantages:  # over the whole batch, every rank's (unbiased std, as before)
-        n = run.dist.sum(float(len(seq_adv)))
-        if n > 1:
-            mean = run.dist.sum(float(seq_adv.double().sum())) / n   # float64: a constant batch gives 0
-            var = run.dist.sum(float((seq_adv.double() - mean).square().sum())) / (n - 1)
-            seq_adv = (seq_adv - mean) / (var ** 0.5 + 1e-8)
+    if sec.normalize_advantages:  # over the whole batch, every rank's (engine.dist: one variance convention)
+        seq_adv = whiten(seq_adv, torch.ones_like(seq_adv), run.dist)
     roll.advantages = broadcast_advantages(seq_adv, roll.response_mask)              # (B, T)
     # 5. update: the KL is already in the reward, so none in the loss.
     with timer("update"):
