@@ -127,12 +127,15 @@ def _cut_at_stop(ids: Sequence[int], stop_ids: set[int]) -> tuple[list[int], boo
 
 def run_episodes(setup: EpisodeSetup, examples: Sequence[dict], generate: Callable, *, max_turns: int,
                  stop_ids: Sequence[int] = (), step_timeout_s: float | None = None, max_length: int | None = None,
-                 env_kwargs: dict | None = None, with_rows: bool = False) -> list[Episode]:
+                 env_kwargs: dict | None = None, with_rows: bool = False,
+                 keep: list | None = None) -> list[Episode]:
     """One episode per example, all advanced turn by turn together (see the module docstring).
 
     `stop_ids` end a turn besides the template's end-of-turn token (the tokenizer's EOS).
     `with_rows`: call ``generate(prompts, rows)``, `rows` the index of each prompt's episode
-    in `examples` (seeded sampling keys its noise by it).
+    in `examples` (seeded sampling keys its noise by it). `keep`: a list that receives the
+    episodes as they are opened, before the first turn (a scripted demonstration reads the
+    conversation so far from them).
     """
     renderer, tok = setup.renderer, setup.renderer.tokenizer
     stop = {int(s) for s in stop_ids} | {renderer.end_of_turn_id}
@@ -143,6 +146,8 @@ def run_episodes(setup: EpisodeSetup, examples: Sequence[dict], generate: Callab
         _, prompt_ids = renderer.prompt(messages)
         envs.append(env)
         episodes.append(Episode(prompt_ids=prompt_ids, messages=messages, example=dict(ex)))
+    if keep is not None:
+        keep.extend(episodes)
     active = []
     for i, ep in enumerate(episodes):
         if max_length is not None and len(ep.prompt_ids) >= max_length:
