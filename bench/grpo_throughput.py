@@ -146,7 +146,7 @@ def _train_rlhflab(a: argparse.Namespace, steps: int, out: str) -> dict:
         f"grpo.group_size={a.group_size}", f"grpo.prompts_per_step={a.completions // a.group_size}",
         f"grpo.batch_size={a.completions}", f"grpo.mini_batch_size={a.completions}",
         "grpo.gradient_accumulation_steps=1", "grpo.epochs=1",
-        f"grpo.learning_rate={a.lr}", f"grpo.beta={a.beta}", "grpo.clip_eps=0.2", "grpo.max_grad_norm=1.0",
+        f"grpo.learning_rate={a.lr}", f"grpo.kl_coeff={a.beta}", "grpo.clip_eps=0.2", "grpo.max_grad_norm=1.0",
         f"grpo.share_prompt={str(not a.no_share_prompt).lower()}",
         f"training.total_steps={steps}", "training.eval_interval=0", "training.save_interval=0",
         f"training.output_dir={a.out}/{out}", f"training.device={a.device}", f"training.num_threads={a.threads}",
@@ -158,7 +158,7 @@ def _train_rlhflab(a: argparse.Namespace, steps: int, out: str) -> dict:
         marks.append((time.perf_counter(), time.process_time()))
         return out
 
-    method = PolicyMethod("grpo", timed_step, need_reference=lambda c: c.grpo.beta > 0)
+    method = PolicyMethod("grpo", timed_step, need_reference=lambda c: c.grpo.kl_coeff > 0)
     res = run_policy_training(cfg, method, quiet=True)
     if steps < 2:
         return {}

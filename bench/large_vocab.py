@@ -103,7 +103,7 @@ def _config(method: str, a: dict, data: Path, out: Path):
         completions = a["prompts"] * a["group_size"]
         sizes = [f"grpo.group_size={a['group_size']}", f"grpo.prompts_per_step={a['prompts']}",
                  f"grpo.batch_size={completions}", f"grpo.mini_batch_size={completions}",
-                 "grpo.gradient_accumulation_steps=1", "grpo.epochs=1", f"grpo.beta={a['beta']}",
+                 "grpo.gradient_accumulation_steps=1", "grpo.epochs=1", f"grpo.kl_coeff={a['beta']}",
                  "grpo.learning_rate=1e-6", "training.total_steps=" + str(a["steps"])]
     else:
         from rlhflab.trainers.ppo import PPORunConfig as Cfg

@@ -87,7 +87,7 @@ class DoctorConfig:
     # grad_norm: the pre-clip global gradient norm; clipping hides spikes, but a norm
     # many times the clip for several steps in a row means the loss surface is steep.
     max_grad_norm: Optional[float] = 1.0   # the trainer's ppo.max_grad_norm; None: 1.0 is used
-    # The config key of the KL weight, named in advice: ppo.kl_coeff, grpo.beta, rloo.kl_coeff.
+    # The config key of the KL weight, named in advice: ppo.kl_coeff, grpo.kl_coeff, trpo.max_kl.
     kl_knob: str = "ppo.kl_coeff"
     grad_norm_factor: float = 10.0
     grad_norm_patience: int = 3

@@ -38,7 +38,7 @@ def trainer_and_cli_eval(model_dir: Path, data: Path, out: Path, *, template: st
                  f"dataset.prompt_template={json.dumps(template)}", f"dataset.use_chat_template={use_chat_template}",
                  f"dataset.num_eval_samples={rows}", f"dataset.max_prompt_length={max_prompt_length}",
                  f"generation.max_new_tokens={max_new_tokens}", f"training.eval_batch_size={batch_size}",
-                 f"training.output_dir={out / 'run'}", "training.eval_interval=1", "grpo.beta=0",
+                 f"training.output_dir={out / 'run'}", "training.eval_interval=1", "grpo.kl_coeff=0",
                  f"reward.sources=[{{type: rule, name: '{reward}'}}]", "training.num_threads=1"]
     if correct is not None:
         overrides.append(f"eval.correct={correct}")

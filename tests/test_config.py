@@ -252,6 +252,30 @@ def test_old_key_name_still_works_and_both_names_clash(tmp_path):
         load_config(both, PPORunConfig)
 
 
+def test_the_kl_weight_has_one_name_and_beta_is_read_as_it(tmp_path, monkeypatch, capsys):
+    # grpo.beta, dr_grpo.beta and gspo.beta were the KL weight's name in GRPO's family;
+    # kl_coeff is its name in every method now, and beta is read as it with a one-line note.
+    from rlhflab.config import loader
+    from rlhflab.trainers.dr_grpo import DrGRPORunConfig
+    from rlhflab.trainers.grpo import GRPORunConfig
+    from rlhflab.trainers.gspo import GSPORunConfig
+
+    monkeypatch.setattr(loader, "_NOTED", set())
+    for run, section in ((GRPORunConfig, "grpo"), (DrGRPORunConfig, "dr_grpo"), (GSPORunConfig, "gspo")):
+        assert "beta" not in {f.name for f in dataclasses.fields(getattr(run(), section))}
+        cfg, eff = load_config(None, run, [f"{section}.beta=0.07"])
+        assert getattr(cfg, section).kl_coeff == 0.07 and "beta" not in eff[section]
+        assert getattr(cfg, section).kl_loss_coeff == 0.07  # the engine's KL-in-the-loss weight
+    err = capsys.readouterr().err
+    assert "note: override 'grpo.beta=0.07': grpo.beta is read as grpo.kl_coeff" in err
+    assert err.count("\n") == 3  # one note per old name
+    load_config(None, GRPORunConfig, ["grpo.beta=0.01"])
+    assert capsys.readouterr().err == ""  # noted once per process
+    # a method that never had beta: did you mean its kl_coeff?
+    with pytest.raises(ConfigError, match=r"ppo\.beta: unknown key; did you mean ppo\.kl_coeff\?"):
+        load_config(None, PPORunConfig, ["ppo.beta=0.1"])
+
+
 def test_names_from_the_tutorial_and_trl_get_rlhflabs_key():
     # The tutorial seed's ppo.clip_ratio / clip_range_value / training.num_samples, TRL's
     # gae_lambda and num_generations: each answered with the key rlhflab uses.
@@ -275,12 +299,12 @@ def test_names_from_the_tutorial_notebook_get_rlhflabs_key():
     assert "ppo.kl_penalty_beta: unknown key; did you mean ppo.kl_coeff?" in lines[1]
     assert "ppo.reward_score_clip: unknown key; did you mean reward.score_clip?" in lines[2]
     assert all("docs/knobs.md" in x for x in lines)
-    # GRPO and Dr. GRPO call their KL weight beta: the same notebook name finds it there.
+    # The KL weight is kl_coeff in every method: the notebook name finds it in GRPO and Dr. GRPO too.
     from rlhflab.trainers.dr_grpo import DrGRPORunConfig
     from rlhflab.trainers.grpo import GRPORunConfig
-    with pytest.raises(ConfigError, match=r"grpo.kl_penalty_beta: unknown key; did you mean grpo.beta\?"):
+    with pytest.raises(ConfigError, match=r"grpo.kl_penalty_beta: unknown key; did you mean grpo.kl_coeff\?"):
         load_config(None, GRPORunConfig, ["grpo.kl_penalty_beta=0.04"])
-    with pytest.raises(ConfigError, match=r"dr_grpo.kl_penalty_beta: unknown key; did you mean dr_grpo.beta\?"):
+    with pytest.raises(ConfigError, match=r"dr_grpo.kl_penalty_beta: unknown key; did you mean dr_grpo.kl_coeff\?"):
         load_config(None, DrGRPORunConfig, ["dr_grpo.kl_penalty_beta=0.04"])
     # The key it points to takes the setting (the notebook's k_3 is spelled k3 here).
     cfg, _ = load_config(DEBUG, PPORunConfig, ["ppo.kl_estimator=k3", "ppo.kl_coeff=0.1", "reward.score_clip=5"])
@@ -332,7 +356,7 @@ def test_knobs_md_maps_exactly_the_loaders_foreign_keys():
             assert any(target in fields(sec) for sec in method_sections), (name, target)
         elif target.startswith("<method>."):
             assert all(target.split(".", 1)[1] in fields(sec) for sec in method_sections), (name, target)
-        else:  # a section of the PPO run (training, reward, ...) or a method's own (grpo.beta)
+        else:  # a section of the PPO run (training, reward, ...) or a method's own (grpo.kl_coeff)
             section, key = target.split(".")
             owners = [getattr(run, section) for run in [*runs, DrGRPORunConfig(), SFTRunConfig()]
                       if hasattr(run, section)]

@@ -223,13 +223,13 @@ def test_kl_placement_defaults_and_example():
     from rlhflab.trainers.rloo import RLOOSection
     ppo, grpo, rloo = PPOSection(), GRPOSection(), RLOOSection()
     assert (ppo.kl_in, ppo.kl_estimator, ppo.kl_coeff) == ("reward", "k1", 0.05)
-    assert (grpo.kl_estimator, grpo.beta) == ("k3", 0.04)
+    assert (grpo.kl_estimator, grpo.kl_coeff) == ("k3", 0.04)
     quoted("(`ppo.kl_in: reward`, k1, `ppo.kl_coeff` 0.05), its RLOO in the sequence reward (k1, 0.05), and its "
-           "GRPO in the loss (k3, `grpo.beta` 0.04", ppo.kl_coeff, rloo.kl_coeff, grpo.beta)
+           "GRPO in the loss (k3, `grpo.kl_coeff` 0.04", ppo.kl_coeff, rloo.kl_coeff, grpo.kl_coeff)
     k3 = ops.kl_estimate(t([0.5]), t([0.0]), "k3").item()
     quoted("a token with d = 0.5 has k3 = 0.1065. Its penalty is 0.04 × 0.1065 = 0.00426 with rlhflab's GRPO "
            "default and 0.001 × 0.1065 = 0.000107 with verl's example: forty times weaker.",
-           0.5, k3, grpo.beta, k3, grpo.beta * k3, 0.001, k3, 0.001 * k3)
+           0.5, k3, grpo.kl_coeff, k3, grpo.kl_coeff * k3, 0.001, k3, 0.001 * k3)
 
 
 # ---------------------------------------------------------------- 11. value clip

@@ -94,7 +94,7 @@ PPO_STEP = ["ppo.rollout_samples=32", "ppo.batch_size=16", "ppo.mini_batch_size=
 
 
 GRPO_STEP = ["grpo.prompts_per_step=8", "grpo.group_size=4", "grpo.batch_size=16", "grpo.mini_batch_size=8",
-             "grpo.gradient_accumulation_steps=4", "grpo.epochs=2", "grpo.beta=0.1", "grpo.advantage_scale=batch"]
+             "grpo.gradient_accumulation_steps=4", "grpo.epochs=2", "grpo.kl_coeff=0.1", "grpo.advantage_scale=batch"]
 CRITIC = [*PPO_STEP, "model.critic=separate"]
 # LoRA: the reference is the policy with its adapter off; final/ holds the merged weights.
 LORA = [*PPO_STEP, "lora.enabled=true", "lora.r=4", "model.reference=lora_disabled", "ppo.learning_rate=1e-3"]

@@ -141,12 +141,12 @@ def test_kl_growing_without_bound():
 
 
 def test_kl_advice_names_the_trainers_own_knob():
-    """GRPO's KL weight is grpo.beta: the advice must name it, not ppo.kl_coeff."""
+    """GRPO's KL weight is grpo.kl_coeff: the advice must name it, not ppo.kl_coeff."""
     rows = healthy_history()
     for t, row in enumerate(rows):
         row["params/kl_to_ref"] = 0.05 * 1.15 ** t
-    _, found = replay(rows, DoctorConfig(kl_knob="grpo.beta"))
-    assert "grpo.beta" in found[0].message and "ppo.kl_coeff" not in found[0].message
+    _, found = replay(rows, DoctorConfig(kl_knob="grpo.kl_coeff"))
+    assert "grpo.kl_coeff" in found[0].message and "ppo.kl_coeff" not in found[0].message
 
 
 def test_kl_high_but_flat_does_not_fire():

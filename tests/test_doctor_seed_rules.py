@@ -65,9 +65,9 @@ def test_kl_fading_fires_when_the_updates_fade_and_the_reward_stands_still():
     msg = next(f.message for f in diagnose(rows).findings if f.rule == "kl_fading")
     assert "ppo.kl_coeff" in msg and "nothing is learning" in msg
     # The advice names the method's own knob.
-    grpo = next(f for f in diagnose(rows, DoctorConfig(method="grpo", kl_knob="grpo.beta")).findings
+    grpo = next(f for f in diagnose(rows, DoctorConfig(method="grpo", kl_knob="grpo.kl_coeff")).findings
                 if f.rule == "kl_fading")
-    assert "grpo.beta" in grpo.message
+    assert "grpo.kl_coeff" in grpo.message
 
 
 def test_kl_fading_fires_on_a_real_run_with_a_kl_weight_too_high():

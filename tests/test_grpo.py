@@ -74,7 +74,7 @@ def _setup(model_dir, task_dir, tmp_path, *overrides, need_reference=True, pertu
 def policy_gradient_loss(logprobs, old_logprobs, advantages, loss_mask, aggregation="token_mean",
                          ref_logprobs=None, kl_coeff=0.0, kl_estimator="k3"):
     """The engine's loss with GRPO's settings: clipped surrogate + kl_coeff · KL."""
-    sec = GRPOSection(beta=kl_coeff, kl_estimator=kl_estimator, loss_aggregation=aggregation)
+    sec = GRPOSection(kl_coeff=kl_coeff, kl_estimator=kl_estimator, loss_aggregation=aggregation)
     return loss_terms(logprobs, old_logprobs, advantages, loss_mask, sec, ref_logprobs=ref_logprobs)
 
 
@@ -110,8 +110,8 @@ def test_bad_config_names_key_and_fix(override, message):
 
 def test_beta_zero_allows_reference_none():
     cfg, _ = load_config(ROOT / "configs" / "grpo_debug.yaml", GRPORunConfig,
-                         ["grpo.beta=0", "model.reference=none"])
-    assert cfg.grpo.beta == 0
+                         ["grpo.kl_coeff=0", "model.reference=none"])
+    assert cfg.grpo.kl_coeff == 0
 
 
 # --------------------------------------------------------------------------------------
@@ -225,7 +225,7 @@ def test_ratio_is_against_the_sampling_policy(model_dir, task_dir, tmp_path, mon
     cfg, run, examples = _setup(
         model_dir, task_dir, tmp_path, "grpo.prompts_per_step=4", "grpo.group_size=4",
         "grpo.mini_batch_size=8", "grpo.gradient_accumulation_steps=1", "grpo.epochs=2",
-        "grpo.learning_rate=1e-2", "grpo.beta=0.1", perturb=0.05)
+        "grpo.learning_rate=1e-2", "grpo.kl_coeff=0.1", perturb=0.05)
     seen = {}
     real_update = grpo.run_update
 
@@ -266,7 +266,7 @@ def test_one_optimizer_step_reuses_the_forward_pass(model_dir, task_dir, tmp_pat
     cfg, run, examples = _setup(
         model_dir, task_dir, tmp_path, "grpo.prompts_per_step=4", "grpo.group_size=4",
         "grpo.mini_batch_size=8", "grpo.gradient_accumulation_steps=2", "grpo.epochs=1",
-        "grpo.beta=0", f"grpo.share_prompt={share_prompt}", need_reference=False)
+        "grpo.kl_coeff=0", f"grpo.share_prompt={share_prompt}", need_reference=False)
     passes = []
     real_score = grpo.score_rollout
     monkeypatch.setattr(grpo, "score_rollout", lambda *a, **k: passes.append(k["with_policy"]) or real_score(*a, **k))
@@ -281,7 +281,7 @@ def test_one_optimizer_step_reuses_the_forward_pass(model_dir, task_dir, tmp_pat
 def test_mask_truncated_leaves_truncated_responses_out(model_dir, task_dir, tmp_path, monkeypatch):
     cfg, run, examples = _setup(
         model_dir, task_dir, tmp_path, "grpo.prompts_per_step=4", "grpo.group_size=4",
-        "grpo.mini_batch_size=16", "grpo.mask_truncated=true", "grpo.beta=0", need_reference=False)
+        "grpo.mini_batch_size=16", "grpo.mask_truncated=true", "grpo.kl_coeff=0", need_reference=False)
     calls = _record_policy_loss(run)
     seen = {}
     real_update = grpo.run_update
@@ -305,7 +305,7 @@ def test_mask_truncated_leaves_truncated_responses_out(model_dir, task_dir, tmp_
 
 def test_random_policy_all_equal_rewards_is_finite(model_dir, task_dir, tmp_path):
     # The untrained model never answers: every reward is 0, every group has zero spread.
-    cfg, run, examples = _setup(model_dir, task_dir, tmp_path, "grpo.beta=0.04")
+    cfg, run, examples = _setup(model_dir, task_dir, tmp_path, "grpo.kl_coeff=0.04")
     from rlhflab.rewards import build_reward
     run.scorer = build_reward(cfg.reward)
     metrics = grpo_step(run, examples, 1, Timer())
@@ -322,7 +322,7 @@ def test_beta_zero_loads_no_reference(model_dir, task_dir, tmp_path, monkeypatch
     monkeypatch.setattr(Reference, "frozen_copy", classmethod(forbidden))
     monkeypatch.setattr(Reference, "lora_disabled", classmethod(forbidden))
     cfg = debug_config(GRPORunConfig, "grpo_debug.yaml", model_dir, task_dir, tmp_path / "run",
-                       "grpo.beta=0", "training.total_steps=1", "training.eval_interval=0",
+                       "grpo.kl_coeff=0", "training.total_steps=1", "training.eval_interval=0",
                        "training.save_interval=0", "generation.max_new_tokens=4")
     res = grpo.train(cfg, quiet=True)
     assert res.models.reference is None
@@ -342,7 +342,7 @@ def test_lora_reference_is_the_adapter_disabled_policy(model_dir, task_dir, tmp_
 # Prompt sharing: each group's prompt computed once, the same results as the plain pass
 # --------------------------------------------------------------------------------------
 def test_shared_prompt_sampling_matches_plain_sampling(model_dir, task_dir, tmp_path):
-    cfg, run, _ = _setup(model_dir, task_dir, tmp_path, "grpo.beta=0", need_reference=False)
+    cfg, run, _ = _setup(model_dir, task_dir, tmp_path, "grpo.kl_coeff=0", need_reference=False)
     models = run.models
     examples = load_prompts(cfg.dataset, models.tokenizer, "train")[:3]
     greedy = GenerationConfig(max_new_tokens=6, top_k=1)  # top-k 1: the sampled token is the argmax
@@ -424,9 +424,9 @@ def test_cli_run_writes_outputs_and_resumes_exactly(model_dir, task_dir, tmp_pat
 def test_cli_bad_override_is_one_line_error(capsys):
     from rlhflab.cli import main
 
-    assert main(["grpo", "--config", str(ROOT / "configs/grpo_debug.yaml"), "grpo.beta=-1"]) == 2
+    assert main(["grpo", "--config", str(ROOT / "configs/grpo_debug.yaml"), "grpo.kl_coeff=-1"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "grpo.beta: must be >= 0" in err and "Traceback" not in err
+    assert err.startswith("error: ") and "grpo.kl_coeff: must be >= 0" in err and "Traceback" not in err
 
 
 @pytest.mark.slow
@@ -454,7 +454,7 @@ def test_one_optimizer_step_logs_the_samplers_gap_from_the_updates_forward(model
 
     cfg, run, examples = _setup(model_dir, task_dir, tmp_path, "grpo.prompts_per_step=4", "grpo.group_size=4",
                                 "grpo.mini_batch_size=8", "grpo.gradient_accumulation_steps=2", "grpo.epochs=1",
-                                "grpo.beta=0", need_reference=False)  # 16 rows: 2 minibatches, one step
+                                "grpo.kl_coeff=0", need_reference=False)  # 16 rows: 2 minibatches, one step
     assert run.sec.optimizer_steps_per_rollout() == 1
     seen = {}
     real_update = grpo.run_update
@@ -479,5 +479,5 @@ def test_one_optimizer_step_logs_the_samplers_gap_from_the_updates_forward(model
 
 def test_no_sampler_logprobs_no_gap_metric(model_dir, task_dir, tmp_path):
     cfg, run, examples = _setup(model_dir, task_dir, tmp_path, "grpo.prompts_per_step=2", "grpo.group_size=4",
-                                "grpo.mini_batch_size=8", "grpo.epochs=1", "grpo.beta=0", need_reference=False)
+                                "grpo.mini_batch_size=8", "grpo.epochs=1", "grpo.kl_coeff=0", need_reference=False)
     assert "rollout/logprob_gap" not in grpo_step(run, examples, 1, Timer())  # the hf backend: nothing to compare

@@ -78,7 +78,7 @@ def test_reinforce_pp_group_mean_baseline_centres_scores_within_prompts():
 # --------------------------------------------------------------------------------------
 def test_dr_grpo_defaults_and_loss_by_hand():
     sec = DrGRPOSection()
-    assert (sec.advantage_scale, sec.loss_aggregation, sec.beta) == ("none", "token_sum", 0.0)
+    assert (sec.advantage_scale, sec.loss_aggregation, sec.kl_coeff) == ("none", "token_sum", 0.0)
     # Group of 2 with scores [1, 0]: advantages [0.5, -0.5] (no std). Responses of 3 and 1
     # tokens, ratio 1: per-token loss −A: [-0.5]*3 and [0.5]. token_sum with the constant
     # 2 responses × 4 max tokens = 8: (−1.5 + 0.5) / 8 = −0.125, whatever the lengths.
@@ -94,7 +94,7 @@ def test_dr_grpo_defaults_and_loss_by_hand():
     torch.testing.assert_close(grad, torch.tensor([[-0.0625, -0.0625, -0.0625, 0.0], [0.0625, 0, 0, 0]]))
     # GRPO's token_mean would divide by the 4 real tokens: (−1.5 + 0.5) / 4 = −0.25
     from rlhflab.trainers.grpo import GRPOSection
-    grpo = GRPOSection(beta=0.0)
+    grpo = GRPOSection(kl_coeff=0.0)
     assert float(loss_terms(lp, lp.detach(), adv, mask, grpo).total) == pytest.approx(-0.25)
 
 

@@ -36,6 +36,8 @@ _MISSING = dataclasses.MISSING
 # its own, before merging, so a later layer still wins; `rlhflab config show` lists them.
 ALIASES: dict[str, str] = {
     "training.total_ppo_steps": "training.total_steps",
+    # the KL weight has one name, kl_coeff, in every method; GRPO's family called it beta
+    "grpo.beta": "grpo.kl_coeff", "dr_grpo.beta": "dr_grpo.kl_coeff", "gspo.beta": "gspo.kl_coeff",
 }
 
 
@@ -53,7 +55,7 @@ FOREIGN_KEYS: dict[str, str] = {
     "training.batch_size": "<method>.batch_size", "training.epochs": "<method>.epochs",
     # the tutorial notebook's PPO arguments (its k_3 estimator is rlhflab's k3)
     "kl_penalty_method": "kl_estimator", "kl_penalty_beta": "kl_coeff",
-    "grpo.kl_penalty_beta": "grpo.beta", "dr_grpo.kl_penalty_beta": "dr_grpo.beta",
+    "beta": "kl_coeff",  # TRL's GRPO name for the KL weight (read as it in grpo, dr_grpo, gspo)
     "reward_score_clip": "reward.score_clip",
     # the tutorial's value-head options (TRL's AutoModelForCausalLMWithValueHead kwargs)
     "summary_dropout_prob": "model.value_head_dropout", "v_head_initializer_range": "model.value_head_init_std",
@@ -77,8 +79,12 @@ def _foreign_hint(prefix: str, name: str, fields: dict) -> str | None:
     return target
 
 
+_NOTED: set[str] = set()  # old names already noted in this process
+
+
 def _rename_aliases(node: DictConfig, where: str) -> DictConfig:
-    """One layer (a file or an override) with its old key names replaced by the new ones."""
+    """One layer (a file or an override) with its old key names replaced by the new ones;
+    the first use of each old name in a process prints a one-line note naming the new one."""
     for old, new in ALIASES.items():
         section, _, old_key = old.rpartition(".")
         new_section, _, new_key = new.rpartition(".")
@@ -89,6 +95,10 @@ def _rename_aliases(node: DictConfig, where: str) -> DictConfig:
             raise ConfigError(f"{where}: {old} is the old name of {new} and both are set; keep only {new}")
         value = sec.pop(old_key)
         OmegaConf.update(node, new, value, merge=False)
+        if old not in _NOTED:
+            _NOTED.add(old)
+            print(f"note: {where}: {old} is read as {new}, its name in rlhflab; rename it to silence this",
+                  file=sys.stderr)
     return node
 
 

@@ -323,7 +323,7 @@ class PolicySection(OptimizerFields):
     ptx_data: Optional[str] = f(None, "jsonl of SFT/pretraining rows (text, or prompt/response fields) for ptx_coeff")
     ptx_batch_size: int = f(8, "ptx rows per minibatch", gt=0)
 
-    KL_KNOB = "kl_coeff"  # the key the doctor names when the KL grows; each method sets its own
+    KL_KNOB = "kl_coeff"  # the key the doctor names when the KL grows: the KL weight's one name (TRPO: max_kl)
 
     @property
     def samples_per_prompt(self) -> int:

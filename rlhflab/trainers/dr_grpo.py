@@ -10,7 +10,7 @@ normalisations of GRPO that bias it:
   cost less per token than a short one, so the loss sums tokens and divides by a
   constant, responses × max_new_tokens (`loss_aggregation: token_sum`).
 
-It is GRPO's step with these defaults (and no KL term, `beta: 0`, as in the paper); the
+It is GRPO's step with these defaults (and no KL term, `kl_coeff: 0`, as in the paper); the
 engine does the rest. Every GRPO key still applies.
 """
 
@@ -32,16 +32,16 @@ class DrGRPOSection(GRPOSection):
         "none", "none: the centred reward (Dr. GRPO); group or batch bring GRPO's std back")
     loss_aggregation: Aggregation = f(
         "token_sum", "token_sum: token sum over responses x max_new_tokens (Dr. GRPO's constant)")
-    beta: float = f(0.0, "weight of the KL(policy||reference) term in the loss; 0 loads no reference", ge=0)
+    kl_coeff: float = f(0.0, "weight of the KL(policy||reference) term in the loss; 0 loads no reference", ge=0)
 
 
 DrGRPORunConfig = policy_run_config(
-    "DrGRPORunConfig", "dr_grpo", DrGRPOSection, command="dr-grpo", title="a Dr. GRPO", kl_weight="beta",
+    "DrGRPORunConfig", "dr_grpo", DrGRPOSection, command="dr-grpo", title="a Dr. GRPO", kl_weight="kl_coeff",
     module=__name__)
 
 
 def method(cfg: DrGRPORunConfig) -> PolicyMethod:
-    return PolicyMethod("dr_grpo", grpo_step, need_reference=lambda c: c.dr_grpo.beta > 0)
+    return PolicyMethod("dr_grpo", grpo_step, need_reference=lambda c: c.dr_grpo.kl_coeff > 0)
 
 
 train, add_parser, run = policy_entry_points(

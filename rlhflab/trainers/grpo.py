@@ -7,11 +7,11 @@ relative to the others of its group. One step (the loop around it is
 
     1. rollout      group_size sampled responses per prompt (KV cache, no gradients)
     2. score        the reward of each response (rule, reward model, classifier)
-    3. forward      reference log-probs (only when beta > 0); old log-probs (only when a
+    3. forward      reference log-probs (only when kl_coeff > 0); old log-probs (only when a
                     step makes more than one optimizer step, see below)
     4. advantages   `ops.group_advantages`: reward − group mean, divided by the group's
                     std, the batch's std, or nothing; the same value on every token
-    5. update       clipped surrogate against the sampling policy + beta · KL(k3) to the
+    5. update       clipped surrogate against the sampling policy + kl_coeff · KL(k3) to the
                     reference, in epochs of minibatches with gradient accumulation
     6. log, evaluate, save
 
@@ -21,7 +21,8 @@ Where we depart from the paper or from common practice:
   second KL penalty and not a trust region.) When a step makes exactly one optimizer
   step, π_old is the current policy, so its log-probs are the detached log-probs of the
   update's own forward pass and no extra pass is made; the ratio is then exactly 1.
-- `beta` = 0 loads no reference model at all (DAPO, Dr. GRPO drop the KL term).
+- `kl_coeff` = 0 (the paper's β; `beta` is still read as it) loads no reference model at
+  all (DAPO, Dr. GRPO drop the KL term).
 - Under LoRA the reference is the adapter-disabled policy, never a second copy.
 - `advantage_scale: batch` divides by the batch's std instead of the group's, which
   does not up-weight prompts whose group rewards barely differ (Liu et al., 2025).
@@ -51,12 +52,10 @@ from rlhflab.trainers.loop import (PolicyMethod, RLRun, broadcast_advantages, gr
 class GRPOSection(GroupSection):
     """GRPO settings (the rollout, optimizer and update fields are the engine's)."""
 
-    KL_KNOB = "beta"
-
     group_size: int = f(4, "responses sampled per prompt; advantages are relative to this group", gt=1)
     advantage_scale: Literal["group", "batch", "none"] = f(
         "group", "divide the centred reward by the group's std, the batch's std, or nothing")
-    beta: float = f(0.04, "weight of the KL(policy||reference) term in the loss; 0 loads no reference", ge=0)
+    kl_coeff: float = f(0.04, "weight of the KL(policy||reference) term in the loss; 0 loads no reference", ge=0)
     kl_estimator: KLKind = f("k3", "per-token KL estimator in the loss: k3 (GRPO's), k1, k2, abs or mse")
 
     @property
@@ -65,11 +64,11 @@ class GRPOSection(GroupSection):
 
     @property
     def kl_loss_coeff(self) -> float:
-        return self.beta
+        return self.kl_coeff
 
 
 GRPORunConfig = policy_run_config(
-    "GRPORunConfig", "grpo", GRPOSection, command="grpo", title="a GRPO", kl_weight="beta", module=__name__)
+    "GRPORunConfig", "grpo", GRPOSection, command="grpo", title="a GRPO", kl_weight="kl_coeff", module=__name__)
 
 
 # --------------------------------------------------------------------------------------
@@ -116,7 +115,7 @@ def grpo_step(run: RLRun, examples, step: int, timer: Timer) -> dict[str, float]
 
 
 def method(cfg: GRPORunConfig) -> PolicyMethod:
-    return PolicyMethod("grpo", grpo_step, need_reference=lambda c: c.grpo.beta > 0)
+    return PolicyMethod("grpo", grpo_step, need_reference=lambda c: c.grpo.kl_coeff > 0)
 
 
 train, add_parser, run = policy_entry_points(

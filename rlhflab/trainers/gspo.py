@@ -12,7 +12,7 @@ Where it departs from GRPO's defaults, as in the paper:
 - `clip_eps` 3e-4 below and `clip_eps_high` 4e-4 above: a mean of log-ratios moves
   little, so the clip range is two orders of magnitude below PPO's 0.2.
 - `loss_aggregation: seq_mean`: the mean over responses of each response's loss.
-- `beta: 0`: no KL term (and no reference loaded); set beta > 0 to add GRPO's k3 term.
+- `kl_coeff: 0`: no KL term (and no reference loaded); set kl_coeff > 0 to add GRPO's k3 term.
 - Token-level options (`dual_clip`, `tis_cap`) are refused.
 With one optimizer step per rollout the ratio is exactly 1 and GSPO's update equals
 GRPO's with seq_mean; the clip acts once a rollout feeds several minibatch steps.
@@ -38,7 +38,7 @@ class GSPOSection(GRPOSection):
                         gt=0, lt=1)
     clip_eps_high: Optional[float] = f(4e-4, "sequence-ratio clip above (paper: 4e-4); null uses clip_eps", gt=0)
     loss_aggregation: Aggregation = f("seq_mean", "seq_mean: the mean over responses of their loss (GSPO's)")
-    beta: float = f(0.0, "weight of the KL(policy||reference) term in the loss; 0 loads no reference", ge=0)
+    kl_coeff: float = f(0.0, "weight of the KL(policy||reference) term in the loss; 0 loads no reference", ge=0)
 
     def check(self) -> list[str]:
         errs = super().check()
@@ -49,11 +49,11 @@ class GSPOSection(GRPOSection):
 
 
 GSPORunConfig = policy_run_config(
-    "GSPORunConfig", "gspo", GSPOSection, command="gspo", title="a GSPO", kl_weight="beta", module=__name__)
+    "GSPORunConfig", "gspo", GSPOSection, command="gspo", title="a GSPO", kl_weight="kl_coeff", module=__name__)
 
 
 def method(cfg: GSPORunConfig) -> PolicyMethod:
-    return PolicyMethod("gspo", grpo_step, need_reference=lambda c: c.gspo.beta > 0)
+    return PolicyMethod("gspo", grpo_step, need_reference=lambda c: c.gspo.kl_coeff > 0)
 
 
 # GRPO's step; the engine minimises the sequence-level loss instead of the token-level one.

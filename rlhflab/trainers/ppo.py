@@ -50,8 +50,6 @@ ppo_update_group = update_group
 class PPOSection(PolicySection):
     """PPO settings (the update fields are the engine's, shared with every method)."""
 
-    KL_KNOB = "kl_coeff"
-
     rollout_samples: int = f(64, "episodes collected per PPO step", gt=0)
     batch_size: int = f(16, "responses generated at once during the rollout", gt=0)
     mini_batch_size: int = f(8, "episodes per minibatch in the update", gt=0)

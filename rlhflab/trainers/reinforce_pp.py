@@ -39,8 +39,6 @@ from rlhflab.trainers.loop import (PolicyMethod, RLRun, policy_entry_points, pol
 class ReinforcePPSection(GroupSection):
     """REINFORCE++ settings (the rollout, optimizer and update fields are the engine's)."""
 
-    KL_KNOB = "kl_coeff"
-
     n_samples: int = f(1, "responses sampled per prompt (more than 1 for the group_mean baseline)", gt=0)
     kl_coeff: float = f(0.01, "weight of the per-token KL penalty in the reward; 0 loads no reference", ge=0)
     kl_estimator: KLKind = f("k2", "per-token KL estimator in the reward")

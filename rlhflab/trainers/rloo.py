@@ -40,8 +40,6 @@ from rlhflab.trainers.loop import (PolicyMethod, RLRun, broadcast_advantages, po
 class RLOOSection(GroupSection):
     """RLOO settings (the rollout, optimizer and update fields are the engine's)."""
 
-    KL_KNOB = "kl_coeff"
-
     k: int = f(4, "responses sampled per prompt; each one's baseline is the mean of the other k-1", gt=1)
     kl_coeff: float = f(0.05, "weight of the sequence KL(policy||reference) subtracted from the reward; 0 loads no reference", ge=0)
     kl_estimator: KLKind = f("k1", "per-token KL estimator, summed over the response")
