@@ -44,7 +44,7 @@ from rlhflab.ops.losses import LOG_RATIO_CLAMP
 from rlhflab.rollout import Rollout
 from rlhflab.trainers.common import Timer
 from rlhflab.trainers.loop import (PolicyMethod, RLRun, policy_entry_points, policy_run_config, rollout_metrics,
-                                   score_responses, whiten)
+                                   score_responses, whiten, episode_rewards, outcome_scores)
 
 
 @dataclass
@@ -244,8 +244,15 @@ def trpo_step(run: RLRun, examples, step: int, timer: Timer) -> dict[str, float]
         ref_lp = roll.ref_logprobs if roll.ref_logprobs is not None else roll.logprobs
         roll.rewards, roll.kl = ops.kl_shaped_rewards(roll.scores, roll.logprobs, ref_lp, roll.response_mask,
                                                       sec.kl_coeff, sec.kl_estimator)
-        # 4. advantages: GAE, whitened.
-        adv, roll.returns = ops.gae(roll.rewards, roll.values, roll.response_mask, sec.gamma, sec.lam)
+        turns = episode_rewards(roll, models.device)  # multi-turn: as PPO (docs/environments.md)
+        if turns is not None:
+            roll.rewards = roll.rewards + ops.place_turn_rewards(
+                turns, roll.episodes.turn_ends.to(models.device), roll.episodes.turn_mask.to(models.device),
+                roll.response_mask.shape[1]).to(roll.rewards.dtype)
+            roll.scores = outcome_scores(roll, roll.scores)
+        # 4. advantages: GAE (over the action tokens of a multi-turn episode), whitened.
+        gae = ops.gae if turns is None else ops.gae_over_actions
+        adv, roll.returns = gae(roll.rewards, roll.values, roll.response_mask, sec.gamma, sec.lam)
         roll.advantages = whiten(adv, roll.response_mask, run.dist) if sec.whiten_advantages else adv
     # 5a. the natural-gradient step of the policy; 5b. the value function.
     with timer("update"):
