@@ -7,6 +7,7 @@ import pytest
 
 from rlhflab.config import load_config, save_effective_config
 from rlhflab.trainers.ppo import PPORunConfig
+from rlhflab.trainers.sft import SFTRunConfig
 from rlhflab.errors import ConfigError, UserError
 
 DATA = Path(__file__).parent / "data" / "config"
@@ -274,6 +275,26 @@ def test_the_kl_weight_has_one_name_and_beta_is_read_as_it(tmp_path, monkeypatch
     # a method that never had beta: did you mean its kl_coeff?
     with pytest.raises(ConfigError, match=r"ppo\.beta: unknown key; did you mean ppo\.kl_coeff\?"):
         load_config(None, PPORunConfig, ["ppo.beta=0.1"])
+
+
+def test_every_training_section_names_its_warmup_the_same_two_ways():
+    # warmup_steps (optimizer steps) and warmup_ratio (a share of them) mean the same thing in
+    # every method's section; warmup_steps, when set, wins (as in Hugging Face's Trainer).
+    from rlhflab.config import methods
+    from rlhflab.config.cli import schema_for
+    from rlhflab.trainers.common import warmup_of
+
+    for m in methods.METHODS:
+        run = schema_for(m.command)()
+        sec = getattr(run, m.section, None)
+        assert sec is not None, m.command
+        assert {"warmup_steps", "warmup_ratio"} <= {f.name for f in dataclasses.fields(sec)}, m.command
+    sft = load_config(None, SFTRunConfig, ["sft.warmup_ratio=0.1"])[0].sft
+    assert warmup_of(sft, 250) == 25                                    # 0.1 x 250
+    sft = load_config(None, SFTRunConfig, ["sft.warmup_ratio=0.1", "sft.warmup_steps=7"])[0].sft
+    assert warmup_of(sft, 250) == 7                                     # steps win
+    ppo = load_config(None, PPORunConfig, ["ppo.warmup_ratio=0.5"])[0].ppo
+    assert warmup_of(ppo, 9) == 4                                       # int(0.5 x 9)
 
 
 def test_names_from_the_tutorial_and_trl_get_rlhflabs_key():

@@ -275,7 +275,8 @@ class OptimizerFields:
 
     learning_rate: float = f(1e-6, "peak learning rate", gt=0)
     min_learning_rate: float = f(0.0, "floor of the cosine/linear decay", ge=0)
-    warmup_steps: int = f(0, "optimizer steps of linear warmup", ge=0)
+    warmup_steps: int = f(0, "optimizer steps of linear warmup; when set (> 0) it wins over warmup_ratio", ge=0)
+    warmup_ratio: float = f(0.0, "share of the optimizer steps spent in linear warmup; warmup_steps, when set, wins", ge=0, lt=1)
     lr_schedule: Literal["constant", "cosine", "linear"] = f("constant", "learning-rate schedule after warmup")
     weight_decay: float = f(0.0, "AdamW weight decay", ge=0)
     adam_beta1: float = f(0.9, "AdamW beta1", ge=0, lt=1)

@@ -36,7 +36,7 @@ from rlhflab.errors import UserError
 from rlhflab.models.load import disable_dropout, load_tokenizer, resolve_dtype
 from rlhflab.run import TrainResult, start_run
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, clip_and_step, config_entry_points,
-                                     make_optimizer, make_probe_batch, make_scheduler)
+                                     make_optimizer, make_probe_batch, make_scheduler, warmup_of)
 
 
 # --------------------------------------------------------------------------------------
@@ -65,7 +65,8 @@ class ClassifierSection:
     batch_size: int = f(32, "rows per optimizer step", gt=0)
     learning_rate: float = f(1e-3, "peak learning rate", gt=0)
     min_learning_rate: float = f(0.0, "floor of the decay", ge=0)
-    warmup_ratio: float = f(0.05, "share of the optimizer steps spent in linear warmup", ge=0, lt=1)
+    warmup_steps: int = f(0, "optimizer steps of linear warmup; when set (> 0) it wins over warmup_ratio", ge=0)
+    warmup_ratio: float = f(0.05, "share of the optimizer steps spent in linear warmup; warmup_steps, when set, wins", ge=0, lt=1)
     lr_schedule: Literal["constant", "cosine", "linear"] = f("cosine", "learning-rate schedule after warmup")
     weight_decay: float = f(0.0, "AdamW weight decay", ge=0)
     max_grad_norm: Optional[float] = f(1.0, "clip the global gradient norm to this; null disables", gt=0)
@@ -237,7 +238,7 @@ def train_classifier(cfg: ClassifierRunConfig, effective=None, quiet: bool = Fal
     total_steps = c.max_steps or max(1, math.ceil(steps_per_epoch * c.epochs))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, c.learning_rate, c.weight_decay)
-    scheduler = make_scheduler(optimizer, total_steps, int(c.warmup_ratio * total_steps), c.lr_schedule,
+    scheduler = make_scheduler(optimizer, total_steps, warmup_of(c, total_steps), c.lr_schedule,
                                c.min_learning_rate)
     counts = [sum(r.label == i for r in data.train) for i in range(len(data.labels))]
     say(f"classifier: {len(data.train)} training rows ({', '.join(f'{n} {name}' for n, name in zip(counts, data.labels))}), "

@@ -67,14 +67,20 @@ def make_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, warmup_st
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def warmup_of(sec, total_steps: int) -> int:
+    """The warm-up in optimizer steps, from the two names every training section has for it:
+    `warmup_steps` when set (> 0), else `warmup_ratio` of `total_steps` (rounded down)."""
+    return sec.warmup_steps if sec.warmup_steps > 0 else int(sec.warmup_ratio * total_steps)
+
+
 def make_optimization(params: list[torch.nn.Parameter], sec, total_optimizer_steps: int):
     """AdamW (fused; 8-bit when asked for and possible) and its schedule from a section
     with the usual optimizer fields (learning_rate, weight_decay, adam_*, use_8bit_adam,
-    warmup_steps, lr_schedule, min_learning_rate): PPO, GRPO, RLOO and DPO sections."""
+    warmup_steps or warmup_ratio, lr_schedule, min_learning_rate): PPO, GRPO, RLOO and DPO sections."""
     optimizer = make_optimizer(params, sec.learning_rate, sec.weight_decay,
                                (sec.adam_beta1, sec.adam_beta2), sec.adam_eps, sec.use_8bit_adam)
-    scheduler = make_scheduler(optimizer, total_optimizer_steps, sec.warmup_steps, sec.lr_schedule,
-                               sec.min_learning_rate)
+    scheduler = make_scheduler(optimizer, total_optimizer_steps, warmup_of(sec, total_optimizer_steps),
+                               sec.lr_schedule, sec.min_learning_rate)
     return optimizer, scheduler
 
 

@@ -53,7 +53,7 @@ from rlhflab.models.checkpoint import atomic_folder, state_part, untied
 from rlhflab.run import TrainResult, start_run
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, clip_and_step, config_entry_points,
                                      make_optimizer, make_probe_batch, make_scheduler,
-                                     train_and_held_out)
+                                     train_and_held_out, warmup_of)
 
 
 # --------------------------------------------------------------------------------------
@@ -94,7 +94,8 @@ class RMSection:
     gradient_accumulation_steps: int = f(1, "micro-batches per optimizer step", gt=0)
     learning_rate: float = f(1e-5, "peak learning rate", gt=0)
     min_learning_rate: float = f(0.0, "floor of the decay", ge=0)
-    warmup_ratio: float = f(0.03, "share of the optimizer steps spent in linear warmup", ge=0, lt=1)
+    warmup_steps: int = f(0, "optimizer steps of linear warmup; when set (> 0) it wins over warmup_ratio", ge=0)
+    warmup_ratio: float = f(0.03, "share of the optimizer steps spent in linear warmup; warmup_steps, when set, wins", ge=0, lt=1)
     lr_schedule: Literal["constant", "cosine", "linear"] = f("cosine", "learning-rate schedule after warmup")
     weight_decay: float = f(0.0, "AdamW weight decay", ge=0)
     adam_beta1: float = f(0.9, "AdamW beta1", ge=0, lt=1)
@@ -367,7 +368,7 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
     # rank takes its share of every micro-batch of the one shuffle.
     loss_model, optimizer = dist.prepare(
         Forward(model, lambda m, pairs: _batch_loss(m, tok, pairs, meta, cfg, device)), optimizer, r.max_grad_norm)
-    scheduler = make_scheduler(optimizer, total_steps, int(r.warmup_ratio * total_steps), r.lr_schedule,
+    scheduler = make_scheduler(optimizer, total_steps, warmup_of(r, total_steps), r.lr_schedule,
                                r.min_learning_rate)
     say(f"rm: {len(data.train)} training pairs, {len(data.eval)} held out; {total_steps} optimizer steps; "
         f"{sum(p.numel() for p in params):,} trainable parameters")

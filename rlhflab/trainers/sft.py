@@ -61,7 +61,7 @@ from rlhflab.models.precision import autocast
 from rlhflab.models.quant import prepare_quantized, quantization_kwargs
 from rlhflab.run import TrainResult, start_run
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, clip_and_step, config_entry_points,
-                                     make_optimizer, make_scheduler, train_and_held_out)
+                                     make_optimizer, make_scheduler, train_and_held_out, warmup_of)
 
 
 # --------------------------------------------------------------------------------------
@@ -107,7 +107,8 @@ class SFTSection:
     gradient_accumulation_steps: int = f(1, "micro-batches per optimizer step", gt=0)
     learning_rate: float = f(2e-4, "peak learning rate", gt=0)
     min_learning_rate: float = f(0.0, "floor of the decay", ge=0)
-    warmup_ratio: float = f(0.03, "share of the optimizer steps spent in linear warmup", ge=0, lt=1)
+    warmup_steps: int = f(0, "optimizer steps of linear warmup; when set (> 0) it wins over warmup_ratio", ge=0)
+    warmup_ratio: float = f(0.03, "share of the optimizer steps spent in linear warmup; warmup_steps, when set, wins", ge=0, lt=1)
     lr_schedule: Literal["constant", "cosine", "linear"] = f("cosine", "learning-rate schedule after warmup")
     weight_decay: float = f(0.0, "AdamW weight decay", ge=0)
     adam_beta1: float = f(0.9, "AdamW beta1", ge=0, lt=1)
@@ -402,7 +403,7 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
     # Under several processes the loss module is wrapped for the launcher's strategy, and
     # each rank takes its share of every micro-batch (the same rows one process would use).
     nll_model, optimizer = dist.prepare(Forward(model, batch_nll), optimizer, s.max_grad_norm)
-    scheduler = make_scheduler(optimizer, total_steps, int(s.warmup_ratio * total_steps), s.lr_schedule,
+    scheduler = make_scheduler(optimizer, total_steps, warmup_of(s, total_steps), s.lr_schedule,
                                s.min_learning_rate)
     run.print(f"sft: {len(data.train)} training rows, {len(data.eval)} held out; {total_steps} optimizer steps; "
               f"{sum(p.numel() for p in params):,} trainable parameters")
