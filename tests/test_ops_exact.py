@@ -285,6 +285,12 @@ FLOAT64_CALLS = {
     "reward_model_loss": lambda: ops.reward_model_loss(_f64(B), _f64(B, seed=1), center_coeff=0.1),
     "truncated_is_weights": lambda: ops.truncated_is_weights(_f64(B, T), _f64(B, T, seed=1), M, 2.0),
     "logprob_gap": lambda: ops.logprob_gap(_f64(B, T), _f64(B, T, seed=1), M),
+    "gspo_policy_loss": lambda: ops.gspo_policy_loss(_f64(B, T), _f64(B, T, seed=1), _f64(B, T, seed=2), M),
+    "place_turn_rewards": lambda: ops.place_turn_rewards(_f64(B, 2), torch.tensor([[0, 1], [1, 2]]),
+                                                         torch.ones(B, 2), T),
+    "gae_over_actions": lambda: ops.gae_over_actions(_f64(B, T), _f64(B, T, seed=1), M),
+    "discounted_returns_over_actions": lambda: ops.discounted_returns_over_actions(_f64(B, T), M),
+    "episode_returns": lambda: ops.episode_returns(_f64(B, 2), torch.ones(B, 2)),
     "categorical_kl": lambda: ops.categorical_kl(torch.log_softmax(_f64(B, V), -1),
                                                  torch.log_softmax(_f64(B, V, seed=1), -1)),
     "conjugate_gradient": lambda: ops.conjugate_gradient(
