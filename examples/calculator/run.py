@@ -77,10 +77,11 @@ def evaluate(model, tok, rows, tools: bool) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--method", choices=["grpo", "ppo"], default="grpo")
-    ap.add_argument("--sft-steps", type=int, default=150)
+    ap.add_argument("--sft-steps", type=int, default=400)
     ap.add_argument("--rl-steps", type=int, default=20)
     ap.add_argument("--n-test", type=int, default=100)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reuse-sft", action="store_true", help="load the SFT models a previous run saved")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     t0 = time.time()
@@ -93,10 +94,14 @@ def main() -> int:
     rng = random.Random(0)
     demo_rows = [dict(r, prompt=r["question"], _skip=rng.random() < SKIP_RATE) for r in train]
     corpus = [r["question"] for r in train] + [tool_reply(r, [{"role": "user"}]) for r in train[:200]]
-    base = make_tiny_model(OUT / "base", hidden_size=128, num_layers=4, num_heads=4, vocab_size=512,
+    base = OUT / "base" if args.reuse_sft else make_tiny_model(OUT / "base", hidden_size=128, num_layers=4, num_heads=4, vocab_size=512,
                            max_positions=320, corpus=corpus, chat_template="chatml")
     results = {}
     for name, tools, reply in (("sft_direct", False, direct_reply), ("sft_tool", True, tool_reply)):
+        if args.reuse_sft and (OUT / name / "config.json").exists():
+            model, tok = load_model(str(OUT / name))
+            results[name] = evaluate(model, tok, test, tools)
+            continue
         model, tok = load_model(str(base))
         cfg = EnvConfig(tools=["calc_tools:calculator"] if tools else [], tool_format="plain", max_turns=3,
                         plugin_dir=str(HERE))
@@ -111,7 +116,7 @@ def main() -> int:
           flush=True)
     cmd = [sys.executable, "-m", "rlhflab", args.method, "--config", str(HERE / f"{args.method}.yaml"),
            f"training.total_steps={args.rl_steps}", f"training.eval_interval={args.rl_steps}",
-           f"training.num_threads={args.threads}", "logging.progress_bar=false"]
+           f"training.num_threads={args.threads}", "logging.progress_bar=false", "training.overwrite=true"]
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     model, tok = load_model(str(OUT / args.method / "final"))
     results["rl"] = evaluate(model, tok, test, True)

@@ -73,6 +73,7 @@ def main() -> int:
     ap.add_argument("--sft-steps", type=int, default=150)
     ap.add_argument("--rl-steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reuse-sft", action="store_true", help="load the SFT model a previous run saved")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     t0 = time.time()
@@ -84,22 +85,23 @@ def main() -> int:
     write_jsonl(test, OUT / "test.jsonl")
     corpus = [f"I am thinking of a number from 1 to {HIGH}. Guess it.", "higher", "lower", "Say a number."] + \
              [f"My guess is {i}." for i in range(1, HIGH + 1)]
-    base = make_tiny_model(OUT / "base", hidden_size=128, num_layers=4, num_heads=4, vocab_size=512,
+    base = OUT / "base" if args.reuse_sft else make_tiny_model(OUT / "base", hidden_size=128, num_layers=4, num_heads=4, vocab_size=512,
                            max_positions=320, corpus=corpus * 50, chat_template="chatml")
-    model, tok = load_model(str(base))
+    model, tok = load_model(str(OUT / "sft" if args.reuse_sft else base))
     cfg = EnvConfig(name="guess_env:GuessTheNumber", kwargs={"high": HIGH}, max_turns=MAX_TURNS, plugin_dir=str(HERE))
     eps = demonstration_episodes(setup_episodes(cfg, tok), train, sloppy_player(0), max_turns=MAX_TURNS,
                                  env_kwargs={"high": HIGH})
     demo_turns = sum(e.num_turns for e in eps) / len(eps)
-    print(f"SFT on {len(eps)} games of a sloppy player (mean {demo_turns:.2f} turns)", flush=True)
-    sft_on_episodes(model, eps, tok.pad_token_id, steps=args.sft_steps, batch_size=32, lr=3e-3, log=print)
-    model.save_pretrained(OUT / "sft")
-    tok.save_pretrained(OUT / "sft")
+    if not args.reuse_sft:
+        print(f"SFT on {len(eps)} games of a sloppy player (mean {demo_turns:.2f} turns)", flush=True)
+        sft_on_episodes(model, eps, tok.pad_token_id, steps=args.sft_steps, batch_size=32, lr=3e-3, log=print)
+        model.save_pretrained(OUT / "sft")
+        tok.save_pretrained(OUT / "sft")
     before = measure(model, tok, test)
     print(f"RL: rlhflab grpo --config examples/guess_the_number/grpo.yaml ({args.rl_steps} steps)", flush=True)
     subprocess.run([sys.executable, "-m", "rlhflab", "grpo", "--config", str(HERE / "grpo.yaml"),
                     f"training.total_steps={args.rl_steps}", f"training.num_threads={args.threads}",
-                    "logging.progress_bar=false"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+                    "logging.progress_bar=false", "training.overwrite=true"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     model, tok = load_model(str(OUT / "grpo" / "final"))
     after = measure(model, tok, test)
 

@@ -122,7 +122,10 @@ class EpisodeBackend:
         self.last: EpisodeBatch | None = None
 
     def __getattr__(self, name):  # check_sync, engine, ... : the wrapped backend's
-        return getattr(self.__dict__["backend"], name)
+        backend = self.__dict__.get("backend")
+        if backend is None:
+            raise AttributeError(name)
+        return getattr(backend, name)
 
     def sync(self, policy, updates: int = 1) -> None:
         self.backend.sync(policy, updates)
