@@ -18,6 +18,10 @@ fresh processes:
   and checker accuracy before and after);
 - the tiny model's parameter count and the standard error of an accuracy on 200 problems.
 
+It also copies the first quickstart run's reward plot (`ppo/plots/reward.png`) to
+`docs/figures/quickstart_reward.png`, the plot README.md and docs/quickstart.md show
+(`--figure ''` leaves it alone).
+
 How busy the machine was matters (the CPU is shared): the 1-minute load average before
 and after each run is printed with the CPU count. Nothing here is asserted; the output is
 what the docs quote.
@@ -37,6 +41,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+FIGURE = ROOT / "docs" / "figures" / "quickstart_reward.png"
 
 
 def rlhflab_command() -> list[str]:
@@ -174,6 +179,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="runs of each measurement (default: 3)")
     ap.add_argument("--out", default="outputs/measure", help="working folder (default: outputs/measure)")
     ap.add_argument("--skip-pipeline", action="store_true", help="measure the quickstart only")
+    ap.add_argument("--figure", default=str(FIGURE.relative_to(ROOT)),
+                    help="where to copy the first quickstart run's reward plot ('' skips; default: %(default)s)")
     ap.add_argument("--thread-counts", default="1",
                     help="also train the warm start with these thread counts, to show the accuracy after SFT "
                          "depends on it (comma-separated; '' skips; default: %(default)s)")
@@ -191,6 +198,13 @@ def main() -> None:
         quick.append(quickstart_run(out, i))
         print(f"quickstart run {i + 1}: " + json.dumps({k: round(v, 3) for k, v in quick[-1].items()
                                                         if v is not None}), flush=True)
+    if args.figure:
+        figure = ROOT / args.figure if not Path(args.figure).is_absolute() else Path(args.figure)
+        figure.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(out / "quickstart_0" / "ppo" / "plots" / "reward.png", figure)
+        size = figure.stat().st_size
+        print(f"reward plot of run 1 copied to {figure} ({size // 1024} KB"
+              + ("; over the docs' 100 KB limit" if size >= 100_000 else "") + ")", flush=True)
     pipe = []
     if not args.skip_pipeline:
         for i in range(args.runs):
