@@ -79,7 +79,11 @@ def _assert_same(a, b):
     torch.testing.assert_close(ha, hb, rtol=1e-6, atol=1e-6)
     assert ga.keys() == gb.keys() and ga
     for name in ga:
-        torch.testing.assert_close(ga[name], gb[name], rtol=1e-5, atol=1e-6, msg=name)
+        # Float32 sums over other row orders: each gradient within 1e-5 of its tensor's
+        # largest entry (an element-wise rtol fails on entries that cancel to near 0: seen
+        # 3e-7 of the max on an Intel CPU, where lora_A's small entries missed rtol 1e-5).
+        scale = float(gb[name].abs().max())
+        torch.testing.assert_close(ga[name], gb[name], rtol=0, atol=max(1e-6, 1e-5 * scale), msg=name)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -216,7 +216,7 @@ def test_packaged_run_config_is_the_repos_debug_config():
     repo, _ = load_config(repo_debug_config(), PPORunConfig)
     packaged, _ = load_config(packaged_config(), PPORunConfig)
     for cfg in (repo, packaged):  # plug-ins are looked for next to each file: the one key that may differ
-        cfg.reward.plugin_dir = cfg.eval.plugin_dir = None
+        cfg.reward.plugin_dir = cfg.eval.plugin_dir = cfg.env.plugin_dir = None
     assert dataclasses.asdict(packaged) == dataclasses.asdict(repo), \
         "configs/ppo_debug.yaml changed: refresh the copy with `python -m rlhflab.learn.runner`"
 
