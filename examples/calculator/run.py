@@ -3,7 +3,7 @@ tool-use demonstrations, then RL with `rlhflab grpo` (or ppo) from the YAML besi
 script, which names the tool; held-out accuracy with the tool beside a model trained to
 answer without it.
 
-    python examples/calculator/run.py                  # everything (a few minutes on a CPU)
+    python examples/calculator/run.py                  # everything (about 15 minutes on a 2-core CPU)
     python examples/calculator/run.py --method ppo     # RL with PPO instead of GRPO
 
 Outputs go to outputs/examples/calculator/. The printed table is what

@@ -3,7 +3,7 @@ then RL with `rlhflab grpo` from the YAML beside this script, which names the
 environment; mean turns to solve (and the share solved within max_turns) on 100 held-out
 games, before and after RL.
 
-    python examples/guess_the_number/run.py        # a few minutes on a CPU
+    python examples/guess_the_number/run.py        # about 5 minutes on a 2-core CPU
 
 Outputs go to outputs/examples/guess_the_number/. The printed table is what
 docs/environments.md quotes.
