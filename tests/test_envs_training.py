@@ -248,3 +248,27 @@ def test_cli_trains_from_a_yaml_naming_env_and_tool(chat_model, task_dir, tmp_pa
     assert len(turns) == 2 and all(1 <= t <= 3 for t in turns)
     assert all("episode/tool_error_rate" in r and "episode/hit_max_turns_frac" in r for r in rows
                if "episode/turns_mean" in r)
+
+
+def test_decode_kwargs_greedy_sampled_and_lockstep():
+    """The one builder of generate()'s decoding arguments, shared by single- and multi-turn."""
+    from rlhflab.rollout.hf import LOCKSTEP_ATTR, decode_kwargs
+    m = torch.nn.Linear(1, 1)
+    assert decode_kwargs(m, greedy=True, temperature=0.7, top_k=5, top_p=0.9) == dict(
+        do_sample=False, temperature=None, top_k=None, top_p=None)
+    assert decode_kwargs(m, greedy=False, temperature=0.7, top_k=0, top_p=1.0) == dict(
+        do_sample=True, temperature=0.7, top_k=None, top_p=None)  # top-k 0 / top-p 1: off
+    setattr(m, LOCKSTEP_ATTR, True)
+    assert decode_kwargs(m, greedy=True, temperature=1.0, top_k=0, top_p=1.0)["synced_gpus"] is True
+
+
+def test_multiturn_hf_refused_under_sharded_layers():
+    """Episodes end after different numbers of turns on different ranks, so lockstep
+    generate calls (FSDP / ZeRO-3 sharded layers) would not pair up: one line instead of a hang."""
+    from rlhflab.envs.rollout import hf_generate_ids
+    from rlhflab.errors import UserError
+    from rlhflab.rollout.hf import LOCKSTEP_ATTR
+    m = torch.nn.Linear(1, 1)
+    setattr(m, LOCKSTEP_ATTR, True)
+    with pytest.raises(UserError, match="FSDP or ZeRO-3"):
+        hf_generate_ids(m, None, [[1, 2]], max_new_tokens=2, stop_ids=[0])

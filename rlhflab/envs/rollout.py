@@ -29,6 +29,7 @@ from typing import Sequence
 import torch
 
 from rlhflab.envs.episode import EpisodeBatch, EpisodeSetup, Generated, collate_episodes, run_episodes
+from rlhflab.errors import UserError
 
 TURN_STEP = 100_003  # turn t samples with the noise keys of step + t * TURN_STEP (turn 0: the step's own)
 
@@ -56,16 +57,18 @@ def hf_generate_ids(model, tokenizer, prompts: Sequence[Sequence[int]], *, max_n
     """`model.generate` on token-id prompts (left-padded in batches); the ids after each
     prompt, uncut (the episode runner cuts at the first stop id). `keys` (one per prompt):
     seeded sampling as `rlhflab.rollout.hf`'s."""
-    from rlhflab.rollout.hf import _seeded_processors
+    from rlhflab.rollout.hf import _seeded_processors, decode_kwargs, lockstep_of
 
+    if lockstep_of(model):
+        # Sharded layers make every rank run each generate call together, but episodes
+        # end after different numbers of turns on different ranks: the calls would not pair up.
+        raise UserError("env: multi-turn episodes with generation.backend=hf do not run under FSDP or "
+                        "ZeRO-3 (sharded layers); use DDP or ZeRO-2 (configs/accelerate/ddp.yaml, zero2.yaml), "
+                        "or generation.backend=vllm")
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id
-    kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=list(stop_ids), use_cache=True)
-    if greedy:
-        kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
-    else:
-        kwargs.update(do_sample=True, temperature=temperature, top_k=top_k or None,
-                      top_p=top_p if top_p < 1.0 else None)
+    kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=list(stop_ids), use_cache=True,
+                  **decode_kwargs(model, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p))
     was_training = model.training
     model.eval()
     out: list[Generated] = []

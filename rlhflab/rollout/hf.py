@@ -62,6 +62,22 @@ def lockstep_of(module: torch.nn.Module) -> bool | None:
     return getattr(module, LOCKSTEP_ATTR, None)
 
 
+def decode_kwargs(model, *, greedy: bool, temperature: float, top_k: int, top_p: float) -> dict:
+    """`model.generate`'s decoding arguments: greedy or sampled (top-k 0 and top-p 1 mean
+    off), and `synced_gpus` under FSDP / ZeRO-3 (set by engine.dist.mark_lockstep): with
+    sharded layers every rank decodes until the last is done; with whole weights, alone."""
+    kwargs: dict = {}
+    lockstep = lockstep_of(model)
+    if lockstep is not None:
+        kwargs["synced_gpus"] = lockstep
+    if greedy:
+        kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+    else:
+        kwargs.update(do_sample=True, temperature=temperature, top_k=top_k or None,
+                      top_p=top_p if top_p < 1.0 else None)
+    return kwargs
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompts: Sequence[str], *, n: int = 1, max_new_tokens: int,
              min_new_tokens: int = 0, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
@@ -81,15 +97,8 @@ def generate(model, tokenizer, prompts: Sequence[str], *, n: int = 1, max_new_to
     examples = list(examples) if examples is not None else [{} for _ in prompts]
     shared = share_prompt and n > 1 and not is_checkpointing(model)
     kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens or None,
-                  pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, use_cache=True)
-    lockstep = lockstep_of(model)  # under FSDP / ZeRO-3 (set by engine.dist.mark_lockstep)
-    if lockstep is not None:  # sharded layers: every rank decodes until the last is done; whole: alone
-        kwargs["synced_gpus"] = lockstep
-    if greedy:
-        kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
-    else:
-        kwargs.update(do_sample=True, temperature=temperature, top_k=top_k or None,
-                      top_p=top_p if top_p < 1.0 else None)
+                  pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, use_cache=True,
+                  **decode_kwargs(model, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p))
     was_training = model.training
     model.eval()
     parts = []
