@@ -58,12 +58,12 @@ def make_problem(rng: random.Random) -> dict:
     return {"question": question, "answer": answer, "a": a, "b": b, "op": op, "result": result}
 
 
-def make_split(n: int, seed: int, exclude: set[str] | None = None) -> list[dict]:
-    """`n` distinct problems (by question text), none of them in `exclude`."""
+def draw_distinct(make, n: int, seed: int, exclude: set[str] | None = None) -> list[dict]:
+    """`n` distinct rows of `make(rng)` (by question text), none of them in `exclude`."""
     rng = random.Random(seed)
     rows, seen = [], set(exclude or ())
     for _ in range(n * 50):
-        row = make_problem(rng)
+        row = make(rng)
         if row["question"] in seen:
             continue
         seen.add(row["question"])
@@ -71,6 +71,11 @@ def make_split(n: int, seed: int, exclude: set[str] | None = None) -> list[dict]
         if len(rows) == n:
             return rows
     raise RuntimeError(f"could not draw {n} distinct problems; ask for fewer")
+
+
+def make_split(n: int, seed: int, exclude: set[str] | None = None) -> list[dict]:
+    """`n` distinct problems (by question text), none of them in `exclude`."""
+    return draw_distinct(make_problem, n, seed, exclude)
 
 
 def noisy_demonstrations(rows: list[dict], wrong_rate: float, seed: int) -> list[dict]:

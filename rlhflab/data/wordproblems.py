@@ -23,6 +23,8 @@ from __future__ import annotations
 import random
 import re
 
+from rlhflab.data.arith import draw_distinct
+
 NAMES = ["Ada", "Ben", "Cleo", "Dan", "Eve", "Finn", "Gia", "Hugo", "Ivy", "Jon",
          "Kai", "Lea", "Max", "Nia", "Omar", "Pia", "Quinn", "Rosa", "Sam", "Tess"]
 ITEMS = ["apples", "books", "coins", "cards", "pens", "shells", "stamps", "marbles",
@@ -99,17 +101,7 @@ def make_problem(rng: random.Random) -> dict:
 
 def make_split(n: int, seed: int, exclude: set[str] | None = None) -> list[dict]:
     """`n` distinct problems (by question text), none of them in `exclude`."""
-    rng = random.Random(seed)
-    rows, seen = [], set(exclude or ())
-    for _ in range(n * 50):
-        row = make_problem(rng)
-        if row["question"] in seen:
-            continue
-        seen.add(row["question"])
-        rows.append(row)
-        if len(rows) == n:
-            return rows
-    raise RuntimeError(f"could not draw {n} distinct problems; ask for fewer")
+    return draw_distinct(make_problem, n, seed, exclude)
 
 
 def demonstrations(rows: list[dict]) -> list[dict]:
