@@ -409,6 +409,12 @@ def test_an_empty_config_file_is_named(tmp_path, capsys, text):
     assert str(info.value).startswith(f"{empty} is empty{only} (named in defaults of {main})")
 
 
+def test_an_explicit_empty_mapping_is_all_defaults(tmp_path):
+    # `{}` is written on purpose (a script passing every setting as overrides): not "empty".
+    cfg, _ = load_config(_write(tmp_path, "cfg.yaml", "{}\n"), PPORunConfig, ["ppo.epochs=3"])
+    assert cfg.ppo.epochs == 3
+
+
 PROMPT = r"dataset.prompt_template=Question: {prompt}\nAnswer:"  # as typed in the shell, in single quotes
 
 

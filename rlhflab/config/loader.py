@@ -122,7 +122,10 @@ def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> DictConfig:
     except Exception as exc:  # yaml.YAMLError and friends: say where, not a traceback
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"{path}: not valid YAML ({first}); fix the syntax") from None
-    if node is None or len(node) == 0:  # comments only, or `{}`
+    # Comments only: nothing written. An explicit `{}` is a choice (every setting from
+    # overrides, as a script may do), so it loads as all defaults.
+    lines = path.read_text(encoding="utf-8").splitlines()
+    if node is None or not any(line.strip() and not line.lstrip().startswith("#") for line in lines):
         named = f" (named in defaults of {chain[-1]})" if chain else ""
         raise ConfigError(f"{shown or path} is empty (no settings, only comments){named}; write its settings or "
                           f"name another file")
