@@ -104,13 +104,20 @@ def write_jsonl(rows: list[dict], path: str | Path) -> Path:
 def write_task(out_dir: str | Path, n_train: int = 2000, n_test: int = 200, seed: int = 0,
                wrong_rate: float = 0.6) -> dict[str, Path]:
     """Write train.jsonl, test.jsonl and sft.jsonl (noisy demonstrations) to `out_dir`."""
+    return write_splits(out_dir, make_problem, lambda train: noisy_demonstrations(train, wrong_rate, seed + 2),
+                        n_train, n_test, seed)
+
+
+def write_splits(out_dir: str | Path, make, demonstrate, n_train: int, n_test: int, seed: int) -> dict[str, Path]:
+    """A task's three files: `n_test` distinct rows of `make(rng)` (seed + 1), `n_train`
+    others (seed) that share no question with them, and `demonstrate(train)` as SFT rows."""
     out = Path(out_dir)
-    test = make_split(n_test, seed + 1)
-    train = make_split(n_train, seed, exclude={r["question"] for r in test})
+    test = draw_distinct(make, n_test, seed + 1)
+    train = draw_distinct(make, n_train, seed, exclude={r["question"] for r in test})
     return {
         "train": write_jsonl(train, out / "train.jsonl"),
         "test": write_jsonl(test, out / "test.jsonl"),
-        "sft": write_jsonl(noisy_demonstrations(train, wrong_rate, seed + 2), out / "sft.jsonl"),
+        "sft": write_jsonl(demonstrate(train), out / "sft.jsonl"),
     }
 
 

@@ -112,18 +112,9 @@ def demonstrations(rows: list[dict]) -> list[dict]:
 
 def write_task(out_dir, n_train: int = 2000, n_test: int = 200, seed: int = 0) -> dict:
     """Write train.jsonl, test.jsonl and sft.jsonl (correct demonstrations) to `out_dir`."""
-    from pathlib import Path
+    from rlhflab.data.arith import write_splits
 
-    from rlhflab.data.arith import write_jsonl
-
-    out = Path(out_dir)
-    test = make_split(n_test, seed + 1)
-    train = make_split(n_train, seed, exclude={r["question"] for r in test})
-    return {
-        "train": write_jsonl(train, out / "train.jsonl"),
-        "test": write_jsonl(test, out / "test.jsonl"),
-        "sft": write_jsonl(demonstrations(train), out / "sft.jsonl"),
-    }
+    return write_splits(out_dir, make_problem, demonstrations, n_train, n_test, seed)
 
 
 # --- the checker -------------------------------------------------------------------------
