@@ -205,6 +205,23 @@ def reject_adapter(name_or_path: str, kind: str) -> None:
                         f"{_merged_sibling(Path(name_or_path).expanduser())}")
 
 
+def reject_gguf_quantized(name_or_path: str, kind: str = "model") -> None:
+    """A `UserError` for a local folder whose config.json still carries a GGUF
+    `quantization_config` (a GGUF load written out as it was): transformers loads it, but a
+    model marked GGUF-quantized refuses `save_pretrained`, so a run would fail only at its
+    final save. `rlhflab import-gguf` writes a plain folder instead."""
+    from rlhflab.files import read_json
+
+    config = Path(name_or_path).expanduser() / "config.json"
+    if not config.is_file():
+        return
+    quant = read_json(config).get("quantization_config")
+    if isinstance(quant, dict) and str(quant.get("quant_method", "")).lower() == "gguf":
+        raise UserError(f"{kind} folder {str(config.parent)!r}: config.json has a GGUF quantization_config, so the "
+                        f"trained model could not be saved; import the .gguf file into a plain folder with "
+                        f"`rlhflab import-gguf FILE --out DIR` and use that folder")
+
+
 def _merged_sibling(adapter: Path) -> str:
     """`, e.g. final/` when the adapter sits in rlhflab's final/adapter/ beside a merged model."""
     parent = adapter.parent
@@ -283,6 +300,7 @@ def load_model(name_or_path: str, torch_dtype: str = "float32", device: str = "c
                         f"exist here; give the merged model folder{_merged_sibling(Path(name_or_path))}, or make "
                         f"the base available at that path")
     check_model_source(source, "model" if base is None else f"base model (of the LoRA adapter {name_or_path!r})")
+    reject_gguf_quantized(source, "model" if base is None else "base model")
     tok = load_tokenizer(tokenizer or name_or_path, trust_remote_code, kind="model" if tokenizer is None else "tokenizer")
     quantized = kwargs.get("quantization_config") is not None
     if quantized:

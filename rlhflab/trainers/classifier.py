@@ -152,11 +152,12 @@ def build_classifier(cfg: ClassifierRunConfig, labels: list[str], device: torch.
     """(model, tokenizer): the base with a fresh `len(labels)`-way head."""
     from transformers import AutoModelForSequenceClassification
 
-    from rlhflab.models.load import _load_error, resolve_model_path
+    from rlhflab.models.load import _load_error, reject_gguf_quantized, resolve_model_path
     from rlhflab.models.quant import refuse_quantization
 
     m = cfg.model
     refuse_quantization(m, "rlhflab classifier")
+    reject_gguf_quantized(resolve_model_path(m.name_or_path))  # it could not be saved at the end
     tok = load_tokenizer(m.tokenizer or m.name_or_path, m.trust_remote_code, padding_side="right")
     tok.truncation_side = "left"
     try:

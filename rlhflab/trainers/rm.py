@@ -226,12 +226,13 @@ def build_reward_model(cfg: RMRunConfig, device: torch.device):
     """(model, tokenizer): the base LM with a fresh scalar head, LoRA-wrapped if asked."""
     from transformers import AutoModelForSequenceClassification
 
-    from rlhflab.models.load import _load_error, reject_adapter, resolve_model_path
+    from rlhflab.models.load import _load_error, reject_adapter, reject_gguf_quantized, resolve_model_path
     from rlhflab.models.quant import refuse_quantization
 
     m = cfg.model
     refuse_quantization(m, "rlhflab rm")
     reject_adapter(m.name_or_path, "model")  # a reward model needs a full base model
+    reject_gguf_quantized(resolve_model_path(m.name_or_path))  # it could not be saved at the end
     tok = load_tokenizer(m.tokenizer or m.name_or_path, m.trust_remote_code, padding_side="right",
                          kind="model" if m.tokenizer is None else "tokenizer")
     try:
