@@ -73,3 +73,37 @@ def test_generate_sends_the_bos_to_the_model(tiny_model_dir, bos_tokenizer):
         assert real[0] == 0 and real[1] != 0  # one BOS, first
     first = [t for t, m in zip(roll.prompt_ids[0].tolist(), roll.prompt_mask[0].tolist()) if m]
     assert first == [0, *plain]
+
+
+def _real(ids, mask):
+    return [[t for t, m in zip(r, k) if m] for r, k in zip(ids.tolist(), mask.tolist())]
+
+
+@pytest.mark.parametrize("bos", [True, False])
+def test_sft_dpo_and_reward_model_read_a_prompt_as_the_rollouts_do(bos):
+    """The one rule (`data.tokens.leading_ids`): SFT's prompt ids, DPO's and a reward
+    model's text start equal the ids `encode_prompts` gives the policy at rollout time."""
+    from rlhflab.data.sft import tokenize_example
+    from rlhflab.rewards.model import RMMeta, encode
+    from rlhflab.trainers.dpo import tokenize_pairs
+    from rlhflab.data.preferences import PairText
+
+    tok = _word_tokenizer(bos=bos)
+    prompts = ["a b c", "<s> d"]  # raw; and one that starts with a template's own <s>
+    rollout = _real(*encode_prompts(tok, prompts))
+    # with a BOS: <s> a b c (3, 4, 5 after 1) and <s> d, the template's <s> not doubled
+    assert rollout == ([[1, 3, 4, 5], [1, 6]] if bos else [[3, 4, 5], [1, 6]])
+    for prompt, want in zip(prompts, rollout):
+        ex = tokenize_example(prompt, "d", append_eos=True, tokenizer=tok, max_seq_length=16)
+        assert ex.input_ids[:ex.prompt_len] == want and ex.input_ids[ex.prompt_len:] == [6, 2]  # "d" </s>
+    pairs = tokenize_pairs([PairText(p, "d", "c") for p in prompts], tok, max_prompt_length=3, max_response_length=4)
+    # max 3 prompt tokens, cut from the left as the rollouts cut: <s> a b c -> <s> b c (the BOS
+    # kept); a b c fits as it is
+    assert [p.prompt_ids for p in pairs] == _real(*encode_prompts(tok, prompts, max_length=3))
+    assert pairs[0].prompt_ids == ([1, 4, 5] if bos else [3, 4, 5])
+    meta = RMMeta(append_eos=True, add_special_tokens=False, max_length=4)
+    enc = encode(tok, [p + " d" for p in prompts], meta)
+    # "a b c d" + </s> is 6 ids with the BOS: <s> kept, then the last 3 (c d </s>); 5 without
+    # it: the last 4 (b c d </s>). "<s> d d" + </s> fits either way
+    assert _real(enc["input_ids"], enc["attention_mask"]) == (
+        [[1, 5, 6, 2], [1, 6, 6, 2]] if bos else [[4, 5, 6, 2], [1, 6, 6, 2]])

@@ -41,6 +41,7 @@ from typing import Any, Sequence
 import torch
 
 from rlhflab.data.chat import end_of_turn_id, has_chat_template
+from rlhflab.data.tokens import leading_ids
 from rlhflab.errors import UserError
 
 IGNORE_INDEX = -100
@@ -222,7 +223,7 @@ def tokenize_example(prompt: str, response: str, append_eos: bool, tokenizer,
                      max_seq_length: int, train_on_prompt: bool = False) -> TokenizedExample | None:
     """Token ids and labels (prompt masked unless `train_on_prompt`); None when no
     response token fits."""
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    prompt_ids = leading_ids(tokenizer, [prompt])[0]  # as the rollouts see it (BOS rule)
     response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
     if append_eos and tokenizer.eos_token_id is not None and (
             not response_ids or response_ids[-1] != tokenizer.eos_token_id):

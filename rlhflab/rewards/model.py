@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from rlhflab.data.tokens import adds_bos, keep_end, leading_ids
 from rlhflab.errors import UserError
 
 META_FILE = "rlhflab_rm.json"
@@ -89,15 +90,26 @@ def sequence_scores(model: torch.nn.Module, input_ids: Tensor, attention_mask: T
         return head(h.to(next(head.parameters()).dtype)).float()[:, 0]       # (B,)
 
 
-def encode(tokenizer, texts: Sequence[str], meta: RMMeta, device: torch.device | str = "cpu") -> dict[str, Tensor]:
-    """Tokenize for scoring: EOS appended if trained so, cut from the left, padded right."""
-    ids = tokenizer(list(texts), add_special_tokens=meta.add_special_tokens)["input_ids"]
+def text_ids(tokenizer, texts: Sequence[str], meta: RMMeta) -> list[list[int]]:
+    """Each text's ids before truncation, EOS appended if trained so. rlhflab's reward
+    models (`add_special_tokens: false`) read a text as the rollouts read a prompt
+    (`data.tokens.leading_ids`: the tokenizer's BOS in front when it adds one); other
+    reward models as their tokenizer's own call does."""
+    if meta.add_special_tokens:
+        ids = tokenizer(list(texts), add_special_tokens=True)["input_ids"]
+    else:
+        ids = leading_ids(tokenizer, texts)
     eos = tokenizer.eos_token_id
-    rows = []
-    for r in ids:
-        if meta.append_eos and eos is not None and (not r or r[-1] != eos):
-            r = r + [eos]
-        rows.append(r[-meta.max_length:])
+    if not meta.append_eos or eos is None:
+        return [list(r) for r in ids]
+    return [list(r) if r and r[-1] == eos else [*r, eos] for r in ids]
+
+
+def encode(tokenizer, texts: Sequence[str], meta: RMMeta, device: torch.device | str = "cpu") -> dict[str, Tensor]:
+    """Tokenize for scoring: EOS appended if trained so, cut from the left (a BOS kept),
+    padded right."""
+    bos = adds_bos(tokenizer) if not meta.add_special_tokens else None
+    rows = [keep_end(r, meta.max_length, bos is not None) for r in text_ids(tokenizer, texts, meta)]
     width = max(len(r) for r in rows)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     input_ids = torch.full((len(rows), width), pad, dtype=torch.long)   # (B, L)

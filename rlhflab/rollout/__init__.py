@@ -22,6 +22,7 @@ from typing import Protocol, Sequence
 import torch
 from torch import Tensor
 
+from rlhflab.data.tokens import adds_bos, leading_ids  # adds_bos: re-exported for callers of rollout
 
 
 @dataclass
@@ -134,37 +135,17 @@ def finish_rollout(sequences: Tensor, prompt_ids: Tensor, prompt_mask: Tensor, t
                    examples=list(examples))
 
 
-def adds_bos(tokenizer) -> int | None:
-    """The tokenizer's BOS id when it is configured to put one before a text (its
-    post-processor adds it under ``add_special_tokens=True``: Llama 2, Gemma), else None."""
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is None:
-        return None
-    with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
-    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
-    return bos if with_special[:1] == [bos] and plain[:1] != [bos] else None
-
-
 def encode_prompts(tokenizer, prompts: Sequence[str], max_length: int | None = None) -> tuple[Tensor, Tensor]:
     """Prompt texts as (ids, mask), each (B, P), left-padded: the one place prompts become
     tokens for training rollouts, evaluation and the sampler (both backends).
 
-    The text is tokenised as it is (no special tokens added), then the tokenizer's BOS is
-    put in front when the tokenizer is configured to add one (`adds_bos`) and the text does
-    not already start with it: a chat template writes its own ``<bos>``, a raw prompt to a
-    base model such as Gemma 3 needs it (without it that model degenerates). A tokenizer
-    without a BOS gets exactly the ids of ``tokenizer(text, add_special_tokens=False)``.
-    `max_length` keeps the end of a longer prompt (where the question is), and the BOS.
+    Each text's ids follow `rlhflab.data.tokens.leading_ids` (the rule SFT, DPO and the
+    reward model use too): the tokenizer's BOS in front when it is configured to add one
+    and the text does not already start with it; a tokenizer without a BOS gets exactly the
+    ids of ``tokenizer(text, add_special_tokens=False)``. `max_length` keeps the end of a
+    longer prompt (where the question is), and the BOS.
     """
-    bos = adds_bos(tokenizer)
-    rows = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
-    out = []
-    for ids in rows:
-        head = [bos] if bos is not None else []
-        body = list(ids[1:] if bos is not None and ids[:1] == [bos] else ids)  # the template wrote it
-        if max_length is not None:
-            body = body[len(body) - max(0, min(len(body), max_length - len(head))):]
-        out.append(head + body)
+    out = leading_ids(tokenizer, prompts, max_length)
     width = max((len(r) for r in out), default=0)
     pad = tokenizer.pad_token_id
     ids = torch.full((len(out), width), pad, dtype=torch.long)                  # (B, P)

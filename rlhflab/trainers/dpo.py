@@ -52,6 +52,7 @@ from rlhflab.data.chat import resolve_use_chat_template, response_end_id
 from rlhflab.data.loading import read_rows
 from rlhflab.data.preferences import PairText, pair_texts, parse_pairs, write_off_by_one_pairs
 from rlhflab.data.prompts import format_prompt, load_prompts
+from rlhflab.data.tokens import leading_ids
 from rlhflab.errors import UserError
 from rlhflab.engine.dist import Forward, even_share
 from rlhflab.engine.update import inner
@@ -179,11 +180,8 @@ def tokenize_pairs(pairs: Sequence[PairText], tokenizer, max_prompt_length: int,
             ids = ids + [eos]
         return ids[:max_response_length]
 
-    out = []
-    for p in pairs:
-        prompt = tokenizer(p.prompt, add_special_tokens=False)["input_ids"][-max_prompt_length:]
-        out.append(TokenizedPair(prompt, response(p.chosen), response(p.rejected)))
-    return out
+    prompts = leading_ids(tokenizer, [p.prompt for p in pairs], max_prompt_length)  # as the rollouts do
+    return [TokenizedPair(prompt, response(p.chosen), response(p.rejected)) for p, prompt in zip(pairs, prompts)]
 
 
 @dataclass

@@ -48,7 +48,7 @@ from rlhflab.errors import UserError
 from rlhflab.models.load import default_lora_targets, disable_dropout, load_tokenizer, resolve_dtype
 from rlhflab.models.lean import make_lean
 from rlhflab.models.precision import autocast
-from rlhflab.rewards.model import META_FILE, RMMeta, encode, score_head, sequence_scores
+from rlhflab.rewards.model import META_FILE, RMMeta, encode, score_head, sequence_scores, text_ids
 from rlhflab.models.checkpoint import atomic_folder, state_part, untied
 from rlhflab.run import TrainResult, start_run
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, clip_and_step, config_entry_points,
@@ -212,11 +212,9 @@ def load_rm_data(d: PreferenceDataConfig, tokenizer, seed: int = 0, warn=print) 
 
 
 def count_truncated(tokenizer, texts: Sequence[JoinedPair], meta: RMMeta) -> int:
-    n = 0
-    for p in texts:
-        for t in (p.chosen, p.rejected):
-            n += len(tokenizer(t, add_special_tokens=meta.add_special_tokens)["input_ids"]) + meta.append_eos > meta.max_length
-    return n
+    """Texts longer than `meta.max_length` tokens, as the scorer tokenises them (`text_ids`)."""
+    ids = text_ids(tokenizer, [t for p in texts for t in (p.chosen, p.rejected)], meta)
+    return sum(len(r) > meta.max_length for r in ids)
 
 
 # --------------------------------------------------------------------------------------
