@@ -18,6 +18,10 @@ fresh processes:
   and checker accuracy before and after);
 - the tiny model's parameter count and the standard error of an accuracy on 200 problems.
 
+It writes the quickstart's runs to `docs/figures/results/quickstart.json` (`--results`;
+`''` skips): the machine, the date, the command and every run's figures, from which
+`scripts/insert_figures.py` writes the figures README.md and docs/quickstart.md quote.
+
 It also copies the first quickstart run's reward plot (`ppo/plots/reward.png`) to
 `docs/figures/quickstart_reward.png`, the plot README.md and docs/quickstart.md show
 (`--figure ''` leaves it alone).
@@ -42,6 +46,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURE = ROOT / "docs" / "figures" / "quickstart_reward.png"
+RESULTS = ROOT / "docs" / "figures" / "results" / "quickstart.json"
+# the run whose printed table README.md shows (1-based): the one with OMP_NUM_THREADS=1 set
+SHOWN_RUN = 2
 
 
 def rlhflab_command() -> list[str]:
@@ -157,6 +164,61 @@ def pipeline_run(out: Path, i: int) -> dict:
     }
 
 
+def machine_name() -> str:
+    """'2-core Intel Xeon with AVX-512 and AMX': the core count, the CPU's model name without its
+    trademark signs and generic words, and the matmul features that change the figures."""
+    import re
+
+    model, flags = "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown CPU":
+                model = re.sub(r"\((R|TM)\)|\bProcessor\b|\bCPU\b|@.*", "", value).split()
+                model = " ".join(model)
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    features = [name for flag, name in (("avx512f", "AVX-512"), ("amx_tile", "AMX")) if flag in flags]
+    return f"{os.cpu_count()}-core {model}" + (f" with {' and '.join(features)}" if features else "")
+
+
+def quickstart_record(runs: list[dict], command: str, conditions: str | None = None) -> dict:
+    """The results file scripts/insert_figures.py reads: every run's figures, and where
+    and how they were measured. `runs` are quickstart_run's dicts."""
+    import datetime
+
+    loads = [v for r in runs for v in (r["load average before"], r["load average after"])]
+    if conditions is None:
+        busy = max(loads) > 0.75 * (os.cpu_count() or 1)
+        conditions = "with other jobs on the same cores" if busy else "on a quiet machine"
+    return {
+        "name": "quickstart",
+        "script": "scripts/measure_readme.py",
+        "command": command,
+        "machine": machine_name(),
+        "date": datetime.date.today().isoformat(),
+        "conditions": conditions,
+        "load_average": [round(min(loads), 1), round(max(loads), 1)],
+        "shown_run": min(SHOWN_RUN, len(runs)),
+        "runs": [{
+            "accuracy_sft": r["accuracy after SFT (greedy)"],
+            "accuracy_step10": r["accuracy after PPO step 10"],
+            "accuracy_ppo": r["accuracy after PPO (greedy)"],
+            "reward_sft": r["reward after SFT"],
+            "reward_ppo": r["reward after PPO"],
+            "seconds": r["seconds, all five stages (summary.json)"],
+            "sft_seconds": r["seconds, SFT warm start"],
+            "ppo_episodes_per_s": r["PPO episodes/s"],
+            "sampled_accuracy_sft": r["accuracy after SFT (sampled, temperature 1)"],
+            "omp_num_threads": "1" if i == 1 else None,
+            "load_average_before": round(r["load average before"], 2),
+            "load_average_after": round(r["load average after"], 2),
+        } for i, r in enumerate(runs)],
+    }
+
+
 def fmt(v: float | None) -> str:
     if v is None:
         return "n/a"
@@ -181,6 +243,10 @@ def main() -> None:
     ap.add_argument("--skip-pipeline", action="store_true", help="measure the quickstart only")
     ap.add_argument("--figure", default=str(FIGURE.relative_to(ROOT)),
                     help="where to copy the first quickstart run's reward plot ('' skips; default: %(default)s)")
+    ap.add_argument("--results", default=str(RESULTS.relative_to(ROOT)),
+                    help="write the quickstart's runs here for scripts/insert_figures.py ('' skips; default: %(default)s)")
+    ap.add_argument("--conditions", default=None,
+                    help="how busy the machine was, as the pages should say it (default: from the load average)")
     ap.add_argument("--thread-counts", default="1",
                     help="also train the warm start with these thread counts, to show the accuracy after SFT "
                          "depends on it (comma-separated; '' skips; default: %(default)s)")
@@ -198,6 +264,13 @@ def main() -> None:
         quick.append(quickstart_run(out, i))
         print(f"quickstart run {i + 1}: " + json.dumps({k: round(v, 3) for k, v in quick[-1].items()
                                                         if v is not None}), flush=True)
+    if args.results:
+        results = ROOT / args.results if not Path(args.results).is_absolute() else Path(args.results)
+        results.parent.mkdir(parents=True, exist_ok=True)
+        command = f".venv/bin/python scripts/measure_readme.py --runs {args.runs}"
+        results.write_text(json.dumps(quickstart_record(quick, command, args.conditions), indent=2) + "\n")
+        print(f"results written to {results}; run .venv/bin/python scripts/insert_figures.py to update the pages",
+              flush=True)
     if args.figure:
         figure = ROOT / args.figure if not Path(args.figure).is_absolute() else Path(args.figure)
         figure.parent.mkdir(parents=True, exist_ok=True)

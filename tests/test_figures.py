@@ -1,0 +1,111 @@
+"""The measured figures the pages quote come from one results file each.
+
+- every marked section (`<!-- figure:VIEW -->` ... `<!-- /figure -->`) of README.md,
+  docs/*.md and bench/README.md is what scripts/insert_figures.py writes from its results
+  file now: a hand edit of a quoted figure, or a results file re-measured without
+  rerunning the script, fails here;
+- every view is shown on some page, and every results file names its script (which
+  exists), the command, the machine, the date and at least two runs;
+- the ranges are worked by hand; scripts/measure_readme.py writes a results file that the
+  views read.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+FIG = _module("insert_figures", ROOT / "scripts" / "insert_figures.py")
+
+
+@pytest.fixture(scope="module")
+def filled() -> dict[Path, str]:
+    return FIG.pages()
+
+
+def test_pages_match_their_results_files(filled):
+    assert filled, "no page quotes a measured figure between markers"
+    for page, text in filled.items():
+        assert page.read_text(encoding="utf-8") == text, (
+            f"{page.relative_to(ROOT)}: a figure differs from its results file; "
+            "run .venv/bin/python scripts/insert_figures.py (and do not edit between the markers)")
+
+
+def test_every_view_is_shown_and_every_results_file_is_read(filled):
+    shown = {v for text in filled.values() for v in FIG.views_in(text)}
+    assert shown == set(FIG.VIEWS), f"views on no page: {sorted(set(FIG.VIEWS) - shown)}"
+    files = {p.stem for d in FIG.RESULT_DIRS for p in d.glob("*.json")}
+    assert files == {name for name, _ in FIG.VIEWS.values()}, "a results file that no view reads, or the reverse"
+
+
+@pytest.mark.parametrize("name", sorted({name for name, _ in FIG.VIEWS.values()}))
+def test_results_file_says_where_it_comes_from(name):
+    rec = FIG.load_results(name)
+    script = rec["script"]
+    assert (ROOT / script).is_file(), f"{name}.json names {script}, which does not exist"
+    assert script in rec["command"], f"{name}.json: the command does not run {script}"
+    assert len(rec["runs"]) >= 2, f"{name}.json: a figure needs its range over repeated runs"
+    assert rec["date"][:4].isdigit() and rec["machine"]
+
+
+def test_a_hand_edited_figure_is_caught(filled):
+    page, text = next((p, t) for p, t in filled.items() if "figure:quickstart-summary" in t)
+    edited = text.replace("**21.5% →", "**25.0% →")
+    assert edited != text                                   # the README quotes 21.5% today
+    assert FIG.fill(edited) == text                         # the script writes it back
+
+
+def test_markers_must_pair_and_name_a_view():
+    with pytest.raises(SystemExit, match="do not pair up"):
+        FIG.fill("<!-- figure:quickstart-output -->\nno closing marker\n")
+    with pytest.raises(SystemExit, match="unknown figure 'nope'"):
+        FIG.fill("<!-- figure:nope -->\n<!-- /figure -->")
+
+
+def test_spans_worked_by_hand():
+    assert FIG.span([145.2, 151.4, 161.8]) == "145-162"              # rounded ends
+    assert FIG.span([145.2, 151.4, 161.8], "{:.1f}") == "145.2-161.8"
+    # the same in every run: one value (the quickstart's reward after SFT is 0.29350000117)
+    assert FIG.span([0.29350000117, 0.29350000117], "{:.3f}") == "0.294"
+    assert FIG.pct_span([0.215, 0.215, 0.215]) == "21.5%"
+    assert FIG.pct_span([0.79, 0.815]) == "79.0-81.5%"
+    # the median of six ratios: (2.15 + 2.15) / 2
+    assert FIG._median_span([2.28, 2.15, 2.22, 1.96, 2.12, 2.15]) == "1.96-2.28 (median 2.15)"
+
+
+def test_runs_that_differ_are_quoted_as_a_range():
+    rec = FIG.load_results("quickstart")
+    rec["runs"] = [dict(rec["runs"][0]), dict(rec["runs"][1])]
+    rec["runs"][1]["accuracy_ppo"] = 0.905
+    text = FIG.quickstart_summary(rec)
+    assert "**21.5% → 89.5-90.5%**" in text and "over two runs" in text
+
+
+def test_measure_readme_writes_what_the_views_read(tmp_path, monkeypatch):
+    measure = _module("measure_readme", ROOT / "scripts" / "measure_readme.py")
+    run = {"accuracy after SFT (greedy)": 0.2, "accuracy after PPO step 10": 0.7, "accuracy after PPO (greedy)": 0.8,
+           "reward after SFT": 0.28, "reward after PPO": 0.82, "seconds, all five stages (summary.json)": 70.0,
+           "seconds, SFT warm start": 45.0, "seconds, the whole command": 75.0, "PPO episodes/s": 80.0,
+           "accuracy after SFT (sampled, temperature 1)": 0.35, "load average before": 0.5, "load average after": 0.9}
+    rec = measure.quickstart_record([run, {**run, "PPO episodes/s": 76.0}], "scripts/measure_readme.py --runs 2")
+    assert rec["load_average"] == [0.5, 0.9] and rec["shown_run"] == 2
+    assert rec["conditions"] == "on a quiet machine"          # load 0.9 on 2 cores
+    (tmp_path / "quickstart.json").write_text(json.dumps(rec))
+    monkeypatch.setattr(FIG, "RESULT_DIRS", (tmp_path,))
+    assert "**20.0% → 80.0%** (mean reward 0.280 → 0.820) in each of two runs" in FIG.render("quickstart-summary")
+    assert "76-80 episodes/s" in FIG.render("quickstart-summary")
+    assert "| 35.0% |" in FIG.render("quickstart-table")
+    assert "wall time 70 s, PPO 76.00 episodes/s" in FIG.render("quickstart-output")   # the second run's table
