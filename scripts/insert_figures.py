@@ -38,8 +38,10 @@ RESULT_DIRS = (ROOT / "docs" / "figures" / "results", ROOT / "bench" / "results"
 # The pages that may quote a figure: the front door, the docs (not the generated
 # reference pages) and the benchmarks' page.
 PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "README.md")
-MARKED = re.compile(r"(<!-- figure:([\w.-]+) -->\n)(.*?)(<!-- /figure -->)", re.S)
-OPEN = re.compile(r"<!-- figure:([\w.-]+) -->")
+# A marker is a line of its own (a mention inside a sentence or code span is not one).
+MARKED = re.compile(r"^(<!-- figure:([\w.-]+) -->\n)(.*?)^(<!-- /figure -->)$", re.S | re.M)
+OPEN = re.compile(r"^<!-- figure:([\w.-]+) -->$", re.M)
+CLOSE = re.compile(r"^<!-- /figure -->$", re.M)
 REQUIRED = ("script", "command", "machine", "date", "runs")
 
 
@@ -250,7 +252,7 @@ def views_in(text: str) -> list[str]:
 
 def fill(text: str, where: str = "page") -> str:
     """The page with every marked section rewritten from its results file."""
-    opened, closed = len(OPEN.findall(text)), text.count("<!-- /figure -->")
+    opened, closed = len(OPEN.findall(text)), len(CLOSE.findall(text))
     if opened != closed or opened != len(MARKED.findall(text)):
         raise SystemExit(f"{where}: {opened} '<!-- figure:VIEW -->' and {closed} '<!-- /figure -->' markers "
                          "do not pair up (each opening marker on its own line, then the closing one)")

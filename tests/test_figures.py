@@ -73,6 +73,9 @@ def test_markers_must_pair_and_name_a_view():
         FIG.fill("<!-- figure:quickstart-output -->\nno closing marker\n")
     with pytest.raises(SystemExit, match="unknown figure 'nope'"):
         FIG.fill("<!-- figure:nope -->\n<!-- /figure -->")
+    # a marker mentioned inside a sentence (docs/README.md explains them) is not one
+    mention = "between `<!-- figure:NAME -->` markers\n"
+    assert FIG.fill(mention) == mention
 
 
 def test_spans_worked_by_hand():
