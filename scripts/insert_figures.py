@@ -176,7 +176,8 @@ def ppo_trl_sentence(rec: dict) -> str:
     n = len(rec["runs"])
     return (f"Measured by `{rec['command']}` ({rec['machine']}, {rec['date']}, {rec['workload']}, "
             f"{runs_word(n)}): rlhflab's separate-critic PPO step ran at "
-            f"{span(column(rec, 'critic_speed'), '{:.2f}')}x (median {statistics.median(column(rec, 'critic_speed')):.2f}) "
+            f"{span(column(rec, 'critic_speed'), '{:.2f}')}x "
+            f"(median {statistics.median(column(rec, 'critic_speed')):.2f}) "
             f"TRL {rec['trl_version']}'s episodes/s at "
             f"{span(column(rec, 'critic_memory'), '{:.2f}')}x its peak memory, both float32 with separate critics.")
 
@@ -199,7 +200,8 @@ def ppo_trl_table(rec: dict) -> str:
         "| --- | --- | --- | --- |",
         f"| like for like: separate critics | {_median_span(column(rec, 'critic_speed'))} | "
         f"{_median_span(column(rec, 'critic_speed_cpu'))} | {span(column(rec, 'critic_memory'), '{:.2f}')} |",
-        f"| value head (rlhflab's default) vs TRL | {span(vh['speed'], '{:.2f}')} | {_known(rec, 'value_head_speed_cpu')} "
+        f"| value head (rlhflab's default) vs TRL | {span(vh['speed'], '{:.2f}')} | "
+        f"{_known(rec, 'value_head_speed_cpu')} "
         f"| {span(vh['memory'], '{:.2f}')} |",
     ]
     return "\n".join([

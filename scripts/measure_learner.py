@@ -78,7 +78,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2, help="runs of `learn run --compare` (default: 2)")
     ap.add_argument("--out", default="outputs/measure_learner", help="working folder (default: %(default)s)")
     ap.add_argument("--inputs", default=None, help="a quickstart output folder to copy the warm start from")
-    ap.add_argument("--results", default=str(RESULTS.relative_to(ROOT)), help="results file ('' skips; default: %(default)s)")
+    ap.add_argument("--results", default=str(RESULTS.relative_to(ROOT)),
+                    help="results file ('' skips; default: %(default)s)")
     ap.add_argument("--conditions", default=None, help="how busy the machine was, as the page should say it")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "scripts"))

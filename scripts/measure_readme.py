@@ -244,7 +244,8 @@ def main() -> None:
     ap.add_argument("--figure", default=str(FIGURE.relative_to(ROOT)),
                     help="where to copy the first quickstart run's reward plot ('' skips; default: %(default)s)")
     ap.add_argument("--results", default=str(RESULTS.relative_to(ROOT)),
-                    help="write the quickstart's runs here for scripts/insert_figures.py ('' skips; default: %(default)s)")
+                    help="write the quickstart's runs here for scripts/insert_figures.py "
+                         "('' skips; default: %(default)s)")
     ap.add_argument("--conditions", default=None,
                     help="how busy the machine was, as the pages should say it (default: from the load average)")
     ap.add_argument("--thread-counts", default="1",
