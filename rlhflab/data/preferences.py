@@ -171,6 +171,34 @@ def pair_texts(pair: PreferencePair, tokenizer=None, use_chat_template: bool = T
     return PairText(out[0][0], out[0][1], out[1][1])
 
 
+def pairs_from_samples(prompt: str, responses: Sequence[str], scores: Sequence[float],
+                       max_pairs: int = 1, pair_id: Any = None) -> list[dict]:
+    """Preference rows for one prompt from its labelled samples (a rule's scores, e.g. 1
+    right / 0 wrong), in the labelling app's export format.
+
+    Each distinct response counts once (its first score). Sorted by score, high to low
+    (ties keep the sampling order), the i-th best is paired with the i-th worst while it
+    scores higher, up to `max_pairs` pairs; no response is in two pairs. So a prompt whose
+    samples all score the same (all right, or all wrong) gives no pair, and with 0/1
+    labels a prompt gives min(#right, #wrong, max_pairs) pairs. `pair_id` (default: the
+    prompt) is written as "<pair_id>/<i>".
+    """
+    if len(responses) != len(scores):
+        raise ValueError(f"pairs_from_samples: {len(responses)} responses but {len(scores)} scores")
+    first = {}
+    for response, score in zip(responses, scores):
+        first.setdefault(response, float(score))
+    ranked = sorted(first.items(), key=lambda rs: -rs[1])  # stable: sampling order among equals
+    out = []
+    for i in range(min(max_pairs, len(ranked) // 2)):
+        (chosen, hi), (rejected, lo) = ranked[i], ranked[-1 - i]
+        if hi <= lo:
+            break
+        out.append({"prompt": prompt, "chosen": chosen, "rejected": rejected, "margin": 1.0,
+                    "pair_id": f"{prompt if pair_id is None else pair_id}/{i}", "n_labels": 1})
+    return out
+
+
 # --------------------------------------------------------------------------------------
 # A learnable preference task for the offline pipeline (no humans on a CPU runner)
 # --------------------------------------------------------------------------------------

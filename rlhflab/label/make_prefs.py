@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from rlhflab.data.preferences import ARITH_TEMPLATE, write_arith_pairs
+from rlhflab.data.preferences import ARITH_TEMPLATE, pairs_from_samples, write_arith_pairs
 from rlhflab.errors import UserError
 
 
@@ -22,7 +22,8 @@ def policy_pairs(model, tokenizer, rows: Sequence[dict], n: int = 4, seed: int =
     The offline stand-in for `rlhflab label generate` + labelling + `label export`: `n`
     responses are sampled per prompt; the `labeller(response, row) -> float` (default:
     the GSM8K checker against row["answer"]) scores each; for each prompt, the best
-    distinct response is paired with the worst when their scores differ. The reward
+    distinct response is paired with the worst when their scores differ
+    (`data.preferences.pairs_from_samples`). The reward
     model then learns on the distribution PPO starts from (the SFT policy's mistakes).
     """
     import torch
@@ -38,11 +39,8 @@ def policy_pairs(model, tokenizer, rows: Sequence[dict], n: int = 4, seed: int =
     out = []
     for i, (row, prompt) in enumerate(zip(rows, prompts)):
         samples = list(dict.fromkeys(roll.responses[i * n : (i + 1) * n]))  # distinct, in order
-        scored = sorted(((labeller(r, row), r) for r in samples), key=lambda x: -x[0])
-        if len(scored) < 2 or scored[0][0] == scored[-1][0]:
-            continue
-        out.append({"prompt": prompt, "chosen": scored[0][1], "rejected": scored[-1][1],
-                    "margin": 1.0, "pair_id": i, "n_labels": 1})
+        for pair in pairs_from_samples(prompt, samples, [labeller(r, row) for r in samples]):
+            out.append({**pair, "pair_id": i})
     return out
 
 
