@@ -38,6 +38,36 @@ def test_every_answer_is_the_arithmetic_of_its_question(seed):
             assert row["kind"] == "two_step" and r == nums[0] + nums[1] - nums[2]
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_easy_level_keeps_every_number_small(seed):
+    rng = random.Random(seed)
+    rows = [wp.make_problem(rng, "easy") for _ in range(500)]
+    assert {r["kind"] for r in rows} == set(wp.KINDS)
+    for row in rows:
+        nums, r = _operands(row["question"]), row["result"]
+        assert max(nums) <= 30 and 0 <= r <= 36 and row["answer"].endswith(f"#### {r}")
+        if row["kind"] == "sub":       # "has 15 and gives away 3" -> 12; at least 2 are left
+            assert r == nums[0] - nums[1] >= 2
+        elif row["kind"] == "mul":     # times tables to 6 x 6
+            assert r == nums[0] * nums[1] and max(nums) <= 6
+        elif row["kind"] == "two_step":  # "has 7, buys 4 more, gives 9" -> 2; at least 2 are left
+            assert r == nums[0] + nums[1] - nums[2] >= 2
+
+
+def test_standard_level_is_the_default():
+    assert [wp.make_problem(random.Random(s)) for s in range(50)] == \
+        [wp.make_problem(random.Random(s), "standard") for s in range(50)]
+
+
+def test_make_data_level(tmp_path, capsys):
+    assert cli.main(["make-data", "--task", "word-problems", "--level", "easy", "--out", str(tmp_path),
+                     "--n-train", "40", "--n-test", "10"]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "train.jsonl").read_text().splitlines()]
+    assert max(max(_operands(r["question"])) for r in rows) <= 30
+    assert cli.main(["make-data", "--task", "arith", "--level", "easy", "--out", str(tmp_path / "a")]) != 0
+    assert "levels belong to --task word-problems" in capsys.readouterr().err and not (tmp_path / "a").exists()
+
+
 def test_every_kind_is_drawn_and_splits_are_fixed_and_disjoint(tmp_path):
     paths = wp.write_task(tmp_path, n_train=300, n_test=50, seed=0)
     rows = {k: [json.loads(x) for x in p.read_text().splitlines()] for k, p in paths.items()}

@@ -138,13 +138,19 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=seed(), default=0, help="seed of the problems (default: %(default)s)")
     parser.add_argument("--wrong-rate", type=number(0.0, 1.0), default=0.6,
                         help="fraction of SFT demonstrations whose answer is off by one (default: %(default)s)")
+    parser.add_argument("--level", choices=["easy", "standard"], default="standard",
+                        help="word-problems only: easy keeps every number small (sums to 24, times tables to "
+                             "6 x 6), standard has two-digit numbers (default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
     from rlhflab.errors import UserError
+    if args.level != "standard" and args.task != "word-problems":
+        raise UserError(f"--level {args.level}: levels belong to --task word-problems; drop --level for --task {args.task}")
     if args.task == "word-problems":
         from rlhflab.data.wordproblems import write_task as write_word_problems
-        paths = write_word_problems(args.out or "outputs/wordproblems", args.n_train, args.n_test, args.seed)
+        paths = write_word_problems(args.out or "outputs/wordproblems", args.n_train, args.n_test, args.seed,
+                                    args.level)
         for name, path in paths.items():
             print(f"{name:>5}: {path}")
         return 0

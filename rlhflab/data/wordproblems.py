@@ -35,9 +35,24 @@ PROMPT_TEMPLATE = "{prompt}"
 
 KINDS = ("add", "sub", "mul", "div", "two_step")
 
+# The number ranges of each level. "easy" keeps every operand small (sums to 24, take-aways
+# from 20, times tables to 6 x 6): SmolLM2-135M-Instruct answers about a third of it
+# greedily and gets about a tenth of its samples right at temperature 0.7, so a group of 8
+# samples often holds a right and a wrong answer, the contrast GRPO and PPO learn from.
+# "standard" has two-digit operands: the same model answers about a quarter greedily, but
+# mostly the multiplications, and almost never the subtractions and two-step problems
+# (it cannot do the arithmetic), which leaves reinforcement learning little to work with.
+LEVELS = {
+    "easy": {"add": ((2, 15), (2, 9)), "sub": ((6, 20), (2, 2)), "mul": ((2, 6), (2, 6)),
+             "div": ((2, 5), (2, 6)), "two_step": ((3, 12), (2, 9), 2)},
+    "standard": {"add": ((11, 59), (11, 39)), "sub": ((30, 90), (11, 5)), "mul": ((3, 9), (3, 12)),
+                 "div": ((2, 9), (3, 12)), "two_step": ((10, 40), (5, 30), 3)},
+}
 
-def _add(rng: random.Random) -> tuple[str, str, int]:
-    a, b = rng.randint(11, 59), rng.randint(11, 39)
+
+def _add(rng: random.Random, size) -> tuple[str, str, int]:
+    (lo_a, hi_a), (lo_b, hi_b) = size
+    a, b = rng.randint(lo_a, hi_a), rng.randint(lo_b, hi_b)
     q = rng.choice([
         "{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?",
         "{name} collected {a} {item} on Monday and {b} {item} on Tuesday. How many {item} did {name} collect in all?",
@@ -46,9 +61,10 @@ def _add(rng: random.Random) -> tuple[str, str, int]:
     return q.format(a=a, b=b, name="{name}", item="{item}"), f"{a} + {b} = {a + b}", a + b
 
 
-def _sub(rng: random.Random) -> tuple[str, str, int]:
-    a = rng.randint(30, 90)
-    b = rng.randint(11, a - 5)
+def _sub(rng: random.Random, size) -> tuple[str, str, int]:
+    (lo_a, hi_a), (lo_b, gap) = size   # b from lo_b up to a - gap: at least `gap` are left
+    a = rng.randint(lo_a, hi_a)
+    b = rng.randint(lo_b, a - gap)
     q = rng.choice([
         "{name} has {a} {item} and gives away {b}. How many {item} does {name} have left?",
         "There were {a} {item} on a shelf. {name} took {b} of them. How many {item} are still on the shelf?",
@@ -57,8 +73,9 @@ def _sub(rng: random.Random) -> tuple[str, str, int]:
     return q.format(a=a, b=b, name="{name}", item="{item}"), f"{a} - {b} = {a - b}", a - b
 
 
-def _mul(rng: random.Random) -> tuple[str, str, int]:
-    a, b = rng.randint(3, 9), rng.randint(3, 12)
+def _mul(rng: random.Random, size) -> tuple[str, str, int]:
+    (lo_a, hi_a), (lo_b, hi_b) = size
+    a, b = rng.randint(lo_a, hi_a), rng.randint(lo_b, hi_b)
     q = rng.choice([
         "{name} buys {a} bags with {b} {item} in each bag. How many {item} does {name} buy?",
         "There are {a} boxes and each box has {b} {item}. How many {item} are there in total?",
@@ -67,8 +84,9 @@ def _mul(rng: random.Random) -> tuple[str, str, int]:
     return q.format(a=a, b=b, name="{name}", item="{item}"), f"{a} x {b} = {a * b}", a * b
 
 
-def _div(rng: random.Random) -> tuple[str, str, int]:
-    b, k = rng.randint(2, 9), rng.randint(3, 12)
+def _div(rng: random.Random, size) -> tuple[str, str, int]:
+    (lo_b, hi_b), (lo_k, hi_k) = size
+    b, k = rng.randint(lo_b, hi_b), rng.randint(lo_k, hi_k)
     a = b * k
     q = rng.choice([
         "{name} shares {a} {item} equally among {b} friends. How many {item} does each friend get?",
@@ -77,9 +95,10 @@ def _div(rng: random.Random) -> tuple[str, str, int]:
     return q.format(a=a, b=b, name="{name}", item="{item}"), f"{a} / {b} = {k}", k
 
 
-def _two_step(rng: random.Random) -> tuple[str, str, int]:
-    a, b = rng.randint(10, 40), rng.randint(5, 30)
-    c = rng.randint(3, a + b - 3)
+def _two_step(rng: random.Random, size) -> tuple[str, str, int]:
+    (lo_a, hi_a), (lo_b, hi_b), margin = size   # c takes at least `margin` and leaves at least `margin`
+    a, b = rng.randint(lo_a, hi_a), rng.randint(lo_b, hi_b)
+    c = rng.randint(margin, a + b - margin)
     q = rng.choice([
         "{name} has {a} {item}, buys {b} more, and then gives {c} to a friend. How many {item} does {name} have now?",
         "A jar has {a} {item}. {name} adds {b} {item} and later takes out {c}. How many {item} are in the jar?",
@@ -91,17 +110,17 @@ def _two_step(rng: random.Random) -> tuple[str, str, int]:
 _MAKERS = {"add": _add, "sub": _sub, "mul": _mul, "div": _div, "two_step": _two_step}
 
 
-def make_problem(rng: random.Random) -> dict:
-    """One problem: {"question", "answer", "result", "kind"}."""
+def make_problem(rng: random.Random, level: str = "standard") -> dict:
+    """One problem of `level` ("easy" or "standard"): {"question", "answer", "result", "kind"}."""
     kind = rng.choice(KINDS)
-    template, worked, result = _MAKERS[kind](rng)
+    template, worked, result = _MAKERS[kind](rng, LEVELS[level][kind])
     question = template.format(name=rng.choice(NAMES), item=rng.choice(ITEMS))
     return {"question": question, "answer": f"{worked}\n#### {result}", "result": result, "kind": kind}
 
 
-def make_split(n: int, seed: int, exclude: set[str] | None = None) -> list[dict]:
-    """`n` distinct problems (by question text), none of them in `exclude`."""
-    return draw_distinct(make_problem, n, seed, exclude)
+def make_split(n: int, seed: int, exclude: set[str] | None = None, level: str = "standard") -> list[dict]:
+    """`n` distinct problems (by question text) of `level`, none of them in `exclude`."""
+    return draw_distinct(lambda rng: make_problem(rng, level), n, seed, exclude)
 
 
 def demonstrations(rows: list[dict]) -> list[dict]:
@@ -110,11 +129,13 @@ def demonstrations(rows: list[dict]) -> list[dict]:
              "completion": f"{r['answer'].split(chr(10))[0]}. The answer is {r['result']}."} for r in rows]
 
 
-def write_task(out_dir, n_train: int = 2000, n_test: int = 200, seed: int = 0) -> dict:
-    """Write train.jsonl, test.jsonl and sft.jsonl (correct demonstrations) to `out_dir`."""
+def write_task(out_dir, n_train: int = 2000, n_test: int = 200, seed: int = 0, level: str = "standard") -> dict:
+    """Write train.jsonl, test.jsonl and sft.jsonl (correct demonstrations) of `level` to `out_dir`."""
     from rlhflab.data.arith import write_splits
 
-    return write_splits(out_dir, make_problem, demonstrations, n_train, n_test, seed)
+    if level not in LEVELS:
+        raise ValueError(f"level {level!r}: choose one of {', '.join(LEVELS)}")
+    return write_splits(out_dir, lambda rng: make_problem(rng, level), demonstrations, n_train, n_test, seed)
 
 
 # --- the checker -------------------------------------------------------------------------
