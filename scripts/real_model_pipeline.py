@@ -129,6 +129,20 @@ class Sizes:
     dpo_epochs: float = 1.0
 
 
+SIZE_HELP = {
+    "sft_rows": "demonstrations for SFT (the first rows of sft.jsonl), one epoch",
+    "pair_prompts": "training questions sampled for pairs (the ones after the SFT rows)",
+    "samples": "responses sampled per question for pairs",
+    "pairs_per_prompt": "at most this many right/wrong pairs per question",
+    "pair_test_fraction": "share of the questions with pairs held out for the reward model's accuracy",
+    "temperature": "sampling temperature for the pairs",
+    "max_new_tokens": "longest response, everywhere (sampling, PPO, evaluation)",
+    "eval_rows": "held-out rows rlhflab eval reads after each policy stage (the first N of test.jsonl)",
+    "ppo_steps": "PPO steps",
+    "ppo_episodes": "PPO episodes (prompts, one response each) per step",
+    "ppo_eval_rows": "held-out prompts of PPO's per-step check (reward-model score and true accuracy)",
+    "dpo_epochs": "DPO passes over the training pairs",
+}
 QUICK = Sizes(sft_rows=4, pair_prompts=8, samples=4, pairs_per_prompt=1, max_new_tokens=24, eval_rows=2,
               ppo_steps=1, ppo_episodes=4, ppo_eval_rows=1)
 
@@ -227,8 +241,7 @@ class Pipeline:
 
     def pairs(self, policy: Path) -> tuple[Path, Path]:
         a, s = self.a, self.s
-        (train_rows, minutes) = timed(self._sample_pairs, policy)
-        pair_set, train, test = train_rows
+        (pair_set, train, test), minutes = timed(self._sample_pairs, policy)
         folder = self.out / "pairs"
         write_jsonl(train, folder / "train.jsonl")
         write_jsonl(test, folder / "test.jsonl")
@@ -362,7 +375,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Sizes]:
                     help="a smoke run: one step of each stage on a few rows (sizes below are ignored)")
     d = Sizes()
     for name, value in vars(d).items():
-        ap.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value, help=f"(default: {value})")
+        ap.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value,
+                        help=f"{SIZE_HELP[name]} (default: {value})")
     for stage in ("sft", "rm", "ppo", "dpo"):
         ap.add_argument(f"--{stage}", nargs="*", default=[], metavar="KEY=VALUE",
                         help=f"extra dotted overrides for `rlhflab {stage}`")
