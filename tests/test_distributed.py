@@ -1,6 +1,7 @@
 """Several processes equal one: 2 CPU processes (gloo, `accelerate launch` with
 configs/accelerate/cpu_2proc.yaml for DDP, fsdp_cpu.yaml for FSDP2, zero2_cpu.yaml and
-zero3_cpu.yaml for DeepSpeed) against 1 process, from the same seed and prompts.
+zero3_cpu.yaml for DeepSpeed) against 1 process, from the same seed and prompts. Each
+1-process run is made once per module and shared by the strategies compared with it.
 
 The runs use seeded sampling (`generation.seeded_sampling`), so each response is the same
 whichever process samples it, and settings where every optimizer step sees the whole
@@ -71,6 +72,34 @@ def _common(model: Path, task: Path) -> list[str]:
             "logging.progress_bar=false", "logging.plots=false", "reward.sources=[{type: rule, name: 'dist_rewards:length_mod3'}]"]
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """`one_process(args)` -> the folder of a 1-process run of `args`, made once per module.
+
+    The 1-process command does not depend on the strategy it is compared with (no accelerate
+    launch), so the strategies of one case share it instead of each training it again."""
+    base = tmp_path_factory.mktemp("one-process")
+    env = _env(base)
+    done: dict[tuple[str, ...], Path] = {}
+
+    def run(args: list[str]) -> Path:
+        if tuple(args) not in done:
+            out = base / f"run{len(done)}"
+            _run([*args, f"training.output_dir={out}"], env, 1)
+            done[tuple(args)] = out
+        return done[tuple(args)]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def arith_pairs(tmp_path_factory) -> dict:
+    """The preference pairs of the DPO and reward-model cases (64 train, 16 held out)."""
+    from rlhflab.data.preferences import write_arith_pairs
+
+    return write_arith_pairs(tmp_path_factory.mktemp("pairs"), n_train=64, n_test=16)
+
+
 def _weights(folder: Path) -> dict[str, torch.Tensor]:
     out = load_file(str(folder / "model.safetensors"))
     if (folder / "value_head.safetensors").exists():
@@ -113,29 +142,29 @@ def _case(strategy: str, method: str, settings: list[str], name: str):
     *(_case(s, "ppo", LORA, "ppo_lora") for s in ("ddp", "fsdp")),
     *(_case(s, "grpo", GRPO_STEP, "grpo") for s in ("ddp", "fsdp", "zero3")),
 ])
-def test_two_processes_equal_one(strategy, method, settings, tiny_model_dir, arith_dir, tmp_path):
+def test_two_processes_equal_one(strategy, method, settings, tiny_model_dir, arith_dir, tmp_path, one_process):
     env = _env(tmp_path)
     args = [method, "--config", str(ROOT / "configs" / f"{method}_debug.yaml"), *_common(tiny_model_dir, arith_dir),
             "training.total_steps=1", *settings]
-    _run([*args, f"training.output_dir={tmp_path / 'one'}"], env, 1)
-    _run([*args, f"training.output_dir={tmp_path / 'two'}"], env, 2, strategy)
-    _assert_equal_and_moved(tmp_path / "one", tmp_path / "two", tiny_model_dir)
+    one_dir, two_dir = one_process(args), tmp_path / "two"
+    _run([*args, f"training.output_dir={two_dir}"], env, 2, strategy)
+    _assert_equal_and_moved(one_dir, two_dir, tiny_model_dir)
     if "lora.enabled=true" in settings:  # the adapter beside the merged weights, gathered as well
-        a, b = (load_file(str(tmp_path / run / "final" / "adapter" / "adapter_model.safetensors")) for run in ("one", "two"))
+        a, b = (load_file(str(run / "final" / "adapter" / "adapter_model.safetensors")) for run in (one_dir, two_dir))
         assert a.keys() == b.keys() and a and max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
     if "model.critic=separate" in settings:  # the critic's own weights and head, gathered as well
         for name in ("model.safetensors", "value_head.safetensors"):
-            a, b = (load_file(str(tmp_path / run / "final" / "critic" / name)) for run in ("one", "two"))
+            a, b = (load_file(str(run / "final" / "critic" / name)) for run in (one_dir, two_dir))
             assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
-    one = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
-    two = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    one = [json.loads(x) for x in (one_dir / "metrics.jsonl").read_text().splitlines()]
+    two = [json.loads(x) for x in (two_dir / "metrics.jsonl").read_text().splitlines()]
     # The step's statistics are global: the same rewards, and the same losses up to rounding.
     for key in ("rollout/reward_mean", "rollout/reward_std", "rollout/response_length"):
         assert one[0][key] == pytest.approx(two[0][key], abs=1e-6), key
     for key in ("loss/policy", "loss/total", "loss/entropy", "params/grad_norm"):
         assert one[0][key] == pytest.approx(two[0][key], rel=1e-3, abs=1e-6), key
-    assert json.loads((tmp_path / "two" / "train_result.json").read_text())["world_size"] == 2
-    assert json.loads((tmp_path / "one" / "train_result.json").read_text())["world_size"] == 1
+    assert json.loads((two_dir / "train_result.json").read_text())["world_size"] == 2
+    assert json.loads((one_dir / "train_result.json").read_text())["world_size"] == 1
 
 
 @strategies("ddp", "fsdp")
@@ -230,7 +259,7 @@ def test_what_a_strategy_cannot_run_is_refused_before_models_load(tiny_model_dir
 
 
 @STRATEGIES
-def test_sft_two_processes_equal_one(strategy, tiny_model_dir, arith_dir, tmp_path):
+def test_sft_two_processes_equal_one(strategy, tiny_model_dir, arith_dir, tmp_path, one_process):
     # Each rank takes its half of every micro-batch of the one shuffle: every optimizer
     # step sees the rows one process would, whatever the accumulation.
     env = _env(tmp_path)
@@ -239,18 +268,16 @@ def test_sft_two_processes_equal_one(strategy, tiny_model_dir, arith_dir, tmp_pa
             "sft.max_steps=3", "sft.batch_size=8", "sft.gradient_accumulation_steps=2", "sft.eval_before=false",
             "training.eval_interval=0", "data.num_eval_samples=8", "logging.progress_bar=false", "logging.plots=false",
             "sft.num_eval_generate=4"]
-    _run([*args, f"training.output_dir={tmp_path / 'one'}"], env, 1)
+    one_dir = one_process(args)
     _run([*args, f"training.output_dir={tmp_path / 'two'}"], env, 2, strategy)
-    _assert_equal_and_moved(tmp_path / "one", tmp_path / "two", tiny_model_dir)
+    _assert_equal_and_moved(one_dir, tmp_path / "two", tiny_model_dir)
     assert json.loads((tmp_path / "two" / "train_result.json").read_text())["world_size"] == 2
 
 
 @STRATEGIES
-def test_dpo_two_processes_equal_one(strategy, tiny_model_dir, arith_dir, tmp_path):
-    from rlhflab.data.preferences import write_arith_pairs
-
+def test_dpo_two_processes_equal_one(strategy, tiny_model_dir, arith_pairs, tmp_path, one_process):
     env = _env(tmp_path)
-    pairs = write_arith_pairs(tmp_path / "pairs", n_train=64, n_test=16)
+    pairs = arith_pairs
     # adam_eps 1e-6: Adam divides each gradient by its own size, so an element whose
     # gradient is float noise around 0 (in both runs) would get a step of ~lr in a random
     # direction; a larger epsilon keeps the comparison about the gradients themselves.
@@ -258,10 +285,10 @@ def test_dpo_two_processes_equal_one(strategy, tiny_model_dir, arith_dir, tmp_pa
             f"dataset.path={pairs['train']}", f"dataset.eval_path={pairs['test']}", "dpo.max_steps=3",
             "dpo.batch_size=8", "dpo.mini_batch_size=4", "dpo.learning_rate=1e-3", "dpo.adam_eps=1e-6",
             "dpo.task_eval_path=null", "training.eval_interval=0", "logging.progress_bar=false", "logging.plots=false"]
-    _run([*args, f"training.output_dir={tmp_path / 'one'}"], env, 1)
+    one_dir = one_process(args)
     _run([*args, f"training.output_dir={tmp_path / 'two'}"], env, 2, strategy)
-    _assert_equal_and_moved(tmp_path / "one", tmp_path / "two", tiny_model_dir)
-    one = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    _assert_equal_and_moved(one_dir, tmp_path / "two", tiny_model_dir)
+    one = [json.loads(x) for x in (one_dir / "metrics.jsonl").read_text().splitlines()]
     two = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     for a, b in zip(one, two, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
@@ -269,19 +296,17 @@ def test_dpo_two_processes_equal_one(strategy, tiny_model_dir, arith_dir, tmp_pa
 
 
 @STRATEGIES
-def test_reward_model_two_processes_equal_one(strategy, tiny_model_dir, tmp_path):
-    from rlhflab.data.preferences import write_arith_pairs
-
+def test_reward_model_two_processes_equal_one(strategy, tiny_model_dir, arith_pairs, tmp_path, one_process):
     env = _env(tmp_path)
-    pairs = write_arith_pairs(tmp_path / "prefs", n_train=64, n_test=16)
+    pairs = arith_pairs
     args = ["rm", "--config", str(ROOT / "configs" / "rm_debug.yaml"), f"model.name_or_path={tiny_model_dir}",
             f"data.path={pairs['train']}", f"data.eval_path={pairs['test']}", "rm.max_steps=3", "rm.batch_size=8",
             "rm.gradient_accumulation_steps=2", "rm.eval_before=false", "rm.learning_rate=1e-3",
             "rm.adam_eps=1e-6",  # as in the DPO test: keeps noise-level gradients from lr-sized steps
             "training.eval_interval=0", "logging.progress_bar=false", "logging.plots=false"]
-    _run([*args, f"training.output_dir={tmp_path / 'one'}"], env, 1)
+    one_dir = one_process(args)
     _run([*args, f"training.output_dir={tmp_path / 'two'}"], env, 2, strategy)
-    a, b = _weights(tmp_path / "one" / "final"), _weights(tmp_path / "two" / "final")
+    a, b = _weights(one_dir / "final"), _weights(tmp_path / "two" / "final")
     start = _weights(tiny_model_dir)
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
     assert max(float((a[k] - start[k]).abs().max()) for k in start if k in a) > 1e-4
