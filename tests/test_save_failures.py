@@ -30,10 +30,12 @@ from rlhflab.trainers.common import check_resume_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Runs in a subprocess: save step_2/ freely, then under a file-size limit try step_4/ and
-# final/ and print what each raised. `limit` is a fraction of model.safetensors' size:
-# 0.5 stops safetensors' write of the weights; 1.5 lets the weights through and stops
-# torch.save of trainer_state.pt (the AdamW moments make it about twice their size).
+# Runs in a subprocess: for each fraction, save <base>/<fraction>/step_2/ freely, then under a
+# file-size limit try step_4/ and final/ and print what each raised (one process for both
+# writers: the soft limit is lifted again between them). `limit` is a fraction of
+# model.safetensors' size: 0.5 stops safetensors' write of the weights; 1.5 lets the
+# weights through and stops torch.save of trainer_state.pt (the AdamW moments make it
+# about twice their size).
 LIMITED_SAVE = r"""
 import hashlib, json, resource, signal, sys, torch
 from pathlib import Path
@@ -42,53 +44,65 @@ from transformers import AutoModelForCausalLM
 from rlhflab.errors import UserError
 from rlhflab.models.checkpoint import save_checkpoint
 
-model_dir, run, fraction = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3])
-model = AutoModelForCausalLM.from_pretrained(model_dir)
-actor = SimpleNamespace(policy=model, critic=None, value_head=None)  # a critic-free layout (GRPO)
-opt = torch.optim.AdamW(model.parameters())
-model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
-opt.step()
-save_checkpoint(run / "step_2", actor, None, optimizer=opt, step=2, method="grpo")
-
-def digest():
-    h = hashlib.sha256()
-    for p in sorted((run / "step_2").rglob("*")):
-        if p.is_file():
-            h.update(p.name.encode() + p.read_bytes())
-    return h.hexdigest()
-
-before = digest()
-weights = (run / "step_2" / "model.safetensors").stat().st_size
-state = (run / "step_2" / "trainer_state.pt").stat().st_size
-limit = int(weights * fraction)
+model_dir, base, fractions = Path(sys.argv[1]), Path(sys.argv[2]), [float(f) for f in sys.argv[3:]]
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing us
-resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-errors = {}
-for name in ("step_4", "final"):
-    try:
-        save_checkpoint(run / name, actor, None, optimizer=opt, step=4, method="grpo")
-        errors[name] = None
-    except UserError as exc:
-        errors[name] = str(exc)
-    except BaseException as exc:  # what the user would have seen: a traceback
-        errors[name] = f"TRACEBACK {type(exc).__name__}: {exc}"
-print(json.dumps({"errors": errors, "same": digest() == before, "weights": weights, "state": state,
-                  "limit": limit, "left": sorted(p.name for p in run.iterdir())}))
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+results = {}
+for fraction in fractions:
+    run = base / str(fraction)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    actor = SimpleNamespace(policy=model, critic=None, value_head=None)  # a critic-free layout (GRPO)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    opt.step()
+    save_checkpoint(run / "step_2", actor, None, optimizer=opt, step=2, method="grpo")
+
+    def digest():
+        h = hashlib.sha256()
+        for p in sorted((run / "step_2").rglob("*")):
+            if p.is_file():
+                h.update(p.name.encode() + p.read_bytes())
+        return h.hexdigest()
+
+    before = digest()
+    weights = (run / "step_2" / "model.safetensors").stat().st_size
+    state = (run / "step_2" / "trainer_state.pt").stat().st_size
+    limit = int(weights * fraction)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    errors = {}
+    for name in ("step_4", "final"):
+        try:
+            save_checkpoint(run / name, actor, None, optimizer=opt, step=4, method="grpo")
+            errors[name] = None
+        except UserError as exc:
+            errors[name] = str(exc)
+        except BaseException as exc:  # what the user would have seen: a traceback
+            errors[name] = f"TRACEBACK {type(exc).__name__}: {exc}"
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    results[str(fraction)] = {"errors": errors, "same": digest() == before, "weights": weights, "state": state,
+                              "limit": limit, "left": sorted(p.name for p in run.iterdir()), "run": str(run)}
+print(json.dumps(results))
 """
+FRACTIONS = {"safetensors": 0.5, "torch.save": 1.5}
 
 
-def _limited_save(model_dir: Path, run: Path, fraction: float) -> dict:
+@pytest.fixture(scope="module")
+def limited_saves(tiny_model_dir, tmp_path_factory) -> dict:
+    """What each save under each file-size limit raised (one subprocess for both writers)."""
+    base = tmp_path_factory.mktemp("limited")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", LIMITED_SAVE, str(model_dir), str(run), str(fraction)],
+    proc = subprocess.run([sys.executable, "-c", LIMITED_SAVE, str(tiny_model_dir), str(base),
+                           *(str(f) for f in FRACTIONS.values())],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("fraction, writer", [(0.5, "safetensors"), (1.5, "torch.save")])
-def test_a_file_size_limit_is_one_line_whichever_writer_meets_it(tiny_model_dir, tmp_path, fraction, writer):
-    run = tmp_path / "run"
-    got = _limited_save(tiny_model_dir, run, fraction)
+def test_a_file_size_limit_is_one_line_whichever_writer_meets_it(limited_saves, fraction, writer):
+    assert FRACTIONS[writer] == fraction
+    got = limited_saves[str(fraction)]
+    run = Path(got["run"])
     if writer == "torch.save":  # the limit sits between the weights and the trainer state
         assert got["weights"] < got["limit"] < got["state"], got
     else:
