@@ -16,14 +16,15 @@ Each round runs side A, then side B (the order alternates between rounds: A,B th
 each in a fresh process running `rlhflab <method>` on the repo's SmolLM2 config
 (configs/ppo_smollm2.yaml, ppo_smollm2_critic.yaml, grpo_smollm2.yaml) with `--episodes`
 episodes per step, 1 warm-up step and `--steps` timed steps, no evaluation, seed 0. A
-step's time is the run's own `time/step` (rollout, scoring, update). Interleaving the
+step's time is the run's own `time/step` (rollout, scoring, update); `update s` is the
+median of its `time/update` (the optimisation passes alone, where the tricks act most). Interleaving the
 sides puts a shared machine's load on both alike; the table says what the load was
 (the 1-minute load average, sampled every 5 s while the processes ran; our own process
 counts in it, about `--threads`).
 
-Numerics, per trick and method: `step1 |dA-B|` compares the first step's loss and gradient
-norm of the two sides of round 1 (same seed: the same rollout unless the sampled tokens
-diverge, which `resp len` shows), and `probe` (cpu_matmul, lean_norm) the largest
+Numerics, per trick and method: the loss, gradient norm and mean response length of the
+first and the last step of each side's first run (same seed: the same rollout unless the
+sampled tokens diverge, which `resp len` shows; `step1 |dA-B|` is the first step's gap), and `probe` (cpu_matmul, lean_norm) the largest
 difference of log-probs and of one weight's gradient over a fixed random batch of 4 x 96
 tokens through the model with the trick on and off (`n/a` for the tricks that cannot change
 a forward pass). `peak MiB` is the process's peak resident set (ru_maxrss), median over rounds.
@@ -123,8 +124,9 @@ def probe(trick: str, overrides: list[str], path: Path) -> None:
 # The parent
 # --------------------------------------------------------------------------------------
 class Run:
-    def __init__(self, side, seconds, first, peak_mib, loads, probe_path, applied):
-        self.side, self.seconds, self.first, self.peak_mib = side, seconds, first, peak_mib
+    def __init__(self, side, seconds, update, first, last, peak_mib, loads, probe_path, applied):
+        self.side, self.seconds, self.update, self.first, self.peak_mib = side, seconds, update, first, peak_mib
+        self.last = last
         self.loads, self.probe_path, self.applied = loads, probe_path, applied
 
 
@@ -156,7 +158,7 @@ def run_side(trick, method, side, overrides, args, workdir: Path, tag: str) -> R
         raise RuntimeError(f"{trick}/{method} side {side} failed (rc {proc.returncode}); see {workdir / tag}.log")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if "time/step" in r]
-    return Run(side, [r["time/step"] for r in steps[1:]], steps[0], usage.ru_maxrss / 1024, loads,
+    return Run(side, [r["time/step"] for r in steps[1:]], [r["time/update"] for r in steps[1:]], steps[0], steps[-1], usage.ru_maxrss / 1024, loads,
                out / "probe.pt" if spec["probe"] else None, json.loads((out / "applied.json").read_text()))
 
 
@@ -194,12 +196,16 @@ def report(trick, method, runs: list[Run]) -> float:
     ratio = statistics.median(sa) / statistics.median(sb)
     print(f"\n== {trick} / {method}  (A = on, B = off; {len(a)} rounds, {len(sa)} timed steps a side; "
           f"load avg {statistics.mean(loads):.1f} mean, {min(loads):.1f}-{max(loads):.1f})")
-    print(f"  {'side':<6}{'s/step min':>11}{'median':>9}{'max':>9}{'peak MiB':>10}  step-1 loss, grad norm, resp len")
+    print(f"  {'side':<6}{'s/step min':>11}{'median':>9}{'max':>9}{'update s':>10}{'peak MiB':>10}"
+          "  loss, grad norm, resp len: step 1 | last step")
     for name, rs, ss in (("A on", a, sa), ("B off", b, sb)):
         f1 = rs[0].first
         lo, md, hi = stats(ss)
-        print(f"  {name:<6}{lo:>11.2f}{md:>9.2f}{hi:>9.2f}{statistics.median(r.peak_mib for r in rs):>10.0f}"
-              f"  {f1['loss/total']:.6f}, {f1['params/grad_norm']:.5f}, {f1['rollout/response_length']:.3f}")
+        update = statistics.median(u for r in rs for u in r.update)
+        print(f"  {name:<6}{lo:>11.2f}{md:>9.2f}{hi:>9.2f}{update:>10.2f}{statistics.median(r.peak_mib for r in rs):>10.0f}"
+              f"  {f1['loss/total']:.6f}, {f1['params/grad_norm']:.5f}, {f1['rollout/response_length']:.3f} | "
+              f"{rs[0].last['loss/total']:.6f}, {rs[0].last['params/grad_norm']:.5f}, "
+              f"{rs[0].last['rollout/response_length']:.3f}")
     for name, r in (("A", a[0]), ("B", b[0])):
         changed = "; ".join(", ".join(f"{k} {v}" for k, v in d.items()) for d in r.applied)
         print(f"  the seam changed, side {name}: {changed or 'nothing'}  (one entry per model)")
