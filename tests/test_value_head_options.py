@@ -134,3 +134,32 @@ def test_config_ranges_and_the_tutorial_names(ppo_cfg):
                             ("v_head_init_strategy", "model.value_head_init")]:
         with pytest.raises(ConfigError, match=f"did you mean {ours}"):
             ppo_cfg(f"model.{seed_name}=0.1")
+
+
+@pytest.mark.parametrize("critic", ["value_head", "separate"])
+def test_critic_learning_rate_is_the_critics_own_group(ppo_cfg, critic):
+    """ppo.critic_learning_rate: the value head (or separate critic) in a group of its own.
+    Adam's first step moves every parameter with a nonzero gradient by its group's lr
+    (m/sqrt(v) = g/|g| = +-1 after one step, bias-corrected), so one step with policy lr
+    1e-6 and critic lr 1e-3 moves the head's weights by 1e-3 and the policy's by 1e-6."""
+    from rlhflab.trainers.loop import build_run
+
+    cfg = ppo_cfg(f"model.critic={critic}", "ppo.learning_rate=1e-6", "ppo.critic_learning_rate=1e-3")
+    run = build_run(cfg, ppo.method(cfg))
+    groups = run.optimizer.param_groups
+    head = run.models.actor.value_head if critic == "value_head" else run.models.actor.critic
+    assert [g["lr"] for g in groups] == [1e-6, 1e-3]
+    assert {id(p) for p in groups[1]["params"]} == {id(p) for p in head.parameters() if p.requires_grad}
+    assert sum(len(g["params"]) for g in groups) == len(run.models.actor.trainable_parameters())
+    before = [p.detach().clone() for g in groups for p in g["params"]]
+    for g in groups:
+        for p in g["params"]:
+            p.grad = torch.ones_like(p)
+    run.optimizer.step()
+    moved = [(p.detach() - b).abs().max().item() for p, b in zip([p for g in groups for p in g["params"]], before)]
+    n_policy = len(groups[0]["params"])
+    assert max(moved[:n_policy]) == pytest.approx(1e-6, rel=0.05)  # float32 rounding of a 1e-6 step
+    assert min(moved[n_policy:]) == pytest.approx(1e-3, rel=1e-3)
+    # unset: one group at the policy's learning rate, as before
+    plain = build_run(ppo_cfg(f"model.critic={critic}"), ppo.method(ppo_cfg(f"model.critic={critic}")))
+    assert len(plain.optimizer.param_groups) == 1

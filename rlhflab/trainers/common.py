@@ -25,10 +25,12 @@ def make_optimizer(params: list[torch.nn.Parameter], lr: float, weight_decay: fl
                    betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                    use_8bit: bool = False) -> torch.optim.Optimizer:
     """AdamW; 8-bit AdamW (bitsandbytes) when asked for and CUDA is present."""
-    if not params:
+    # `params`: parameters, or param groups (dicts with "params" and their own "lr")
+    tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+    if not tensors:
         raise UserError("no trainable parameters; check lora.enabled / lora.target_modules")
     if use_8bit:
-        on_cuda = any(p.is_cuda for p in params)
+        on_cuda = any(p.is_cuda for p in tensors)
         try:
             import bitsandbytes as bnb  # noqa: F401
             have_bnb = True
@@ -40,7 +42,7 @@ def make_optimizer(params: list[torch.nn.Parameter], lr: float, weight_decay: fl
         warnings.warn(f"use_8bit_adam: {why}; using torch AdamW instead", stacklevel=2)
     # The fused kernel updates every parameter in one pass (CPU and CUDA); same result as
     # the per-tensor loop, several times faster for many small tensors.
-    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in tensors)
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
                              fused=fused or None)
 

@@ -59,6 +59,10 @@ class PPOSection(PolicySection):
     lam: float = f(0.95, "GAE lambda", ge=0, le=1)
     value_clip: Optional[float] = f(0.2, "value clip range around the rollout values; null disables", gt=0)
     vf_coeff: float = f(0.1, "weight of the value loss in the total loss", ge=0)
+    critic_learning_rate: Optional[float] = f(
+        None, "peak learning rate of the value head or separate critic (same warmup and schedule); null: "
+              "learning_rate. A fresh value head on a pretrained policy learns little at a policy's learning rate",
+        gt=0)
     kl_coeff: float = f(0.05, "weight of the KL penalty to the reference", ge=0)
     kl_estimator: KLKind = f("k1", "KL estimator: k1, k2, k3, abs or mse")
     kl_in: Literal["reward", "loss"] = f("reward", "put the KL penalty in the per-token reward or in the loss")
@@ -131,9 +135,23 @@ def ppo_step(run: RLRun, examples, step: int, timer: Timer) -> dict[str, float]:
     return {**rollout_metrics(roll, run.dist), **upd}
 
 
+def optimizer_groups(actor, critic_lr: float | None) -> list:
+    """What PPO's optimizer trains: every trainable parameter, the critic's (value head or
+    separate critic) in a group of its own at `critic_lr` when one is given."""
+    params = actor.trainable_parameters()
+    if critic_lr is None:
+        return params
+    critic = actor.critic if actor.critic is not None else actor.value_head
+    ids = {id(p) for p in critic.parameters()}
+    return [{"params": [p for p in params if id(p) not in ids]},
+            {"params": [p for p in params if id(p) in ids], "lr": critic_lr}]
+
+
 def method(cfg: PPORunConfig) -> PolicyMethod:
+    critic_lr = cfg.ppo.critic_learning_rate
     return PolicyMethod("ppo", ppo_step, critic=cfg.model.critic,
-                        need_reference=lambda c: c.ppo.kl_coeff > 0 and c.model.reference != "none")
+                        need_reference=lambda c: c.ppo.kl_coeff > 0 and c.model.reference != "none",
+                        optimizer_params=None if critic_lr is None else lambda actor: optimizer_groups(actor, critic_lr))
 
 
 def build_models(cfg: PPORunConfig, resume_dir: Path | None = None) -> PolicyModels:
