@@ -8,7 +8,7 @@ accuracy before and after, and one table row.
 A recipe is one of the SmolLM2 configs: grpo (configs/grpo_smollm2.yaml), ppo
 (ppo_smollm2.yaml, value head), ppo_critic (ppo_smollm2_critic.yaml), rloo, reinforce_pp
 and lora_grpo (grpo_smollm2_lora.yaml). The word-problem task is written to the config's data folder first when it is
-missing (`rlhflab make-data --task word-problems`). The untrained model's accuracy is
+missing (`rlhflab make-data --task word-problems --level easy`). The untrained model's accuracy is
 measured once per evaluation setting and kept in `<out>/before_<key>.json` (the same
 greedy decoding of the same model gives the same answers); the trained model is measured
 the same way, in this process, right after training. Training minutes and s/step count
@@ -85,15 +85,17 @@ def load(recipe: str, overrides: list[str]):
 
 
 def ensure_data(cfg) -> None:
-    """The word-problem task in the config's folder, written when missing."""
+    """The word-problem task in the config's folder, written when missing: the easy level,
+    which every recipe config reads (`rlhflab make-data --task word-problems --level easy`)."""
     train, test = Path(cfg.dataset.path), Path(cfg.dataset.eval_path)
     if train.exists() and test.exists():
         return
     if train.parent != test.parent:
-        sys.exit(f"error: {train} or {test} is missing; write them with `rlhflab make-data --task word-problems`")
+        sys.exit(f"error: {train} or {test} is missing; write them with "
+                 f"`rlhflab make-data --task word-problems --level easy --out FOLDER`")
     from rlhflab.data.wordproblems import write_task
-    print(f"writing the word-problem task to {train.parent} ...", flush=True)
-    write_task(train.parent)
+    print(f"writing the word-problem task (easy level) to {train.parent} ...", flush=True)
+    write_task(train.parent, level="easy")
 
 
 def evaluate(model, tokenizer, cfg) -> dict:

@@ -130,7 +130,7 @@ def test_grpo_smollm2_recipe_runs_two_steps_on_the_real_model(smollm2_dir, tmp_p
     from rlhflab.config import load_config
     from rlhflab.trainers.grpo import GRPORunConfig, train
 
-    wp.write_task(tmp_path / "data", n_train=16, n_test=4, seed=0)
+    wp.write_task(tmp_path / "data", n_train=16, n_test=4, seed=0, level="easy")  # the recipes' level
     root = Path(__file__).resolve().parents[1]
     cfg, eff = load_config(root / "configs" / "grpo_smollm2.yaml", GRPORunConfig, [
         f"model.name_or_path={smollm2_dir}", f"dataset.path={tmp_path / 'data' / 'train.jsonl'}",
