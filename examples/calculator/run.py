@@ -13,6 +13,7 @@ docs/environments.md quotes.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import subprocess
 import sys
@@ -75,27 +76,38 @@ def evaluate(model, tok, rows, tools: bool) -> dict:
 
 
 def main() -> int:
+    global OUT
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--method", choices=["grpo", "ppo"], default="grpo")
     ap.add_argument("--sft-steps", type=int, default=400)
     ap.add_argument("--rl-steps", type=int, default=20)
+    ap.add_argument("--rl-lr", type=float, default=None, help="the RL learning rate (default: the YAML's)")
+    ap.add_argument("--skip-rate", type=float, default=SKIP_RATE,
+                    help="share of demonstrations that answer without the tool, off by one (default: %(default)s)")
+    ap.add_argument("--n-train", type=int, default=1500)
     ap.add_argument("--n-test", type=int, default=100)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seeds the model and the SFT; a non-zero seed also seeds the RL run (0: the YAML's)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides for the RL run")
+    ap.add_argument("--out", default=str(OUT), help="output folder (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reuse-sft", action="store_true", help="load the SFT models a previous run saved")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    OUT = Path(args.out).resolve()
     t0 = time.time()
     from rlhflab.models.load import load_model
     from rlhflab.models.tiny import make_tiny_model
 
-    train, test = make_data(1500, args.n_test)
+    train, test = make_data(args.n_train, args.n_test)
     write_jsonl(train, OUT / "train.jsonl")
     write_jsonl(test, OUT / "test.jsonl")
-    rng = random.Random(0)
-    demo_rows = [dict(r, prompt=r["question"], _skip=rng.random() < SKIP_RATE) for r in train]
+    rng = random.Random(args.seed)
+    demo_rows = [dict(r, prompt=r["question"], _skip=rng.random() < args.skip_rate) for r in train]
     corpus = [r["question"] for r in train] + [tool_reply(r, [{"role": "user"}]) for r in train[:200]]
-    base = OUT / "base" if args.reuse_sft else make_tiny_model(OUT / "base", hidden_size=128, num_layers=4, num_heads=4, vocab_size=512,
-                           max_positions=320, corpus=corpus, chat_template="chatml")
+    base = OUT / "base" if args.reuse_sft else make_tiny_model(
+        OUT / "base", hidden_size=128, num_layers=4, num_heads=4, vocab_size=512, max_positions=320,
+        seed=args.seed, corpus=corpus, chat_template="chatml")
     results = {}
     for name, tools, reply in (("sft_direct", False, direct_reply), ("sft_tool", True, tool_reply)):
         if args.reuse_sft and (OUT / name / "config.json").exists():
@@ -108,7 +120,8 @@ def main() -> int:
         setup = setup_episodes(cfg, tok)
         eps = demonstration_episodes(setup, demo_rows, reply, max_turns=3)
         print(f"{name}: SFT on {len(eps)} demonstrations ({'with' if tools else 'without'} the tool)", flush=True)
-        sft_on_episodes(model, eps, tok.pad_token_id, steps=args.sft_steps, batch_size=32, lr=3e-3, log=print)
+        sft_on_episodes(model, eps, tok.pad_token_id, steps=args.sft_steps, batch_size=32, lr=3e-3, seed=args.seed,
+                        log=print)
         model.save_pretrained(OUT / name)
         tok.save_pretrained(OUT / name)
         results[name] = evaluate(model, tok, test, tools)
@@ -116,7 +129,14 @@ def main() -> int:
           flush=True)
     cmd = [sys.executable, "-m", "rlhflab", args.method, "--config", str(HERE / f"{args.method}.yaml"),
            f"training.total_steps={args.rl_steps}", f"training.eval_interval={args.rl_steps}",
-           f"training.num_threads={args.threads}", "logging.progress_bar=false", "training.overwrite=true"]
+           f"training.num_threads={args.threads}", "logging.progress_bar=false", "training.overwrite=true",
+           f"model.name_or_path={OUT / 'sft_tool'}", f"dataset.path={OUT / 'train.jsonl'}",
+           f"dataset.eval_path={OUT / 'test.jsonl'}", f"training.output_dir={OUT / args.method}"]
+    if args.seed:
+        cmd.append(f"training.seed={args.seed}")
+    cmd += args.set
+    if args.rl_lr is not None:
+        cmd.append(f"{args.method}.learning_rate={args.rl_lr}")
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     model, tok = load_model(str(OUT / args.method / "final"))
     results["rl"] = evaluate(model, tok, test, True)
@@ -125,12 +145,15 @@ def main() -> int:
           f"greedy, tiny ChatML model ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters)")
     print(f"{'model':<48} {'accuracy':>8} {'calls/ep':>8} {'tool errors':>11} {'turns':>6}")
     rows = [("SFT on worked answers, no tool", "sft_direct"),
-            (f"SFT on tool demonstrations ({SKIP_RATE:.0%} skip the tool)", "sft_tool"),
+            (f"SFT on tool demonstrations ({args.skip_rate:.0%} skip the tool)", "sft_tool"),
             (f"  then {args.method.upper()}, {args.rl_steps} steps, with the tool", "rl")]
     for label, key in rows:
         r = results[key]
         print(f"{label:<48} {r['accuracy']:>8.0%} {r['calls']:>8.2f} {r['errors']:>11.0%} {r['turns']:>6.2f}")
     print(f"({time.time() - t0:.0f} s)")
+    results["args"] = vars(args)
+    (OUT / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    print(f"results: {OUT / 'results.json'}")
     return 0
 
 
