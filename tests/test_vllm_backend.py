@@ -454,7 +454,8 @@ def test_kv_bytes_and_dtype_from_the_config():
 def test_ppo_with_the_vllm_backend_learns_the_task(tmp_path_factory, tmp_path):
     """A short PPO run sampling with vLLM raises held-out greedy accuracy by >= 15 points
     from a supervised warm start on sloppy demonstrations (measured with training seeds
-    0-3 and 42: 49% -> 85-98% in 15 steps). 16 new tokens hold the demonstrations' whole
+    0-3 and 42: 49% -> 85-98% in 15 steps; 6 steps are run here: seed 0 measured 44% ->
+    85% after 3 steps, 91% after 6, 99% after 15). 16 new tokens hold the demonstrations' whole
     answer ("4 + 2 = 6\n#### 6"); with 8 the answer was cut off, every reward was 0 until
     the policy happened on a shorter form, and whether it did in 15 steps was luck (it
     did for 1 of 4 seeds after a change that only moved the float rounding)."""
@@ -469,8 +470,8 @@ def test_ppo_with_the_vllm_backend_learns_the_task(tmp_path_factory, tmp_path):
     make_tiny_model(base, hidden_size=128, num_layers=2, num_heads=4, vocab_size=512)
     supervised_warm_start(base, task / "sft.jsonl", warm)
     cfg = debug_config(PPORunConfig, "ppo_debug.yaml", warm, task, tmp_path / "run", "generation.backend=vllm",
-                       "generation.enforce_eager=true", "generation.max_new_tokens=16", "training.total_steps=15",
-                       "training.eval_interval=15", "training.save_interval=0", "dataset.num_eval_samples=100",
+                       "generation.enforce_eager=true", "generation.max_new_tokens=16", "training.total_steps=6",
+                       "training.eval_interval=6", "training.save_interval=0", "dataset.num_eval_samples=100",
                        "ppo.rollout_samples=32", "ppo.batch_size=32", "ppo.mini_batch_size=16", "ppo.epochs=2", "ppo.learning_rate=1e-4")
     res = train(cfg, quiet=True)
     before, after = res.eval_before["eval/accuracy"], res.eval_after["eval/accuracy"]
