@@ -1,0 +1,70 @@
+"""The guess-the-number example's task design (examples/guess_the_number): the claims its
+docs rest on, checked by playing the demonstrator against the environment in plain Python
+(no model). The learning run itself is examples/guess_the_number/run.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "guess_the_number"
+
+
+def _load(name: str, file: str):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLE / file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def example():
+    return _load("guess_example_run", "run.py"), _load("guess_example_env", "guess_env.py")
+
+
+def play(run, env_mod, secret: int, halve: float, seed: int = 0) -> tuple[bool, int, float]:
+    """One game of the demonstrator against the environment: (solved, turns, return)."""
+    env, player = env_mod.GuessTheNumber(high=run.HIGH), run.counting_player(seed, halve)
+    messages = env.reset({"secret": secret})
+    total = 0.0
+    for turn in range(1, run.MAX_TURNS + 1):
+        text = player({"secret": secret}, messages)
+        result = env.step(messages, text)
+        total += result.reward
+        if result.done:
+            return True, turn, total
+        messages = messages + [{"role": "assistant", "content": text}] + result.messages
+    return False, run.MAX_TURNS, total
+
+
+def test_interval_follows_the_feedback(example):
+    run, _ = example
+    msgs = [{"role": "user", "content": "start"}, {"role": "assistant", "content": "My guess is 5."},
+            {"role": "user", "content": "higher"}, {"role": "assistant", "content": "My guess is 8."},
+            {"role": "user", "content": "lower"}]
+    assert run.interval(msgs) == (6, 7)     # above 5, below 8
+    assert run.interval(msgs[:1]) == (1, run.HIGH)
+
+
+def test_counting_up_solves_only_the_low_secrets(example):
+    """halve=0: guesses 1, 2, 3, 4 -> solves secrets 1-4 in `secret` turns; 5-10 are lost."""
+    run, env_mod = example
+    assert run.MAX_TURNS == 4
+    results = {s: play(run, env_mod, s, halve=0.0) for s in range(1, run.HIGH + 1)}
+    assert [s for s, (ok, _, _) in results.items() if ok] == [1, 2, 3, 4]
+    assert results[3][1:] == (3, pytest.approx(0.8))   # two wrong guesses (-0.1 each), then +1
+    assert results[7][1:] == (4, pytest.approx(-0.4))  # four wrong guesses
+
+
+def test_halving_solves_every_secret_within_max_turns(example):
+    """halve=1 (bisection from 5): every secret 1-10 within 4 turns; e.g. 7: 5, 8, 6, 7."""
+    run, env_mod = example
+    results = {s: play(run, env_mod, s, halve=1.0) for s in range(1, run.HIGH + 1)}
+    assert all(ok for ok, _, _ in results.values())
+    assert max(t for _, t, _ in results.values()) == 4
+    assert results[5][1] == 1 and results[7][1] == 4 and results[2][1] == 2   # 5 | 5, 2 | 5, 8, 6, 7
+    # So the shipped max_turns leaves room for RL: halving wins all ten, counting up four.
