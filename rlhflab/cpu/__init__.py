@@ -25,7 +25,8 @@ from the tiny model's measurements; each trick's docstring holds its figure. The
 that a trick stays on by default only where it saves at least 10% of a real model's step
 time or memory on a CPU (bench/cpu_tricks.py on SmolLM2-135M-Instruct; docs/cpu_matmul.md,
 "Each CPU trick on a real model"): the critic's worker thread does (a step in 0.775 of the time
-it takes without); the other three are not yet measured there.
+it takes without), the lean RMSNorm does on memory (11% less peak resident set in a GRPO
+step); oneDNN linears and `mallopt` are not yet measured there.
 
 Standard library only at import time: the CLI imports `apply_default_wait` before torch.
 """
