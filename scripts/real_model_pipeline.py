@@ -31,8 +31,8 @@ script prints one table (stage, what it measures, value, minutes) and appends a 
 with every number to `<out>/results.jsonl`. Minutes are wall time of the stage (its
 training, sampling or evaluation), under whatever else the machine runs.
 
-The task is the word problems of `rlhflab make-data --task word-problems` (written to
-`--data` when it is missing); any folder with train.jsonl/test.jsonl/sft.jsonl in that
+The task is the easy word problems of `rlhflab make-data --task word-problems --level easy`
+(written to `--data` when it is missing), as in the SmolLM2 recipes; any folder with train.jsonl/test.jsonl/sft.jsonl in that
 layout works, with `--correct` and `--reward` naming its checker.
 """
 
@@ -178,10 +178,10 @@ def ensure_data(data: Path) -> None:
         return
     if any((data / f).exists() for f in ("train.jsonl", "test.jsonl", "sft.jsonl")):
         raise SystemExit(f"error: {data} lacks train.jsonl, test.jsonl or sft.jsonl; write all three with "
-                         f"`rlhflab make-data --task word-problems --out {data}`")
+                         f"`rlhflab make-data --task word-problems --level easy --out {data}`")
     from rlhflab.data.wordproblems import write_task
-    print(f"writing the word-problem task to {data} ...", flush=True)
-    write_task(data)
+    print(f"writing the word-problem task (easy level) to {data} ...", flush=True)
+    write_task(data, level="easy")
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -360,7 +360,7 @@ def format_table(rows: Sequence[Row]) -> str:
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, Sizes]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=Path("outputs/wordproblems"),
+    ap.add_argument("--data", type=Path, default=Path("outputs/wordproblems-easy"),
                     help="task folder with train.jsonl, test.jsonl, sft.jsonl (written when missing; default: %(default)s)")
     ap.add_argument("--model", default=MODEL, help="the model to start from (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=Path("outputs/real_model_pipeline"),

@@ -76,7 +76,7 @@ def test_quick_pipeline_on_smollm2(smollm2_dir, tmp_path, capsys):
     from rlhflab.data.wordproblems import write_task
 
     data, out = tmp_path / "wp", tmp_path / "pipe"
-    write_task(data)  # the task's default rows, as the full run uses them
+    write_task(data)  # the standard rows: the quick run's pair count (3 pairs at seed 0) was checked on them
     assert pipeline.main(["--quick", "--threads", "1", "--model", str(smollm2_dir), "--data", str(data),
                           "--out", str(out)]) == 0
     printed = capsys.readouterr().out
