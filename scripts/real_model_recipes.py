@@ -170,10 +170,40 @@ def run_one(recipe: str, seed: int, overrides: list[str], out: Path, threads: in
            "last_hit_limit_frac": last.get("rollout/hit_limit_frac"), "last_kl_to_ref": last.get("params/kl_to_ref"),
            "reward_first_steps": [round(h["rollout/reward_mean"], 3) for h in res.history[:3]],
            "reward_last_steps": [round(h["rollout/reward_mean"], 3) for h in res.history[-3:]],
-           "n_eval": end["n"]}
+           "n_eval": end["n"], "threads": threads}
     with (out / "results.jsonl").open("a") as fh:
         fh.write(json.dumps(row) + "\n")
     return row
+
+
+def machine() -> str:
+    """The CPU model and core count, as /proc/cpuinfo names them."""
+    try:
+        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")]
+    except OSError:
+        names = []
+    return f"{len(names)}-core {names[0]}" if names else f"{os.cpu_count()} CPUs"
+
+
+def record(results: Path, row: dict, command: str) -> None:
+    """Add `row` (with the command that made it) to the results file's runs."""
+    import datetime
+
+    rec = json.loads(results.read_text()) if results.exists() else {
+        "name": results.stem, "script": "scripts/real_model_recipes.py",
+        "command": "scripts/real_model_recipes.py --recipe RECIPE --seed SEED --results " + str(results),
+        "machine": machine(), "date": datetime.date.today().isoformat(), "runs": []}
+    if "threads" not in row:  # a row written before rows kept it: the run folder's effective config has it
+        out = [o.split("=", 1)[1] for o in row["overrides"] if o.startswith("training.output_dir=")]
+        cfg = Path(out[-1]) / "effective_config.yaml" if out else None
+        if cfg is not None and cfg.is_file():
+            import yaml
+
+            row = {**row, "threads": yaml.safe_load(cfg.read_text())["training"]["num_threads"]}
+    rec["runs"].append({**row, "command": command, "date": datetime.date.today().isoformat()})
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps(rec, indent=2) + "\n")
 
 
 def main(argv=None) -> int:
@@ -187,8 +217,21 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-only", action="store_true",
                     help="only the untrained model's held-out accuracy under the recipe's settings and the overrides "
                          "(e.g. another dataset.prompt_template), one line; kept like the baseline of a run")
+    ap.add_argument("--results", type=Path, default=None,
+                    help="also add each finished run's row to this results file (JSON; the docs' table is "
+                         "docs/figures/results/real_model_recipes.json, put into docs/real_models.md by "
+                         "scripts/insert_figures.py)")
+    ap.add_argument("--record", type=Path, default=None, metavar="RESULTS_JSONL",
+                    help="with --results: add the rows of an earlier results.jsonl (runs made without --results) "
+                         "and stop")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. training.total_steps=10")
     a = ap.parse_args(argv)
+    if a.record:
+        if not a.results:
+            ap.error("--record needs --results")
+        for line in a.record.read_text().splitlines():
+            record(a.results, json.loads(line), f"(recorded from {a.record})")
+        return 0
     if a.table:
         path = a.out / "results.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -209,6 +252,8 @@ def main(argv=None) -> int:
               f"accuracy {100 * r['accuracy']:.1f}% | {r['mean_response_tokens']:.1f} tokens on average | {r['n']} rows")
         return 0
     row = run_one(a.recipe, a.seed, a.overrides, a.out, a.threads)
+    if a.results:
+        record(a.results, row, " ".join(["scripts/real_model_recipes.py", *(argv if argv is not None else sys.argv[1:])]))
     print(HEADER)
     print(format_row(row))
     return 0
