@@ -229,15 +229,22 @@ def learner_sentence(rec: dict) -> str:
             + ("the same with the library's." if same else f"{lib} with the library's."))
 
 
+def during(r: dict) -> str:
+    """The run's own held-out evaluations between its first and last step: 'step 22: 47.5%'."""
+    steps = sorted(int(k) for k in r.get("eval_by_step", {}))[1:-1]
+    return ", ".join(f"step {k}: {100 * r['eval_by_step'][str(k)]:.1f}%" for k in steps) or "-"
+
+
 def recipes_table(rec: dict) -> str:
     """docs/real_models.md: every recorded SmolLM2 recipe run, one row each (held-out greedy
     accuracy before and after, training time as run and the conditions it ran under)."""
-    lines = ["| recipe | seed | steps | held-out accuracy | gain | s/step as run | threads | load | overrides |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| recipe | seed | steps | held-out accuracy | gain | during the run | s/step as run | threads | load "
+             "| overrides |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rec["runs"]:
         over = " ".join(o for o in r["overrides"] if not o.startswith("training.output_dir=")) or "-"
         lines.append(f"| {r['recipe']} | {r['seed']} | {r['steps']} | {100 * r['before']:.1f}% → "
                      f"{100 * r['after']:.1f}% ({r['n_eval']} rows) | {100 * (r['after'] - r['before']):+.1f} | "
+                     f"{during(r)} | "
                      f"{r['s_per_step']:.0f} | {r.get('threads', '?')} | {r['load']:.1f} | {over} |")
     return "\n".join(lines) + f"\n\n{rec['machine']}, {rec['date']}; rows from `{rec['script']}` ({rec['command']})."
 

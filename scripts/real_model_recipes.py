@@ -194,13 +194,15 @@ def record(results: Path, row: dict, command: str) -> None:
         "name": results.stem, "script": "scripts/real_model_recipes.py",
         "command": "scripts/real_model_recipes.py --recipe RECIPE --seed SEED --results " + str(results),
         "machine": machine(), "date": datetime.date.today().isoformat(), "runs": []}
-    if "threads" not in row:  # a row written before rows kept it: the run folder's effective config has it
-        out = [o.split("=", 1)[1] for o in row["overrides"] if o.startswith("training.output_dir=")]
-        cfg = Path(out[-1]) / "effective_config.yaml" if out else None
-        if cfg is not None and cfg.is_file():
-            import yaml
+    out = [o.split("=", 1)[1] for o in row["overrides"] if o.startswith("training.output_dir=")]
+    run_dir = Path(out[-1]) if out else None
+    if "threads" not in row and run_dir is not None and (run_dir / "effective_config.yaml").is_file():
+        import yaml  # a row written before rows kept it: the run folder's effective config has it
 
-            row = {**row, "threads": yaml.safe_load(cfg.read_text())["training"]["num_threads"]}
+        row = {**row, "threads": yaml.safe_load((run_dir / "effective_config.yaml").read_text())["training"]["num_threads"]}
+    if run_dir is not None and (run_dir / "metrics.jsonl").is_file():  # the run's own held-out evaluations
+        evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        row = {**row, "eval_by_step": {str(e["step"]): e["eval/accuracy"] for e in evals if "eval/accuracy" in e}}
     rec["runs"].append({**row, "command": command, "date": datetime.date.today().isoformat()})
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps(rec, indent=2) + "\n")
