@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -51,6 +50,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _mfu import cpu_name  # noqa: E402  (bench/_mfu.py: no torch import)
+
 MODEL = REPO / "outputs/models/smollm2-135m-instruct"
 CONFIGS = {"ppo": ("ppo", "configs/ppo_smollm2.yaml"),
            "ppo_critic": ("ppo", "configs/ppo_smollm2_critic.yaml"),
@@ -171,16 +173,6 @@ def probe_diff(a: Run, b: Run) -> str:
     dl = (pa["logprobs"] - pb["logprobs"]).abs().max().item()
     dg = ((pa["grad"] - pb["grad"]).abs().max() / pb["grad"].abs().max()).item()
     return f"logprob {dl:.1e}, grad {dg:.1e} (rel. to max)"
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 def stats(xs):

@@ -176,24 +176,17 @@ def run_one(recipe: str, seed: int, overrides: list[str], out: Path, threads: in
     return row
 
 
-def machine() -> str:
-    """The CPU model and core count, as /proc/cpuinfo names them."""
-    try:
-        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("model name")]
-    except OSError:
-        names = []
-    return f"{len(names)}-core {names[0]}" if names else f"{os.cpu_count()} CPUs"
-
-
 def record(results: Path, row: dict, command: str) -> None:
     """Add `row` (with the command that made it) to the results file's runs."""
     import datetime
 
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from measure_readme import machine_name  # as scripts/measure_learner.py does
+
     rec = json.loads(results.read_text()) if results.exists() else {
         "name": results.stem, "script": "scripts/real_model_recipes.py",
         "command": "scripts/real_model_recipes.py --recipe RECIPE --seed SEED --results " + str(results),
-        "machine": machine(), "date": datetime.date.today().isoformat(), "runs": []}
+        "machine": machine_name(), "date": datetime.date.today().isoformat(), "runs": []}
     out = [o.split("=", 1)[1] for o in row["overrides"] if o.startswith("training.output_dir=")]
     run_dir = Path(out[-1]) if out else None
     if "threads" not in row and run_dir is not None and (run_dir / "effective_config.yaml").is_file():

@@ -138,7 +138,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=seed(), default=0, help="seed of the problems (default: %(default)s)")
     parser.add_argument("--wrong-rate", type=number(0.0, 1.0), default=0.6,
                         help="fraction of SFT demonstrations whose answer is off by one (default: %(default)s)")
-    parser.add_argument("--level", choices=["easy", "standard"], default="standard",
+    from rlhflab.data.wordproblems import LEVELS
+
+    parser.add_argument("--level", choices=list(LEVELS), default="standard",
                         help="word-problems only: easy keeps every number small (sums to 24, times tables to "
                              "6 x 6), standard has two-digit numbers (default: %(default)s)")
 
