@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import shutil
 import sys
 import tempfile
 import time
@@ -160,7 +161,10 @@ def _run(method: str, a: dict) -> dict:
                 return base.step(run, examples, step, timer)
         return base.step(run, examples, step, timer)
 
-    res = run_policy_training(cfg, dataclasses.replace(base, step=step_fn), quiet=True)
+    try:
+        res = run_policy_training(cfg, dataclasses.replace(base, step=step_fn), quiet=True)
+    finally:  # the run folder holds a saved model (about 3 GB for Gemma-3-270M): never leave it behind
+        shutil.rmtree(tmp, ignore_errors=True)
     peak = _common.peak_rss_mb() - marks["start_rss"] if marks["resettable"] else float("nan")
     timed = res.history[-2] if len(res.history) >= 2 else {}
     rows = (a["prompts"] * a["group_size"]) * a["max_new_tokens"]
