@@ -1,7 +1,12 @@
 """Several processes equal one: 2 CPU processes (gloo, `accelerate launch` with
 configs/accelerate/cpu_2proc.yaml for DDP, fsdp_cpu.yaml for FSDP2, zero2_cpu.yaml and
-zero3_cpu.yaml for DeepSpeed) against 1 process, from the same seed and prompts. Each
-1-process run is made once per module and shared by the strategies compared with it.
+zero3_cpu.yaml for DeepSpeed) against 1 process, from the same seed and prompts.
+
+Starting 2 processes costs more than the tiny model's steps, so each strategy's cases run
+one after another in ONE accelerate launch (tests/dist_jobs.py runs `rlhflab.cli.main` for
+each, with its own output folder and logs), and every 1-process reference runs in one
+plain process, shared by the strategies compared with it. A resume is a launch of its own:
+what it proves is that a fresh process continues from the checkpoint alone.
 
 The runs use seeded sampling (`generation.seeded_sampling`), so each response is the same
 whichever process samples it, and settings where every optimizer step sees the whole
@@ -53,16 +58,7 @@ def _env(tmp_path: Path) -> dict:
 
 
 def _launch(strategy: str) -> list[str]:
-    return [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", CONFIGS[strategy],
-            "-m", "rlhflab"]
-
-
-def _run(args: list[str], env: dict, processes: int, strategy: str = "ddp",
-         expect: int = 0) -> subprocess.CompletedProcess:
-    cmd = (_launch(strategy) if processes == 2 else [sys.executable, "-m", "rlhflab"]) + args
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == expect, out.stdout[-3000:] + out.stderr[-3000:]
-    return out
+    return [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", CONFIGS[strategy]]
 
 
 def _common(model: Path, task: Path) -> list[str]:
@@ -72,24 +68,153 @@ def _common(model: Path, task: Path) -> list[str]:
             "logging.progress_bar=false", "logging.plots=false", "reward.sources=[{type: rule, name: 'dist_rewards:length_mod3'}]"]
 
 
+class Launch:
+    """The jobs of one `tests/dist_jobs.py` process (or launch): each job's folder
+    (`<base>/<name>`), exit code, and output per rank (tests/dist_jobs.py)."""
+
+    def __init__(self, base: Path, ranks: int):
+        self.base, self.ranks = base, ranks
+
+    def folder(self, name: str) -> Path:
+        return self.base / name
+
+    def rc(self, name: str) -> list[int]:
+        return [int((self.base / "logs" / f"{name}.rank{r}.rc").read_text()) for r in range(self.ranks)]
+
+    def text(self, name: str, stream: str) -> str:
+        """`stream` ("out" or "err") of every rank, rank 0 first."""
+        return "".join((self.base / "logs" / f"{name}.rank{r}.{stream}").read_text() for r in range(self.ranks))
+
+    def ok(self, name: str) -> Path:
+        assert self.rc(name) == [0] * self.ranks, self.text(name, "out")[-3000:] + self.text(name, "err")[-3000:]
+        return self.folder(name)
+
+
+def _run_jobs(base: Path, jobs: dict[str, list[str]], env: dict, processes: int, strategy: str = "ddp",
+              cwd: Path | None = None) -> Launch:
+    """Run `jobs` (name -> rlhflab argv, its output folder added) one after another in one
+    process, or in each of the 2 processes of one accelerate launch under `strategy`."""
+    def with_output(argv: list[str], folder: Path) -> list[str]:  # an override goes before --resume
+        at = argv.index("--resume") if "--resume" in argv else len(argv)
+        return [*argv[:at], f"training.output_dir={folder}", *argv[at:]]
+
+    spec = {"logs": str(base / "logs"),
+            "jobs": [{"name": n, "argv": with_output(argv, base / n)} for n, argv in jobs.items()]}
+    base.mkdir(parents=True, exist_ok=True)
+    (base / "jobs.json").write_text(json.dumps(spec, indent=1))
+    script = [str(ROOT / "tests" / "dist_jobs.py"), str(base / "jobs.json")]
+    cmd = _launch(strategy) + script if processes == 2 else [sys.executable, *script]
+    out = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=1800)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return Launch(base, processes)
+
+
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    """`one_process(args)` -> the folder of a 1-process run of `args`, made once per module.
+def cases(tiny_model_dir, arith_dir, arith_pairs) -> dict[str, tuple[list[str], tuple[str, ...]]]:
+    """name -> (the rlhflab argv without its output folder, the strategies it runs under)."""
+    rl = {"ppo": ("ppo", PPO_STEP, ("ddp", "fsdp", "zero2", "zero3")),
+          "ppo_critic": ("ppo", CRITIC, ("fsdp", "zero3")),
+          "ppo_lora": ("ppo", LORA, ("ddp", "fsdp")),
+          "grpo": ("grpo", GRPO_STEP, ("ddp", "fsdp", "zero3"))}
+    out = {name: ([method, "--config", str(ROOT / "configs" / f"{method}_debug.yaml"),
+                   *_common(tiny_model_dir, arith_dir), "training.total_steps=1", *settings], where)
+           for name, (method, settings, where) in rl.items()}
+    # SFT: each rank takes its half of every micro-batch of the one shuffle, so every
+    # optimizer step sees the rows one process would, whatever the accumulation.
+    out["sft"] = (["sft", "--config", str(ROOT / "configs" / "sft_debug.yaml"), f"model.name_or_path={tiny_model_dir}",
+                   f"data.path={arith_dir / 'sft.jsonl'}", f"data.eval_path={arith_dir / 'test.jsonl'}",
+                   "sft.max_steps=3", "sft.batch_size=8", "sft.gradient_accumulation_steps=2",
+                   "sft.eval_before=false", "training.eval_interval=0", "data.num_eval_samples=8",
+                   "logging.progress_bar=false", "logging.plots=false", "sft.num_eval_generate=4"],
+                  ("ddp", "fsdp", "zero2"))
+    # adam_eps 1e-6 (DPO, RM): Adam divides each gradient by its own size, so an element
+    # whose gradient is float noise around 0 (in both runs) would get a step of ~lr in a
+    # random direction; a larger epsilon keeps the comparison about the gradients themselves.
+    out["dpo"] = (["dpo", "--config", str(ROOT / "configs" / "dpo_debug.yaml"), f"model.name_or_path={tiny_model_dir}",
+                   f"dataset.path={arith_pairs['train']}", f"dataset.eval_path={arith_pairs['test']}",
+                   "dpo.max_steps=3", "dpo.batch_size=8", "dpo.mini_batch_size=4", "dpo.learning_rate=1e-3",
+                   "dpo.adam_eps=1e-6", "dpo.task_eval_path=null", "training.eval_interval=0",
+                   "logging.progress_bar=false", "logging.plots=false"], ("ddp", "fsdp", "zero2"))
+    out["rm"] = (["rm", "--config", str(ROOT / "configs" / "rm_debug.yaml"), f"model.name_or_path={tiny_model_dir}",
+                  f"data.path={arith_pairs['train']}", f"data.eval_path={arith_pairs['test']}", "rm.max_steps=3",
+                  "rm.batch_size=8", "rm.gradient_accumulation_steps=2", "rm.eval_before=false",
+                  "rm.learning_rate=1e-3", "rm.adam_eps=1e-6", "training.eval_interval=0",
+                  "logging.progress_bar=false", "logging.plots=false"], ("ddp", "fsdp", "zero2"))
+    # PPO end to end: 3 steps, a checkpoint after each, evaluations at steps 0 and 3.
+    out["e2e"] = (["ppo", "--config", str(ROOT / "configs" / "ppo_debug.yaml"), *_common(tiny_model_dir, arith_dir),
+                   "training.total_steps=3", "training.save_interval=1", "training.eval_interval=3",
+                   "dataset.num_eval_samples=8"], ("ddp", "fsdp", "zero3"))
+    # What a strategy cannot run: refused before models load. Each goes first in its
+    # launch, so that nothing before it has loaded a model either.
+    out["trpo_refused"] = (["trpo", "--config", str(ROOT / "configs" / "trpo_debug.yaml"),
+                            *_common(tiny_model_dir, arith_dir)], ("ddp",))
+    out["sft_refused"] = (["sft", "--config", str(ROOT / "configs" / "sft_debug.yaml"),
+                           f"model.name_or_path={tiny_model_dir}", f"data.path={arith_dir / 'sft.jsonl'}"], ("zero3",))
+    return out
 
-    The 1-process command does not depend on the strategy it is compared with (no accelerate
-    launch), so the strategies of one case share it instead of each training it again."""
+
+# The 1-process runs compared with the 2-process ones (the end-to-end one by ZeRO-3's test).
+REFERENCES = ("ppo", "ppo_critic", "ppo_lora", "grpo", "sft", "dpo", "rm", "e2e")
+
+
+@pytest.fixture(scope="module")
+def one_process(cases, tmp_path_factory) -> Launch:
+    """Every 1-process reference run, one after another in one process. The 1-process
+    command does not depend on the strategy it is compared with (no accelerate launch),
+    so the strategies of one case share it."""
     base = tmp_path_factory.mktemp("one-process")
-    env = _env(base)
-    done: dict[tuple[str, ...], Path] = {}
+    return _run_jobs(base, {name: cases[name][0] for name in REFERENCES}, _env(base), 1)
 
-    def run(args: list[str]) -> Path:
-        if tuple(args) not in done:
-            out = base / f"run{len(done)}"
-            _run([*args, f"training.output_dir={out}"], env, 1)
-            done[tuple(args)] = out
-        return done[tuple(args)]
 
-    return run
+@pytest.fixture(scope="module")
+def launched(cases, tmp_path_factory):
+    """`launched(strategy)` -> the `Launch` of every case that runs under `strategy`: one
+    accelerate launch of 2 processes per strategy, made the first time a test asks for it."""
+    done: dict[str, Launch] = {}
+
+    def get(strategy: str) -> Launch:
+        if strategy not in done:
+            base = tmp_path_factory.mktemp(f"two-{strategy}")
+            jobs = {n: argv for n, (argv, where) in sorted(cases.items(), key=lambda c: not c[0].endswith("_refused"))
+                    if strategy in where}
+            done[strategy] = _run_jobs(base, jobs, _env(base), 2, strategy)
+        return done[strategy]
+
+    return get
+
+
+E2E_STRATEGIES = ("ddp", "fsdp", "zero3") if HAS_DEEPSPEED else ("ddp", "fsdp")
+
+
+@pytest.fixture(scope="module")
+def resumed(cases, launched, tmp_path_factory):
+    """`resumed(strategy)` -> the `Launch` (2 processes under `strategy`; "one": 1 process)
+    of what starts from the end-to-end runs' step_2/ checkpoints, made once:
+
+    - under each strategy, `resume`: the strategy's own run resumed at 2 processes;
+    - under DDP also `fsdp_under_ddp` and `zero3_under_ddp`: the FSDP and DeepSpeed
+      checkpoints, refused (they go first: nothing has loaded a model before them);
+    - "one": `ddp_at_1` and `fsdp_at_1`, the 2-process checkpoints resumed by 1 process, refused.
+    """
+    done: dict[str, Launch] = {}
+    args = cases["e2e"][0]
+
+    def from_ckpt(strategy: str) -> list[str]:
+        return [*args, "--resume", str(launched(strategy).ok("e2e") / "step_2")]
+
+    def get(strategy: str) -> Launch:
+        if strategy not in done:
+            if strategy == "one":
+                jobs = {f"{s}_at_1": from_ckpt(s) for s in ("ddp", "fsdp")}
+            else:
+                jobs = {f"{s}_under_ddp": from_ckpt(s) for s in E2E_STRATEGIES if strategy == "ddp" and s != "ddp"}
+                jobs["resume"] = from_ckpt(strategy)
+            base = tmp_path_factory.mktemp(f"resumed-{strategy}")
+            done[strategy] = _run_jobs(base, jobs, _env(base), 1 if strategy == "one" else 2,
+                                       "ddp" if strategy == "one" else strategy)
+        return done[strategy]
+
+    return get
 
 
 @pytest.fixture(scope="module")
@@ -129,32 +254,29 @@ CRITIC = [*PPO_STEP, "model.critic=separate"]
 LORA = [*PPO_STEP, "lora.enabled=true", "lora.r=4", "model.reference=lora_disabled", "ppo.learning_rate=1e-3"]
 
 
-def _case(strategy: str, method: str, settings: list[str], name: str):
+def _case(strategy: str, name: str):
     marks = [NEEDS_DEEPSPEED] if strategy.startswith("zero") else []
-    return pytest.param(strategy, method, settings, id=f"{name}-{strategy}", marks=marks)
+    return pytest.param(strategy, name, id=f"{name}-{strategy}", marks=marks)
 
 
 # PPO under every strategy; the separate critic where it is sharded on its own, and GRPO
 # (prompt-sharing forward passes) where forward passes gather: FSDP and ZeRO-3.
-@pytest.mark.parametrize("strategy, method, settings", [
-    *(_case(s, "ppo", PPO_STEP, "ppo") for s in ("ddp", "fsdp", "zero2", "zero3")),
-    *(_case(s, "ppo", CRITIC, "ppo_critic") for s in ("fsdp", "zero3")),
-    *(_case(s, "ppo", LORA, "ppo_lora") for s in ("ddp", "fsdp")),
-    *(_case(s, "grpo", GRPO_STEP, "grpo") for s in ("ddp", "fsdp", "zero3")),
+@pytest.mark.parametrize("strategy, name", [
+    *(_case(s, "ppo") for s in ("ddp", "fsdp", "zero2", "zero3")),
+    *(_case(s, "ppo_critic") for s in ("fsdp", "zero3")),
+    *(_case(s, "ppo_lora") for s in ("ddp", "fsdp")),
+    *(_case(s, "grpo") for s in ("ddp", "fsdp", "zero3")),
 ])
-def test_two_processes_equal_one(strategy, method, settings, tiny_model_dir, arith_dir, tmp_path, one_process):
-    env = _env(tmp_path)
-    args = [method, "--config", str(ROOT / "configs" / f"{method}_debug.yaml"), *_common(tiny_model_dir, arith_dir),
-            "training.total_steps=1", *settings]
-    one_dir, two_dir = one_process(args), tmp_path / "two"
-    _run([*args, f"training.output_dir={two_dir}"], env, 2, strategy)
+def test_two_processes_equal_one(strategy, name, cases, tiny_model_dir, one_process, launched):
+    settings = cases[name][0]
+    one_dir, two_dir = one_process.ok(name), launched(strategy).ok(name)
     _assert_equal_and_moved(one_dir, two_dir, tiny_model_dir)
     if "lora.enabled=true" in settings:  # the adapter beside the merged weights, gathered as well
         a, b = (load_file(str(run / "final" / "adapter" / "adapter_model.safetensors")) for run in (one_dir, two_dir))
         assert a.keys() == b.keys() and a and max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
     if "model.critic=separate" in settings:  # the critic's own weights and head, gathered as well
-        for name in ("model.safetensors", "value_head.safetensors"):
-            a, b = (load_file(str(run / "final" / "critic" / name)) for run in (one_dir, two_dir))
+        for file in ("model.safetensors", "value_head.safetensors"):
+            a, b = (load_file(str(run / "final" / "critic" / file)) for run in (one_dir, two_dir))
             assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
     one = [json.loads(x) for x in (one_dir / "metrics.jsonl").read_text().splitlines()]
     two = [json.loads(x) for x in (two_dir / "metrics.jsonl").read_text().splitlines()]
@@ -168,17 +290,13 @@ def test_two_processes_equal_one(strategy, method, settings, tiny_model_dir, ari
 
 
 @strategies("ddp", "fsdp")
-def test_ppo_debug_end_to_end_on_two_processes_and_resume(strategy, tiny_model_dir, arith_dir, tmp_path):
+def test_ppo_debug_end_to_end_on_two_processes_and_resume(strategy, launched, resumed):
     # Under FSDP this also checks what a sharded run gathers: the evaluation (rank 0's
     # batch of 8 against nothing on rank 1: whole weights, no collective), the full weights
     # and the name-keyed optimizer state in step_N/, and an exact resume from them.
-    env = _env(tmp_path)
-    out = tmp_path / "run"
-    args = ["ppo", "--config", str(ROOT / "configs" / "ppo_debug.yaml"), *_common(tiny_model_dir, arith_dir),
-            "training.total_steps=3", "training.save_interval=1", "training.eval_interval=3",
-            "dataset.num_eval_samples=8", f"training.output_dir={out}"]
-    res = _run(args, env, 2, strategy)
-    assert res.stdout.count("done: ") == 1                       # one process reports
+    two = launched(strategy)
+    out = two.ok("e2e")
+    assert two.text("e2e", "out").count("done: ") == 1           # one process reports
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]             # each row once
     assert json.loads((out / "train_result.json").read_text())["world_size"] == 2
@@ -189,40 +307,30 @@ def test_ppo_debug_end_to_end_on_two_processes_and_resume(strategy, tiny_model_d
     state = torch.load(out / "step_2" / "trainer_state.pt", weights_only=False)
     assert len(state["rank_rng"]) == 2
     assert json.loads((out / "step_2" / "rlhflab.json").read_text())["fsdp"] == (strategy == "fsdp")
-    # Resume from step_2/ at 2 processes into a fresh folder: the final weights equal the
-    # uninterrupted run's, and the metrics continue from step 3.
-    again = tmp_path / "again"
-    _run([*args[:-1], f"training.output_dir={again}", "--resume", str(out / "step_2")], env, 2, strategy)
+    # Resume from step_2/ at 2 processes (a launch of its own) into a fresh folder: the
+    # final weights equal the uninterrupted run's, and the metrics continue from step 3.
+    again = resumed(strategy).ok("resume")
     a, b = _weights(out / "final"), _weights(again / "final")
     assert max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0
     assert [json.loads(x)["step"] for x in (again / "metrics.jsonl").read_text().splitlines()] == [3]
     # At another world size the resume is refused before anything is written.
-    other = tmp_path / "other"
-    refused = subprocess.run([sys.executable, "-m", "rlhflab", *args[:-1], f"training.output_dir={other}",
-                              "--resume", str(out / "step_2")], env=env, capture_output=True, text=True)
-    assert refused.returncode == 2 and not other.exists()
-    assert "saved by a run of 2 processes and this run has 1" in refused.stderr and "Traceback" not in refused.stderr
+    one = resumed("one")
+    assert one.rc(f"{strategy}_at_1") == [2] and not one.folder(f"{strategy}_at_1").exists()
+    err = one.text(f"{strategy}_at_1", "err")
+    assert "saved by a run of 2 processes and this run has 1" in err and "Traceback" not in err
     if strategy == "fsdp":  # an FSDP checkpoint under the DDP config: refused before anything is written
-        ddp = tmp_path / "ddp"
-        res = _run([*args[:-1], f"training.output_dir={ddp}", "--resume", str(out / "step_2")], env, 2, "ddp",
-                   expect=1)
-        assert "saved under an FSDP accelerate config" in res.stderr and not ddp.exists()
+        ddp = resumed("ddp")
+        assert ddp.rc("fsdp_under_ddp") == [2, 2] and not ddp.folder("fsdp_under_ddp").exists()
+        assert "saved under an FSDP accelerate config" in ddp.text("fsdp_under_ddp", "err")
 
 
 @NEEDS_DEEPSPEED
-def test_ppo_debug_end_to_end_under_zero3_and_resume(tiny_model_dir, arith_dir, tmp_path):
+def test_ppo_debug_end_to_end_under_zero3_and_resume(one_process, launched, resumed):
     # ZeRO-3 gathers each layer in its forward: the evaluation's 8 prompts are one batch on
     # rank 0, which rank 1 decodes too (and drops) to stay in step; checkpoints hold the
     # gathered weights and DeepSpeed's own state (deepspeed/), from which a resume at 2
     # processes ends where the uninterrupted run did.
-    env = _env(tmp_path)
-    out = tmp_path / "run"
-    args = ["ppo", "--config", str(ROOT / "configs" / "ppo_debug.yaml"), *_common(tiny_model_dir, arith_dir),
-            "training.total_steps=3", "training.save_interval=1", "training.eval_interval=3",
-            "dataset.num_eval_samples=8", f"training.output_dir={out}"]
-    one = tmp_path / "one"
-    _run([*args[:-1], f"training.output_dir={one}"], env, 1)
-    _run(args, env, 2, "zero3")
+    one, out = one_process.ok("e2e"), launched("zero3").ok("e2e")
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert json.loads((out / "train_result.json").read_text())["world_size"] == 2
@@ -234,80 +342,53 @@ def test_ppo_debug_end_to_end_under_zero3_and_resume(tiny_model_dir, arith_dir, 
     alone = [json.loads(x) for x in (one / "eval" / "step_0.jsonl").read_text().splitlines()]
     assert [(s["prompt"], s["response"]) for s in samples] == [(s["prompt"], s["response"]) for s in alone]
     assert len((out / "eval" / "step_3.jsonl").read_text().splitlines()) == 8
-    again = tmp_path / "again"
-    _run([*args[:-1], f"training.output_dir={again}", "--resume", str(out / "step_2")], env, 2, "zero3")
+    again = resumed("zero3").ok("resume")
     a, b = _weights(out / "final"), _weights(again / "final")
     assert max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0
     # A DeepSpeed checkpoint under DDP: refused before anything is written.
-    ddp = tmp_path / "ddp"
-    res = _run([*args[:-1], f"training.output_dir={ddp}", "--resume", str(out / "step_2")], env, 2, "ddp", expect=1)
-    assert "saved under a DeepSpeed accelerate config" in res.stderr and not ddp.exists()
+    ddp = resumed("ddp")
+    assert ddp.rc("zero3_under_ddp") == [2, 2] and not ddp.folder("zero3_under_ddp").exists()
+    assert "saved under a DeepSpeed accelerate config" in ddp.text("zero3_under_ddp", "err")
 
 
-def test_what_a_strategy_cannot_run_is_refused_before_models_load(tiny_model_dir, arith_dir, tmp_path):
-    env = _env(tmp_path)
-    res = _run(["trpo", "--config", str(ROOT / "configs" / "trpo_debug.yaml"), *_common(tiny_model_dir, arith_dir),
-                f"training.output_dir={tmp_path / 'trpo'}"], env, 2, "ddp", expect=1)
-    assert "error: trpo: the teaching TRPO runs in one process" in res.stderr
-    assert "Loading weights" not in res.stderr and not (tmp_path / "trpo").exists()
+def test_what_a_strategy_cannot_run_is_refused_before_models_load(launched):
+    # Each is its launch's first job, so no model had loaded in that process before it.
+    two = launched("ddp")
+    assert two.rc("trpo_refused") == [2, 2]  # `rlhflab` exits 2 on a one-line error: both ranks refuse
+    err = two.text("trpo_refused", "err")
+    assert "error: trpo: the teaching TRPO runs in one process" in err and "Traceback" not in err
+    assert "Loading weights" not in err and not two.folder("trpo_refused").exists()
     if HAS_DEEPSPEED:  # SFT evaluates on rank 0 alone, which ZeRO-3's gathering forward cannot
-        res = _run(["sft", "--config", str(ROOT / "configs" / "sft_debug.yaml"), f"model.name_or_path={tiny_model_dir}",
-                    f"data.path={arith_dir / 'sft.jsonl'}", f"training.output_dir={tmp_path / 'sft'}"], env, 2, "zero3",
-                   expect=1)
-        assert "error: sft (its evaluation runs on rank 0 alone) under ZeRO-3 is not supported" in res.stderr
-        assert not (tmp_path / "sft").exists()
+        two = launched("zero3")
+        assert two.rc("sft_refused") == [2, 2]
+        assert "error: sft (its evaluation runs on rank 0 alone) under ZeRO-3 is not supported" in two.text(
+            "sft_refused", "err")
+        assert not two.folder("sft_refused").exists()
 
 
 @STRATEGIES
-def test_sft_two_processes_equal_one(strategy, tiny_model_dir, arith_dir, tmp_path, one_process):
-    # Each rank takes its half of every micro-batch of the one shuffle: every optimizer
-    # step sees the rows one process would, whatever the accumulation.
-    env = _env(tmp_path)
-    args = ["sft", "--config", str(ROOT / "configs" / "sft_debug.yaml"), f"model.name_or_path={tiny_model_dir}",
-            f"data.path={arith_dir / 'sft.jsonl'}", f"data.eval_path={arith_dir / 'test.jsonl'}",
-            "sft.max_steps=3", "sft.batch_size=8", "sft.gradient_accumulation_steps=2", "sft.eval_before=false",
-            "training.eval_interval=0", "data.num_eval_samples=8", "logging.progress_bar=false", "logging.plots=false",
-            "sft.num_eval_generate=4"]
-    one_dir = one_process(args)
-    _run([*args, f"training.output_dir={tmp_path / 'two'}"], env, 2, strategy)
-    _assert_equal_and_moved(one_dir, tmp_path / "two", tiny_model_dir)
-    assert json.loads((tmp_path / "two" / "train_result.json").read_text())["world_size"] == 2
+def test_sft_two_processes_equal_one(strategy, tiny_model_dir, one_process, launched):
+    two = launched(strategy).ok("sft")
+    _assert_equal_and_moved(one_process.ok("sft"), two, tiny_model_dir)
+    assert json.loads((two / "train_result.json").read_text())["world_size"] == 2
 
 
 @STRATEGIES
-def test_dpo_two_processes_equal_one(strategy, tiny_model_dir, arith_pairs, tmp_path, one_process):
-    env = _env(tmp_path)
-    pairs = arith_pairs
-    # adam_eps 1e-6: Adam divides each gradient by its own size, so an element whose
-    # gradient is float noise around 0 (in both runs) would get a step of ~lr in a random
-    # direction; a larger epsilon keeps the comparison about the gradients themselves.
-    args = ["dpo", "--config", str(ROOT / "configs" / "dpo_debug.yaml"), f"model.name_or_path={tiny_model_dir}",
-            f"dataset.path={pairs['train']}", f"dataset.eval_path={pairs['test']}", "dpo.max_steps=3",
-            "dpo.batch_size=8", "dpo.mini_batch_size=4", "dpo.learning_rate=1e-3", "dpo.adam_eps=1e-6",
-            "dpo.task_eval_path=null", "training.eval_interval=0", "logging.progress_bar=false", "logging.plots=false"]
-    one_dir = one_process(args)
-    _run([*args, f"training.output_dir={tmp_path / 'two'}"], env, 2, strategy)
-    _assert_equal_and_moved(one_dir, tmp_path / "two", tiny_model_dir)
+def test_dpo_two_processes_equal_one(strategy, tiny_model_dir, one_process, launched):
+    one_dir, two_dir = one_process.ok("dpo"), launched(strategy).ok("dpo")
+    _assert_equal_and_moved(one_dir, two_dir, tiny_model_dir)
     one = [json.loads(x) for x in (one_dir / "metrics.jsonl").read_text().splitlines()]
-    two = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    two = [json.loads(x) for x in (two_dir / "metrics.jsonl").read_text().splitlines()]
     for a, b in zip(one, two, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
         assert a["rewards/accuracies"] == b["rewards/accuracies"]
 
 
 @STRATEGIES
-def test_reward_model_two_processes_equal_one(strategy, tiny_model_dir, arith_pairs, tmp_path, one_process):
-    env = _env(tmp_path)
-    pairs = arith_pairs
-    args = ["rm", "--config", str(ROOT / "configs" / "rm_debug.yaml"), f"model.name_or_path={tiny_model_dir}",
-            f"data.path={pairs['train']}", f"data.eval_path={pairs['test']}", "rm.max_steps=3", "rm.batch_size=8",
-            "rm.gradient_accumulation_steps=2", "rm.eval_before=false", "rm.learning_rate=1e-3",
-            "rm.adam_eps=1e-6",  # as in the DPO test: keeps noise-level gradients from lr-sized steps
-            "training.eval_interval=0", "logging.progress_bar=false", "logging.plots=false"]
-    one_dir = one_process(args)
-    _run([*args, f"training.output_dir={tmp_path / 'two'}"], env, 2, strategy)
-    a, b = _weights(one_dir / "final"), _weights(tmp_path / "two" / "final")
+def test_reward_model_two_processes_equal_one(strategy, tiny_model_dir, one_process, launched):
+    one_dir, two_dir = one_process.ok("rm"), launched(strategy).ok("rm")
+    a, b = _weights(one_dir / "final"), _weights(two_dir / "final")
     start = _weights(tiny_model_dir)
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
     assert max(float((a[k] - start[k]).abs().max()) for k in start if k in a) > 1e-4
-    assert json.loads((tmp_path / "two" / "train_result.json").read_text())["world_size"] == 2
+    assert json.loads((two_dir / "train_result.json").read_text())["world_size"] == 2
