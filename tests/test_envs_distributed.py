@@ -1,7 +1,8 @@
 """Multi-turn episodes under 2 processes equal 1 (DDP on CPU, gloo): a PPO and a GRPO step
 on episodes of different lengths (1 to 3 turns; a turn ends at one of many stop ids, so
 some episodes close their turns and go on while others run out of tokens), from the same
-seed and prompts, as tests/test_distributed.py checks single-turn runs."""
+seed and prompts, as tests/test_distributed.py checks single-turn runs. Both methods' 1-process
+runs share one process and their 2-process runs one launch (tests/dist_jobs.py), as there."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from test_distributed import GRPO_STEP, PPO_STEP, ROOT, _assert_equal_and_moved, _common, _env, _run
+from test_distributed import GRPO_STEP, PPO_STEP, ROOT, _assert_equal_and_moved, _common, _env, _run_jobs
 
 pytestmark = pytest.mark.slow
 
@@ -51,18 +52,28 @@ def stop_model(tmp_path_factory):
     return Path(out)
 
 
-@pytest.mark.parametrize("method, settings", [("ppo", PPO_STEP), ("grpo", GRPO_STEP)])
-def test_multiturn_two_processes_equal_one(method, settings, stop_model, arith_dir, tmp_path):
-    env = _env(tmp_path)
-    (tmp_path / "dist_env.py").write_text(ENV)
-    args = [method, "--config", str(ROOT / "configs" / f"{method}_debug.yaml"), *_common(stop_model, arith_dir),
-            "training.total_steps=1", 'dataset.prompt_template="{prompt}"', "dataset.use_chat_template=true",
-            "env.name=dist_env:Again", "env.max_turns=3", *settings]
-    _run([*args, f"training.output_dir={tmp_path / 'one'}"], env, 1)
-    _run([*args, f"training.output_dir={tmp_path / 'two'}"], env, 2, "ddp")
-    _assert_equal_and_moved(tmp_path / "one", tmp_path / "two", stop_model)
-    one = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
-    two = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+@pytest.fixture(scope="module")
+def runs(stop_model, arith_dir, tmp_path_factory):
+    """(the 1-process `Launch`, the 2-process one) of a PPO and a GRPO step, named by method."""
+    jobs = {method: [method, "--config", str(ROOT / "configs" / f"{method}_debug.yaml"),
+                     *_common(stop_model, arith_dir), "training.total_steps=1", 'dataset.prompt_template="{prompt}"',
+                     "dataset.use_chat_template=true", "env.name=dist_env:Again", "env.max_turns=3", *settings]
+            for method, settings in (("ppo", PPO_STEP), ("grpo", GRPO_STEP))}
+    out = []
+    for processes in (1, 2):
+        base = tmp_path_factory.mktemp(f"multiturn-{processes}")
+        env = _env(base)
+        (base / "dist_env.py").write_text(ENV)
+        out.append(_run_jobs(base, jobs, env, processes, "ddp"))
+    return tuple(out)
+
+
+@pytest.mark.parametrize("method", ["ppo", "grpo"])
+def test_multiturn_two_processes_equal_one(method, stop_model, runs):
+    one_dir, two_dir = runs[0].ok(method), runs[1].ok(method)
+    _assert_equal_and_moved(one_dir, two_dir, stop_model)
+    one = [json.loads(x) for x in (one_dir / "metrics.jsonl").read_text().splitlines()]
+    two = [json.loads(x) for x in (two_dir / "metrics.jsonl").read_text().splitlines()]
     # Episodes of different lengths: some went on past their first turn, not all reached 3.
     assert 1.0 < one[0]["episode/turns_mean"] < 3.0, one[0]["episode/turns_mean"]
     for key in ("rollout/reward_mean", "rollout/reward_std", "rollout/response_length", "episode/turns_mean",
