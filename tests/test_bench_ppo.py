@@ -40,8 +40,10 @@ def tiny_model(bench, tmp_path_factory):
 
 def test_rlhflab_only_run_prints_table_and_parsable_final_line(bench, tiny_model, tmp_path, capsys):
     raw = tmp_path / "raw.json"
+    # --peak-sizes 256: the MFU's matmul peak on tiny matrices (not checked here; the default
+    # 2048 and 4096 took most of this test's time on 2 cores)
     rc = bench.main(["--sides", "rlhflab", "--repeats", "2", "--warmup", "0", "--episodes", "4",
-                     "--response-length", "4", "--epochs", "1", "--threads", "1",
+                     "--response-length", "4", "--epochs", "1", "--threads", "1", "--peak-sizes", "256",
                      "--model-dir", str(tiny_model), "--json", str(raw)])
     assert rc == 0
     lines = capsys.readouterr().out.strip().splitlines()
