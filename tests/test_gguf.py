@@ -32,6 +32,17 @@ def tiny_imported(tiny_gguf, tmp_path_factory):
     return import_gguf(tiny_gguf, tmp_path_factory.mktemp("imported") / "tiny", quiet=True)
 
 
+def test_on_load_is_given_the_gguf_load_the_folder_is_written_from(tiny_gguf, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    seen = []
+    out = import_gguf(tiny_gguf, tmp_path / "tiny", quiet=True, on_load=lambda m, t: seen.append((m, t))).out_dir
+    ((loaded, loaded_tok),) = seen
+    want, got = loaded.state_dict(), AutoModelForCausalLM.from_pretrained(str(out)).state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert loaded_tok("7 + 5 =").input_ids == AutoTokenizer.from_pretrained(str(out))("7 + 5 =").input_ids
+
+
 def test_round_trip_logits_template_and_stop_ids(tiny_gguf, tiny_imported):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -36,7 +36,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from rlhflab.errors import UserError
 
@@ -170,8 +170,12 @@ def stop_ids_of(header: GGUFHeader) -> list[int]:
 
 
 def import_gguf(file: str | os.PathLike, out: str | os.PathLike, dtype: str = "float32",
-                quiet: bool = False) -> ImportResult:
-    """Write `file` (a .gguf) as a Hugging Face folder at `out`; see the module docstring."""
+                quiet: bool = False, on_load: Callable[[Any, Any], None] | None = None) -> ImportResult:
+    """Write `file` (a .gguf) as a Hugging Face folder at `out`; see the module docstring.
+
+    `on_load(model, tokenizer)`, when given, is called with transformers' own GGUF load
+    (float32) before the folder is built from it: a caller that compares the folder with
+    that load (tests/test_real_model.py) need not load the file a second time."""
     src = Path(file).expanduser().resolve()
     out = Path(out).expanduser()
     if dtype not in DTYPES:
@@ -194,6 +198,8 @@ def import_gguf(file: str | os.PathLike, out: str | os.PathLike, dtype: str = "f
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise UserError(f"{src}: transformers {transformers.__version__} could not load this GGUF file ({first}); "
                         f"convert the original model with save_pretrained instead") from None
+    if on_load is not None:
+        on_load(loaded, tok)
     if header.add_bos and tok.bos_token_id is not None and tok("a").input_ids[:1] != [tok.bos_token_id]:
         # transformers' GGUF tokenizer drops the file's add_bos_token; Gemma without its
         # BOS answers "The capital of France is" with " France. The The The ..."
