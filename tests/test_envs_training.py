@@ -6,8 +6,7 @@ outcome methods' episode return; `rlhflab grpo`/`ppo` from a YAML naming env and
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import os
 import textwrap
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from rlhflab.trainers.common import Timer
 from rlhflab.trainers.loop import build_run, outcome_scores
 
 from test_grpo_helpers import ROOT, debug_config, easy_task
-from test_vllm_backend import needs_vllm
+from test_vllm_backend import HAVE_VLLM, needs_vllm
 
 ONE_TURN_ENV = '''
 from rlhflab.envs import StepResult
@@ -213,35 +212,54 @@ def add(a: int, b: int) -> str:
 '''
 
 
+CLI_CASES = [("grpo", "hf"), ("ppo", "hf"), *((c, "vllm") for c in ("grpo", "ppo") if HAVE_VLLM or os.environ.get("CI"))]
+
+
+@pytest.fixture(scope="module")
+def cli_runs(chat_model, task_dir, tmp_path_factory):
+    """Every case of the test below as `rlhflab <command> --config run.yaml`, one after another
+    in one process (tests/dist_jobs.py: vLLM is imported once, not once per case), with no
+    PYTHONPATH. Each case has its own config folder with its env and tool modules beside
+    the YAML, named after the case, so that each run finds its own there."""
+    from test_distributed import _run_jobs
+
+    base = tmp_path_factory.mktemp("env-cli")
+    jobs = {}
+    for command, backend in CLI_CASES:
+        name = f"{command}_{backend}"
+        cfg_dir = base / f"cfg_{name}"
+        cfg_dir.mkdir()
+        (cfg_dir / f"my_env_{name}.py").write_text(ONE_TURN_ENV)
+        (cfg_dir / f"calc_tools_{name}.py").write_text(CALC_TOOL)
+        section = {"grpo": "grpo:\n  prompts_per_step: 2\n  group_size: 2\n  batch_size: 4\n  mini_batch_size: 4\n",
+                   "ppo": "ppo:\n  rollout_samples: 4\n  batch_size: 4\n  mini_batch_size: 4\n  epochs: 1\n"}[command]
+        (cfg_dir / "run.yaml").write_text(textwrap.dedent(f"""\
+            defaults: [{ROOT / 'configs' / f'{command}_debug.yaml'}]
+            model: {{name_or_path: {chat_model}}}
+            dataset: {{path: {task_dir / 'train.jsonl'}, eval_path: {task_dir / 'test.jsonl'}, prompt_template: "{{prompt}}",
+                       num_eval_samples: 4}}
+            generation: {{max_new_tokens: 8, backend: {backend}{", enforce_eager: true" if backend == "vllm" else ""}}}
+            env: {{name: my_env_{name}:TwoTurns, max_turns: 3, tools: [calc_tools_{name}:add], tool_format: plain,
+                   max_length: 200}}
+            training: {{output_dir: {base / name}, total_steps: 2, save_interval: 0, eval_interval: 2,
+                        num_threads: 1}}
+            logging: {{progress_bar: false, plots: false, doctor: false}}
+            """) + section)
+        jobs[name] = [command, "--config", str(cfg_dir / "run.yaml")]
+    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HOME": str(base)}
+    return _run_jobs(base, jobs, env, 1, cwd=base)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("command, backend", [("grpo", "hf"), ("ppo", "hf"),
                                               pytest.param("grpo", "vllm", marks=needs_vllm),
                                               pytest.param("ppo", "vllm", marks=needs_vllm)])
-def test_cli_trains_from_a_yaml_naming_env_and_tool(chat_model, task_dir, tmp_path, command, backend):
+def test_cli_trains_from_a_yaml_naming_env_and_tool(cli_runs, command, backend):
     """No PYTHONPATH: the env and the tool modules sit beside the config; hf and vLLM."""
-    cfg_dir = tmp_path / "cfg"
-    cfg_dir.mkdir()
-    (cfg_dir / "my_env.py").write_text(ONE_TURN_ENV)
-    (cfg_dir / "calc_tools.py").write_text(CALC_TOOL)
-    section = {"grpo": "grpo:\n  prompts_per_step: 2\n  group_size: 2\n  batch_size: 4\n  mini_batch_size: 4\n",
-               "ppo": "ppo:\n  rollout_samples: 4\n  batch_size: 4\n  mini_batch_size: 4\n  epochs: 1\n"}[command]
-    (cfg_dir / "run.yaml").write_text(textwrap.dedent(f"""\
-        defaults: [{ROOT / 'configs' / f'{command}_debug.yaml'}]
-        model: {{name_or_path: {chat_model}}}
-        dataset: {{path: {task_dir / 'train.jsonl'}, eval_path: {task_dir / 'test.jsonl'}, prompt_template: "{{prompt}}",
-                   num_eval_samples: 4}}
-        generation: {{max_new_tokens: 8, backend: {backend}{", enforce_eager: true" if backend == "vllm" else ""}}}
-        env: {{name: my_env:TwoTurns, max_turns: 3, tools: [calc_tools:add], tool_format: plain, max_length: 200}}
-        training: {{output_dir: {tmp_path / 'out'}, total_steps: 2, save_interval: 0, eval_interval: 2,
-                    num_threads: 1}}
-        logging: {{progress_bar: false, plots: false, doctor: false}}
-        """) + section)
-    res = subprocess.run([sys.executable, "-m", "rlhflab", command, "--config", str(cfg_dir / "run.yaml")],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                         env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)})
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "preflight: env my_env:TwoTurns" in res.stdout + res.stderr
-    rows = [json.loads(l) for l in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    name = f"{command}_{backend}"
+    out = cli_runs.ok(name)
+    assert f"preflight: env my_env_{name}:TwoTurns" in cli_runs.text(name, "out") + cli_runs.text(name, "err")
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if l.strip()]
     turns = [r["episode/turns_mean"] for r in rows if "episode/turns_mean" in r]
     # An untrained model mostly runs out of tokens mid-turn (which ends an episode), so the
     # turns lie between 1 and max_turns; every episode metric is logged at every step.
