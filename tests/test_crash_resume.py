@@ -49,11 +49,6 @@ def _start(args: list[str], log: Path) -> subprocess.Popen:
                                 stdout=fh, stderr=subprocess.STDOUT)
 
 
-def _run_to_end(args: list[str], log: Path) -> None:
-    proc = _start(args, log)
-    assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
-
-
 def _newest_step(out: Path) -> int:
     newest = latest_checkpoint(out)
     return int(newest.name[5:]) if newest is not None else 0
@@ -96,9 +91,14 @@ def _steady(rows: list[dict]) -> list[dict]:
 @pytest.mark.parametrize("method", ["ppo", "grpo"])
 def test_killed_and_resumed_run_equals_an_uninterrupted_one(method, tiny_model_dir, arith_dir, tmp_path):
     ref, crashed = tmp_path / "ref", tmp_path / "crashed"
-    _run_to_end(_args(method, tiny_model_dir, arith_dir, ref), tmp_path / "ref.log")
-    kills = _run_with_kills(_args(method, tiny_model_dir, arith_dir, crashed), crashed, tmp_path / "crashed.log",
-                            seed=0 if method == "ppo" else 1)
+    # The uninterrupted run goes on beside the killed ones (one thread each: the 2 cores of
+    # CI are both used); the two share nothing but the read-only model and task.
+    uninterrupted = _start(_args(method, tiny_model_dir, arith_dir, ref), tmp_path / "ref.log")
+    try:
+        kills = _run_with_kills(_args(method, tiny_model_dir, arith_dir, crashed), crashed,
+                                tmp_path / "crashed.log", seed=0 if method == "ppo" else 1)
+    finally:
+        assert uninterrupted.wait(timeout=600) == 0, (tmp_path / "ref.log").read_text()[-3000:]
     assert kills >= 1
     # The weights (and the value head, for PPO) are bit-identical.
     names = ["model.safetensors"] + (["value_head.safetensors"] if method == "ppo" else [])
