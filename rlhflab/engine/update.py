@@ -17,12 +17,12 @@ Exactness: every minibatch's loss is divided by the token (or sequence) count of
 whole accumulation group, so accumulation 1×8 equals 8×1 exactly. Under several
 processes the count is the global one (`engine.dist`), so N processes equal one.
 
-Memory: with a separate critic (`model.critic: separate`) the critic's forward and
-backward run first, then the policy's (`critic_pass`): the two models share no
-parameter, so the gradients are those of the summed loss, and only one model's
-activations are alive at a time. On a CPU the two passes run side by side instead, in
-two threads over two row halves of the minibatch (`engine.overlap`, `model.critic_overlap`):
-the same gradients, no more memory. Under a data-parallel wrapper (one forward and one
+Memory: with a separate critic (`model.critic: separate`) a minibatch takes two passes
+(`critic_and_policy`): the critic's forward and backward (`critic_pass`), then the
+policy's. The two models share no parameter, so the gradients are those of the summed
+loss, and only one model's activations are alive at a time. On a CPU the same two passes
+may run side by side instead, in two threads over two row halves of the minibatch
+(`engine.overlap`, `model.critic_overlap`): the same gradients, no more memory. Under a data-parallel wrapper (one forward and one
 backward per wrapped module) and in learner mode the two run in one pass.
 
 `PPOMath` is the plug-in learner mode uses to run the learner's own functions.
@@ -191,7 +191,7 @@ def critic_apart(actor, mb: MiniBatch, math_: PPOMath, dist: Dist) -> bool:
 def critic_pass(actor, mb: MiniBatch, sec, math_: PPOMath, normalizer: float):
     """The separate critic's forward, its clipped value loss (`math_.value_loss`) and the
     backward of vf_coeff times it; returns the value loss (its `loss` and `clip_frac`).
-    The caller runs the policy's pass after it, or beside it (`overlapped_passes`)."""
+    `critic_and_policy` runs the policy's pass after it, or beside it."""
     values = actor.critic(mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.attend_mask, mb.group_size,
                           mixed_precision=actor.mixed_precision)                      # (b, T)
     value = math_.value_loss(values, mb.old_values, mb.returns, mb.loss_mask, sec.value_clip,
@@ -209,35 +209,44 @@ def with_value(st: MinibatchStats, value, vf_coeff: float) -> MinibatchStats:
                                total=st.total + vf_coeff * part)
 
 
-def overlapped_passes(actor, mb: MiniBatch, sec, temperature: float, math_: PPOMath,
+def critic_and_policy(actor, mb: MiniBatch, sec, temperature: float, math_: PPOMath,
                       normalizer: float, dist: Dist) -> MinibatchStats:
-    """The critic's pass (`critic_pass`) and the policy's, side by side in two threads,
-    over each row half of `mb` in turn (`engine.overlap`); the minibatch's stats."""
+    """A minibatch with a separate critic: the critic's pass (`critic_pass`) and the
+    policy's, each with its own backward; the minibatch's stats. Where `engine.overlap`
+    applies (a CPU, `model.critic_overlap`), the two run side by side in two threads over
+    each row half in turn; otherwise the critic's runs first on the whole minibatch, so its
+    activations are freed before the policy's pass. The same gradients either way."""
+    together = overlap.applies(actor, mb)
     parts = []
-    for half in overlap.split_rows(mb):
-        def policy_side(half=half) -> MinibatchStats:
-            loss, st = minibatch_loss(actor, half, sec, temperature, math_, normalizer, critic_elsewhere=True)
+    for part in (overlap.split_rows(mb) if together else [mb]):
+        def policy_side(part=part) -> MinibatchStats:
+            loss, st = minibatch_loss(actor, part, sec, temperature, math_, normalizer, critic_elsewhere=True)
             _check_finite(loss, st, dist)
             dist.backward(loss * dist.scale)
             return st
 
-        st, value = overlap.side_by_side(policy_side, lambda half=half: critic_pass(actor, half, sec, math_,
-                                                                                   normalizer))
-        parts.append((with_value(st, value, sec.vf_coeff), float(half.loss_mask.sum())))
-    return merge_stats(parts)
+        def critic_side(part=part):
+            return critic_pass(actor, part, sec, math_, normalizer)
+
+        if together:
+            st, value = overlap.side_by_side(policy_side, critic_side)
+        else:
+            value = critic_side()
+            st = policy_side()
+        parts.append((with_value(st, value, sec.vf_coeff), float(part.loss_mask.sum())))
+    return parts[0][0] if len(parts) == 1 else merge_stats(parts)
 
 
 def minibatch_loss(actor, mb: MiniBatch, sec, temperature: float, math_: PPOMath,
-                   normalizer: float, value=None, critic_elsewhere: bool = False) -> tuple[Tensor, MinibatchStats]:
+                   normalizer: float, critic_elsewhere: bool = False) -> tuple[Tensor, MinibatchStats]:
     """The loss of one minibatch (see the module docstring) and its stats. `actor` may be
     wrapped for data parallelism: its forward is called, so the wrapper sees it.
 
-    `value`: the separate critic's value loss when `critic_pass` already ran (and its
-    backward): the forward then skips the critic, the returned loss is the policy's part
-    and the stats count both. `critic_elsewhere`: the critic's pass runs elsewhere (beside
-    this one); the forward skips it and the stats leave its part at 0 (`with_value` adds it).
+    `critic_elsewhere`: a separate critic's pass runs on its own (`critic_and_policy`): the
+    forward skips it, the loss is the policy's part and the stats leave the value at 0
+    (`with_value` adds it).
     """
-    with_values = (value is None and not critic_elsewhere and mb.returns is not None
+    with_values = (not critic_elsewhere and mb.returns is not None
                    and getattr(inner(actor), "has_values", False))
     kw = {"lm_batch": mb.lm_batch} if mb.lm_batch is not None else {}
     out = actor(mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.attend_mask, mb.group_size,
@@ -261,8 +270,6 @@ def minibatch_loss(actor, mb: MiniBatch, sec, temperature: float, math_: PPOMath
                            float(t.clip_frac), float(t.value_clip_frac), float(t.approx_kl),
                            float(t.clip_frac_low), float(t.clip_frac_high), float(t.kl), ptx=ptx,
                            kl_seq_sum=float(t.kl_seq_sum), gap_sum=gap_sum, gap_tokens=gap_tokens)
-    if value is not None:  # the critic's part, already backpropagated by the caller
-        stats = with_value(stats, value, sec.vf_coeff)
     return total, stats
 
 
@@ -293,13 +300,10 @@ def update_group(actor, minibatches: list[MiniBatch], optimizer, params: list, s
         if ptx is not None:
             mb.lm_batch, mb.lm_weight = next(ptx), 1.0 / (len(minibatches) * dist.world_size)
         with dist.accumulating(actor, last=i == len(minibatches) - 1):
-            apart = critic_apart(actor, mb, math_, dist)
-            if apart and overlap.applies(actor, mb):  # the two passes side by side (CPU)
-                st = overlapped_passes(actor, mb, sec, temperature, math_, normalizer, dist)
+            if critic_apart(actor, mb, math_, dist):  # a separate critic: its pass and the policy's
+                st = critic_and_policy(actor, mb, sec, temperature, math_, normalizer, dist)
             else:
-                # its activations are freed before the policy's pass
-                extra = {"value": critic_pass(actor, mb, sec, math_, normalizer)} if apart else {}
-                loss, st = step_fn(actor, mb, sec, temperature, math_, normalizer, **extra)
+                loss, st = step_fn(actor, mb, sec, temperature, math_, normalizer)
                 _check_finite(loss, st, dist)
                 dist.backward(loss * dist.scale)
         stats.append(st)
