@@ -91,43 +91,57 @@ def test_format_eval_names_what_it_shows():
 # ----------------------------------------------------------------- a trainer run, end to end
 
 RUN = """
+import json
 import sys
 from rlhflab.cli import main
-rc = main(sys.argv[1:])
-print("deepspeed imported:", "deepspeed" in sys.modules)
-sys.exit(rc)
+# argv[1:]: one command; or --each JSON: several, one after another in this process
+for argv in (json.loads(sys.argv[2]) if sys.argv[1:2] == ["--each"] else [sys.argv[1:]]):
+    rc = main(argv)
+    print("deepspeed imported:", "deepspeed" in sys.modules, flush=True)
+    print("=== the run ended", flush=True)
+    if rc:
+        sys.exit(rc)
 """
 STEP0 = re.compile(r"^eval at step 0 \(before training\): .* over 4 held-out prompts, greedy "
                    r"\(all samples: (\S+)\); the first 2:$", re.MULTILINE)
 
 
-def _ppo(model: Path, data: Path, out: Path, seed: int) -> tuple[str, list[tuple[str, str]]]:
-    args = ["ppo", "--config", str(DEBUG_CONFIG), *small_overrides(model, data, out), "training.total_steps=1",
-            "training.eval_interval=1", "dataset.num_eval_samples=4", f"training.seed={seed}"]
-    done = _python(RUN, *args)
+def _ppo_runs(model: Path, data: Path, outs_and_seeds: list[tuple[Path, int]]) -> tuple[str, list]:
+    """PPO runs one after another in one fresh process: (all it printed, each run's step-0
+    samples as shown, checked against the ones it saved)."""
+    runs = [["ppo", "--config", str(DEBUG_CONFIG), *small_overrides(model, data, out), "training.total_steps=1",
+             "training.eval_interval=1", "dataset.num_eval_samples=4", f"training.seed={seed}"]
+            for out, seed in outs_and_seeds]
+    done = _python(RUN, "--each", json.dumps(runs))
     text = done.stdout + done.stderr
     assert done.returncode == 0, text[-3000:]
-    m = STEP0.search(done.stdout)
-    assert m, done.stdout
-    lines = done.stdout[m.end():].lstrip("\n").splitlines()[:4]
-    shown = [(ast.literal_eval(lines[i].strip()), ast.literal_eval(lines[i + 1].split("->", 1)[1].split("  score")[0]))
-             for i in (0, 2)]
-    saved = [json.loads(line) for line in Path(m.group(1)).read_text().splitlines()]
-    assert len(saved) == 4 and shown == [(s["prompt"], s["response"]) for s in saved[:2]]
-    return text, shown
+    printed = done.stdout.split("=== the run ended")[:-1]
+    assert len(printed) == len(runs), done.stdout[-3000:]
+    shown_per_run = []
+    for stdout in printed:
+        m = STEP0.search(stdout)
+        assert m, stdout
+        lines = stdout[m.end():].lstrip("\n").splitlines()[:4]
+        shown = [(ast.literal_eval(lines[i].strip()),
+                  ast.literal_eval(lines[i + 1].split("->", 1)[1].split("  score")[0])) for i in (0, 2)]
+        saved = [json.loads(line) for line in Path(m.group(1)).read_text().splitlines()]
+        assert len(saved) == 4 and shown == [(s["prompt"], s["response"]) for s in saved[:2]]
+        shown_per_run.append(shown)
+    return text, shown_per_run
 
 
 @pytest.mark.slow
 def test_a_trainer_run_is_quiet_and_its_step0_samples_are_the_greedy_held_out_ones(tiny_model_dir, arith_dir,
                                                                                    tmp_path):
-    text, shown = _ppo(tiny_model_dir, arith_dir, tmp_path / "seed0", seed=0)
+    # Two runs in one process (seed 0, then seed 1): the first starts fresh, so whatever a
+    # library prints on its first import or load is in the text checked below.
+    text, (shown, again) = _ppo_runs(tiny_model_dir, arith_dir, [(tmp_path / "seed0", 0), (tmp_path / "seed1", 1)])
     assert not NOISE.search(text), NOISE.search(text).group(0) + "\n" + text[-3000:]
-    assert "deepspeed imported: False" in text
+    assert "deepspeed imported: True" not in text and "deepspeed imported: False" in text
     # the samples shown are the first held-out rows
     held_out = [json.loads(line)["question"] for line in (arith_dir / "test.jsonl").read_text().splitlines()[:2]]
     assert all(q in prompt for q, (prompt, _) in zip(held_out, shown, strict=True))
     # greedy: another seed (which draws every sampled token differently) shows the same responses
-    _, again = _ppo(tiny_model_dir, arith_dir, tmp_path / "seed1", seed=1)
     assert again == shown
 
 
