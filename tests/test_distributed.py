@@ -109,6 +109,21 @@ def _run_jobs(base: Path, jobs: dict[str, list[str]], env: dict, processes: int,
     return Launch(base, processes)
 
 
+def _once(run) -> Launch | str:
+    """`run()`, or the failure it ended in: a launch that failed is not started again by
+    each test that asks for it."""
+    try:
+        return run()
+    except (AssertionError, subprocess.TimeoutExpired) as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _result(done: Launch | str) -> Launch:
+    if isinstance(done, str):
+        pytest.fail(done, pytrace=False)
+    return done
+
+
 @pytest.fixture(scope="module")
 def cases(tiny_model_dir, arith_dir, arith_pairs) -> dict[str, tuple[list[str], tuple[str, ...]]]:
     """name -> (the rlhflab argv without its output folder, the strategies it runs under)."""
@@ -177,8 +192,8 @@ def launched(cases, tmp_path_factory):
             base = tmp_path_factory.mktemp(f"two-{strategy}")
             jobs = {n: argv for n, (argv, where) in sorted(cases.items(), key=lambda c: not c[0].endswith("_refused"))
                     if strategy in where}
-            done[strategy] = _run_jobs(base, jobs, _env(base), 2, strategy)
-        return done[strategy]
+            done[strategy] = _once(lambda: _run_jobs(base, jobs, _env(base), 2, strategy))
+        return _result(done[strategy])
 
     return get
 
@@ -210,9 +225,9 @@ def resumed(cases, launched, tmp_path_factory):
                 jobs = {f"{s}_under_ddp": from_ckpt(s) for s in E2E_STRATEGIES if strategy == "ddp" and s != "ddp"}
                 jobs["resume"] = from_ckpt(strategy)
             base = tmp_path_factory.mktemp(f"resumed-{strategy}")
-            done[strategy] = _run_jobs(base, jobs, _env(base), 1 if strategy == "one" else 2,
-                                       "ddp" if strategy == "one" else strategy)
-        return done[strategy]
+            done[strategy] = _once(lambda: _run_jobs(base, jobs, _env(base), 1 if strategy == "one" else 2,
+                                                     "ddp" if strategy == "one" else strategy))
+        return _result(done[strategy])
 
     return get
 
@@ -237,7 +252,8 @@ def _assert_equal_and_moved(one: Path, two: Path, start: Path) -> None:
     assert a.keys() == b.keys()
     gap = max(float((a[k] - b[k]).abs().max()) for k in a)
     moved = max(float((a[k] - s[k]).abs().max()) for k in s)
-    print(f"{two.name}: 1 process vs 2 processes differ by {gap:.2e} where training moved the weights {moved:.2e}")
+    print(f"{two.parent.name}/{two.name}: 1 process vs 2 processes differ by {gap:.2e} where training moved the "
+          f"weights {moved:.2e}")
     assert gap <= 1e-5, f"1 process and 2 processes differ by {gap}"
     assert moved > 20 * max(gap, 1e-6), f"training moved the weights by only {moved}"
     assert "value_head.summary.weight" not in a or (one / "final" / "value_head.safetensors").exists()
