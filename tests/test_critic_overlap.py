@@ -30,7 +30,7 @@ def two_threads():
 
 @pytest.fixture(scope="module")
 def critic_run(tmp_path_factory, tiny_model_dir, arith_dir):
-    """A separate-critic PPO run (critic_overlap on, the default), its rollout and one
+    """A separate-critic PPO run (critic_overlap off, the default), its rollout and one
     16-row minibatch of it."""
     from conftest import DEBUG_CONFIG, small_overrides
 
@@ -211,13 +211,19 @@ def test_applies_only_where_it_can_help(critic_run, two_threads):
     assert not overlap.applies(actor, mb)
 
 
-def test_ppo_with_a_separate_critic_on_two_threads_runs_the_overlap(ppo_cfg, monkeypatch):
-    """The trainer end to end (2 steps, 2 threads): every update minibatch takes the
-    side-by-side path, and the run's metrics are those of a working update."""
+def test_ppo_with_a_separate_critic_on_two_threads_runs_the_overlap(ppo_cfg, monkeypatch, tmp_path):
+    """The trainer end to end (2 steps, 2 threads, `model.critic_overlap=true`): every update
+    minibatch takes the side-by-side path, and the run's metrics are those of a working
+    update; with the default (off) none does."""
     calls = []
     real = overlap.side_by_side
     monkeypatch.setattr(overlap, "side_by_side", lambda a, b: calls.append(1) or real(a, b))
-    cfg = ppo_cfg("model.critic=separate", "training.num_threads=2", "training.total_steps=2", "ppo.epochs=2")
+    off = ppo_cfg("model.critic=separate", "training.num_threads=2", "training.total_steps=1", "ppo.epochs=1",
+                  out_dir=tmp_path / "off")
+    ppo.train(off, quiet=True)
+    assert calls == []  # opt-in: the default runs the two passes one after the other
+    cfg = ppo_cfg("model.critic=separate", "model.critic_overlap=true", "training.num_threads=2",
+                  "training.total_steps=2", "ppo.epochs=2")
     res = ppo.train(cfg, quiet=True)
     rows = [json.loads(line) for line in (res.output_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "loss/value" in r]

@@ -67,11 +67,13 @@ class ModelConfig:
     gradient_checkpointing: bool = f(False, "recompute activations in backward to save memory")
     lean_mlp: bool = f(True, "gated MLPs (Llama, Qwen2, Mistral, Gemma) keep 2 of their 4 intermediate tensors for "
                              "backward and recompute the rest: the same function, less memory (rlhflab/models/lean.py)")
-    lean_norm: bool = f(True, "RMSNorms keep one (N, H) tensor for backward instead of two and run a hand-written "
-                              "backward: the same output, fewer operators (rlhflab/models/lean.py)")
+    lean_norm: bool = f(False, "on a CPU, RMSNorms keep one (N, H) tensor for backward instead of two and run a "
+                               "hand-written backward: the same output; opt-in, as it saved no time or memory on "
+                               "SmolLM2 (docs/cpu_matmul.md; rlhflab/models/lean.py)")
     cpu_matmul: Literal["auto", "onednn", "torch"] = f(
-        "auto", "float32 linear layers on a CPU: onednn (PyTorch's oneDNN), torch (its MKL), or auto: onednn on "
-                 "non-Intel CPUs with AVX-512, where MKL runs half-width kernels (rlhflab/models/cpu_matmul.py)")
+        "torch", "float32 linear layers on a CPU: torch (its MKL, what every PyTorch program runs), onednn "
+                 "(PyTorch's oneDNN; opt-in: 5-12% slower on SmolLM2 on an Intel Xeon, docs/cpu_matmul.md), or "
+                 "auto: onednn on non-Intel CPUs with AVX-512, where MKL runs half-width kernels")
     critic: Literal["value_head", "separate"] = f(
         "value_head", "value_head: one head on the shared base; separate: a critic model of its own")
     critic_name_or_path: Optional[str] = f(None, "base of a separate critic; null means the policy's base")
@@ -81,9 +83,10 @@ class ModelConfig:
     value_head_init_std: float = f(1e-2, "std of the value head's normal init (TRL: v_head_initializer_range)", gt=0)
     value_head_dropout: float = f(0.0, "dropout on the hidden state before the value head's linear layer, in the "
                                        "update's passes only (TRL: summary_dropout_prob)", ge=0, lt=1)
-    critic_overlap: bool = f(True, "a separate critic on a CPU (one process, 2+ threads): its pass and the policy's "
-                                   "run side by side in two threads over two row halves of each minibatch; the "
-                                   "same gradients, no more memory (rlhflab/engine/overlap.py)")
+    critic_overlap: bool = f(False, "a separate critic on a CPU (one process, 2+ threads): its pass and the policy's "
+                                    "run side by side in two threads over two row halves of each minibatch; the "
+                                    "same gradients; opt-in, as it saved under 10% of a SmolLM2 PPO step "
+                                    "(docs/cpu_matmul.md; rlhflab/engine/overlap.py)")
     reference: Literal["copy", "lora_disabled", "none"] = f(
         "copy", "frozen copy, the same weights with the LoRA adapter off, or none (no KL)")
     load_in_4bit: bool = f(False, "QLoRA: load the base weights in 4 bits (bitsandbytes NF4, double quantisation, "

@@ -20,13 +20,13 @@ linears) and does nothing else, and `apply` changes nothing: no module is swappe
 thread is started. `model.lean_mlp` (half the MLP's saved activations on any device) is a
 model option, not part of this seam (`models.lean.make_lean`).
 
-The defaults (`model.cpu_matmul: auto`, `lean_norm: true`, `critic_overlap: true`) were set
-from the tiny model's measurements; each trick's docstring holds its figure. The rule now is
-that a trick stays on by default only where it saves at least 10% of a real model's step
-time or memory on a CPU (bench/cpu_tricks.py on SmolLM2-135M-Instruct; docs/cpu_matmul.md,
-"Each CPU trick on a real model"): the critic's worker thread does (a step in 0.775 of the time
-it takes without), the lean RMSNorm does on memory (11% less peak resident set in a GRPO
-step); oneDNN linears and `mallopt` are not yet measured there.
+Which tricks are on by default is decided by one rule: a trick stays on only where it
+saves at least 10% of a real model's step time or memory on a CPU (bench/cpu_tricks.py on
+SmolLM2-135M-Instruct's PPO and GRPO steps; the tables are in docs/cpu_matmul.md, "Each
+CPU trick on a real model"). oneDNN linears (`model.cpu_matmul: onednn`, 5-12% slower
+there) and the lean RMSNorm (`model.lean_norm: true`, no gain) are opt-in; the defaults
+are `cpu_matmul: torch`, `lean_norm: false`; the critic's worker thread and `mallopt`
+are as that page says.
 
 Standard library only at import time: the CLI imports `apply_default_wait` before torch.
 """
@@ -69,7 +69,7 @@ def setup_process(device, model_cfg=None) -> str:
     if not on_cpu(device):
         return set_matmul("torch")  # the plain library path; FastLinear is never used
     try:
-        mode = set_matmul(getattr(model_cfg, "cpu_matmul", "auto"))
+        mode = set_matmul(getattr(model_cfg, "cpu_matmul", "torch"))
     except ValueError as exc:
         raise UserError(str(exc)) from None
     map_large_allocations(device)
@@ -87,9 +87,9 @@ def set_matmul(mode: str) -> str:
 
 
 def matmul_library() -> str:
-    """The float32 linear library in use: "onednn" or "torch" (`auto` resolved when no run
-    chose one yet); train_result.json records it."""
-    return _matmul if _matmul is not None else set_matmul("auto")
+    """The float32 linear library in use: "onednn" or "torch" (torch's own when no run chose
+    one yet); train_result.json records it."""
+    return _matmul if _matmul is not None else set_matmul("torch")
 
 
 def apply(module, model_cfg, device, *, trained: bool = True) -> Applied:
