@@ -237,20 +237,50 @@ def during(r: dict) -> str:
 
 def recipes_table(rec: dict) -> str:
     """docs/real_models.md: every recorded SmolLM2 recipe run, one row each (held-out greedy
-    accuracy before and after, training time as run and the conditions it ran under)."""
-    lines = ["| recipe | seed | steps | held-out accuracy | gain | during the run | s/step as run | threads | load "
-             "| overrides |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    accuracy before and after, training time as run and the conditions it ran under; a
+    row's `note` says how its settings differ from the config as it is now)."""
+    lines = ["| recipe | seed | steps | held-out accuracy | gain | during the run | train min | s/step | threads "
+             "| load | overrides |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rec["runs"]:
         over = " ".join(o for o in r["overrides"] if not o.startswith("training.output_dir=")) or "-"
+        if r.get("note"):
+            over = f"{over} ({r['note']})" if over != "-" else r["note"]
         lines.append(f"| {r['recipe']} | {r['seed']} | {r['steps']} | {100 * r['before']:.1f}% → "
                      f"{100 * r['after']:.1f}% ({r['n_eval']} rows) | {100 * (r['after'] - r['before']):+.1f} | "
-                     f"{during(r)} | "
+                     f"{during(r)} | {r['train_minutes']:.1f} | "
                      f"{r['s_per_step']:.0f} | {r.get('threads', '?')} | {r['load']:.1f} | {over} |")
     return "\n".join(lines) + f"\n\n{rec['machine']}, {rec['date']}; rows from `{rec['script']}` ({rec['command']})."
 
 
+def shipped_runs(rec: dict, recipe: str) -> list[dict]:
+    """The runs of `recipe` at its shipped config: every held-out row, no `note` (a note says how a
+    run's settings differ from the config as it is now)."""
+    return [r for r in rec["runs"] if r["recipe"] == recipe and not r.get("note") and r["n_eval"] >= 200]
+
+
+def recipes_summary(rec: dict) -> str:
+    """README.md: what the shipped GRPO and PPO recipes did to SmolLM2 on this CPU. The
+    training minutes come from the runs that had both cores (threads 2); runs made two at a
+    time on one thread each count for their accuracy only."""
+    names = {"grpo": "GRPO", "ppo": "PPO with a value head"}
+    parts = []
+    for recipe, name in names.items():
+        runs = sorted(shipped_runs(rec, recipe), key=lambda r: r["seed"])
+        if not runs:
+            continue
+        gains = ", ".join(f"{100 * (r['after'] - r['before']):+.1f} (seed {r['seed']})" for r in runs)
+        timed = [r["train_minutes"] for r in runs if r.get("threads") == 2]
+        minutes = f", {span(timed, '{:.1f}')} minutes of training on both cores" if timed else ""
+        parts.append(f"{name}, {runs[0]['steps']} steps{minutes}: held-out greedy accuracy "
+                     f"{pct_span([r['before'] for r in runs])} → {pct_span([r['after'] for r in runs])}, "
+                     f"{gains} points")
+    return (f"On a {rec['machine']} ({rec['date']}; `{rec['script']}`), SmolLM2-135M-Instruct on the easy "
+            f"word problems: " + "; ".join(parts) + ".")
+
+
 VIEWS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "real-model-recipes": ("real_model_recipes", recipes_table),
+    "real-model-summary": ("real_model_recipes", recipes_summary),
     "quickstart-output": ("quickstart", quickstart_output),
     "quickstart-summary": ("quickstart", quickstart_summary),
     "quickstart-table": ("quickstart", quickstart_table),

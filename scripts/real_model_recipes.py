@@ -170,7 +170,7 @@ def run_one(recipe: str, seed: int, overrides: list[str], out: Path, threads: in
            "last_hit_limit_frac": last.get("rollout/hit_limit_frac"), "last_kl_to_ref": last.get("params/kl_to_ref"),
            "reward_first_steps": [round(h["rollout/reward_mean"], 3) for h in res.history[:3]],
            "reward_last_steps": [round(h["rollout/reward_mean"], 3) for h in res.history[-3:]],
-           "n_eval": end["n"], "threads": threads}
+           "n_eval": end["n"], "threads": threads, "run_dir": str(Path(cfg.training.output_dir))}
     with (out / "results.jsonl").open("a") as fh:
         fh.write(json.dumps(row) + "\n")
     return row
@@ -188,7 +188,7 @@ def record(results: Path, row: dict, command: str) -> None:
         "command": "scripts/real_model_recipes.py --recipe RECIPE --seed SEED --results " + str(results),
         "machine": machine_name(), "date": datetime.date.today().isoformat(), "runs": []}
     out = [o.split("=", 1)[1] for o in row["overrides"] if o.startswith("training.output_dir=")]
-    run_dir = Path(out[-1]) if out else None
+    run_dir = Path(row["run_dir"]) if row.get("run_dir") else Path(out[-1]) if out else None
     if "threads" not in row and run_dir is not None and (run_dir / "effective_config.yaml").is_file():
         import yaml  # a row written before rows kept it: the run folder's effective config has it
 
