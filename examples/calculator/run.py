@@ -3,7 +3,7 @@ tool-use demonstrations, then RL with `rlhflab grpo` (or ppo) from the YAML besi
 script, which names the tool; held-out accuracy with the tool beside a model trained to
 answer without it.
 
-    python examples/calculator/run.py                  # everything (about 15 minutes on a 2-core CPU)
+    python examples/calculator/run.py                  # everything (a few minutes on one CPU core)
     python examples/calculator/run.py --method ppo     # RL with PPO instead of GRPO
 
 Outputs go to outputs/examples/calculator/. The printed table is what
@@ -33,23 +33,36 @@ from rlhflab.envs.demos import demonstration_episodes, greedy_episodes, sft_on_e
 
 OUT = ROOT / "outputs" / "examples" / "calculator"
 KINDS = ("add", "sub", "mul", "div")  # one-step problems: one call answers them
-SKIP_RATE = 0.4  # the sloppy demonstrator: this share of its demonstrations answers without the tool, off by one
+LEVEL = "easy"        # operands to 20 (wordproblems.LEVELS): short numbers the tiny model learns to copy
+SKIP_RATE = 0.7       # the demonstrator answers this share of its products and quotients in its head, off by one,
+SKIP_KINDS = ("mul", "div")  # without the tool; sums and differences it always works out with the calculator
+MAX_TURNS, MAX_NEW_TOKENS = 3, 24
+TOOLS = ["calc_tools:calculator"]
+
+# ChatML that lists the tools in one short system line ("Tools: calculator(expression)"),
+# as the tool templates of real chat models render them. Without it the tokenizer has no
+# tool template, and rlhflab puts its generic tools message (about 150 tokens with this
+# 512-token tokenizer) in front of every episode; the tiny model learns far slower then.
+TOOLS_LINE = ("{%- if tools %}{{- '<|im_start|>system\\nTools:' }}{%- for tool in tools %}"
+              "{{- ' ' + tool['function']['name'] + '(' + (tool['function']['parameters']['properties'] | list "
+              "| join(', ')) + ')' }}{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}")
 
 
 def expression(row: dict) -> str:
     return row["answer"].split("=")[0].strip()  # "7 x 12 = 84\n#### 84" -> "7 x 12"
 
 
-def make_data(n_train: int, n_test: int) -> tuple[list[dict], list[dict]]:
+def make_data(n_train: int, n_test: int, level: str = LEVEL) -> tuple[list[dict], list[dict]]:
     keep = lambda r: r["kind"] in KINDS  # noqa: E731
-    test = [r for r in wordproblems.make_split(4 * n_test, 1) if keep(r)][:n_test]
-    train = [r for r in wordproblems.make_split(4 * n_train, 0, exclude={r["question"] for r in test}) if keep(r)]
+    test = [r for r in wordproblems.make_split(4 * n_test, 1, level=level) if keep(r)][:n_test]
+    train = [r for r in wordproblems.make_split(4 * n_train, 0, exclude={r["question"] for r in test}, level=level)
+             if keep(r)]
     return train[:n_train], test
 
 
 def tool_reply(row: dict, messages: list[dict]) -> str:
-    """The demonstrator: call the calculator, then give its result (or, SKIP_RATE of the
-    time, answer at once, off by one)."""
+    """The demonstrator: call the calculator, then give its result (or, on the rows marked
+    `_skip`, answer at once, off by one)."""
     if row.get("_skip"):
         return f"The answer is {row['result'] + 1}."
     if messages[-1]["role"] != "tool":
@@ -62,12 +75,47 @@ def direct_reply(row: dict, messages: list[dict]) -> str:
     return f"{expression(row)} = {row['result']}. The answer is {row['result']}."
 
 
+def env_config(tools: bool) -> EnvConfig:
+    return EnvConfig(tools=TOOLS if tools else [], tool_format="plain", max_turns=MAX_TURNS, plugin_dir=str(HERE))
+
+
+def make_base(out: Path, train: list[dict], seed: int) -> Path:
+    """The tiny ChatML model (1.12M parameters), its BPE trained on the task's text, and a
+    chat template that lists the tools in one line."""
+    from transformers import AutoTokenizer
+
+    from rlhflab.models.tiny import CHAT_TEMPLATES, make_tiny_model
+
+    corpus = [r["question"] for r in train] + [tool_reply(r, [{"role": "user"}]) for r in train[:200]]
+    base = make_tiny_model(out, hidden_size=128, num_layers=4, num_heads=4, vocab_size=512, max_positions=320,
+                           seed=seed, corpus=corpus, chat_template="chatml")
+    tok = AutoTokenizer.from_pretrained(str(base))
+    tok.chat_template = TOOLS_LINE + CHAT_TEMPLATES["chatml"]["template"]
+    tok.save_pretrained(str(base))
+    return base
+
+
+def demonstrations(rows: list[dict], seed: int, skip_rate: float, skip_kinds=SKIP_KINDS) -> list[dict]:
+    rng = random.Random(seed)
+    return [dict(r, prompt=r["question"], _skip=r["kind"] in skip_kinds and rng.random() < skip_rate) for r in rows]
+
+
+def sft(base: Path, demo_rows: list[dict], tools: bool, steps: int, seed: int, log=None):
+    """The base model after `steps` SFT steps on the demonstrations (with the tool or without)."""
+    from rlhflab.models.load import load_model
+
+    model, tok = load_model(str(base))
+    eps = demonstration_episodes(setup_episodes(env_config(tools), tok), demo_rows,
+                                 tool_reply if tools else direct_reply, max_turns=MAX_TURNS)
+    sft_on_episodes(model, eps, tok.pad_token_id, steps=steps, batch_size=32, lr=3e-3, seed=seed, log=log)
+    return model, tok
+
+
 def evaluate(model, tok, rows, tools: bool) -> dict:
-    cfg = EnvConfig(tools=["calc_tools:calculator"] if tools else [], tool_format="plain", max_turns=3,
-                    plugin_dir=str(HERE))
-    setup = setup_episodes(cfg, tok)
-    eps = greedy_episodes(model, setup, [dict(r, prompt=r["question"]) for r in rows], max_turns=3,
-                          max_new_tokens=24, stop_ids=[tok.eos_token_id])
+    """Greedy held-out episodes: accuracy of the last reply, tool calls per episode, the
+    share of calls that failed, turns per episode."""
+    eps = greedy_episodes(model, setup_episodes(env_config(tools), tok), [dict(r, prompt=r["question"]) for r in rows],
+                          max_turns=MAX_TURNS, max_new_tokens=MAX_NEW_TOKENS, stop_ids=[tok.eos_token_id])
     finals = [[m["content"] for m in e.messages if m["role"] == "assistant"][-1] for e in eps]
     acc = sum(wordproblems.correct("", f, r) for f, r in zip(finals, rows)) / len(rows)
     calls = sum(e.tool_calls for e in eps)
@@ -79,77 +127,76 @@ def main() -> int:
     global OUT
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--method", choices=["grpo", "ppo"], default="grpo")
-    ap.add_argument("--sft-steps", type=int, default=400)
-    ap.add_argument("--rl-steps", type=int, default=20)
+    ap.add_argument("--level", choices=list(wordproblems.LEVELS), default=LEVEL,
+                    help="number sizes (default: %(default)s)")
+    ap.add_argument("--sft-steps", type=int, default=300)
+    ap.add_argument("--rl-steps", type=int, default=30, help="RL steps (0: the SFT models only)")
     ap.add_argument("--rl-lr", type=float, default=None, help="the RL learning rate (default: the YAML's)")
     ap.add_argument("--skip-rate", type=float, default=SKIP_RATE,
                     help="share of demonstrations that answer without the tool, off by one (default: %(default)s)")
+    ap.add_argument("--skip-kinds", nargs="*", default=list(SKIP_KINDS), choices=KINDS,
+                    help="kinds of problem the demonstrator may skip the tool on (default: %(default)s)")
     ap.add_argument("--n-train", type=int, default=1500)
     ap.add_argument("--n-test", type=int, default=100)
-    ap.add_argument("--seed", type=int, default=0,
-                    help="seeds the model and the SFT; a non-zero seed also seeds the RL run (0: the YAML's)")
+    ap.add_argument("--seed", type=int, default=0, help="seeds the model, the demonstrations, the SFT and the RL run")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides for the RL run")
     ap.add_argument("--out", default=str(OUT), help="output folder (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-direct", action="store_true", help="skip the SFT without a tool")
     ap.add_argument("--reuse-sft", action="store_true", help="load the SFT models a previous run saved")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     OUT = Path(args.out).resolve()
     t0 = time.time()
     from rlhflab.models.load import load_model
-    from rlhflab.models.tiny import make_tiny_model
 
-    train, test = make_data(args.n_train, args.n_test)
+    train, test = make_data(args.n_train, args.n_test, args.level)
     write_jsonl(train, OUT / "train.jsonl")
     write_jsonl(test, OUT / "test.jsonl")
-    rng = random.Random(args.seed)
-    demo_rows = [dict(r, prompt=r["question"], _skip=rng.random() < args.skip_rate) for r in train]
-    corpus = [r["question"] for r in train] + [tool_reply(r, [{"role": "user"}]) for r in train[:200]]
-    base = OUT / "base" if args.reuse_sft else make_tiny_model(
-        OUT / "base", hidden_size=128, num_layers=4, num_heads=4, vocab_size=512, max_positions=320,
-        seed=args.seed, corpus=corpus, chat_template="chatml")
+    demo_rows = demonstrations(train, args.seed, args.skip_rate, args.skip_kinds)
+    base = OUT / "base" if args.reuse_sft else make_base(OUT / "base", train, args.seed)
     results = {}
-    for name, tools, reply in (("sft_direct", False, direct_reply), ("sft_tool", True, tool_reply)):
+    for name, tools in (("sft_direct", False), ("sft_tool", True)):
+        if name == "sft_direct" and args.no_direct:
+            continue
         if args.reuse_sft and (OUT / name / "config.json").exists():
             model, tok = load_model(str(OUT / name))
-            results[name] = evaluate(model, tok, test, tools)
-            continue
-        model, tok = load_model(str(base))
-        cfg = EnvConfig(tools=["calc_tools:calculator"] if tools else [], tool_format="plain", max_turns=3,
-                        plugin_dir=str(HERE))
-        setup = setup_episodes(cfg, tok)
-        eps = demonstration_episodes(setup, demo_rows, reply, max_turns=3)
-        print(f"{name}: SFT on {len(eps)} demonstrations ({'with' if tools else 'without'} the tool)", flush=True)
-        sft_on_episodes(model, eps, tok.pad_token_id, steps=args.sft_steps, batch_size=32, lr=3e-3, seed=args.seed,
-                        log=print)
-        model.save_pretrained(OUT / name)
-        tok.save_pretrained(OUT / name)
+        else:
+            print(f"{name}: SFT on {len(demo_rows)} demonstrations ({'with' if tools else 'without'} the tool)",
+                  flush=True)
+            model, tok = sft(base, demo_rows, tools, args.sft_steps, args.seed, log=print)
+            model.save_pretrained(OUT / name)
+            tok.save_pretrained(OUT / name)
         results[name] = evaluate(model, tok, test, tools)
-    print(f"RL: rlhflab {args.method} --config examples/calculator/{args.method}.yaml ({args.rl_steps} steps)",
-          flush=True)
-    cmd = [sys.executable, "-m", "rlhflab", args.method, "--config", str(HERE / f"{args.method}.yaml"),
-           f"training.total_steps={args.rl_steps}", f"training.eval_interval={args.rl_steps}",
-           f"training.num_threads={args.threads}", "logging.progress_bar=false", "training.overwrite=true",
-           f"model.name_or_path={OUT / 'sft_tool'}", f"dataset.path={OUT / 'train.jsonl'}",
-           f"dataset.eval_path={OUT / 'test.jsonl'}", f"training.output_dir={OUT / args.method}"]
-    if args.seed:
-        cmd.append(f"training.seed={args.seed}")
-    cmd += args.set
-    if args.rl_lr is not None:
-        cmd.append(f"{args.method}.learning_rate={args.rl_lr}")
-    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    model, tok = load_model(str(OUT / args.method / "final"))
-    results["rl"] = evaluate(model, tok, test, True)
+        print(f"  {name}: {results[name]}", flush=True)
+    if args.rl_steps:
+        print(f"RL: rlhflab {args.method} --config examples/calculator/{args.method}.yaml ({args.rl_steps} steps)",
+              flush=True)
+        cmd = [sys.executable, "-m", "rlhflab", args.method, "--config", str(HERE / f"{args.method}.yaml"),
+               f"training.total_steps={args.rl_steps}", f"training.eval_interval={args.rl_steps}",
+               f"training.num_threads={args.threads}", "logging.progress_bar=false", "training.overwrite=true",
+               f"training.seed={args.seed}", f"model.name_or_path={OUT / 'sft_tool'}",
+               f"dataset.path={OUT / 'train.jsonl'}", f"dataset.eval_path={OUT / 'test.jsonl'}",
+               f"training.output_dir={OUT / args.method}"]
+        cmd += args.set
+        if args.rl_lr is not None:
+            cmd.append(f"{args.method}.learning_rate={args.rl_lr}")
+        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+        model, tok = load_model(str(OUT / args.method / "final"))
+        results["rl"] = evaluate(model, tok, test, True)
 
-    print(f"\ncalculator example: {len(test)} held-out word problems (add, subtract, multiply, divide), "
-          f"greedy, tiny ChatML model ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters)")
-    print(f"{'model':<48} {'accuracy':>8} {'calls/ep':>8} {'tool errors':>11} {'turns':>6}")
+    print(f"\ncalculator example: {len(test)} held-out word problems (add, subtract, multiply, divide; "
+          f"{args.level} level), greedy, tiny ChatML model ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
+          "parameters)")
+    print(f"{'model':<56} {'accuracy':>8} {'calls/ep':>8} {'tool errors':>11} {'turns':>6}")
+    skipped = " and ".join(args.skip_kinds)
     rows = [("SFT on worked answers, no tool", "sft_direct"),
-            (f"SFT on tool demonstrations ({args.skip_rate:.0%} skip the tool)", "sft_tool"),
+            (f"SFT on tool demonstrations ({args.skip_rate:.0%} of {skipped} skip it)", "sft_tool"),
             (f"  then {args.method.upper()}, {args.rl_steps} steps, with the tool", "rl")]
     for label, key in rows:
-        r = results[key]
-        print(f"{label:<48} {r['accuracy']:>8.0%} {r['calls']:>8.2f} {r['errors']:>11.0%} {r['turns']:>6.2f}")
+        if key in results:
+            r = results[key]
+            print(f"{label:<56} {r['accuracy']:>8.0%} {r['calls']:>8.2f} {r['errors']:>11.0%} {r['turns']:>6.2f}")
     print(f"({time.time() - t0:.0f} s)")
     results["args"] = vars(args)
     (OUT / "results.json").write_text(json.dumps(results, indent=1) + "\n")
