@@ -66,13 +66,42 @@ def counting_player(seed: int, halve: float):
     return reply
 
 
+def env_config() -> EnvConfig:
+    return EnvConfig(name="guess_env:GuessTheNumber", kwargs={"high": HIGH}, max_turns=MAX_TURNS, plugin_dir=str(HERE))
+
+
+def make_base(out: Path, seed: int) -> Path:
+    """The tiny ChatML model (1.12M parameters), its BPE trained on the game's phrases."""
+    from rlhflab.models.tiny import make_tiny_model
+
+    corpus = [f"I am thinking of a number from 1 to {HIGH}. Guess it.", "higher", "lower", "Say a number."] + \
+             [f"My guess is {i}." for i in range(1, HIGH + 1)]
+    return make_tiny_model(out, hidden_size=128, num_layers=4, num_heads=4, vocab_size=512, max_positions=320,
+                           seed=seed, corpus=corpus * 50, chat_template="chatml")
+
+
+def demonstrations(tok, rows: list[dict], seed: int, halve: float):
+    """The demonstrator's games (`counting_player`) as episodes, laid out as RL lays them out."""
+    return demonstration_episodes(setup_episodes(env_config(), tok), rows, counting_player(seed, halve),
+                                  max_turns=MAX_TURNS, env_kwargs={"high": HIGH})
+
+
 def measure(model, tok, rows) -> dict:
-    cfg = EnvConfig(name="guess_env:GuessTheNumber", kwargs={"high": HIGH}, max_turns=MAX_TURNS, plugin_dir=str(HERE))
-    eps = greedy_episodes(model, setup_episodes(cfg, tok), rows, max_turns=MAX_TURNS, max_new_tokens=8,
+    """Greedy games on `rows`: the share solved, mean turns of the solved games and of all,
+    the mean return."""
+    eps = greedy_episodes(model, setup_episodes(env_config(), tok), rows, max_turns=MAX_TURNS, max_new_tokens=8,
                           stop_ids=[tok.eos_token_id], env_kwargs={"high": HIGH})
     solved = [e for e in eps if e.done and e.turn_rewards and e.turn_rewards[-1] == 1.0]
     return {"solved": len(solved) / len(eps), "turns_solved": sum(e.num_turns for e in solved) / max(len(solved), 1),
             "turns": sum(e.num_turns for e in eps) / len(eps), "return": sum(e.total_reward for e in eps) / len(eps)}
+
+
+def rl_overrides(out: Path, steps: int, threads: int, seed: int) -> list[str]:
+    """The RL run's settings beyond grpo.yaml: the SFT model, the games and the output folder under `out`."""
+    return [f"training.total_steps={steps}", f"training.num_threads={threads}", "logging.progress_bar=false",
+            "training.overwrite=true", f"training.seed={seed}", f"model.name_or_path={out / 'sft'}",
+            f"dataset.path={out / 'train.jsonl'}", f"dataset.eval_path={out / 'test.jsonl'}",
+            f"training.output_dir={out / 'grpo'}", f"env.max_turns={MAX_TURNS}"]
 
 
 def main() -> int:
@@ -93,21 +122,13 @@ def main() -> int:
     OUT, MAX_TURNS = Path(args.out).resolve(), args.max_turns
     t0 = time.time()
     from rlhflab.models.load import load_model
-    from rlhflab.models.tiny import make_tiny_model
 
     train, test = games(2000, 0), games(100, 1)
     write_jsonl(train, OUT / "train.jsonl")
     write_jsonl(test, OUT / "test.jsonl")
-    corpus = [f"I am thinking of a number from 1 to {HIGH}. Guess it.", "higher", "lower", "Say a number."] + \
-             [f"My guess is {i}." for i in range(1, HIGH + 1)]
-    base = OUT / "base" if args.reuse_sft else make_tiny_model(
-        OUT / "base", hidden_size=128, num_layers=4, num_heads=4, vocab_size=512, max_positions=320, seed=args.seed,
-        corpus=corpus * 50, chat_template="chatml")
+    base = OUT / "base" if args.reuse_sft else make_base(OUT / "base", args.seed)
     model, tok = load_model(str(OUT / "sft" if args.reuse_sft else base))
-    cfg = EnvConfig(name="guess_env:GuessTheNumber", kwargs={"high": HIGH}, max_turns=MAX_TURNS, plugin_dir=str(HERE))
-    player = counting_player(args.seed, args.halve)
-    eps = demonstration_episodes(setup_episodes(cfg, tok), train, player, max_turns=MAX_TURNS,
-                                 env_kwargs={"high": HIGH})
+    eps = demonstrations(tok, train, args.seed, args.halve)
     demo_turns = sum(e.num_turns for e in eps) / len(eps)
     if not args.reuse_sft:
         print(f"SFT on {len(eps)} games of a player who mostly counts up (mean {demo_turns:.2f} turns)", flush=True)
@@ -118,12 +139,7 @@ def main() -> int:
     before = measure(model, tok, test)
     print(f"RL: rlhflab grpo --config examples/guess_the_number/grpo.yaml ({args.rl_steps} steps)", flush=True)
     cmd = [sys.executable, "-m", "rlhflab", "grpo", "--config", str(HERE / "grpo.yaml"),
-           f"training.total_steps={args.rl_steps}", f"training.num_threads={args.threads}",
-           "logging.progress_bar=false", "training.overwrite=true", f"training.seed={args.seed}",
-           f"model.name_or_path={OUT / 'sft'}", f"dataset.path={OUT / 'train.jsonl'}",
-           f"dataset.eval_path={OUT / 'test.jsonl'}", f"training.output_dir={OUT / 'grpo'}",
-           f"env.max_turns={MAX_TURNS}"]
-    cmd += args.set
+           *rl_overrides(OUT, args.rl_steps, args.threads, args.seed), *args.set]
     if args.rl_lr is not None:
         cmd.append(f"grpo.learning_rate={args.rl_lr}")
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
