@@ -63,8 +63,9 @@ def test_results_file_says_where_it_comes_from(name):
 
 def test_a_hand_edited_figure_is_caught(filled):
     page, text = next((p, t) for p, t in filled.items() if "figure:quickstart-summary" in t)
-    edited = text.replace("**21.5% →", "**25.0% →")
-    assert edited != text                                   # the README quotes 21.5% today
+    quoted = FIG.pct_span([r["accuracy_sft"] for r in FIG.load_results("quickstart")["runs"]])
+    edited = text.replace(f"**{quoted} →", "**12.5% →")
+    assert edited != text                                   # the README quotes the results file's figure
     assert FIG.fill(edited) == text                         # the script writes it back
 
 
@@ -92,7 +93,8 @@ def test_spans_worked_by_hand():
 def test_runs_that_differ_are_quoted_as_a_range():
     rec = FIG.load_results("quickstart")
     rec["runs"] = [dict(rec["runs"][0]), dict(rec["runs"][1])]
-    rec["runs"][1]["accuracy_ppo"] = 0.905
+    rec["runs"][0]["accuracy_sft"] = rec["runs"][1]["accuracy_sft"] = 0.215
+    rec["runs"][0]["accuracy_ppo"], rec["runs"][1]["accuracy_ppo"] = 0.895, 0.905
     text = FIG.quickstart_summary(rec)
     assert "**21.5% → 89.5-90.5%**" in text and "over two runs" in text
 
