@@ -48,7 +48,7 @@ test: $(STAMP)
 	  echo "note: no Chromium here and running as root: the browser test will install chromium and"; \
 	  echo "      chromium-driver with apt-get (about 100 MB). Set RLHFLAB_NO_APT=1 to skip that test instead."; \
 	fi
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 ## Unit tests only, for a quick loop while editing.
 test-fast: $(STAMP)
