@@ -68,11 +68,11 @@ class ModelConfig:
     lean_mlp: bool = f(True, "gated MLPs (Llama, Qwen2, Mistral, Gemma) keep 2 of their 4 intermediate tensors for "
                              "backward and recompute the rest: the same function, less memory (rlhflab/models/lean.py)")
     lean_norm: bool = f(False, "on a CPU, RMSNorms keep one (N, H) tensor for backward instead of two and run a "
-                               "hand-written backward: the same output; opt-in, as it saved no time or memory on "
-                               "SmolLM2 (docs/cpu_matmul.md; rlhflab/models/lean.py)")
+                               "hand-written backward: the same output; opt-in: it did not earn its place on a real "
+                               "model (docs/cpu_matmul.md; rlhflab/models/lean.py)")
     cpu_matmul: Literal["auto", "onednn", "torch"] = f(
         "torch", "float32 linear layers on a CPU: torch (its MKL, what every PyTorch program runs), onednn "
-                 "(PyTorch's oneDNN; opt-in: 5-12% slower on SmolLM2 on an Intel Xeon, docs/cpu_matmul.md), or "
+                 "(PyTorch's oneDNN; opt-in: slower on a real model on an Intel Xeon, docs/cpu_matmul.md), or "
                  "auto: onednn on non-Intel CPUs with AVX-512, where MKL runs half-width kernels")
     critic: Literal["value_head", "separate"] = f(
         "value_head", "value_head: one head on the shared base; separate: a critic model of its own")
@@ -85,7 +85,7 @@ class ModelConfig:
                                        "update's passes only (TRL: summary_dropout_prob)", ge=0, lt=1)
     critic_overlap: bool = f(False, "a separate critic on a CPU (one process, 2+ threads): its pass and the policy's "
                                     "run side by side in two threads over two row halves of each minibatch; the "
-                                    "same gradients; opt-in, as it saved under 10% of a SmolLM2 PPO step "
+                                    "same gradients; opt-in: it did not earn its place on a real model "
                                     "(docs/cpu_matmul.md; rlhflab/engine/overlap.py)")
     reference: Literal["copy", "lora_disabled", "none"] = f(
         "copy", "frozen copy, the same weights with the LoRA adapter off, or none (no KL)")

@@ -23,10 +23,10 @@ model option, not part of this seam (`models.lean.make_lean`).
 Which tricks are on by default is decided by one rule: a trick stays on only where it
 saves at least 10% of a real model's step time or memory on a CPU (bench/cpu_tricks.py on
 SmolLM2-135M-Instruct's PPO and GRPO steps; the tables are in docs/cpu_matmul.md, "Each
-CPU trick on a real model"). oneDNN linears (`model.cpu_matmul: onednn`, 5-12% slower
-there) and the lean RMSNorm (`model.lean_norm: true`, no gain) are opt-in; the defaults
-are `cpu_matmul: torch`, `lean_norm: false`; the critic's worker thread and `mallopt`
-are as that page says.
+CPU trick on a real model"). By that rule oneDNN linears (`model.cpu_matmul: onednn` or
+`auto`), the lean RMSNorm (`model.lean_norm: true`) and the critic's worker thread
+(`model.critic_overlap: true`) are opt-in, and `mallopt` stays on for every CPU run (it
+changes no number a run computes, and saves memory at larger models' sizes).
 
 Standard library only at import time: the CLI imports `apply_default_wait` before torch.
 """

@@ -22,8 +22,9 @@ Memory: with a separate critic (`model.critic: separate`) a minibatch takes two 
 policy's. The two models share no parameter, so the gradients are those of the summed
 loss, and only one model's activations are alive at a time. On a CPU the same two passes
 may run side by side instead, in two threads over two row halves of the minibatch
-(`engine.overlap`, `model.critic_overlap`): the same gradients, no more memory. Under a data-parallel wrapper (one forward and one
-backward per wrapped module) and in learner mode the two run in one pass.
+(`engine.overlap`, the opt-in `model.critic_overlap`): the same gradients, no more memory.
+Under a data-parallel wrapper (one forward and one backward per wrapped module) and in
+learner mode the two run in one pass.
 
 `PPOMath` is the plug-in learner mode uses to run the learner's own functions.
 """
