@@ -21,6 +21,8 @@ Fixture names are specific, so other test modules' own fixtures are untouched.
 
 from __future__ import annotations
 
+import copy
+
 import os
 from pathlib import Path
 
@@ -115,8 +117,11 @@ def smollm2_dir(tmp_path_factory) -> Path:
     from rlhflab.models.gguf import import_gguf
 
     out = tmp_path_factory.getbasetemp() / "smollm2-135m-instruct"
+    # A copy: the folder is built from the very tensors (and config, tokenizer) of that load,
+    # and the reference must stay what transformers loaded, whatever the import does after.
     return import_gguf(smollm2_gguf_file(), out, dtype="float32", quiet=True,
-                       on_load=lambda model, tok: SMOLLM2_GGUF_LOAD.update(load=(model, tok))).out_dir
+                       on_load=lambda model, tok: SMOLLM2_GGUF_LOAD.update(
+                           load=(copy.deepcopy(model), copy.deepcopy(tok)))).out_dir
 
 
 def small_overrides(model_dir: Path, data_dir: Path, out_dir: Path) -> list[str]:

@@ -175,7 +175,9 @@ def import_gguf(file: str | os.PathLike, out: str | os.PathLike, dtype: str = "f
 
     `on_load(model, tokenizer)`, when given, is called with transformers' own GGUF load
     (float32) before the folder is built from it: a caller that compares the folder with
-    that load (tests/test_real_model.py) need not load the file a second time."""
+    that load (tests/test_real_model.py) need not load the file a second time. The folder
+    is built from the same tensors, config and tokenizer, which the import goes on to
+    change: a caller that keeps them keeps a copy."""
     src = Path(file).expanduser().resolve()
     out = Path(out).expanduser()
     if dtype not in DTYPES:
