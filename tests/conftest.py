@@ -22,7 +22,6 @@ Fixture names are specific, so other test modules' own fixtures are untouched.
 from __future__ import annotations
 
 import copy
-
 import os
 from pathlib import Path
 
