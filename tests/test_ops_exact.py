@@ -262,6 +262,7 @@ FLOAT64_CALLS = {
     "masked_var": lambda: ops.masked_var(_f64(B, T), M),
     "masked_whiten": lambda: ops.masked_whiten(_f64(B, T), M),
     "masked_pivot": lambda: ops.masked_pivot(_f64(B, T), M),
+    "explained_variance": lambda: ops.explained_variance(_f64(B, T), _f64(B, T, seed=1), M),
     "logprobs_from_logits": lambda: ops.logprobs_from_logits(_f64(B, T, V), TOK),
     "entropy_from_logits": lambda: ops.entropy_from_logits(_f64(B, T, V)),
     "chunked_logprobs": lambda: ops.chunked_logprobs(_f64(B, T, H), _f64(V, H, seed=1), None, TOK,
@@ -321,6 +322,26 @@ def test_float64_in_float64_out(name):
     tensors = _float_tensors(FLOAT64_CALLS[name]())
     assert tensors, name
     assert all(t.dtype == torch.float64 for t in tensors), [t.dtype for t in tensors]
+
+
+def test_two_rank_explained_variance_equals_one_process():
+    from rlhflab.engine.dist import explained_variance as dist_explained_variance
+
+    def ev(d, v, r, m):
+        return dist_explained_variance(v, r, m, d)
+
+    g = torch.Generator().manual_seed(5)
+    returns = torch.randn(6, 5, generator=g) + 3
+    values = 0.6 * returns + 0.5 * torch.randn(6, 5, generator=g)
+    mask = (torch.rand(6, 5, generator=g) > 0.3).float()
+    mask[:, 0] = 1
+    one = ops.explained_variance(values, returns, mask).item()
+    two = _on_two_ranks(ev, [(values[:3], returns[:3], mask[:3]), (values[3:], returns[3:], mask[3:])])
+    assert two[0] == two[1] == pytest.approx(one, abs=1e-6)
+    # returns that vary on no rank: NaN on both
+    flat = torch.full((6, 5), 2.0)
+    two = _on_two_ranks(ev, [(values[:3], flat[:3], mask[:3]), (values[3:], flat[3:], mask[3:])])
+    assert all(math.isnan(x) for x in two)
 
 
 def test_batch_moments_hand_worked_one_convention():

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rlhflab.ops import masked_mean, masked_sum, masked_var, masked_whiten
+from rlhflab.ops import explained_variance, masked_mean, masked_sum, masked_var, masked_whiten
 
 X = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
 MASK = torch.tensor([[1, 0], [1, 1]])
@@ -113,3 +113,58 @@ def test_all_false_mask_gives_zero_not_nan():
 def test_shape_mismatch_raises(fn):
     with pytest.raises(ValueError, match="shape"):
         fn(torch.zeros(2, 3), torch.ones(2, 1))  # (B, 1) must not broadcast silently
+
+
+# ------------------------------------------------------------------ explained_variance
+
+def test_explained_variance_hand_worked():
+    returns = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 9.0]], dtype=torch.float64)
+    values = torch.tensor([[0.5, 0.5, 7.0], [0.0, 0.5, 9.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])  # the 0s/9s in the last column are padding
+    # kept returns 1, 1, 0, 0: mean 0.5, squared deviations 4 × 0.25, Var = 1/4
+    # kept residuals returns − values: 0.5, 0.5, 0, −0.5: mean 1/8;
+    #   deviations 3/8, 3/8, −1/8, −5/8; squares (9 + 9 + 1 + 25)/64 = 44/64; Var = 11/64
+    # 1 − (11/64)/(1/4) = 1 − 11/16 = 5/16
+    assert explained_variance(values, returns, mask).item() == pytest.approx(5 / 16, abs=1e-12)
+    # a perfect critic explains everything; a constant offset changes nothing (the variance
+    # of the error, not its mean square); a constant critic explains nothing
+    assert explained_variance(returns, returns, mask).item() == 1.0
+    assert explained_variance(returns + 3.0, returns, mask).item() == pytest.approx(1.0, abs=1e-12)
+    assert explained_variance(torch.full_like(returns, 0.3), returns, mask).item() == pytest.approx(0.0, abs=1e-12)
+    assert explained_variance(torch.zeros_like(returns), returns, mask).item() == 0.0  # the zero head: exactly 0
+    # values that point the wrong way (−1, −1, 0, 0 where the returns are 1, 1, 0, 0):
+    # residuals 2, 2, 0, 0, mean 1, Var = 1; 1 − 1/(1/4) = −3, worse than any constant
+    wrong = torch.tensor([[-1.0, -1.0, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    assert explained_variance(wrong, returns, mask).item() == pytest.approx(-3.0, abs=1e-12)
+
+
+def test_explained_variance_matches_loop_and_ignores_padding():
+    g = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        returns = torch.randn(4, 6, generator=g, dtype=torch.float64)
+        values = returns * 0.5 + 0.3 * torch.randn(4, 6, generator=g, dtype=torch.float64)
+        lengths = torch.randint(1, 7, (4,), generator=g)
+        mask = (torch.arange(6) < lengths[:, None]).long()                     # (B, T) right-padded
+        r = [x for x, m in zip(returns.flatten().tolist(), mask.flatten().tolist()) if m]
+        e = [x - v for x, v, m in zip(returns.flatten().tolist(), values.flatten().tolist(),
+                                      mask.flatten().tolist()) if m]
+        var = lambda xs: sum((x - sum(xs) / len(xs)) ** 2 for x in xs) / len(xs)  # noqa: E731
+        want = 1 - var(e) / var(r)
+        assert explained_variance(values, returns, mask).item() == pytest.approx(want, abs=1e-12)
+        garbage = torch.where(mask.bool(), values, torch.full_like(values, 1e4))
+        assert explained_variance(garbage, returns, mask).item() == pytest.approx(want, abs=1e-12)
+
+
+def test_explained_variance_undefined_and_given_variances():
+    returns = torch.full((2, 3), 0.7)
+    mask = torch.ones(2, 3)
+    # returns that do not vary leave nothing to explain: NaN, as is an empty mask
+    assert math.isnan(explained_variance(torch.randn(2, 3), returns, mask).item())
+    assert math.isnan(explained_variance(torch.randn(2, 3), torch.randn(2, 3), torch.zeros(2, 3)).item())
+    # the variances of every process's tokens, passed in: 1 − 0.25/2 = 0.875
+    got = explained_variance(torch.zeros(2, 3), returns, mask, var_returns=2.0, var_residual=0.25)
+    assert got.item() == 0.875
+    with pytest.raises(ValueError, match="both"):
+        explained_variance(torch.zeros(2, 3), returns, mask, var_returns=2.0)
+    with pytest.raises(ValueError, match="shape"):
+        explained_variance(torch.zeros(2, 1), returns, mask)  # (B, 1) must not broadcast silently

@@ -196,6 +196,20 @@ def test_kl_off_builds_and_calls_no_reference(ppo_cfg, monkeypatch):
     assert calls == []
 
 
+def test_rollout_metrics_log_the_critics_explained_variance(ppo_cfg):
+    _, roll, *_ = _setup(ppo_cfg())
+    keep = roll.response_mask.bool()
+    r, v = roll.returns[keep].double(), roll.values[keep].double()     # real response tokens only
+    want = 1 - (r - v).var(unbiased=False) / r.var(unbiased=False)
+    assert rollout_metrics(roll)["rollout/explained_variance"] == pytest.approx(float(want), abs=1e-5)
+    # values equal to the returns explain all of them; returns that do not vary leave
+    # nothing to explain, and nothing is logged (NaN would trip the doctor's nan_metric)
+    roll.values = roll.returns.clone()
+    assert rollout_metrics(roll)["rollout/explained_variance"] == 1.0
+    roll.returns = torch.full_like(roll.returns, 0.5)
+    assert "rollout/explained_variance" not in rollout_metrics(roll)
+
+
 def test_separate_critic_trains_its_own_model(ppo_cfg):
     cfg = ppo_cfg("model.critic=separate", "ppo.vf_coeff=1.0")
     models, roll, optimizer, scheduler = _setup(cfg)

@@ -460,6 +460,16 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, dist: Dist, shift_mean: bool = T
     return ops.masked_whiten(x, mask, shift_mean=shift_mean, mean=mom.mean, var=mom.var)
 
 
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, dist: Dist) -> float:
+    """`ops.explained_variance` over every rank's real tokens (`batch_moments` of the returns
+    and of returns − values, passed into the op); NaN when the returns do not vary."""
+    if not dist.distributed:
+        return float(ops.explained_variance(values, returns, mask))
+    var_returns = batch_moments(returns.double(), mask, dist).var
+    var_residual = batch_moments((returns - values).double(), mask, dist).var
+    return float(ops.explained_variance(values, returns, mask, var_returns=var_returns, var_residual=var_residual))
+
+
 def group_advantages(scores: torch.Tensor, group_size: int, scale: str, dist: Dist) -> torch.Tensor:
     """`ops.group_advantages`; with scale "batch" the std is that of every rank's scores
     (`batch_moments` in float64, the population convention), passed into the op."""

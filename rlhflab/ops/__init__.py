@@ -31,10 +31,10 @@ from rlhflab.ops.losses import (
 )
 from rlhflab.ops.natural_gradient import CGResult, categorical_kl, conjugate_gradient
 from rlhflab.ops.sampling import counter_uniform, gumbel_noise, row_keys
-from rlhflab.ops.stats import masked_mean, masked_pivot, masked_sum, masked_var, masked_whiten
+from rlhflab.ops.stats import explained_variance, masked_mean, masked_pivot, masked_sum, masked_var, masked_whiten
 
 __all__ = [
-    "masked_sum", "masked_mean", "masked_var", "masked_whiten", "masked_pivot",
+    "masked_sum", "masked_mean", "masked_var", "masked_whiten", "masked_pivot", "explained_variance",
     "logprobs_from_logits", "entropy_from_logits",
     "chunked_logprobs", "chunked_cross_entropy", "TokenLogprobs",
     "KL_KINDS", "kl_estimate", "kl_shaped_rewards", "last_token_index",

@@ -1,6 +1,8 @@
 """Masked statistics over response tokens.
 
-`mask` is 1 (True) where a value counts. An all-false mask gives 0, never NaN.
+`mask` is 1 (True) where a value counts. An all-false mask gives 0, never NaN (one
+exception: `explained_variance` is NaN where the returns do not vary, as a ratio of
+nothing to nothing has no value).
 
 Variance and whitening centre the values on a pivot first: the largest kept value
 (`masked_pivot`), one of the values themselves. The statistics of x − pivot are the
@@ -116,3 +118,38 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, dim: int | N
     if not shift_mean:
         out = out + mean
     return out * m
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor, var_returns: Tensor | float | None = None,
+                       var_residual: Tensor | float | None = None) -> Tensor:
+    """How much of the returns' variance the critic's values explain, over the tokens where
+    `mask` is 1: 1 − Var(returns − values) / Var(returns), a 0-dim tensor.
+
+    values, returns, mask: (B, T). Scale-free, so it can be compared across rewards and
+    across a run whose reward variance changes (a 0/1 reward with success rate p has
+    variance p(1 − p), so even a good critic's squared error moves with p):
+    1 is a perfect critic; 0 a critic no better than a constant (the zero head at the
+    start, or one that tracks only the batch's mean return); below 0 values that add
+    noise. A constant offset does not count (the variance of the error, not its mean
+    square), so a critic that is right but late by the same amount everywhere still scores
+    high; its value loss shows the offset. Population variances (n), as `masked_var`.
+
+    `var_returns` and `var_residual`, when given together, replace the two variances (those
+    of every process's tokens, `rlhflab.engine.dist.explained_variance`). NaN when the
+    returns do not vary (Var(returns) = 0, or no token kept): there is nothing to explain;
+    a caller that logs it skips it then.
+    """
+    if values.shape != returns.shape:
+        raise ValueError(f"values shape {tuple(values.shape)} != returns shape {tuple(returns.shape)}")
+    if (var_returns is None) != (var_residual is None):
+        raise ValueError("give both var_returns and var_residual, or neither")
+    dtype = work_dtype(values, returns)
+    if var_returns is None:
+        v, r = values.to(dtype), returns.to(dtype)
+        var_returns = masked_var(r, mask)
+        var_residual = masked_var(r - v, mask)
+    var_returns = torch.as_tensor(var_returns, dtype=dtype)
+    var_residual = torch.as_tensor(var_residual, dtype=dtype)
+    undefined = var_returns <= 0
+    ratio = var_residual / torch.where(undefined, torch.ones_like(var_returns), var_returns)
+    return torch.where(undefined, torch.full_like(ratio, float("nan")), 1.0 - ratio)

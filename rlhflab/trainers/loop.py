@@ -9,6 +9,7 @@ critic, whether it needs the reference. Everything around it is here, once.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch
 
 from rlhflab import cpu, ops
 from rlhflab.data.prompts import load_prompts, step_prompts
-from rlhflab.engine.dist import Dist, group_advantages, whiten  # noqa: F401 (the batch statistics, re-exported)
+from rlhflab.engine.dist import Dist, explained_variance, group_advantages, whiten  # noqa: F401 (re-exported)
 from rlhflab.engine.update import PPOMath, policy_update
 from rlhflab.evaluate import EvalChecks, EvalResult, build_eval_checks, evaluate_policy, save_samples
 from rlhflab.models.load import resolve_device
@@ -145,6 +146,10 @@ def rollout_metrics(roll: Rollout, dist: Dist | None = None) -> dict[str, float]
         out["rollout/advantage_abs_mean"] = token_mean(roll.advantages.abs())
     if roll.returns is not None:
         out["rollout/return_mean"] = token_mean(roll.returns)
+    if roll.values is not None and roll.returns is not None:  # the rollout's (pre-update) values
+        ev = explained_variance(roll.values, roll.returns, roll.response_mask, dist)
+        if math.isfinite(ev):  # NaN: the returns do not vary, nothing to explain
+            out["rollout/explained_variance"] = ev
     if roll.kl is not None:  # the estimator that is penalised, summed over a response, averaged
         out["params/kl_to_ref"] = dist.mean(float((roll.kl * mask).sum(-1).mean()))
     if getattr(roll, "sample_logprobs", None) is not None and roll.logprobs is not None:
@@ -166,6 +171,7 @@ PLOT_GROUPS: dict[str, list[str]] = {
     "length": ["rollout/response_length"],
     "zero_spread": ["rollout/zero_spread_frac"],
     "values": ["rollout/value_mean", "rollout/return_mean"],
+    "explained_variance": ["rollout/explained_variance"],
     "time": ["time/generate", "time/score", "time/forward", "time/update"],
     "lr": ["lr"],
 }
