@@ -45,6 +45,7 @@ REWARD_MEAN = "rollout/reward_mean"
 REWARD_STD = "rollout/reward_std"
 ZERO_SPREAD = "rollout/zero_spread_frac"
 VALUE_LOSS = "loss/value"
+EXPLAINED_VAR = "rollout/explained_variance"  # 1 − Var(returns − values)/Var(returns), the rollout's values
 ENTROPY = "loss/entropy"
 POLICY_CLIP = "params/policy_clip_frac"
 GRAD_NORM = "params/grad_norm"
@@ -91,11 +92,29 @@ class DoctorConfig:
     kl_knob: str = "ppo.kl_coeff"
     grad_norm_factor: float = 10.0
     grad_norm_patience: int = 3
-    # value_loss: after `value_window` steps, the mean of the last `value_avg_steps`
-    # values should be below `value_drop` times the mean of the first `value_avg_steps`.
+    # value_loss: after `value_window` steps, fires when the mean of the last
+    # `value_avg_steps` values is not below `value_drop` times the mean of the first
+    # `value_avg_steps` AND the critic explains none of the returns' variance over those
+    # last steps: the mean explained variance (`rollout/explained_variance`) at most
+    # `value_ev_min`. The loss alone misleads: its size is the returns' variance times the
+    # unexplained share, and with a 0/1 reward at success rate p that variance is p(1 − p),
+    # which rises with p while p < 0.5. The SmolLM2 PPO runs of docs/real_models.md
+    # (held-out accuracy 31.5% -> 54.5% on seed 1; their value columns are
+    # tests/data/smollm2_ppo_s*_value.jsonl) had value losses that rose from 0.085 to 0.086
+    # (seed 1) and 0.082 to 0.084 (seed 0), means of steps 1-5 and 16-20, while their
+    # estimated explained variance over steps 16-20 was +0.16 and +0.11.
+    # A metrics file without the logged explained variance (older runs) gets an estimate:
+    # 1 − 2 · loss/value / reward_std² (loss/value is half a mean squared error; the
+    # response-level reward variance stands in for the per-token return variance). It is
+    # rough: measured during the update, on the batch the critic just fitted, and it counts
+    # the critic's offset as error. With neither logged the loss is judged alone.
     value_window: int = 20
     value_avg_steps: int = 5
     value_drop: float = 0.9
+    # 0: a critic no better than a constant (the zero head before it trains, one that never
+    # trains, one that only tracks the batch's mean return) sits at 0 and fires; one that
+    # adds noise sits below it.
+    value_ev_min: float = 0.0
     # kl_to_ref: rising over the last `kl_window` steps (least-squares slope > 0 and the
     # last value >= `kl_growth` times the window's first) and above `kl_max`. The PPO
     # trainer logs params/kl_to_ref as nats summed over a response, averaged over the batch.
@@ -153,9 +172,12 @@ class DoctorConfig:
     # rule above waits `value_window` steps; this one judges the first
     # `value_early_steps`: the mean of the last `value_avg_early` of them not below
     # `value_drop` times the mean of the first ones, while the rewards vary (mean
-    # reward_std above reward_eps). Once `value_window` values exist it hands over to
-    # value_loss. The quickstart PPO's critic fell to 0.78x of its start by step 8; with
-    # ppo.vf_coeff 0 (scripts/doctor_symptoms.py) it rose, 0.137 -> 0.169, and this fired.
+    # reward_std above reward_eps), and, as for value_loss, the mean explained variance of
+    # those last steps at most `value_ev_min`. Once `value_window` values exist it hands
+    # over to value_loss. The quickstart PPO's critic fell to 0.78x of its start by step 8;
+    # with ppo.vf_coeff 0 (scripts/doctor_symptoms.py) it rose, 0.137 -> 0.169, and this
+    # fired. The SmolLM2 PPO runs' losses rose too (0.0615 -> 0.0935, seed 1), while their
+    # estimated explained variance at steps 6-8 was +0.05 (both seeds).
     value_early_steps: int = 8
     value_avg_early: int = 3
 
@@ -403,18 +425,52 @@ def _rule_grad_norm(history: History, latest: dict[str, float], cfg: DoctorConfi
             f"(reward.score_clip, ppo.whiten_advantages) and the value loss")
 
 
+class CriticFit(NamedTuple):
+    explained: float  # mean explained variance over the judged steps
+    logged: bool      # True: rollout/explained_variance; False: estimated from the value loss
+
+
+def _critic_fit(history: History, steps: Sequence[int], cfg: DoctorConfig) -> Optional[CriticFit]:
+    """The critic's mean explained variance over `steps`: the logged
+    rollout/explained_variance where the run logs it, else (an older metrics file) the
+    estimate 1 − 2 · loss/value / reward_std² of the steps whose rewards vary (see
+    `DoctorConfig.value_ev_min`); None when neither can be had."""
+    want = set(steps)
+    logged = [v for s, v in history.get(EXPLAINED_VAR, []) if s in want]
+    if logged:
+        return CriticFit(_mean(logged), True)
+    spread = {s: v * v for s, v in history.get(REWARD_STD, []) if s in want and v * v > cfg.reward_eps}
+    estimated = [1.0 - 2.0 * loss / spread[s] for s, loss in history.get(VALUE_LOSS, []) if s in spread]
+    return CriticFit(_mean(estimated), False) if estimated else None
+
+
+def _fit_words(fit: Optional[CriticFit], cfg: DoctorConfig) -> str:
+    """What the finding says about the critic's explained variance."""
+    if fit is None:
+        return (f" (the run logs neither {EXPLAINED_VAR} nor {REWARD_STD}, so the loss is judged alone; "
+                f"it also rises when the returns' variance does)")
+    how = ("" if fit.logged else
+           f", estimated as 1 - 2 * loss/value / reward_std^2, since this run does not log {EXPLAINED_VAR}")
+    return (f" and the critic explains none of the returns' variance (explained variance {fit.explained:+.2f} "
+            f"over those steps, at most {cfg.value_ev_min:g}{how})")
+
+
 def _rule_value_loss(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
-    xs = _values(history, VALUE_LOSS)
-    fall = _fall(xs, cfg.value_window, cfg.value_avg_steps)
+    pts = history.get(VALUE_LOSS, [])
+    fall = _fall([v for _, v in pts], cfg.value_window, cfg.value_avg_steps)
     if fall is None:
         return None
     start, recent, k = fall
     if recent < cfg.value_drop * start:
         return ""
-    return (f"value loss has not fallen in {len(xs)} steps (mean {recent:.3g} over the last "
-            f"{k} steps vs {start:.3g} at the start): the critic is not learning the "
-            f"returns, so the advantages are noise. Check ppo.vf_coeff (raise it), "
-            f"ppo.value_clip (loosen it), the reward scale, and that the value head is saved/loaded")
+    fit = _critic_fit(history, [s for s, _ in pts[-k:]], cfg)
+    if fit is not None and fit.explained > cfg.value_ev_min:
+        return ""  # the loss follows the returns' variance, but the critic explains part of it
+    return (f"value loss has not fallen in {len(pts)} steps (mean {recent:.3g} over the last "
+            f"{k} steps vs {start:.3g} at the start){_fit_words(fit, cfg)}: the critic predicts the "
+            f"returns no better than a constant, so it adds nothing to the advantages. Check ppo.vf_coeff "
+            f"(raise it), ppo.critic_learning_rate, ppo.value_clip (loosen it), the reward scale, and that "
+            f"the value head is saved/loaded")
 
 
 def _rule_kl(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
@@ -605,11 +661,15 @@ def _rule_value_flat_early(history: History, latest: dict[str, float], cfg: Doct
     start, recent = _mean(xs[:k]), _mean(xs[-k:])
     if recent < cfg.value_drop * start:
         return ""
+    fit = _critic_fit(history, [s for s, _ in first[-k:]], cfg)
+    if fit is not None and fit.explained > cfg.value_ev_min:
+        return ""  # the loss follows the returns' variance, but the critic explains part of it
     return (f"value loss has not fallen over the first {n} rollouts ({start:.3g} -> {recent:.3g}, means of "
-            f"{k}) while the rewards vary (reward_std {_mean(stds):.3g}): the critic is not learning the "
-            f"returns, so the advantages are noise. Check that the value head trains (ppo.vf_coeff > 0, "
-            f"model.value_head_dropout), raise ppo.vf_coeff or loosen ppo.value_clip, and check the reward "
-            f"scale; the value_loss rule judges again after {cfg.value_window} steps")
+            f"{k}) while the rewards vary (reward_std {_mean(stds):.3g}){_fit_words(fit, cfg)}: the critic "
+            f"predicts the returns no better than a constant, so it adds nothing to the advantages. Check that "
+            f"the value head trains (ppo.vf_coeff > 0, model.value_head_dropout), raise ppo.vf_coeff or "
+            f"ppo.critic_learning_rate or loosen ppo.value_clip, and check the reward scale; the value_loss "
+            f"rule judges again after {cfg.value_window} steps")
 
 
 # ------------------------------------------------------------ SFT, reward model, DPO
@@ -811,7 +871,8 @@ RULES: tuple[Rule, ...] = (
     NON_FINITE, NAN_METRIC,
     Rule("policy_clip_frac", "warn", POLICY_CLIP, "policy clip fraction stays low", _rule_clip_frac),
     Rule("grad_norm", "warn", GRAD_NORM, "pre-clip gradient norm stays near max_grad_norm", _rule_grad_norm),
-    Rule("value_loss", "warn", VALUE_LOSS, "value loss falls", _rule_value_loss),
+    Rule("value_loss", "warn", f"{VALUE_LOSS} against {EXPLAINED_VAR}",
+         "value loss falls, or the critic explains part of the returns' variance", _rule_value_loss),
     Rule("kl_to_ref", "warn", KL_TO_REF, "KL to the reference stays bounded", _rule_kl),
     Rule("entropy", "warn", ENTROPY, "entropy stays above its floor", _rule_entropy),
     Rule("reward_constant", "warn", f"{REWARD_STD}, {ZERO_SPREAD}", "rewards vary", _rule_reward_constant),
@@ -821,7 +882,8 @@ RULES: tuple[Rule, ...] = (
          _rule_logprob_gap),
     Rule("kl_fading", "warn", f"{APPROX_KL} against {REWARD_MEAN}",
          "the updates do not fade to nothing while the reward stands still", _rule_kl_fading),
-    Rule("value_flat_early", "warn", f"{VALUE_LOSS} over the first rollouts", "value loss falls from the start",
+    Rule("value_flat_early", "warn", f"{VALUE_LOSS} against {EXPLAINED_VAR} over the first rollouts",
+         "value loss falls from the start, or the critic explains part of the returns' variance",
          _rule_value_flat_early),
     # Multi-turn episodes (healthy by definition in a single-turn run).
     Rule("max_turns", "warn", MAX_TURNS_FRAC, "most episodes end before env.max_turns", _rule_max_turns),
@@ -998,6 +1060,7 @@ PLOT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("margin", (RM_GAP, DPO_MARGIN)),
     ("sequence log-probs", (DPO_CHOSEN, DPO_REJECTED)),
     ("value loss", (VALUE_LOSS,)),
+    ("critic: explained variance of the returns", (EXPLAINED_VAR,)),
     ("KL to reference (nats per response)", (KL_TO_REF,)),
     ("entropy (nats per token)", (ENTROPY,)),
     ("update size: clip fractions, approx KL", (POLICY_CLIP, "params/value_clip_frac", "params/approx_kl")),
@@ -1049,7 +1112,7 @@ def plot_trends(records: Sequence[dict[str, Any]], out: Path, findings: Sequence
                              squeeze=False)
     thresholds = {POLICY_CLIP: cfg.clip_frac_max, KL_TO_REF: cfg.kl_max,
                   GRAD_NORM: cfg.grad_norm_factor * (cfg.max_grad_norm or 1.0),
-                  ENTROPY: cfg.entropy_floor}
+                  ENTROPY: cfg.entropy_floor, EXPLAINED_VAR: cfg.value_ev_min}
     for ax, (panel_title, keys) in zip(axes.flat, panels):
         for key in keys:
             xs, ys = series[key]
