@@ -325,6 +325,8 @@ def test_doctor_table_matches_the_defaults():
            c.grad_norm_factor, c.grad_norm_patience)
     quoted("metrics.md", "after 20 steps, the mean of the last 5 `loss/value` is not below 0.9 × the mean of the first 5",
            c.value_window, c.value_avg_steps, c.value_drop, c.value_avg_steps)
+    quoted("metrics.md", "the mean `rollout/explained_variance` of those last 5 steps is at most 0",
+           c.value_avg_steps, c.value_ev_min)
     quoted("metrics.md", "over the last 10 steps `params/kl_to_ref` rose (positive slope, last ≥ 1.5 × first) and is above 5 nats",
            c.kl_window, c.kl_growth, c.kl_max)
     quoted("metrics.md", "mean of the last 3 `loss/entropy` < 0.05, or < its start / 10",

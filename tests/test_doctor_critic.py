@@ -46,6 +46,21 @@ def test_real_runs_with_a_rising_loss_are_silent():
     # Steps 16-20 against 1-5: 0.0860 vs 0.0847, estimate +0.162 (seed 0: +0.107).
 
 
+def test_the_numbers_docs_metrics_md_gives_for_the_real_runs():
+    # docs/metrics.md, "How the two critic rules judge": loss means of steps 1-5 and 16-20,
+    # and the estimated explained variance over steps 16-20, seed 1 then seed 0.
+    text = (Path(__file__).parents[1] / "docs" / "metrics.md").read_text(encoding="utf-8")
+    said = []
+    for seed in (1, 0):
+        rows = real_run(seed)
+        loss = [r["loss/value"] for r in rows]
+        est = [1 - 2 * r["loss/value"] / r["rollout/reward_std"] ** 2 for r in rows[15:20]]
+        said.append((f"{sum(loss[:5]) / 5:.3f}", f"{sum(loss[15:20]) / 5:.3f}", f"{sum(est) / 5:+.2f}"))
+    (a1, b1, e1), (a0, b0, e0) = said
+    assert f"the loss rose (from {a1} to {b1} and from {a0} to {b0}, means of steps 1–5 and\n16–20)" in text
+    assert f"while the estimate stayed above 0 ({e1} and {e0} over steps 16–20)" in text
+
+
 def test_the_same_runs_judged_by_the_loss_alone_fire():
     # Without rollout/reward_std there is no scale for the loss and value_loss judges the
     # loss alone, as both rules did before: the rising loss fires it at step 20, as it did
