@@ -11,16 +11,74 @@ job is `rlhflab.cli.main(argv)`, what `python -m rlhflab COMMAND ...` runs; its 
 its exit code to FOLDER/NAME.rankR.rc (R: the process's RANK, 0 alone). A job that raises
 stops the process, so the launcher ends the others instead of leaving them waiting in a
 collective; its traceback is in its .err file.
+
+The tests start it with `run_jobs` (which writes JOBS.json) and read what it left with the
+`Launch` it returns (tests/test_distributed.py, test_envs_distributed.py, test_envs_training.py).
+Standard library only: each launched process imports rlhflab once, in `main`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
+
+
+ROOT = Path(__file__).resolve().parents[1]
+# RLHFLAB_ACCELERATE_CONFIG=configs/accelerate/ddp.yaml (or fsdp.yaml) runs the "ddp" cases under
+# that config on a machine that has it (docs/scaling.md); CI uses the 2-process CPU configs.
+CONFIGS = {"ddp": os.environ.get("RLHFLAB_ACCELERATE_CONFIG", str(ROOT / "configs" / "accelerate" / "cpu_2proc.yaml")),
+           **{name: str(ROOT / "configs" / "accelerate" / f"{name}_cpu.yaml") for name in ("fsdp", "zero2", "zero3")}}
+
+
+def launch_command(strategy: str) -> list[str]:
+    """`accelerate launch` of 2 processes under `strategy`'s config (CONFIGS)."""
+    return [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", CONFIGS[strategy]]
+
+
+class Launch:
+    """The jobs of one `tests/dist_jobs.py` process (or launch): each job's folder
+    (`<base>/<name>`), exit code, and output per rank."""
+
+    def __init__(self, base: Path, ranks: int):
+        self.base, self.ranks = base, ranks
+
+    def folder(self, name: str) -> Path:
+        return self.base / name
+
+    def rc(self, name: str) -> list[int]:
+        return [int((self.base / "logs" / f"{name}.rank{r}.rc").read_text()) for r in range(self.ranks)]
+
+    def text(self, name: str, stream: str) -> str:
+        """`stream` ("out" or "err") of every rank, rank 0 first."""
+        return "".join((self.base / "logs" / f"{name}.rank{r}.{stream}").read_text() for r in range(self.ranks))
+
+    def ok(self, name: str) -> Path:
+        assert self.rc(name) == [0] * self.ranks, self.text(name, "out")[-3000:] + self.text(name, "err")[-3000:]
+        return self.folder(name)
+
+
+def run_jobs(base: Path, jobs: dict[str, list[str]], env: dict, processes: int, strategy: str = "ddp",
+             cwd: Path | None = None) -> Launch:
+    """Run `jobs` (name -> rlhflab argv, its output folder added) one after another in one
+    process, or in each of the 2 processes of one accelerate launch under `strategy`."""
+    def with_output(argv: list[str], folder: Path) -> list[str]:  # an override goes before --resume
+        at = argv.index("--resume") if "--resume" in argv else len(argv)
+        return [*argv[:at], f"training.output_dir={folder}", *argv[at:]]
+
+    spec = {"logs": str(base / "logs"),
+            "jobs": [{"name": n, "argv": with_output(argv, base / n)} for n, argv in jobs.items()]}
+    base.mkdir(parents=True, exist_ok=True)
+    (base / "jobs.json").write_text(json.dumps(spec, indent=1))
+    script = [str(Path(__file__).resolve()), str(base / "jobs.json")]
+    cmd = launch_command(strategy) + script if processes == 2 else [sys.executable, *script]
+    out = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=1800)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return Launch(base, processes)
 
 
 @contextmanager

@@ -21,18 +21,15 @@ import importlib.util
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from dist_jobs import Launch, run_jobs
+
 ROOT = Path(__file__).resolve().parents[1]
-# RLHFLAB_ACCELERATE_CONFIG=configs/accelerate/ddp.yaml (or fsdp.yaml) runs the "ddp" cases under
-# that config on a machine that has it (docs/scaling.md); CI uses the 2-process CPU configs.
-CONFIGS = {"ddp": os.environ.get("RLHFLAB_ACCELERATE_CONFIG", str(ROOT / "configs" / "accelerate" / "cpu_2proc.yaml")),
-           **{name: str(ROOT / "configs" / "accelerate" / f"{name}_cpu.yaml") for name in ("fsdp", "zero2", "zero3")}}
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 NEEDS_DEEPSPEED = pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is an optional extra (rlhflab[deepspeed])")
 
@@ -57,56 +54,11 @@ def _env(tmp_path: Path) -> dict:
     return env
 
 
-def _launch(strategy: str) -> list[str]:
-    return [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", CONFIGS[strategy]]
-
-
 def _common(model: Path, task: Path) -> list[str]:
     return [f"model.name_or_path={model}", f"dataset.path={task / 'train.jsonl'}",
             f"dataset.eval_path={task / 'test.jsonl'}", "generation.seeded_sampling=true",
             "generation.max_new_tokens=6", "training.eval_interval=0", "training.save_interval=0",
             "logging.progress_bar=false", "logging.plots=false", "reward.sources=[{type: rule, name: 'dist_rewards:length_mod3'}]"]
-
-
-class Launch:
-    """The jobs of one `tests/dist_jobs.py` process (or launch): each job's folder
-    (`<base>/<name>`), exit code, and output per rank (tests/dist_jobs.py)."""
-
-    def __init__(self, base: Path, ranks: int):
-        self.base, self.ranks = base, ranks
-
-    def folder(self, name: str) -> Path:
-        return self.base / name
-
-    def rc(self, name: str) -> list[int]:
-        return [int((self.base / "logs" / f"{name}.rank{r}.rc").read_text()) for r in range(self.ranks)]
-
-    def text(self, name: str, stream: str) -> str:
-        """`stream` ("out" or "err") of every rank, rank 0 first."""
-        return "".join((self.base / "logs" / f"{name}.rank{r}.{stream}").read_text() for r in range(self.ranks))
-
-    def ok(self, name: str) -> Path:
-        assert self.rc(name) == [0] * self.ranks, self.text(name, "out")[-3000:] + self.text(name, "err")[-3000:]
-        return self.folder(name)
-
-
-def _run_jobs(base: Path, jobs: dict[str, list[str]], env: dict, processes: int, strategy: str = "ddp",
-              cwd: Path | None = None) -> Launch:
-    """Run `jobs` (name -> rlhflab argv, its output folder added) one after another in one
-    process, or in each of the 2 processes of one accelerate launch under `strategy`."""
-    def with_output(argv: list[str], folder: Path) -> list[str]:  # an override goes before --resume
-        at = argv.index("--resume") if "--resume" in argv else len(argv)
-        return [*argv[:at], f"training.output_dir={folder}", *argv[at:]]
-
-    spec = {"logs": str(base / "logs"),
-            "jobs": [{"name": n, "argv": with_output(argv, base / n)} for n, argv in jobs.items()]}
-    base.mkdir(parents=True, exist_ok=True)
-    (base / "jobs.json").write_text(json.dumps(spec, indent=1))
-    script = [str(ROOT / "tests" / "dist_jobs.py"), str(base / "jobs.json")]
-    cmd = _launch(strategy) + script if processes == 2 else [sys.executable, *script]
-    out = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=1800)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return Launch(base, processes)
 
 
 def _once(run) -> Launch | str:
@@ -178,7 +130,7 @@ def one_process(cases, tmp_path_factory) -> Launch:
     command does not depend on the strategy it is compared with (no accelerate launch),
     so the strategies of one case share it."""
     base = tmp_path_factory.mktemp("one-process")
-    return _run_jobs(base, {name: cases[name][0] for name in REFERENCES}, _env(base), 1)
+    return run_jobs(base, {name: cases[name][0] for name in REFERENCES}, _env(base), 1)
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +144,7 @@ def launched(cases, tmp_path_factory):
             base = tmp_path_factory.mktemp(f"two-{strategy}")
             jobs = {n: argv for n, (argv, where) in sorted(cases.items(), key=lambda c: not c[0].endswith("_refused"))
                     if strategy in where}
-            done[strategy] = _once(lambda: _run_jobs(base, jobs, _env(base), 2, strategy))
+            done[strategy] = _once(lambda: run_jobs(base, jobs, _env(base), 2, strategy))
         return _result(done[strategy])
 
     return get
@@ -225,8 +177,8 @@ def resumed(cases, launched, tmp_path_factory):
                 jobs = {f"{s}_under_ddp": from_ckpt(s) for s in E2E_STRATEGIES if strategy == "ddp" and s != "ddp"}
                 jobs["resume"] = from_ckpt(strategy)
             base = tmp_path_factory.mktemp(f"resumed-{strategy}")
-            done[strategy] = _once(lambda: _run_jobs(base, jobs, _env(base), 1 if strategy == "one" else 2,
-                                                     "ddp" if strategy == "one" else strategy))
+            done[strategy] = _once(lambda: run_jobs(base, jobs, _env(base), 1 if strategy == "one" else 2,
+                                                    "ddp" if strategy == "one" else strategy))
         return _result(done[strategy])
 
     return get

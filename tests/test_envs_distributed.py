@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from test_distributed import GRPO_STEP, PPO_STEP, ROOT, _assert_equal_and_moved, _common, _env, _run_jobs
+from dist_jobs import run_jobs
+from test_distributed import GRPO_STEP, PPO_STEP, ROOT, _assert_equal_and_moved, _common, _env
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +65,7 @@ def runs(stop_model, arith_dir, tmp_path_factory):
         base = tmp_path_factory.mktemp(f"multiturn-{processes}")
         env = _env(base)
         (base / "dist_env.py").write_text(ENV)
-        out.append(_run_jobs(base, jobs, env, processes, "ddp"))
+        out.append(run_jobs(base, jobs, env, processes, "ddp"))
     return tuple(out)
 
 

@@ -221,7 +221,7 @@ def cli_runs(chat_model, task_dir, tmp_path_factory):
     in one process (tests/dist_jobs.py: vLLM is imported once, not once per case), with no
     PYTHONPATH. Each case has its own config folder with its env and tool modules beside
     the YAML, named after the case, so that each run finds its own there."""
-    from test_distributed import _run_jobs
+    from dist_jobs import run_jobs
 
     base = tmp_path_factory.mktemp("env-cli")
     jobs = {}
@@ -247,7 +247,7 @@ def cli_runs(chat_model, task_dir, tmp_path_factory):
             """) + section)
         jobs[name] = [command, "--config", str(cfg_dir / "run.yaml")]
     env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HOME": str(base)}
-    return _run_jobs(base, jobs, env, 1, cwd=base)
+    return run_jobs(base, jobs, env, 1, cwd=base)
 
 
 @pytest.mark.slow
