@@ -445,14 +445,15 @@ def _critic_fit(history: History, steps: Sequence[int], cfg: DoctorConfig) -> Op
 
 
 def _fit_words(fit: Optional[CriticFit], cfg: DoctorConfig) -> str:
-    """What the finding says about the critic's explained variance."""
+    """What the finding says about the critic's explained variance, and what that means."""
     if fit is None:
         return (f" (the run logs neither {EXPLAINED_VAR} nor {REWARD_STD}, so the loss is judged alone; "
-                f"it also rises when the returns' variance does)")
+                f"it also rises when the returns' variance does): the critic may not be learning the returns")
     how = ("" if fit.logged else
            f", estimated as 1 - 2 * loss/value / reward_std^2, since this run does not log {EXPLAINED_VAR}")
     return (f" and the critic explains none of the returns' variance (explained variance {fit.explained:+.2f} "
-            f"over those steps, at most {cfg.value_ev_min:g}{how})")
+            f"over those steps, at most {cfg.value_ev_min:g}{how}): the critic predicts the returns no better "
+            f"than a constant, so it adds nothing to the advantages")
 
 
 def _rule_value_loss(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
@@ -467,10 +468,9 @@ def _rule_value_loss(history: History, latest: dict[str, float], cfg: DoctorConf
     if fit is not None and fit.explained > cfg.value_ev_min:
         return ""  # the loss follows the returns' variance, but the critic explains part of it
     return (f"value loss has not fallen in {len(pts)} steps (mean {recent:.3g} over the last "
-            f"{k} steps vs {start:.3g} at the start){_fit_words(fit, cfg)}: the critic predicts the "
-            f"returns no better than a constant, so it adds nothing to the advantages. Check ppo.vf_coeff "
-            f"(raise it), ppo.critic_learning_rate, ppo.value_clip (loosen it), the reward scale, and that "
-            f"the value head is saved/loaded")
+            f"{k} steps vs {start:.3g} at the start){_fit_words(fit, cfg)}. Check ppo.vf_coeff (raise it), "
+            f"ppo.critic_learning_rate, ppo.value_clip (loosen it), the reward scale, and that the value head "
+            f"is saved/loaded")
 
 
 def _rule_kl(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
@@ -665,8 +665,7 @@ def _rule_value_flat_early(history: History, latest: dict[str, float], cfg: Doct
     if fit is not None and fit.explained > cfg.value_ev_min:
         return ""  # the loss follows the returns' variance, but the critic explains part of it
     return (f"value loss has not fallen over the first {n} rollouts ({start:.3g} -> {recent:.3g}, means of "
-            f"{k}) while the rewards vary (reward_std {_mean(stds):.3g}){_fit_words(fit, cfg)}: the critic "
-            f"predicts the returns no better than a constant, so it adds nothing to the advantages. Check that "
+            f"{k}) while the rewards vary (reward_std {_mean(stds):.3g}){_fit_words(fit, cfg)}. Check that "
             f"the value head trains (ppo.vf_coeff > 0, model.value_head_dropout), raise ppo.vf_coeff or "
             f"ppo.critic_learning_rate or loosen ppo.value_clip, and check the reward scale; the value_loss "
             f"rule judges again after {cfg.value_window} steps")
