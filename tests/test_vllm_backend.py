@@ -41,25 +41,35 @@ def engine_test(fn):
 # --------------------------------------------------------------------------------------
 # Fixtures: an SFT'd tiny model, its prompts, one engine
 # --------------------------------------------------------------------------------------
+# `task` and `sft_dir` are built once per session (tests/test_grpo_helpers.py's `_once`):
+# tests/test_vllm_commands.py takes them too, and only reads them.
 @pytest.fixture(scope="module")
 def task(tmp_path_factory) -> dict:
+    from test_grpo_helpers import _once
+
     from rlhflab.data import arith
-    return arith.write_task(tmp_path_factory.mktemp("vllm-arith"), n_train=400, n_test=64, seed=0)
+    path = _once(tmp_path_factory, "vllm-arith", lambda p: arith.write_task(p, n_train=400, n_test=64, seed=0))
+    return {split: path / f"{split}.jsonl" for split in ("train", "test", "sft")}
 
 
 @pytest.fixture(scope="module")
 def sft_dir(tiny_model_dir, task, tmp_path_factory) -> Path:
     """The tiny Llama after 150 SFT steps on worked solutions: answers end with EOS."""
+    from test_grpo_helpers import _once
+
     from rlhflab.config import load_config
     from rlhflab.trainers.sft import SFTRunConfig, train_sft
 
-    cfg, _ = load_config(CONFIGS / "sft_debug.yaml", SFTRunConfig, [
-        f"model.name_or_path={tiny_model_dir}", f"data.path={task['train']}",
-        f"data.eval_path={task['test']}", f"training.output_dir={tmp_path_factory.mktemp('vllm-sft')}",
-        "training.num_threads=1", "logging.progress_bar=false", "logging.plots=false",
-        "sft.max_steps=150", "sft.batch_size=16", "sft.learning_rate=3e-3", "sft.eval_before=false",
-        "sft.num_eval_generate=0"])
-    return Path(train_sft(cfg, quiet=True).final_dir)
+    def build(folder: Path) -> None:
+        cfg, _ = load_config(CONFIGS / "sft_debug.yaml", SFTRunConfig, [
+            f"model.name_or_path={tiny_model_dir}", f"data.path={task['train']}",
+            f"data.eval_path={task['test']}", f"training.output_dir={folder / 'run'}",
+            "training.num_threads=1", "logging.progress_bar=false", "logging.plots=false",
+            "sft.max_steps=150", "sft.batch_size=16", "sft.learning_rate=3e-3", "sft.eval_before=false",
+            "sft.num_eval_generate=0"])
+        assert Path(train_sft(cfg, quiet=True).final_dir) == folder / "run" / "final"
+
+    return _once(tmp_path_factory, "vllm-sft", build) / "run" / "final"
 
 
 @pytest.fixture(scope="module")
