@@ -12,7 +12,9 @@ import pytest
 from rlhflab import cli
 from rlhflab.quickstart import format_table, quickstart
 
-SMALL = ["sft.max_steps=20", "sft.batch_size=16", "training.total_steps=1", "ppo.rollout_samples=8",
+# sft.max_steps=2: nothing below needs the warm start to have learned (SFT's own learning is
+# tests/test_sft.py's); two steps still run the stage, save final/ and hand it to PPO.
+SMALL = ["sft.max_steps=2", "sft.batch_size=16", "training.total_steps=1", "ppo.rollout_samples=8",
          "ppo.batch_size=8", "ppo.mini_batch_size=8", "ppo.epochs=1", "dataset.num_eval_samples=10",
          "generation.max_new_tokens=8", "training.eval_interval=1", "logging.progress_bar=false",
          "logging.plots=false"]
