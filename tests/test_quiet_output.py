@@ -106,19 +106,35 @@ STEP0 = re.compile(r"^eval at step 0 \(before training\): .* over 4 held-out pro
                    r"\(all samples: (\S+)\); the first 2:$", re.MULTILINE)
 
 
-def _ppo_runs(model: Path, data: Path, outs_and_seeds: list[tuple[Path, int]]) -> tuple[str, list]:
-    """PPO runs one after another in one fresh process: (all it printed, each run's step-0
+QUICKSTART_SMALL = ["sft.max_steps=2", "sft.batch_size=8", "training.total_steps=1", "ppo.rollout_samples=8",
+                    "ppo.batch_size=8", "ppo.mini_batch_size=8", "ppo.epochs=1", "dataset.num_eval_samples=4",
+                    "generation.max_new_tokens=4", "logging.plots=false"]
+
+
+@pytest.fixture(scope="module")
+def fresh_process(tiny_model_dir, arith_dir, tmp_path_factory) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """The quickstart, then two PPO runs (seed 0, then seed 1), one after another in ONE fresh
+    process (RUN --each): (what it printed and its exit code, the text of each command).
+    The process starts fresh, so whatever a library prints on its first import or load is
+    in its text; the NOISE checks read all of it."""
+    base = tmp_path_factory.mktemp("quiet")
+    quick = ["quickstart", "--out", str(base / "qs"), "--threads", "1", *QUICKSTART_SMALL]
+    runs = [["ppo", "--config", str(DEBUG_CONFIG), *small_overrides(tiny_model_dir, arith_dir, base / f"seed{seed}"),
+             "training.total_steps=1", "training.eval_interval=1", "dataset.num_eval_samples=4",
+             f"training.seed={seed}"] for seed in (0, 1)]
+    done = _python(RUN, "--each", json.dumps([quick, *runs]))
+    return done, done.stdout.split("=== the run ended")[:-1]
+
+
+def _ppo_runs(fresh_process) -> tuple[str, list]:
+    """The two PPO runs of `fresh_process`: (all the process printed, each run's step-0
     samples as shown, checked against the ones it saved)."""
-    runs = [["ppo", "--config", str(DEBUG_CONFIG), *small_overrides(model, data, out), "training.total_steps=1",
-             "training.eval_interval=1", "dataset.num_eval_samples=4", f"training.seed={seed}"]
-            for out, seed in outs_and_seeds]
-    done = _python(RUN, "--each", json.dumps(runs))
+    done, printed = fresh_process
     text = done.stdout + done.stderr
     assert done.returncode == 0, text[-3000:]
-    printed = done.stdout.split("=== the run ended")[:-1]
-    assert len(printed) == len(runs), done.stdout[-3000:]
+    assert len(printed) == 3, done.stdout[-3000:]
     shown_per_run = []
-    for stdout in printed:
+    for stdout in printed[1:]:
         m = STEP0.search(stdout)
         assert m, stdout
         lines = stdout[m.end():].lstrip("\n").splitlines()[:4]
@@ -131,11 +147,8 @@ def _ppo_runs(model: Path, data: Path, outs_and_seeds: list[tuple[Path, int]]) -
 
 
 @pytest.mark.slow
-def test_a_trainer_run_is_quiet_and_its_step0_samples_are_the_greedy_held_out_ones(tiny_model_dir, arith_dir,
-                                                                                   tmp_path):
-    # Two runs in one process (seed 0, then seed 1): the first starts fresh, so whatever a
-    # library prints on its first import or load is in the text checked below.
-    text, (shown, again) = _ppo_runs(tiny_model_dir, arith_dir, [(tmp_path / "seed0", 0), (tmp_path / "seed1", 1)])
+def test_a_trainer_run_is_quiet_and_its_step0_samples_are_the_greedy_held_out_ones(arith_dir, fresh_process):
+    text, (shown, again) = _ppo_runs(fresh_process)
     assert not NOISE.search(text), NOISE.search(text).group(0) + "\n" + text[-3000:]
     assert "deepspeed imported: True" not in text and "deepspeed imported: False" in text
     # the samples shown are the first held-out rows
@@ -146,12 +159,10 @@ def test_a_trainer_run_is_quiet_and_its_step0_samples_are_the_greedy_held_out_on
 
 
 @pytest.mark.slow
-def test_the_quickstart_prints_no_third_party_warning(tmp_path):
-    small = ["sft.max_steps=2", "sft.batch_size=8", "training.total_steps=1", "ppo.rollout_samples=8",
-             "ppo.batch_size=8", "ppo.mini_batch_size=8", "ppo.epochs=1", "dataset.num_eval_samples=4",
-             "generation.max_new_tokens=4", "logging.plots=false"]
-    done = _python(RUN, "quickstart", "--out", str(tmp_path / "qs"), "--threads", "1", *small)
+def test_the_quickstart_prints_no_third_party_warning(fresh_process):
+    done, printed = fresh_process
     text = done.stdout + done.stderr
     assert done.returncode == 0, text[-3000:]
-    assert "[5/5]" in text and not NOISE.search(text), text[-3000:]
-    assert "deepspeed imported: False" in text
+    # the quickstart is the process's first command: its own text is a fresh process's
+    assert "[5/5]" in printed[0] and "deepspeed imported: False" in printed[0]
+    assert not NOISE.search(text), text[-3000:]
