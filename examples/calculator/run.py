@@ -79,16 +79,16 @@ def env_config(tools: bool) -> EnvConfig:
     return EnvConfig(tools=TOOLS if tools else [], tool_format="plain", max_turns=MAX_TURNS, plugin_dir=str(HERE))
 
 
-def make_base(out: Path, train: list[dict], seed: int) -> Path:
-    """The tiny ChatML model (1.12M parameters), its BPE trained on the task's text, and a
-    chat template that lists the tools in one line."""
+def make_base(out: Path, train: list[dict], seed: int, hidden_size: int = 128, num_layers: int = 4) -> Path:
+    """The tiny ChatML model (1.12M parameters at the default sizes), its BPE trained on the
+    task's text, and a chat template that lists the tools in one line."""
     from transformers import AutoTokenizer
 
     from rlhflab.models.tiny import CHAT_TEMPLATES, make_tiny_model
 
     corpus = [r["question"] for r in train] + [tool_reply(r, [{"role": "user"}]) for r in train[:200]]
-    base = make_tiny_model(out, hidden_size=128, num_layers=4, num_heads=4, vocab_size=512, max_positions=320,
-                           seed=seed, corpus=corpus, chat_template="chatml")
+    base = make_tiny_model(out, hidden_size=hidden_size, num_layers=num_layers, num_heads=4, vocab_size=512,
+                           max_positions=320, seed=seed, corpus=corpus, chat_template="chatml")
     tok = AutoTokenizer.from_pretrained(str(base))
     tok.chat_template = TOOLS_LINE + CHAT_TEMPLATES["chatml"]["template"]
     tok.save_pretrained(str(base))
@@ -100,14 +100,15 @@ def demonstrations(rows: list[dict], seed: int, skip_rate: float, skip_kinds=SKI
     return [dict(r, prompt=r["question"], _skip=r["kind"] in skip_kinds and rng.random() < skip_rate) for r in rows]
 
 
-def sft(base: Path, demo_rows: list[dict], tools: bool, steps: int, seed: int, log=None):
-    """The base model after `steps` SFT steps on the demonstrations (with the tool or without)."""
+def sft(base: Path, demo_rows: list[dict], tools: bool, steps: int, seed: int, log=None, batch_size: int = 32,
+        lr: float = 3e-3):
+    """The base model after `steps` SFT steps of `batch_size` demonstrations (with the tool or without)."""
     from rlhflab.models.load import load_model
 
     model, tok = load_model(str(base))
     eps = demonstration_episodes(setup_episodes(env_config(tools), tok), demo_rows,
                                  tool_reply if tools else direct_reply, max_turns=MAX_TURNS)
-    sft_on_episodes(model, eps, tok.pad_token_id, steps=steps, batch_size=32, lr=3e-3, seed=seed, log=log)
+    sft_on_episodes(model, eps, tok.pad_token_id, steps=steps, batch_size=batch_size, lr=lr, seed=seed, log=log)
     return model, tok
 
 
@@ -121,6 +122,15 @@ def evaluate(model, tok, rows, tools: bool) -> dict:
     calls = sum(e.tool_calls for e in eps)
     return {"accuracy": acc, "calls": calls / len(eps), "errors": sum(e.tool_errors for e in eps) / max(calls, 1),
             "turns": sum(e.num_turns for e in eps) / len(eps)}
+
+
+def rl_overrides(out: Path, method: str, steps: int, threads: int, seed: int) -> list[str]:
+    """The RL run's settings beyond `<method>.yaml`: the SFT model with the tool, the data and
+    the output folder under `out`."""
+    return [f"training.total_steps={steps}", f"training.eval_interval={steps}", f"training.num_threads={threads}",
+            "logging.progress_bar=false", "training.overwrite=true", f"training.seed={seed}",
+            f"model.name_or_path={out / 'sft_tool'}", f"dataset.path={out / 'train.jsonl'}",
+            f"dataset.eval_path={out / 'test.jsonl'}", f"training.output_dir={out / method}"]
 
 
 def main() -> int:
@@ -173,11 +183,7 @@ def main() -> int:
         print(f"RL: rlhflab {args.method} --config examples/calculator/{args.method}.yaml ({args.rl_steps} steps)",
               flush=True)
         cmd = [sys.executable, "-m", "rlhflab", args.method, "--config", str(HERE / f"{args.method}.yaml"),
-               f"training.total_steps={args.rl_steps}", f"training.eval_interval={args.rl_steps}",
-               f"training.num_threads={args.threads}", "logging.progress_bar=false", "training.overwrite=true",
-               f"training.seed={args.seed}", f"model.name_or_path={OUT / 'sft_tool'}",
-               f"dataset.path={OUT / 'train.jsonl'}", f"dataset.eval_path={OUT / 'test.jsonl'}",
-               f"training.output_dir={OUT / args.method}"]
+               *rl_overrides(OUT, args.method, args.rl_steps, args.threads, args.seed)]
         cmd += args.set
         if args.rl_lr is not None:
             cmd.append(f"{args.method}.learning_rate={args.rl_lr}")

@@ -70,14 +70,14 @@ def env_config() -> EnvConfig:
     return EnvConfig(name="guess_env:GuessTheNumber", kwargs={"high": HIGH}, max_turns=MAX_TURNS, plugin_dir=str(HERE))
 
 
-def make_base(out: Path, seed: int) -> Path:
-    """The tiny ChatML model (1.12M parameters), its BPE trained on the game's phrases."""
+def make_base(out: Path, seed: int, hidden_size: int = 128, num_layers: int = 4) -> Path:
+    """The tiny ChatML model (1.12M parameters at the default sizes), its BPE trained on the game's phrases."""
     from rlhflab.models.tiny import make_tiny_model
 
     corpus = [f"I am thinking of a number from 1 to {HIGH}. Guess it.", "higher", "lower", "Say a number."] + \
              [f"My guess is {i}." for i in range(1, HIGH + 1)]
-    return make_tiny_model(out, hidden_size=128, num_layers=4, num_heads=4, vocab_size=512, max_positions=320,
-                           seed=seed, corpus=corpus * 50, chat_template="chatml")
+    return make_tiny_model(out, hidden_size=hidden_size, num_layers=num_layers, num_heads=4, vocab_size=512,
+                           max_positions=320, seed=seed, corpus=corpus * 50, chat_template="chatml")
 
 
 def demonstrations(tok, rows: list[dict], seed: int, halve: float):
