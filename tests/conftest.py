@@ -134,6 +134,17 @@ def small_overrides(model_dir: Path, data_dir: Path, out_dir: Path) -> list[str]
 
 
 @pytest.fixture
+def torch_threads():
+    """`torch_threads(n)` sets torch's thread count for one test; the count it had before the
+    test is restored afterwards, so no later test inherits it."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def ppo_cfg(tiny_model_dir, arith_dir, tmp_path):
     """`ppo_cfg(*overrides)` -> PPORunConfig of the debug config on the tiny model and task."""
     from rlhflab.config import load_config

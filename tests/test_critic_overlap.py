@@ -21,11 +21,8 @@ from rlhflab.trainers.common import make_optimizer
 
 
 @pytest.fixture
-def two_threads():
-    n = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(n)
+def two_threads(torch_threads):
+    torch_threads(2)
 
 
 @pytest.fixture(scope="module")

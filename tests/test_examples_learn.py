@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.slow
 
@@ -34,12 +33,9 @@ def _load(name: str, path: Path):
 
 
 @pytest.fixture
-def one_thread():
+def one_thread(torch_threads):
     """One torch thread (what the margins were measured with), restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    torch_threads(1)
 
 
 def _grpo(config: Path, overrides: list[str]) -> None:
