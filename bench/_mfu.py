@@ -69,6 +69,49 @@ def measure_peak(threads: int, sizes: tuple[int, ...] = (2048, 4096)) -> float:
     return matmul_peak(threads, sizes).wall
 
 
+def cuda_matmul_peak(sizes: tuple[int, ...] = (4096, 8192), dtype: str = "float32", trials: int = 10) -> float:
+    """The GPU's best square matmul rate in FLOP/s (`dtype`: float32 or bfloat16; torch's
+    default float32 precision, so no TF32 unless the process allowed it), timed with
+    CUDA synchronization."""
+    import time
+
+    import torch
+
+    best = 0.0
+    for n in sizes:
+        a = torch.randn(n, n, device="cuda", dtype=getattr(torch, dtype))
+        b = torch.randn(n, n, device="cuda", dtype=getattr(torch, dtype))
+        a @ b  # warm-up
+        torch.cuda.synchronize()
+        for _ in range(trials):
+            t0 = time.perf_counter()
+            a @ b
+            torch.cuda.synchronize()
+            best = max(best, 2 * n ** 3 / (time.perf_counter() - t0))
+        del a, b
+    torch.cuda.empty_cache()
+    return best
+
+
+def device_peak(device: str, threads: int, sizes: tuple[int, ...], dtype: str = "float32",
+                peak_tflops: float | None = None) -> tuple[float, str]:
+    """(peak FLOP/s, what it is) for the MFU: `peak_tflops` when given, else measured here:
+    the CPU's float32 peak (`measure_peak`), or on CUDA the GPU's `dtype` matmul peak."""
+    if peak_tflops:
+        return peak_tflops * 1e12, f"the given peak, {peak_tflops:g} TFLOP/s"
+    if device == "cuda":
+        return cuda_matmul_peak(sizes, dtype), f"the {dtype} matmul peak measured on {device_name(device)}"
+    return measure_peak(threads, sizes), f"the float32 matmul peak measured here ({cpu_name()})"
+
+
+def device_name(device: str) -> str:
+    """The CPU's model name, or the CUDA device's name."""
+    if device == "cuda":
+        import torch
+        return torch.cuda.get_device_name()
+    return cpu_name()
+
+
 def cpu_name() -> str:
     """The CPU's model name from /proc/cpuinfo ('unknown CPU' elsewhere): every figure
     says which machine it comes from."""

@@ -1,7 +1,8 @@
 """GRPO throughput and peak memory: rlhflab's GRPO and TRL's `GRPOTrainer`, side by side.
 
     python bench/grpo_throughput.py [--steps 6] [--repeats 3] [--sides rlhflab,trl] [--out DIR]
-                                    [--model DIR] [--data DIR] [--beta 0.0] [--device cpu]
+                                    [--model DIR] [--data DIR] [--beta 0.0] [--device cpu|cuda]
+                                    [--mixed-precision no|bf16] [--peak-tflops T]
                                     [--completions 32] [--group-size 8] [--max-new-tokens 16]
     python bench/grpo_throughput.py --model-dir outputs/models/smollm2-135m-instruct ...  # the real model
 
@@ -78,6 +79,15 @@ import _common  # noqa: E402  (the bench folder is not a package)
 import _mfu  # noqa: E402
 
 PHASES = ("generate", "score", "forward", "update")
+SYNC_CUDA = False  # set in a worker on --device cuda: clocks wait for the GPU's queued work
+
+
+def _now() -> float:
+    """time.perf_counter(), after the GPU has finished its queued work when on CUDA."""
+    if SYNC_CUDA:
+        import torch
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def _baseline(device: str) -> float:
@@ -150,12 +160,13 @@ def _train_rlhflab(a: argparse.Namespace, steps: int, out: str) -> dict:
         f"grpo.share_prompt={str(not a.no_share_prompt).lower()}",
         f"training.total_steps={steps}", "training.eval_interval=0", "training.save_interval=0",
         f"training.output_dir={a.out}/{out}", f"training.device={a.device}", f"training.num_threads={a.threads}",
+        f"training.mixed_precision={a.mixed_precision}",
         "logging.progress_bar=false", "logging.plots=false", "logging.doctor=false"])
     marks: list[tuple[float, float]] = []
 
     def timed_step(*args):  # grpo_step, with a mark at the end of each step (as TRL's on_step_end)
         out = grpo.grpo_step(*args)
-        marks.append((time.perf_counter(), time.process_time()))
+        marks.append((_now(), time.process_time()))
         return out
 
     method = PolicyMethod("grpo", timed_step, need_reference=lambda c: c.grpo.kl_coeff > 0)
@@ -203,7 +214,7 @@ def _train_trl(a: argparse.Namespace, steps: int, out: str) -> dict:
             self.marks, self.lengths = [], []
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.marks.append((time.perf_counter(), time.process_time()))
+            self.marks.append((_now(), time.process_time()))
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "completions/mean_length" in logs:
@@ -217,18 +228,18 @@ def _train_trl(a: argparse.Namespace, steps: int, out: str) -> dict:
         temperature=1.0, top_p=1.0, top_k=0, learning_rate=a.lr, lr_scheduler_type="constant",
         beta=a.beta, epsilon=0.2, max_grad_norm=1.0, max_steps=steps, logging_steps=1,
         gradient_checkpointing=False,  # rlhflab's run does not checkpoint either
-        save_strategy="no", report_to=[], use_cpu=a.device == "cpu", bf16=False, fp16=False,
+        save_strategy="no", report_to=[], use_cpu=a.device == "cpu", bf16=a.mixed_precision == "bf16", fp16=False,
         dataloader_num_workers=0, seed=42, disable_tqdm=True)
     cb = StepMarks()
     spent: dict[str, float] = {}  # seconds in TRL's own methods, summed since the last step end
 
     def timed(name, fn):
         def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
+            t0 = _now()
             try:
                 return fn(*args, **kwargs)
             finally:
-                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+                spent[name] = spent.get(name, 0.0) + _now() - t0
         return wrapper
 
     class TimedGRPOTrainer(GRPOTrainer):
@@ -247,10 +258,10 @@ def _train_trl(a: argparse.Namespace, steps: int, out: str) -> dict:
 
         def on_step_begin(self, args, state, control, **kwargs):
             if self.last is None:
-                self.last = time.perf_counter()
+                self.last = _now()
 
         def on_step_end(self, args, state, control, **kwargs):
-            now = time.perf_counter()
+            now = _now()
             step_s = now - self.last
             gen, rew = spent.get("_generate", 0.0), spent.get("_calculate_rewards", 0.0)
             prep = spent.get("_generate_and_score_completions", 0.0)
@@ -280,7 +291,8 @@ def _worker(which: str, a: argparse.Namespace, round_: int) -> dict:
     folder = tempfile.mkdtemp(prefix=f"{which}-round{round_}-", dir=a.out)
     cmd = [sys.executable, __file__, "--worker", which, "--model", str(a.model), "--data", str(a.data),
            "--out", folder, "--steps", str(a.steps), "--beta", str(a.beta), "--lr", str(a.lr),
-           "--device", a.device, "--threads", str(a.threads), "--group-size", str(a.group_size),
+           "--device", a.device, "--mixed-precision", a.mixed_precision,
+           "--threads", str(a.threads), "--group-size", str(a.group_size),
            "--completions", str(a.completions), "--max-new-tokens", str(a.max_new_tokens)] \
         + (["--no-share-prompt"] if a.no_share_prompt else []) \
         + ([] if a.prime else ["--no-prime"])
@@ -320,10 +332,11 @@ def phase_flops(a: argparse.Namespace, n: "_mfu.LinearParams", prompt_tokens: fl
 
 
 def mfu_lines(results: dict[str, list[dict]], a: argparse.Namespace, n: "_mfu.LinearParams",
-              prompt_tokens: float, peak: float) -> list[str]:
+              prompt_tokens: float, peak: float, peak_what: str | None = None) -> list[str]:
     """Per side: median seconds, model FLOPs and MFU of each phase of a timed step."""
-    lines = [f"per phase (median seconds of the timed steps of every run); MFU against the float32 matmul peak "
-             f"measured here, {peak / 1e9:.1f} GFLOP/s ({_mfu.cpu_name()}); N = {n.body / 1e6:.1f}M decoder + "
+    peak_what = peak_what or f"the float32 matmul peak measured here ({_mfu.cpu_name()})"
+    lines = [f"per phase (median seconds of the timed steps of every run); MFU against {peak_what}, "
+             f"{peak / 1e9:.1f} GFLOP/s; N = {n.body / 1e6:.1f}M decoder + "
              f"{n.head / 1e6:.1f}M LM-head linear weights, {prompt_tokens:.1f} prompt tokens on average; "
              f"2N per token forward, 6N forward+backward (bench/_mfu.py)"]
     for name, runs in results.items():
@@ -358,6 +371,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--beta", type=float, default=0.0, help="KL weight for both trainers (TRL's default is 0)")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--mixed-precision", choices=["no", "bf16"], default="no",
+                   help="bf16: bfloat16 autocast with float32 weights on both sides (rlhflab's "
+                        "training.mixed_precision=bf16, TRL's bf16=True)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the peak FLOP/s (in TFLOP/s) the MFU divides by; default: measured here (on CUDA: "
+                        "square matmuls of --peak-sizes in bfloat16 under --mixed-precision bf16, else float32)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads in each worker")
     p.add_argument("--no-share-prompt", action="store_true",
                    help="run rlhflab with grpo.share_prompt=false (each prompt computed k times, as TRL does)")
@@ -367,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", choices=["rlhflab", "trl"], help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
+        global SYNC_CUDA
+        SYNC_CUDA = a.device == "cuda"
         out = run_rlhflab(a) if a.worker == "rlhflab" else run_trl(a)
         print(json.dumps(out))
         return 0
@@ -407,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     a.out = scratch
     n = _mfu.linear_params(a.model)
     prompt_tokens = _mean_prompt_tokens(a.model, a.data)
-    peak = _mfu.measure_peak(a.threads, tuple(a.peak_sizes)) if a.device == "cpu" else float("nan")
+    peak, peak_what = _mfu.device_peak(a.device, a.threads, tuple(a.peak_sizes),
+                                       "bfloat16" if a.mixed_precision == "bf16" else "float32", a.peak_tflops)
 
     results: dict[str, list[dict]] = {"rlhflab": [], "trl": []}
     for r in range(a.repeats):  # alternate, so both see the same machine load on average
@@ -426,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     cpu_speed = ours["completions_per_cpu_s"] / theirs["completions_per_cpu_s"]
     memory = ours["peak_memory_mb"] / theirs["peak_memory_mb"]
     mem_name = "peak CUDA MiB" if a.device == "cuda" else "peak RSS MiB above imports"
-    print(f"model {a.model}; device {a.device}, {a.threads} thread(s); group {a.group_size}, {a.completions} "
+    print(f"model {a.model}; device {a.device}, {a.threads} thread(s), mixed precision {a.mixed_precision}; "
+          f"group {a.group_size}, {a.completions} "
           f"completions/step, <= {a.max_new_tokens} new tokens, beta {a.beta}; {a.steps} steps (first untimed); "
           f"median of {a.repeats} alternating runs; trl {trl_version}; rlhflab share_prompt "
           f"{not a.no_share_prompt}; memory baseline {'after a priming run' if a.prime else 'after the imports'}; "
@@ -446,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
           f"ratio of whole-process ru_maxrss (imports included) "
           f"{ours['process_peak_rss_mb'] / theirs['process_peak_rss_mb']:.2f}")
     print()
-    for line in mfu_lines(results, a, n, prompt_tokens, peak):
+    for line in mfu_lines(results, a, n, prompt_tokens, peak, peak_what):
         print(line)
     print(f"grpo_throughput: rlhflab {ours['completions_per_s']:.1f} completions/s, trl "
           f"{theirs['completions_per_s']:.1f} completions/s, speed ratio {speed:.2f}, memory ratio {memory:.2f}")

@@ -4,6 +4,8 @@
     python bench/ppo_throughput.py --sides rlhflab # rlhflab only, no TRL needed
     python bench/ppo_throughput.py --model-dir outputs/models/smollm2-135m-instruct  # the real model
                                                    # (sides one at a time, see --sequential)
+    python bench/ppo_throughput.py --device cuda [--mixed-precision bf16] [--peak-tflops T]
+                                                   # on a GPU: sides one at a time, peak CUDA memory
 
 Prints a table (episodes/s, seconds and tokens/s per phase, peak memory) and, last, the
 line `ppo_throughput: rlhflab X eps/s, trl Y eps/s, speed ratio Z, memory ratio W, critic
@@ -11,7 +13,8 @@ speed ratio Z2, critic memory ratio W2` (ratios are rlhflab / TRL in float32: Z,
 rlhflab's value head, Z2, W2 with its separate critic, like for like; a side that did not
 run reads nan). The bfloat16-autocast pair (TRL's PPOConfig default) is in the table, and
 above the last line one line per side gives seconds, model FLOPs and MFU of generate,
-forward (no-grad scoring) and update against the float32 peak measured here (bench/_mfu.py).
+forward (no-grad scoring) and update against the float32 peak measured here (bench/_mfu.py;
+on CUDA the GPU's matmul peak in the run's precision, or --peak-tflops).
 
 How it measures (bench/README.md says why):
 - Each side runs in a worker process of its own (spawned, so it shares no memory with
@@ -93,6 +96,19 @@ class BenchSettings:
     temperature: float = 1.0
     threads: int = 2
     seed: int = 0
+    device: str = "cpu"         # cpu or cuda (--device)
+    mixed_precision: str = "no"  # bf16: every float32 side in bfloat16 autocast (--mixed-precision)
+
+
+SYNC_CUDA = False  # set in a worker on --device cuda: clocks wait for the GPU's queued work
+
+
+def _clock() -> float:
+    """time.perf_counter(), after the GPU has finished its queued work when on CUDA."""
+    if SYNC_CUDA:
+        import torch
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 # --------------------------------------------------------------------------------------
@@ -131,7 +147,7 @@ class RlhflabSide:
         p.vf_coeff, p.entropy_coeff, p.clip_eps, p.value_clip = s.vf_coeff, 0.0, s.clip_eps, s.value_clip
         p.dual_clip, p.gamma, p.lam = None, s.gamma, s.lam
         p.whiten_advantages, p.whiten_rewards, p.loss_aggregation = True, False, "token_mean"
-        cfg.training.device, cfg.training.seed, cfg.training.num_threads = "cpu", s.seed, s.threads
+        cfg.training.device, cfg.training.seed, cfg.training.num_threads = s.device, s.seed, s.threads
         cfg.training.mixed_precision = "bf16" if self.precision == "bf16" else "no"
         errors = cfg.check() + cfg.generation.check() + cfg.ppo.check()  # what the YAML loader would say
         if errors:
@@ -173,12 +189,12 @@ class RlhflabSide:
         from rlhflab.trainers.loop import run_update
 
         self.step_idx += 1
-        timer = Timer()
-        t0 = time.perf_counter()
+        timer = Timer()  # synchronizes CUDA around each phase itself
+        t0 = _clock()
         roll = ppo.collect_rollout(self.run, self.examples, timer)
         with timer("update"):
             run_update(self.run, roll, self.step_idx)
-        total = time.perf_counter() - t0
+        total = _clock() - t0
         phases = {k: timer.seconds.get(k, 0.0) for k in PHASES[:-1]}
         phases["other"] = total - sum(phases.values())
         return {"total": total, **phases, "episodes": len(roll),
@@ -292,23 +308,24 @@ class TrlSide:
         orig_gen, orig_reward, orig_forward = (trl_ppo.batch_generation, trl_ppo.get_reward, trl_ppo.forward)
 
         def batch_generation(model, queries, *a, **k):
-            t = time.perf_counter()
+            t = _clock()
             out = orig_gen(model, queries, *a, **k)
-            marks["generate"] = marks.get("generate", 0.0) + time.perf_counter() - t
-            marks["generate_end"] = time.perf_counter()
+            marks["generate_end"] = end = _clock()
+            marks["generate"] = marks.get("generate", 0.0) + end - t
             marks["response_width"] = out[0].shape[1] - queries.shape[1]  # (query_responses, logits)
             return out
 
         def get_reward(model, *a, **k):
-            t = time.perf_counter()
+            t = _clock()
             out = orig_reward(model, *a, **k)
             if model is self.reward:
-                marks["score"] = marks.get("score", 0.0) + time.perf_counter() - t
+                marks["score"] = marks.get("score", 0.0) + _clock() - t
             return out
 
         def forward(model, *a, **k):
             if isinstance(model, wrapper_type):  # the policy+value pass of the update
-                marks.setdefault("update_start", time.perf_counter())
+                if "update_start" not in marks:
+                    marks["update_start"] = _clock()
             return orig_forward(model, *a, **k)
 
         trl_ppo.batch_generation, trl_ppo.get_reward, trl_ppo.forward = batch_generation, get_reward, forward
@@ -346,7 +363,7 @@ class TrlSide:
             learning_rate=s.learning_rate, lr_scheduler_type="constant", weight_decay=0.0,
             kl_coef=s.kl_coeff, kl_estimator="k1", vf_coef=s.vf_coeff, cliprange=s.clip_eps,
             cliprange_value=s.value_clip, gamma=s.gamma, lam=s.lam, whiten_rewards=False,
-            bf16=self.precision == "bf16", fp16=False, gradient_checkpointing=False, use_cpu=True,
+            bf16=self.precision == "bf16", fp16=False, gradient_checkpointing=False, use_cpu=s.device == "cpu",
             num_sample_generations=0, report_to=[], save_strategy="no", logging_steps=1,
             disable_tqdm=True, seed=s.seed, dataloader_num_workers=0)
         self.trainer = trainer = trl_ppo.PPOTrainer(
@@ -358,13 +375,13 @@ class TrlSide:
 
         class Clock(TrainerCallback):
             def on_train_begin(self, *a, **k):
-                marks["begin"] = time.perf_counter()
+                marks["begin"] = _clock()
 
             def on_step_end(self, *a, **k):
-                marks["update_end"] = time.perf_counter()
+                marks["update_end"] = _clock()
 
             def on_train_end(self, *a, **k):
-                marks["end"] = time.perf_counter()
+                marks["end"] = _clock()
 
         trainer.add_callback(Clock())
         params = [x for x in trainer.model.parameters() if x.requires_grad]
@@ -380,9 +397,9 @@ class TrlSide:
 
     def step(self) -> dict:
         self.marks.clear()
-        t0 = time.perf_counter()
+        t0 = _clock()
         self.trainer.train()
-        call = time.perf_counter() - t0
+        call = _clock() - t0
         m = self.marks
         total = m["end"] - m["begin"]
         phases = {"generate": m["generate"], "score": m["score"],
@@ -418,6 +435,8 @@ def make_side(name: str, s: BenchSettings):
     if name not in SIDES:
         raise ValueError(f"unknown side {name!r}; choose from {', '.join(SIDES)}")
     precision = SIDES[name][1]
+    if s.mixed_precision == "bf16" and precision == "fp32":  # --mixed-precision bf16
+        precision = "bf16"
     if name.startswith("trl"):
         return TrlSide(s, precision)
     return RlhflabSide(s, "separate" if name.startswith("rlhflab-critic") else "value_head", precision,
@@ -439,6 +458,8 @@ def worker(name: str, settings: dict, conn, tensor_memory: bool = True) -> None:
         warnings.simplefilter("ignore", FutureWarning)
         s = BenchSettings(**settings)
         import torch
+        global SYNC_CUDA
+        SYNC_CUDA = s.device == "cuda"
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
         torch.set_num_threads(s.threads)
@@ -449,6 +470,11 @@ def worker(name: str, settings: dict, conn, tensor_memory: bool = True) -> None:
         side.release()
         baseline = _common.rss_mb()        # libraries loaded, no models
         resettable = _common.reset_peak_rss()
+        cuda_baseline = 0.0
+        if s.device == "cuda":  # the PPO peak is CUDA memory above what the priming run left
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            cuda_baseline = torch.cuda.memory_allocated() / 2**20
         torch.manual_seed(s.seed)
         info = side.build()
         conn.send(("ready", {**info, "baseline_rss_mb": baseline,
@@ -465,6 +491,9 @@ def worker(name: str, settings: dict, conn, tensor_memory: bool = True) -> None:
                 memory = {"baseline_rss_mb": baseline, "peak_rss_mb": peak,
                           "ppo_peak_mb": peak - baseline if resettable else float("nan"),
                           "process_peak_rss_mb": _common.lifetime_peak_rss_mb()}
+                if s.device == "cuda":
+                    memory.update(cuda_baseline_mb=cuda_baseline, rss_peak_mb=memory["ppo_peak_mb"],
+                                  ppo_peak_mb=torch.cuda.max_memory_allocated() / 2**20 - cuda_baseline)
                 if tensor_memory:  # exact cross-check: held state + one profiled step's own peak
                     held = _common.tensor_bytes(side.state_tensors()) / 2**20
                     step_peak = _common.profiled_tensor_peak_mb(getattr(side, "counted_step", side.step))
@@ -603,11 +632,12 @@ def phase_flops(name: str, n: "_mfu.LinearParams", prompt_tokens: float, respons
 
 
 def mfu_lines(summary: dict[str, dict], n: "_mfu.LinearParams", prompt_tokens: float, epochs: int,
-              peak: float) -> list[str]:
+              peak: float, peak_what: str | None = None) -> list[str]:
     """Per side: seconds, model FLOPs and MFU of generate, forward (no-grad scoring) and update;
     the MFU goes into the summary too."""
-    lines = [f"MFU per phase: model FLOPs / phase seconds / the float32 matmul peak measured here, "
-             f"{peak / 1e9:.1f} GFLOP/s ({_mfu.cpu_name()}); N = {n.body / 1e6:.1f}M decoder + "
+    peak_what = peak_what or f"the float32 matmul peak measured here ({_mfu.cpu_name()})"
+    lines = [f"MFU per phase: model FLOPs / phase seconds / {peak_what}, "
+             f"{peak / 1e9:.1f} GFLOP/s; N = {n.body / 1e6:.1f}M decoder + "
              f"{n.head / 1e6:.1f}M LM-head linear weights, {prompt_tokens:.0f} prompt tokens a step; "
              f"2N per token forward, 6N forward+backward (bench/_mfu.py)"]
     for name, m in summary.items():
@@ -622,17 +652,19 @@ def format_report(result: dict, summary: dict[str, dict]) -> str:
     from rlhflab.openmp import describe
 
     s, nan = result["settings"], float("nan")
+    on_cuda = s.get("device") == "cuda"
+    where = "CUDA" if on_cuda else f"CPU, {s['threads']} threads ({describe()})"
+    mem = "peak CUDA MiB" if on_cuda else "peak MiB"
     lines = [
         f"PPO step: {s['episodes']} episodes x {s['response_length']} new tokens, {s['epochs']} epochs of "
         f"one {s['episodes']}-episode minibatch, KL {s['kl_coeff']} in the reward (k1, frozen-copy reference), "
-        f"lr {s['learning_rate']:g}, no grad clipping, float32 weights (bf16 rows: bfloat16 autocast), CPU, "
-        f"{s['threads']} threads "
-        f"({describe()}); model {s['model_dir']}",
+        f"lr {s['learning_rate']:g}, no grad clipping, float32 weights (bf16 rows: bfloat16 autocast), "
+        f"{where}; model {s['model_dir']}",
         f"medians of {result['repeats']} steps per side after {result['warmup']} warm-up steps, sides "
         + ("run one after the other (--sequential)" if result.get("sequential") else "interleaved step by step"),
         "",
         f"{'side':<34} {'eps/s':>6} {'step s':>7} {'noise':>6} {'cpu s':>6} {'eps/cpu-s':>9}"
-        f" {'peak MiB':>8} {'tensor MiB':>10} {'proc RSS':>8}",
+        f" {mem:>8} {'tensor MiB':>10} {'proc RSS':>8}",
     ]
     for name, m in summary.items():
         lines.append(f"{LABELS[name]:<34} {m['eps_per_s']:>6.2f} {m['step_s']:>7.3f} {m['spread']:>6.0%} "
@@ -651,8 +683,10 @@ def format_report(result: dict, summary: dict[str, dict]) -> str:
         "eps/s     episodes per second: episodes / median wall seconds of a step",
         "noise     (slowest - fastest) / median of the measured wall times",
         "cpu s     median CPU seconds of a step, all threads (steadier than wall time on a shared machine)",
-        "peak MiB  peak resident set of the side's own process minus its resident set with libraries "
-        "loaded and no models",
+        ("peak CUDA MiB  torch.cuda.max_memory_allocated of the side's own process above what it held "
+         "after a priming build and step (reset_peak_memory_stats)" if on_cuda else
+         "peak MiB  peak resident set of the side's own process minus its resident set with libraries "
+         "loaded and no models"),
         "tensor MiB  exact cross-check: bytes of weights and optimizer state plus the peak of tensors "
         "allocated in one profiled step (rlhflab's separate critic: its pass and the policy's one after the "
         "other, an upper bound of the side-by-side step's, which the profiler cannot follow into a second thread)",
@@ -693,7 +727,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="square float32 matmuls that measure the machine's peak for the MFU")
     ap.add_argument("--json", default=None, help="also write the raw timings and summary here")
     ap.add_argument("--no-tensor-memory", action="store_true",
-                    help="skip the profiled step that counts tensor bytes exactly")
+                    help="skip the profiled step that counts tensor bytes exactly (it counts CPU tensors: "
+                         "always skipped on --device cuda)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where every side runs; cuda runs the sides one at a time (they share the GPU)")
+    ap.add_argument("--mixed-precision", choices=["no", "bf16"], default="no",
+                    help="bf16: every float32 side in bfloat16 autocast with float32 weights "
+                         "(rlhflab's training.mixed_precision=bf16, TRL's bf16=True)")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="the peak FLOP/s (in TFLOP/s) the MFU divides by; default: measured here (on CUDA: "
+                         "square matmuls of --peak-sizes in bfloat16 under --mixed-precision bf16, else float32)")
     args = ap.parse_args(argv)
 
     sides = [x.strip() for x in args.sides.split(",") if x.strip()]
@@ -715,21 +758,34 @@ def main(argv: list[str] | None = None) -> int:
                  f"`make models` first (outputs/models/smollm2-135m-instruct), or leave --model-dir out")
     settings = BenchSettings(model_dir=str(_common.ensure_tiny_model(args.model_dir)),
                              episodes=args.episodes, response_length=args.response_length,
-                             epochs=args.epochs, threads=args.threads)
+                             epochs=args.epochs, threads=args.threads, device=args.device,
+                             mixed_precision=args.mixed_precision)
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            ap.error("--device cuda: torch sees no CUDA device")
+    if args.mixed_precision == "bf16":  # the float32 sides' rows say they ran in bf16 autocast
+        for name, (label, precision) in SIDES.items():
+            if precision == "fp32":
+                LABELS[name] = f"{label} bf16"
     n = _mfu.linear_params(settings.model_dir)
-    sequential = args.sequential or n.total > SEQUENTIAL_ABOVE
+    sequential = args.sequential or n.total > SEQUENTIAL_ABOVE or args.device == "cuda"
     prompt_tokens = count_prompt_tokens(settings)
     print(f"ppo_throughput: {', '.join(sides)}; {args.warmup} warm-up + {args.repeats} measured steps each"
           f"{', sides one at a time' if sequential else ''} ({_common.cpu_count()} CPUs visible)", file=sys.stderr)
     from rlhflab.openmp import apply_default_wait
     apply_default_wait()  # as the CLI: idle OpenMP threads poll briefly, then sleep
-    peak = _mfu.measure_peak(args.threads, tuple(args.peak_sizes))  # before any worker computes
-    result = (run_sequential if sequential else run)(sides, settings, args.repeats, args.warmup,
-                                                     tensor_memory=not args.no_tensor_memory)
+    # before any worker computes; on CUDA in this process, which then holds a CUDA context
+    # while the workers run (a few hundred MiB of GPU memory, not in any worker's peak)
+    peak, peak_what = _mfu.device_peak(args.device, args.threads, tuple(args.peak_sizes),
+                                       "bfloat16" if args.mixed_precision == "bf16" else "float32", args.peak_tflops)
+    result = (run_sequential if sequential else run)(
+        sides, settings, args.repeats, args.warmup,
+        tensor_memory=not args.no_tensor_memory and args.device == "cpu")
     result.update(sequential=sequential, peak_flops=peak, prompt_tokens=prompt_tokens,
                   linear_params={"body": n.body, "head": n.head})
     summary = summarize(result)
-    mfu = mfu_lines(summary, n, prompt_tokens, settings.epochs, peak)
+    mfu = mfu_lines(summary, n, prompt_tokens, settings.epochs, peak, peak_what)
     if args.json:
         Path(args.json).write_text(json.dumps({**result, "summary": summary}, indent=1))
     print(format_report(result, summary))

@@ -3,6 +3,8 @@
     python bench/rollout_backends.py                       # the full table (see --help)
     python bench/rollout_backends.py --models tiny --lengths 16 --batches 32 --repeats 1
     python bench/rollout_backends.py --ppo                 # also PPO episodes/s end to end
+    python bench/rollout_backends.py --device cuda --model-dir DIR [--peak-tflops T]
+                                                           # the hf backend on a GPU (vllm when importable)
 
 Prints a table (seconds, generated tokens/s and generate-phase MFU per model, response
 length, batch and backend; the vllm/hf ratio per cell) and, last, the line
@@ -33,6 +35,10 @@ How it measures (bench/README.md says why):
 - The vllm engine (rlhflab.rollout.vllm.VLLMEngine) lives in this process, as in
   training, built as a run builds it (compiled unless --enforce-eager; KV blocks of 64
   tokens on CPU); its start-up is printed, not counted.
+- `--device cuda`: the hf backend's model on the GPU, clocks read after
+  torch.cuda.synchronize(), the MFU against `--peak-tflops` or the GPU's matmul peak
+  in `--dtype` measured here (CPU seconds and MFU/cpu then mean little). Without an
+  importable vllm (any device) its rows are skipped, with a line saying so.
 - Like for like, the vllm side asks for tokens only: the hf backend computes no sampler
   log-probs. At the headline cell a third row, `vllm+lp`, also asks for them, as the
   trainers do (rollout/logprob_gap, TIS).
@@ -55,7 +61,7 @@ MODELS = {  # name -> make_tiny_model arguments
     "tiny": dict(hidden_size=192, num_layers=4, num_heads=6, max_positions=512),
     "25M": dict(hidden_size=512, num_layers=6, num_heads=8, max_positions=512),
 }
-BACKENDS = ("hf", "vllm")
+BACKENDS = ("hf", "vllm")  # main() drops vllm when it cannot be imported (read at call time, Cell too)
 # vllm as the trainers call it: also the sampler's log-prob of every token (rollout/logprob_gap,
 # TIS), which the hf backend does not compute. Measured at the headline cell only.
 WITH_LOGPROBS = "vllm+lp"
@@ -74,9 +80,13 @@ class Cell:
     flops: float = 0.0  # model FLOPs of one call (real tokens only)
 
     def tok_s(self, backend: str) -> float:
+        if not self.seconds.get(backend):
+            return float("nan")
         return self.batch * self.length / _common.median(self.seconds[backend])
 
     def tok_cpu_s(self, backend: str) -> float:
+        if not self.cpu.get(backend):
+            return float("nan")
         return self.batch * self.length / _common.median(self.cpu[backend])
 
 
@@ -142,23 +152,29 @@ class Side:
     """One model under both backends: the HF model and a VLLMEngine, in this process."""
 
     def __init__(self, name: str, max_batch: int, max_length: int, threads: int,
-                 dtype: str = "float32", engine_dtype: str | None = None, enforce_eager: bool = False):
+                 dtype: str = "float32", engine_dtype: str | None = None, enforce_eager: bool = False,
+                 device: str = "cpu", mixed_precision: str = "no"):
         import json
 
         from rlhflab.models.load import load_model
-        from rlhflab.rollout.vllm import VLLMEngine
 
         self.name, self.folder = name, build_model(name)
+        self.device, self.mixed_precision = device, mixed_precision
         self.config = json.loads((self.folder / "config.json").read_text())
-        self.model, self.tok = load_model(str(self.folder), torch_dtype=dtype)
+        self.model, self.tok = load_model(str(self.folder), torch_dtype=dtype, device=device)
         self.model.eval()
         self.params = sum(p.numel() for p in self.model.parameters())
+        self.threads = threads
+        self.engine, self.startup, self.sync = None, float("nan"), float("nan")
+        if "vllm" not in BACKENDS:
+            return
+        from rlhflab.rollout.vllm import VLLMEngine
+
         t0 = time.perf_counter()
         self.engine = VLLMEngine.create(str(self.folder), self.tok, dtype=engine_dtype or dtype,
                                         max_model_len=MAX_PROMPT + max_length, seed=0,
                                         max_num_seqs=max_batch, enforce_eager=enforce_eager)
         self.startup = time.perf_counter() - t0
-        self.threads = threads
         syncs = []
         for _ in range(3):  # the push after an update: every weight, in memory
             t0 = time.perf_counter()
@@ -175,11 +191,17 @@ class Side:
         torch.set_num_threads(self.threads)
         kw = dict(max_new_tokens=length, min_new_tokens=length, temperature=1.0,
                   max_prompt_length=MAX_PROMPT)
+        cuda = self.device == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
         t0, c0 = time.perf_counter(), time.process_time()
         if backend == "hf":
-            roll = generate(self.model, self.tok, prompts, batch_size=len(prompts), **kw)
+            with torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.mixed_precision == "bf16"):
+                roll = generate(self.model, self.tok, prompts, batch_size=len(prompts), **kw)
         else:
             roll = self.engine.generate(prompts, sample_logprobs=backend == WITH_LOGPROBS, **kw)
+        if cuda:
+            torch.cuda.synchronize()
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         assert int(roll.response_mask.sum()) == len(prompts) * length, "responses not full length"
         return wall, cpu
@@ -191,7 +213,8 @@ class Side:
 
 def measure(models: list[str], lengths: list[int], batches: list[int], repeats: int,
             threads: int, dtype: str = "float32", engine_dtype: str | None = None,
-            enforce_eager: bool = False, say=print) -> tuple[list[Cell], dict]:
+            enforce_eager: bool = False, say=print, device: str = "cpu",
+            mixed_precision: str = "no") -> tuple[list[Cell], dict]:
     import torch
 
     torch.manual_seed(0)
@@ -202,15 +225,17 @@ def measure(models: list[str], lengths: list[int], batches: list[int], repeats: 
     prompts_all = [_common.format_bench_prompt(r["question"]) for r in rows]
     cells, info = [], {}
     for name in models:
-        side = Side(name, max(batches), max(lengths), threads, dtype, engine_dtype, enforce_eager)
+        side = Side(name, max(batches), max(lengths), threads, dtype, engine_dtype, enforce_eager,
+                    device, mixed_precision)
         info[name] = {"params": side.params, "startup": side.startup, "sync": side.sync}
-        say(f"{name}: {side.params / 1e6:.2f}M parameters, vllm engine started in {side.startup:.1f} s, "
-            f"weight sync {1000 * side.sync:.0f} ms")
+        say(f"{name}: {side.params / 1e6:.2f}M parameters"
+            + (f", vllm engine started in {side.startup:.1f} s, weight sync {1000 * side.sync:.0f} ms"
+               if side.engine is not None else ""))
         for length in lengths:
             for batch in batches:
                 cell = Cell(name, length, batch)
                 backends = BACKENDS
-                if (name, length, batch) == HEADLINE:
+                if (name, length, batch) == HEADLINE and "vllm" in BACKENDS:
                     backends += (WITH_LOGPROBS,)
                     cell.seconds[WITH_LOGPROBS], cell.cpu[WITH_LOGPROBS] = [], []
                 for r in range(repeats + 1):  # round 0 warms up
@@ -235,7 +260,8 @@ def measure(models: list[str], lengths: list[int], batches: list[int], repeats: 
 # --------------------------------------------------------------------------------------
 # PPO end to end
 # --------------------------------------------------------------------------------------
-def ppo_episodes_per_s(backend: str, steps: int = 4, threads: int = 2) -> float:
+def ppo_episodes_per_s(backend: str, steps: int = 4, threads: int = 2, device: str = "cpu",
+                      mixed_precision: str = "no") -> float:
     """PPO episodes/s of `rlhflab.trainers.ppo.train` with generation.backend=`backend`,
     on the tiny model and the arithmetic task (configs/ppo_debug.yaml, 64 episodes a step)."""
     import tempfile
@@ -252,6 +278,7 @@ def ppo_episodes_per_s(backend: str, steps: int = 4, threads: int = 2) -> float:
             f"generation.backend={backend}", f"training.total_ppo_steps={steps}",
             "ppo.rollout_samples=64", "ppo.batch_size=64", "ppo.mini_batch_size=32",
             "training.eval_interval=0", "training.save_interval=0", f"training.num_threads={threads}",
+            f"training.device={device}", f"training.mixed_precision={mixed_precision}",
             "logging.progress_bar=false", "logging.plots=false", "logging.doctor=false"])
         res = train(cfg, quiet=True)
     return res.samples_per_s
@@ -260,9 +287,11 @@ def ppo_episodes_per_s(backend: str, steps: int = 4, threads: int = 2) -> float:
 # --------------------------------------------------------------------------------------
 # Report
 # --------------------------------------------------------------------------------------
-def report(cells: list[Cell], info: dict, peak: Peak, threads: int) -> str:
-    lines = [f"matmul peak (float32): {peak.wall / 1e9:.1f} GFLOP/s on {threads} threads (wall), "
-             f"{peak.per_cpu / 1e9:.1f} GFLOP per CPU-second of one thread", "",
+def report(cells: list[Cell], info: dict, peak: Peak, threads: int, peak_what: str | None = None) -> str:
+    head = (f"matmul peak ({peak_what}): {peak.wall / 1e9:.1f} GFLOP/s" if peak_what else
+            f"matmul peak (float32): {peak.wall / 1e9:.1f} GFLOP/s on {threads} threads (wall), "
+            f"{peak.per_cpu / 1e9:.1f} GFLOP per CPU-second of one thread")
+    lines = [head, "",
              f"{'model':<6}{'params':>8}{'L':>5}{'B':>5}  {'backend':<7}{'s/call':>8}{'noise':>7}"
              f"{'cpu s':>8}{'tok/s':>8}{'tok/cpu-s':>10}{'MFU':>7}{'MFU/cpu':>8}{'vllm/hf':>8}{'on cpu':>7}"]
     for c in cells:
@@ -284,6 +313,8 @@ def targets(cells: list[Cell], peak: Peak) -> str:
         model, length, batch = HEADLINE
         return f"targets: the headline cell ({model}, response {length}, batch {batch}) was not measured"
     c = match[0]
+    if not c.seconds.get("vllm"):
+        return "targets: vllm was not measured (not importable here), so neither target applies"
     mfu = c.flops / _common.median(c.seconds["vllm"]) / peak.wall
     mfu_cpu = c.flops / _common.median(c.cpu["vllm"]) / peak.per_cpu
     lp = (f"; with the sampler's log-probs (as the trainers ask) {c.tok_s(WITH_LOGPROBS) / c.tok_s('hf'):.2f}"
@@ -322,8 +353,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--enforce-eager", action="store_true",
                     help="the vllm engine without torch.compile (generation.enforce_eager=true); default: compiled")
     ap.add_argument("--ppo", action="store_true", help="also PPO episodes/s end to end with each backend")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where the hf backend's model (and --ppo's run) computes")
+    ap.add_argument("--mixed-precision", choices=["no", "bf16"], default="no",
+                    help="bf16: the hf backend's generate under bfloat16 autocast (weights stay --dtype); "
+                         "--ppo's runs take training.mixed_precision=bf16")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="on --device cuda: the peak FLOP/s (in TFLOP/s) the MFU divides by, e.g. the measured "
+                         "bf16 matmul rate; default: square matmuls of --peak-sizes in --dtype (bfloat16 under "
+                         "--mixed-precision bf16), measured here")
     args = ap.parse_args(argv)
-    global HEADLINE
+    global HEADLINE, BACKENDS
     models = args.models if args.models is not None else ([] if args.model_dir else list(MODELS))
     if args.model_dir:
         folder = Path(args.model_dir)
@@ -338,24 +378,45 @@ def main(argv: list[str] | None = None) -> int:
         models.append(name)
         HEADLINE = (name, args.lengths[0], max(args.batches))
     from rlhflab.openmp import apply_default_wait
-    from rlhflab.rollout.vllm import CPU_BLOCK_SIZE
     apply_default_wait()  # as the CLI: idle OpenMP threads poll briefly, then sleep
-
-    peak = matmul_peak(args.threads, tuple(args.peak_sizes))
-    print(f"machine: {_mfu.cpu_name()}, {args.threads} threads")
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # noqa: BLE001  (not installed, or installed for another device)
+        BACKENDS = ("hf",)
+        print(f"vllm cannot be imported here ({type(exc).__name__}: {exc}); its rows are skipped")
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            ap.error("--device cuda: torch sees no CUDA device")
+        peak_dtype = "bfloat16" if args.mixed_precision == "bf16" else args.dtype
+        peak_flops, peak_what = _mfu.device_peak("cuda", args.threads, tuple(args.peak_sizes), peak_dtype,
+                                                 args.peak_tflops)
+        peak = Peak(peak_flops, float("nan"))  # no per-CPU-second peak on a GPU
+        print(f"machine: {_mfu.device_name('cuda')} (CUDA)")
+    else:
+        peak, peak_what = matmul_peak(args.threads, tuple(args.peak_sizes)), None
+        print(f"machine: {_mfu.cpu_name()}, {args.threads} threads")
     cells, info = measure(models, args.lengths, args.batches, args.repeats, args.threads,
-                          args.dtype, args.engine_dtype, args.enforce_eager)
+                          args.dtype, args.engine_dtype, args.enforce_eager,
+                          device=args.device, mixed_precision=args.mixed_precision)
     if args.dtype != "float32" or args.engine_dtype:
-        print(f"dtype: hf {args.dtype}, vllm {args.engine_dtype or args.dtype} (MFU is against the float32 peak)")
-    mode = "eager (enforce_eager)" if args.enforce_eager else "compiled (torch.compile, vLLM default)"
-    print(f"vllm engine: {mode}, KV blocks of {CPU_BLOCK_SIZE} tokens on CPU")
+        print(f"dtype: hf {args.dtype}, vllm {args.engine_dtype or args.dtype} (MFU is against the "
+              f"{'given or measured' if args.device == 'cuda' else 'float32'} peak)")
+    if args.mixed_precision == "bf16":
+        print("hf backend: generate under bfloat16 autocast")
+    if "vllm" in BACKENDS:
+        from rlhflab.rollout.vllm import CPU_BLOCK_SIZE
+        mode = "eager (enforce_eager)" if args.enforce_eager else "compiled (torch.compile, vLLM default)"
+        print(f"vllm engine: {mode}, KV blocks of {CPU_BLOCK_SIZE} tokens on CPU")
     print()
-    print(report(cells, info, peak, args.threads))
+    print(report(cells, info, peak, args.threads, peak_what))
     print(targets(cells, peak))
     if args.ppo:
         print()
         for backend in BACKENDS:
-            print(f"PPO end to end, {backend}: {ppo_episodes_per_s(backend, threads=args.threads):.2f} episodes/s")
+            eps = ppo_episodes_per_s(backend, threads=args.threads, device=args.device,
+                                     mixed_precision=args.mixed_precision)
+            print(f"PPO end to end, {backend}: {eps:.2f} episodes/s")
     print(headline(cells))
     return 0
 
