@@ -124,10 +124,11 @@ def before(cfg, out: Path) -> dict:
     path = out / f"before_{hashlib.sha1(key.encode()).hexdigest()[:10]}.json"
     if path.exists():
         return json.loads(path.read_text())
-    from rlhflab.models.load import load_model
+    from rlhflab.models.load import load_model, resolve_device
 
     print("evaluating the untrained model ...", flush=True)
-    model, tok = load_model(cfg.model.name_or_path, torch_dtype=cfg.model.torch_dtype, device="cpu")
+    device = resolve_device(cfg.training.device)  # where the trained model is evaluated too
+    model, tok = load_model(cfg.model.name_or_path, torch_dtype=cfg.model.torch_dtype, device=str(device))
     result = evaluate(model, tok, cfg)
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result))

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The real-model measurements on one CUDA GPU, one after the other, each under a time limit:
+#   1. the SmolLM2 GRPO recipe (configs/grpo_smollm2.yaml) on CUDA with bf16 autocast and
+#      float32 weights, held-out greedy accuracy before / at step 22 / at step 44 (seed 0,
+#      then seed 1 if time is left);
+#   2. grpo_throughput.py: rlhflab beside TRL 1.16's GRPOTrainer, both in bf16;
+#   3. ppo_throughput.py: rlhflab (value head, separate critic) and TRL 1.12's PPO, each alone;
+#   4. rollout_backends.py: the hf backend on the GPU (vLLM too where it is installed).
+# Reports go to $OUT/<name>.txt (stderr to <name>.err, JSON where a bench writes one); the
+# lines to paste are printed at the end and kept in $OUT/paste.txt.
+#
+#   SMOL=outputs/models/smollm2-135m-instruct bash bench/real_model_gpu.sh
+#   QUICK=1 SMOL=DIR bash bench/real_model_gpu.sh     # tiny settings: checks the script end to end
+#   OUT=DIR PY=python BUDGET=SECONDS ...              # BUDGET: stop starting stages after this long
+#   DEVICE=cpu MP=no QUICK=1 ...                      # the same stages on the CPU (a check of the script)
+#
+# TRL lives in .bench/trl (1.12, PPO) and .bench/trl-grpo (1.16, GRPO) as bench/real_model.sh
+# installs them. A stage that fails or runs out of time does not stop the others.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the benches' worker processes import rlhflab
+PY=${PY:-.venv/bin/python}
+QUICK=${QUICK:-0}
+SMOL=${SMOL:-outputs/models/smollm2-135m-instruct}
+BUDGET=${BUDGET:-3000}
+DEVICE=${DEVICE:-cuda}
+MP=${MP:-bf16}
+OUT=${OUT:-outputs/bench-gpu/$(date -u +%Y%m%dT%H%M%SZ)$([ "$QUICK" = 1 ] && echo -quick)}
+mkdir -p "$OUT"
+declare -A RC
+START=$SECONDS
+
+note() { echo "[real_model_gpu $(date -u +%H:%M:%S) +$((SECONDS - START))s] $*" | tee -a "$OUT/machine.txt" >&2; }
+
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)"
+  echo "gpu: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1)"
+  echo "cpu: $(nproc) CPUs visible"
+  $PY -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__, '| cuda', torch.version.cuda)"
+  echo "quick: $QUICK"
+} > "$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt" >&2
+
+run() {  # run NAME LIMIT_S ARGS...: one stage, at most LIMIT_S seconds and never past BUDGET
+  local name=$1 limit=$2; shift 2
+  local left=$((BUDGET - (SECONDS - START)))
+  if [ "$left" -lt 30 ]; then note "$name: skipped, $left s of the budget left"; RC[$name]=skipped; return; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  note "$name (at most $limit s): $*"
+  local t0=$SECONDS
+  timeout -k 10 "$limit" "$PY" "$@" > "$OUT/$name.txt" 2> "$OUT/$name.err"
+  RC[$name]=$?
+  note "$name: exit ${RC[$name]} after $((SECONDS - t0)) s"
+}
+
+GPU=("training.device=$DEVICE" "training.mixed_precision=$MP" "model.name_or_path=$SMOL")
+if [ "$QUICK" = 1 ]; then
+  run grpo_recipe_s0 300 scripts/real_model_recipes.py --recipe grpo --seed 0 --threads 4 --out "$OUT/recipes" \
+    --results "$OUT/real_model_gpu.json" "${GPU[@]}" training.total_steps=2 dataset.num_eval_samples=16
+  run grpo_throughput 300 bench/grpo_throughput.py --device "$DEVICE" --mixed-precision "$MP" --model-dir "$SMOL" \
+    --sides rlhflab,trl --steps 2 --repeats 1 --completions 4 --group-size 2 --max-new-tokens 4 --beta 0.04 \
+    --peak-sizes 512 --out "$OUT/grpo-scratch"
+  run ppo_throughput 300 bench/ppo_throughput.py --device "$DEVICE" --mixed-precision "$MP" --model-dir "$SMOL" \
+    --sides rlhflab,trl --repeats 1 --warmup 0 --episodes 4 --response-length 4 --epochs 1 --no-tensor-memory \
+    --peak-sizes 512 --json "$OUT/ppo_throughput.json"
+  run rollout_backends 300 bench/rollout_backends.py --device "$DEVICE" --mixed-precision "$MP" --model-dir "$SMOL" \
+    --lengths 8 --batches 4 --repeats 1 --peak-sizes 512
+else
+  # 44 steps of 4 prompts x 8 completions, up to 48 new tokens, as on the CPU; evaluated at 0, 22, 44.
+  run grpo_recipe_s0 240 scripts/real_model_recipes.py --recipe grpo --seed 0 --threads 8 --out "$OUT/recipes" \
+    --results "$OUT/real_model_gpu.json" "${GPU[@]}" training.eval_interval=22
+  # GRPO: 8 prompts x 4 completions of up to 32 tokens, beta 0.04, as on the CPU.
+  run grpo_throughput 150 bench/grpo_throughput.py --device "$DEVICE" --mixed-precision "$MP" --model-dir "$SMOL" \
+    --sides rlhflab,trl --steps 4 --repeats 2 --completions 32 --group-size 4 --max-new-tokens 32 --beta 0.04 \
+    --peak-sizes 8192 --out "$OUT/grpo-scratch"
+  # PPO: 32 episodes x 16 tokens, 4 epochs of one 32-episode minibatch, as on the CPU.
+  run ppo_throughput 150 bench/ppo_throughput.py --device "$DEVICE" --mixed-precision "$MP" --model-dir "$SMOL" \
+    --sides rlhflab,rlhflab-critic,trl --repeats 3 --warmup 1 --peak-sizes 8192 \
+    --json "$OUT/ppo_throughput.json"
+  run rollout_backends 90 bench/rollout_backends.py --device "$DEVICE" --mixed-precision "$MP" --model-dir "$SMOL" \
+    --lengths 64 256 --batches 32 128 --repeats 3 --peak-sizes 8192
+  run grpo_recipe_s1 240 scripts/real_model_recipes.py --recipe grpo --seed 1 --threads 8 --out "$OUT/recipes" \
+    --results "$OUT/real_model_gpu.json" "${GPU[@]}" training.eval_interval=22
+fi
+
+{
+  echo "== real-model runs on $(sed -n 's/^gpu: //p' "$OUT/machine.txt"), $(sed -n 's/^date: //p' "$OUT/machine.txt")"
+  echo "model: $SMOL; outputs: $OUT; $(grep '^torch' "$OUT/machine.txt")"
+  for name in grpo_recipe_s0 grpo_recipe_s1 grpo_throughput ppo_throughput rollout_backends; do
+    [ -n "${RC[$name]:-}" ] || continue
+    echo
+    echo "-- $name (exit ${RC[$name]})"
+    case $name in
+      grpo_recipe_*) grep -E '^\| grpo' "$OUT/$name.txt" ;;
+      ppo_throughput) sed -n '/^side /,/^$/p; /^MFU per phase/,$p; /^ratios/,/^$/p' "$OUT/$name.txt" ;;
+      grpo_throughput) grep -E '^\| |^per phase|^  (rlhflab|trl):|^grpo_throughput:' "$OUT/$name.txt" ;;
+      rollout_backends) grep -E '^matmul peak|^smollm2|^[a-z0-9.-]+ +[0-9.]+M|^targets:|^rollout_backends:' "$OUT/$name.txt" ;;
+    esac
+    [ "${RC[$name]}" = 0 ] || tail -8 "$OUT/$name.err"
+  done
+} | tee "$OUT/paste.txt"
