@@ -33,7 +33,8 @@ from rlhflab.envs.demos import demonstration_episodes, greedy_episodes, sft_on_e
 
 OUT = ROOT / "outputs" / "examples" / "calculator"
 KINDS = ("add", "sub", "mul", "div")  # one-step problems: one call answers them
-LEVEL = "easy"        # operands to 20 (wordproblems.LEVELS): short numbers the tiny model learns to copy
+LEVEL = "easy"        # operands to 30 (wordproblems.LEVELS: sums to 24, take-aways from 20, times tables to 6 x 6,
+                      # dividends to 30): short numbers the tiny model learns to copy
 SKIP_RATE = 0.7       # the demonstrator answers this share of its products and quotients in its head, off by one,
 SKIP_KINDS = ("mul", "div")  # without the tool; sums and differences it always works out with the calculator
 MAX_TURNS, MAX_NEW_TOKENS = 3, 24
