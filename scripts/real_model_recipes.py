@@ -177,17 +177,27 @@ def run_one(recipe: str, seed: int, overrides: list[str], out: Path, threads: in
     return row
 
 
-def record(results: Path, row: dict, command: str) -> None:
-    """Add `row` (with the command that made it) to the results file's runs."""
-    import datetime
+def machine() -> str:
+    """The CPU (measure_readme.machine_name), and the GPU when one is visible: a run's minutes
+    depend on both."""
+    import torch
 
     sys.path.insert(0, str(ROOT / "scripts"))
     from measure_readme import machine_name  # as scripts/measure_learner.py does
 
+    if torch.cuda.is_available():
+        return f"one {torch.cuda.get_device_name(0)} GPU on a {machine_name()} host"
+    return machine_name()
+
+
+def record(results: Path, row: dict, command: str) -> None:
+    """Add `row` (with the command that made it) to the results file's runs."""
+    import datetime
+
     rec = json.loads(results.read_text()) if results.exists() else {
         "name": results.stem, "script": "scripts/real_model_recipes.py",
         "command": "scripts/real_model_recipes.py --recipe RECIPE --seed SEED --results " + str(results),
-        "machine": machine_name(), "date": datetime.date.today().isoformat(), "runs": []}
+        "machine": machine(), "date": datetime.date.today().isoformat(), "runs": []}
     out = [o.split("=", 1)[1] for o in row["overrides"] if o.startswith("training.output_dir=")]
     run_dir = Path(row["run_dir"]) if row.get("run_dir") else Path(out[-1]) if out else None
     if "threads" not in row and run_dir is not None and (run_dir / "effective_config.yaml").is_file():
