@@ -4,7 +4,7 @@ evaluation) at reduced settings, in this process, and asserts a gain after RL, n
 run.
 
 Reduced against the scripts' defaults: a 2-layer model instead of 4 (same width), fewer
-training rows, fewer RL steps. The margins asserted are well inside what three seeds gave
+training rows (calculator) or SFT steps (guess-the-number), fewer RL steps. The margins asserted are well inside what three seeds gave
 (the numbers beside each assertion); the seed here is 0. The examples' own figures
 (docs/environments.md, examples/*/results/) come from the scripts at their defaults.
 """
