@@ -5,6 +5,8 @@ answer without it.
 
     python examples/calculator/run.py                  # everything (a few minutes on one CPU core)
     python examples/calculator/run.py --method ppo     # RL with PPO instead of GRPO
+    python examples/calculator/run.py --model outputs/models/smollm2-135m-instruct --rl-steps 0
+                                                       # a real chat model, zero-shot, no SFT
 
 Outputs go to outputs/examples/calculator/. The printed table is what
 docs/environments.md quotes.
@@ -76,8 +78,8 @@ def direct_reply(row: dict, messages: list[dict]) -> str:
     return f"{expression(row)} = {row['result']}. The answer is {row['result']}."
 
 
-def env_config(tools: bool) -> EnvConfig:
-    return EnvConfig(tools=TOOLS if tools else [], tool_format="plain", max_turns=MAX_TURNS, plugin_dir=str(HERE))
+def env_config(tools: bool, tool_format: str = "plain") -> EnvConfig:
+    return EnvConfig(tools=TOOLS if tools else [], tool_format=tool_format, max_turns=MAX_TURNS, plugin_dir=str(HERE))
 
 
 def make_base(out: Path, train: list[dict], seed: int, hidden_size: int = 128, num_layers: int = 4) -> Path:
@@ -113,16 +115,28 @@ def sft(base: Path, demo_rows: list[dict], tools: bool, steps: int, seed: int, l
     return model, tok
 
 
-def evaluate(model, tok, rows, tools: bool) -> dict:
+def evaluate(model, tok, rows, tools: bool, tool_format: str = "plain", max_new_tokens: int = MAX_NEW_TOKENS
+             ) -> dict:
     """Greedy held-out episodes: accuracy of the last reply, tool calls per episode, the
-    share of calls that failed, turns per episode."""
-    eps = greedy_episodes(model, setup_episodes(env_config(tools), tok), [dict(r, prompt=r["question"]) for r in rows],
-                          max_turns=MAX_TURNS, max_new_tokens=MAX_NEW_TOKENS, stop_ids=[tok.eos_token_id])
+    share of calls that failed, turns per episode; the share of episodes with at least one
+    call the tool answered (`well_formed`), the share of calls that could not be read at
+    all (`malformed`), and of episodes cut off at `max_new_tokens` (`cut_off`)."""
+    from rlhflab.envs.tools import parse_calls
+
+    setup = setup_episodes(env_config(tools, tool_format), tok)
+    eps = greedy_episodes(model, setup, [dict(r, prompt=r["question"]) for r in rows],
+                          max_turns=MAX_TURNS, max_new_tokens=max_new_tokens, stop_ids=[tok.eos_token_id])
     finals = [[m["content"] for m in e.messages if m["role"] == "assistant"][-1] for e in eps]
     acc = sum(wordproblems.correct("", f, r) for f, r in zip(finals, rows)) / len(rows)
     calls = sum(e.tool_calls for e in eps)
+    answered = sum(any(m["role"] == "tool" and not m["content"].startswith("error:") for m in e.messages)
+                   for e in eps)
+    malformed = sum(c.error is not None for e in eps for m in e.messages if m["role"] == "assistant" and tools
+                    for c in parse_calls(m["content"], setup.tool_format))
     return {"accuracy": acc, "calls": calls / len(eps), "errors": sum(e.tool_errors for e in eps) / max(calls, 1),
-            "turns": sum(e.num_turns for e in eps) / len(eps)}
+            "turns": sum(e.num_turns for e in eps) / len(eps), "well_formed": answered / len(eps),
+            "malformed": malformed / max(calls, 1), "cut_off": sum(e.hit_limit for e in eps) / len(eps),
+            "sample": eps[0].messages}
 
 
 def rl_overrides(out: Path, method: str, steps: int, threads: int, seed: int) -> list[str]:
@@ -134,13 +148,84 @@ def rl_overrides(out: Path, method: str, steps: int, threads: int, seed: int) ->
             f"dataset.eval_path={out / 'test.jsonl'}", f"training.output_dir={out / method}"]
 
 
+REAL_SETTINGS = (("no tool", "direct", False, "plain"),
+                 ("tool offered, plain form (CALL calculator(...))", "plain", True, "plain"),
+                 ("tool offered, Hermes form (<tool_call>{...})", "hermes", True, "hermes"))
+
+
+def real_model(args, train: list[dict], test: list[dict]) -> dict:
+    """A real chat model (a Hugging Face folder), zero-shot: the held-out rows greedy without
+    the tool and with it in both call forms; with `--sft-steps`, an SFT on the tool
+    demonstrations (plain form, batch 8) and the same evaluation; then, with `--rl-steps`,
+    `rlhflab grpo` from grpo_real.yaml (from the SFT model when there is one) in the plain
+    form and the same evaluation after."""
+    from rlhflab.envs.tools import load_tools, template_renders_tools
+    from rlhflab.models.load import load_model
+
+    model, tok = load_model(args.model)
+    renders = template_renders_tools(tok, load_tools(TOOLS, HERE))
+    print(f"{args.model}: its chat template {'renders' if renders else 'does not render'} the tools' schemas "
+          f"(tools=); {'they are in the template' if renders else 'rlhflab puts its tools system message first'}",
+          flush=True)
+    results = {"template_renders_tools": renders}
+    for label, key, tools, fmt in () if args.no_zero_shot else REAL_SETTINGS:
+        results[key] = evaluate(model, tok, test, tools, fmt, args.max_new_tokens)
+        print(f"  {label}: {results[key]['accuracy']:.0%}", flush=True)
+    start = Path(args.model).resolve()
+    if args.sft_steps:
+        print(f"SFT on {len(train)} tool demonstrations ({args.sft_steps} steps of 8, learning rate {args.sft_lr:g})",
+              flush=True)
+        t0 = time.time()
+        model, tok = sft(start, demonstrations(train, args.seed, args.skip_rate, args.skip_kinds), True,
+                         args.sft_steps, args.seed, log=print, batch_size=8, lr=args.sft_lr)
+        results["sft_seconds"] = time.time() - t0
+        start = OUT / "sft_tool"
+        model.save_pretrained(start)
+        tok.save_pretrained(start)
+        results["sft"] = evaluate(model, tok, test, True, "plain", args.max_new_tokens)
+        print(f"  after the SFT, plain form: {results['sft']['accuracy']:.0%}", flush=True)
+    if args.rl_steps:
+        print(f"RL: rlhflab grpo --config examples/calculator/grpo_real.yaml ({args.rl_steps} steps)", flush=True)
+        cmd = [sys.executable, "-m", "rlhflab", "grpo", "--config", str(HERE / "grpo_real.yaml"),
+               *rl_overrides(OUT, "grpo", args.rl_steps, args.threads, args.seed),
+               f"model.name_or_path={start}", "training.eval_interval=0", *args.set]
+        t0 = time.time()
+        if args.rl_lr is not None:
+            cmd.append(f"grpo.learning_rate={args.rl_lr}")
+        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+        results["rl_seconds"] = time.time() - t0
+        model, tok = load_model(str(OUT / "grpo" / "final"))
+        results["rl"] = evaluate(model, tok, test, True, "plain", args.max_new_tokens)
+    return results
+
+
+def print_real(results: dict, args, test: list[dict], seconds: float) -> None:
+    print(f"\ncalculator example, a real chat model zero-shot: {Path(args.model).name}, {len(test)} held-out word "
+          f"problems ({args.level} level), greedy, at most {args.max_new_tokens} new tokens a turn")
+    print(f"{'setting':<50} {'accuracy':>8} {'ep. w/ call':>11} {'calls/ep':>8} {'malformed':>9} "
+          f"{'tool err':>8} {'turns':>5} {'cut off':>7}")
+    rows = [(label, key) for label, key, _, _ in REAL_SETTINGS]
+    rows.append((f"SFT, {args.sft_steps} steps on the tool demonstrations, plain", "sft"))
+    rows.append((f"  then GRPO, {args.rl_steps} steps, plain form", "rl"))
+    for label, key in rows:
+        if key in results:
+            r = results[key]
+            print(f"{label:<50} {r['accuracy']:>8.0%} {r['well_formed']:>11.0%} {r['calls']:>8.2f} "
+                  f"{r['malformed']:>9.0%} {r['errors']:>8.0%} {r['turns']:>5.2f} {r['cut_off']:>7.0%}")
+    print(f"(ep. w/ call: episodes with at least one call the tool answered; malformed: calls that could not be "
+          f"read, of all calls; tool err: calls answered with an error, malformed ones included; {seconds:.0f} s)")
+
+
 def main() -> int:
     global OUT
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--method", choices=["grpo", "ppo"], default="grpo")
     ap.add_argument("--level", choices=list(wordproblems.LEVELS), default=LEVEL,
                     help="number sizes (default: %(default)s)")
-    ap.add_argument("--sft-steps", type=int, default=300)
+    ap.add_argument("--sft-steps", type=int, default=None,
+                    help="SFT steps (default: 300; with --model 0, no SFT)")
+    ap.add_argument("--sft-lr", type=float, default=None,
+                    help="SFT learning rate (default: 3e-3; with --model 1e-5), batch 32 (with --model 8)")
     ap.add_argument("--rl-steps", type=int, default=30, help="RL steps (0: the SFT models only)")
     ap.add_argument("--rl-lr", type=float, default=None, help="the RL learning rate (default: the YAML's)")
     ap.add_argument("--skip-rate", type=float, default=SKIP_RATE,
@@ -155,7 +240,17 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-direct", action="store_true", help="skip the SFT without a tool")
     ap.add_argument("--reuse-sft", action="store_true", help="load the SFT models a previous run saved")
+    ap.add_argument("--model", default=None, metavar="DIR",
+                    help="a real chat model's folder: evaluate it zero-shot (no tiny model, no SFT); with --rl-steps, "
+                         "GRPO from grpo_real.yaml")
+    ap.add_argument("--no-zero-shot", action="store_true", help="with --model: skip the zero-shot rows")
+    ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS,
+                    help="tokens per turn at most (default: %(default)s; a real chat model needs more)")
     args = ap.parse_args()
+    if args.sft_steps is None:
+        args.sft_steps = 0 if args.model else 300
+    if args.sft_lr is None:
+        args.sft_lr = 1e-5 if args.model else 3e-3
     torch.set_num_threads(args.threads)
     OUT = Path(args.out).resolve()
     t0 = time.time()
@@ -164,6 +259,13 @@ def main() -> int:
     train, test = make_data(args.n_train, args.n_test, args.level)
     write_jsonl(train, OUT / "train.jsonl")
     write_jsonl(test, OUT / "test.jsonl")
+    if args.model:
+        results = real_model(args, train, test)
+        print_real(results, args, test, time.time() - t0)
+        results["args"] = vars(args)
+        (OUT / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+        print(f"results: {OUT / 'results.json'}")
+        return 0
     demo_rows = demonstrations(train, args.seed, args.skip_rate, args.skip_kinds)
     base = OUT / "base" if args.reuse_sft else make_base(OUT / "base", train, args.seed)
     results = {}
@@ -175,11 +277,11 @@ def main() -> int:
         else:
             print(f"{name}: SFT on {len(demo_rows)} demonstrations ({'with' if tools else 'without'} the tool)",
                   flush=True)
-            model, tok = sft(base, demo_rows, tools, args.sft_steps, args.seed, log=print)
+            model, tok = sft(base, demo_rows, tools, args.sft_steps, args.seed, log=print, lr=args.sft_lr)
             model.save_pretrained(OUT / name)
             tok.save_pretrained(OUT / name)
         results[name] = evaluate(model, tok, test, tools)
-        print(f"  {name}: {results[name]}", flush=True)
+        print(f"  {name}: {results[name]['accuracy']:.0%}", flush=True)
     if args.rl_steps:
         print(f"RL: rlhflab {args.method} --config examples/calculator/{args.method}.yaml ({args.rl_steps} steps)",
               flush=True)
