@@ -200,12 +200,13 @@ def real_model(args, train: list[dict], test: list[dict]) -> dict:
 
 
 def print_real(results: dict, args, test: list[dict], seconds: float) -> None:
-    print(f"\ncalculator example, a real chat model zero-shot: {Path(args.model).name}, {len(test)} held-out word "
+    how = "zero-shot" if not args.sft_steps else f"after {args.sft_steps} SFT steps"
+    print(f"\ncalculator example, a real chat model {how}: {Path(args.model).name}, {len(test)} held-out word "
           f"problems ({args.level} level), greedy, at most {args.max_new_tokens} new tokens a turn")
     print(f"{'setting':<50} {'accuracy':>8} {'ep. w/ call':>11} {'calls/ep':>8} {'malformed':>9} "
           f"{'tool err':>8} {'turns':>5} {'cut off':>7}")
     rows = [(label, key) for label, key, _, _ in REAL_SETTINGS]
-    rows.append((f"SFT, {args.sft_steps} steps on the tool demonstrations, plain", "sft"))
+    rows.append((f"SFT, {args.sft_steps} steps on tool demonstrations, plain form", "sft"))
     rows.append((f"  then GRPO, {args.rl_steps} steps, plain form", "rl"))
     for label, key in rows:
         if key in results:
