@@ -26,13 +26,14 @@ def example():
     return _load("guess_example_run", "run.py"), _load("guess_example_env", "guess_env.py")
 
 
-def play(run, env_mod, secret: int, halve: float, seed: int = 0) -> tuple[bool, int, float]:
-    """One game of the demonstrator against the environment: (solved, turns, return)."""
-    env, player = env_mod.GuessTheNumber(high=run.HIGH), run.counting_player(seed, halve)
-    messages = env.reset({"secret": secret})
+def play(run, env_mod, secret: int, halve: bool) -> tuple[bool, int, float]:
+    """One game of the demonstrator against the environment, played by halving or by counting
+    up throughout (the row's `_halve`, as run.demonstrations marks it): (solved, turns, return)."""
+    env, row = env_mod.GuessTheNumber(high=run.HIGH), {"secret": secret, "_halve": halve}
+    messages = env.reset(row)
     total = 0.0
     for turn in range(1, run.MAX_TURNS + 1):
-        text = player({"secret": secret}, messages)
+        text = run.counting_player(row, messages)
         result = env.step(messages, text)
         total += result.reward
         if result.done:
@@ -51,19 +52,19 @@ def test_interval_follows_the_feedback(example):
 
 
 def test_counting_up_solves_only_the_low_secrets(example):
-    """halve=0: guesses 1, 2, 3, 4 -> solves secrets 1-4 in `secret` turns; 5-10 are lost."""
+    """Counting up: guesses 1, 2, 3, 4 -> solves secrets 1-4 in `secret` turns; 5-10 are lost."""
     run, env_mod = example
     assert run.MAX_TURNS == 4
-    results = {s: play(run, env_mod, s, halve=0.0) for s in range(1, run.HIGH + 1)}
+    results = {s: play(run, env_mod, s, halve=False) for s in range(1, run.HIGH + 1)}
     assert [s for s, (ok, _, _) in results.items() if ok] == [1, 2, 3, 4]
     assert results[3][1:] == (3, pytest.approx(0.8))   # two wrong guesses (-0.1 each), then +1
     assert results[7][1:] == (4, pytest.approx(-0.4))  # four wrong guesses
 
 
 def test_halving_solves_every_secret_within_max_turns(example):
-    """halve=1 (bisection from 5): every secret 1-10 within 4 turns; e.g. 7: 5, 8, 6, 7."""
+    """Halving (bisection from 5): every secret 1-10 within 4 turns; e.g. 7: 5, 8, 6, 7."""
     run, env_mod = example
-    results = {s: play(run, env_mod, s, halve=1.0) for s in range(1, run.HIGH + 1)}
+    results = {s: play(run, env_mod, s, halve=True) for s in range(1, run.HIGH + 1)}
     assert all(ok for ok, _, _ in results.values())
     assert max(t for _, t, _ in results.values()) == 4
     assert results[5][1] == 1 and results[7][1] == 4 and results[2][1] == 2   # 5 | 5, 2 | 5, 8, 6, 7
