@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import resource
 import statistics
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -162,3 +163,22 @@ def spread(xs: list[float]) -> float:
 
 def cpu_count() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+_SYNC_CUDA = False  # a worker on --device cuda turns it on: `clock()` then waits for the GPU
+
+
+def sync_clock_with_cuda(on: bool) -> None:
+    """Make `clock()` wait for the GPU's queued work before it reads the time (a bench
+    worker on --device cuda), or not."""
+    global _SYNC_CUDA
+    _SYNC_CUDA = on
+
+
+def clock() -> float:
+    """time.perf_counter(), after the GPU has finished its queued work when
+    `sync_clock_with_cuda(True)` was called in this process."""
+    if _SYNC_CUDA:
+        import torch
+        torch.cuda.synchronize()
+    return time.perf_counter()

@@ -79,17 +79,6 @@ import _common  # noqa: E402  (the bench folder is not a package)
 import _mfu  # noqa: E402
 
 PHASES = ("generate", "score", "forward", "update")
-SYNC_CUDA = False  # set in a worker on --device cuda: clocks wait for the GPU's queued work
-
-
-def _now() -> float:
-    """time.perf_counter(), after the GPU has finished its queued work when on CUDA."""
-    if SYNC_CUDA:
-        import torch
-        torch.cuda.synchronize()
-    return time.perf_counter()
-
-
 def _baseline(device: str) -> float:
     """After a priming run: free what it left, reset the peak mark, return the resident
     set now (MiB) that the measured run's peak is taken above (CPU); 0 on CUDA, whose
@@ -166,7 +155,7 @@ def _train_rlhflab(a: argparse.Namespace, steps: int, out: str) -> dict:
 
     def timed_step(*args):  # grpo_step, with a mark at the end of each step (as TRL's on_step_end)
         out = grpo.grpo_step(*args)
-        marks.append((_now(), time.process_time()))
+        marks.append((_common.clock(), time.process_time()))
         return out
 
     method = PolicyMethod("grpo", timed_step, need_reference=lambda c: c.grpo.kl_coeff > 0)
@@ -214,7 +203,7 @@ def _train_trl(a: argparse.Namespace, steps: int, out: str) -> dict:
             self.marks, self.lengths = [], []
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.marks.append((_now(), time.process_time()))
+            self.marks.append((_common.clock(), time.process_time()))
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "completions/mean_length" in logs:
@@ -235,11 +224,11 @@ def _train_trl(a: argparse.Namespace, steps: int, out: str) -> dict:
 
     def timed(name, fn):
         def wrapper(*args, **kwargs):
-            t0 = _now()
+            t0 = _common.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                spent[name] = spent.get(name, 0.0) + _now() - t0
+                spent[name] = spent.get(name, 0.0) + _common.clock() - t0
         return wrapper
 
     class TimedGRPOTrainer(GRPOTrainer):
@@ -258,10 +247,10 @@ def _train_trl(a: argparse.Namespace, steps: int, out: str) -> dict:
 
         def on_step_begin(self, args, state, control, **kwargs):
             if self.last is None:
-                self.last = _now()
+                self.last = _common.clock()
 
         def on_step_end(self, args, state, control, **kwargs):
-            now = _now()
+            now = _common.clock()
             step_s = now - self.last
             gen, rew = spent.get("_generate", 0.0), spent.get("_calculate_rewards", 0.0)
             prep = spent.get("_generate_and_score_completions", 0.0)
@@ -386,8 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", choices=["rlhflab", "trl"], help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
-        global SYNC_CUDA
-        SYNC_CUDA = a.device == "cuda"
+        _common.sync_clock_with_cuda(a.device == "cuda")
         out = run_rlhflab(a) if a.worker == "rlhflab" else run_trl(a)
         print(json.dumps(out))
         return 0

@@ -100,17 +100,6 @@ class BenchSettings:
     mixed_precision: str = "no"  # bf16: every float32 side in bfloat16 autocast (--mixed-precision)
 
 
-SYNC_CUDA = False  # set in a worker on --device cuda: clocks wait for the GPU's queued work
-
-
-def _clock() -> float:
-    """time.perf_counter(), after the GPU has finished its queued work when on CUDA."""
-    if SYNC_CUDA:
-        import torch
-        torch.cuda.synchronize()
-    return time.perf_counter()
-
-
 # --------------------------------------------------------------------------------------
 # rlhflab: driven through its public PPO pieces, config set by code
 # --------------------------------------------------------------------------------------
@@ -190,11 +179,11 @@ class RlhflabSide:
 
         self.step_idx += 1
         timer = Timer()  # synchronizes CUDA around each phase itself
-        t0 = _clock()
+        t0 = _common.clock()
         roll = ppo.collect_rollout(self.run, self.examples, timer)
         with timer("update"):
             run_update(self.run, roll, self.step_idx)
-        total = _clock() - t0
+        total = _common.clock() - t0
         phases = {k: timer.seconds.get(k, 0.0) for k in PHASES[:-1]}
         phases["other"] = total - sum(phases.values())
         return {"total": total, **phases, "episodes": len(roll),
@@ -308,24 +297,24 @@ class TrlSide:
         orig_gen, orig_reward, orig_forward = (trl_ppo.batch_generation, trl_ppo.get_reward, trl_ppo.forward)
 
         def batch_generation(model, queries, *a, **k):
-            t = _clock()
+            t = _common.clock()
             out = orig_gen(model, queries, *a, **k)
-            marks["generate_end"] = end = _clock()
+            marks["generate_end"] = end = _common.clock()
             marks["generate"] = marks.get("generate", 0.0) + end - t
             marks["response_width"] = out[0].shape[1] - queries.shape[1]  # (query_responses, logits)
             return out
 
         def get_reward(model, *a, **k):
-            t = _clock()
+            t = _common.clock()
             out = orig_reward(model, *a, **k)
             if model is self.reward:
-                marks["score"] = marks.get("score", 0.0) + _clock() - t
+                marks["score"] = marks.get("score", 0.0) + _common.clock() - t
             return out
 
         def forward(model, *a, **k):
             if isinstance(model, wrapper_type):  # the policy+value pass of the update
                 if "update_start" not in marks:
-                    marks["update_start"] = _clock()
+                    marks["update_start"] = _common.clock()
             return orig_forward(model, *a, **k)
 
         trl_ppo.batch_generation, trl_ppo.get_reward, trl_ppo.forward = batch_generation, get_reward, forward
@@ -375,13 +364,13 @@ class TrlSide:
 
         class Clock(TrainerCallback):
             def on_train_begin(self, *a, **k):
-                marks["begin"] = _clock()
+                marks["begin"] = _common.clock()
 
             def on_step_end(self, *a, **k):
-                marks["update_end"] = _clock()
+                marks["update_end"] = _common.clock()
 
             def on_train_end(self, *a, **k):
-                marks["end"] = _clock()
+                marks["end"] = _common.clock()
 
         trainer.add_callback(Clock())
         params = [x for x in trainer.model.parameters() if x.requires_grad]
@@ -397,9 +386,9 @@ class TrlSide:
 
     def step(self) -> dict:
         self.marks.clear()
-        t0 = _clock()
+        t0 = _common.clock()
         self.trainer.train()
-        call = _clock() - t0
+        call = _common.clock() - t0
         m = self.marks
         total = m["end"] - m["begin"]
         phases = {"generate": m["generate"], "score": m["score"],
@@ -458,8 +447,7 @@ def worker(name: str, settings: dict, conn, tensor_memory: bool = True) -> None:
         warnings.simplefilter("ignore", FutureWarning)
         s = BenchSettings(**settings)
         import torch
-        global SYNC_CUDA
-        SYNC_CUDA = s.device == "cuda"
+        _common.sync_clock_with_cuda(s.device == "cuda")
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
         torch.set_num_threads(s.threads)
