@@ -25,6 +25,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE.parent))  # examples/real_chat.py
 
 import torch  # noqa: E402
 
@@ -32,6 +33,7 @@ from rlhflab.data import wordproblems  # noqa: E402
 from rlhflab.data.arith import write_jsonl  # noqa: E402
 from rlhflab.envs import EnvConfig, setup_episodes  # noqa: E402
 from rlhflab.envs.demos import demonstration_episodes, greedy_episodes, sft_on_episodes  # noqa: E402
+from real_chat import SFT_BATCH, add_model_options, load, run_grpo, save  # noqa: E402
 
 OUT = ROOT / "outputs" / "examples" / "calculator"
 KINDS = ("add", "sub", "mul", "div")  # one-step problems: one call answers them
@@ -104,11 +106,9 @@ def demonstrations(rows: list[dict], seed: int, skip_rate: float, skip_kinds=SKI
 
 
 def sft(base: Path, demo_rows: list[dict], tools: bool, steps: int, seed: int, log=None, batch_size: int = 32,
-        lr: float = 3e-3):
+        lr: float = 3e-3, device: str = "cpu"):
     """The base model after `steps` SFT steps of `batch_size` demonstrations (with the tool or without)."""
-    from rlhflab.models.load import load_model
-
-    model, tok = load_model(str(base))
+    model, tok = load(base, device)
     eps = demonstration_episodes(setup_episodes(env_config(tools), tok), demo_rows,
                                  tool_reply if tools else direct_reply, max_turns=MAX_TURNS)
     sft_on_episodes(model, eps, tok.pad_token_id, steps=steps, batch_size=batch_size, lr=lr, seed=seed, log=log)
@@ -160,9 +160,8 @@ def real_model(args, train: list[dict], test: list[dict]) -> dict:
     `rlhflab grpo` from grpo_real.yaml (from the SFT model when there is one) in the plain
     form and the same evaluation after."""
     from rlhflab.envs.tools import load_tools, template_renders_tools
-    from rlhflab.models.load import load_model
 
-    model, tok = load_model(args.model)
+    model, tok = load(args.model, args.device)
     renders = template_renders_tools(tok, load_tools(TOOLS, HERE))
     print(f"{args.model}: its chat template {'renders' if renders else 'does not render'} the tools' schemas "
           f"(tools=); {'they are in the template' if renders else 'rlhflab puts its tools system message first'}",
@@ -173,36 +172,34 @@ def real_model(args, train: list[dict], test: list[dict]) -> dict:
         print(f"  {label}: {results[key]['accuracy']:.0%}", flush=True)
     start = Path(args.model).resolve()
     if args.sft_steps:
-        print(f"SFT on {len(train)} tool demonstrations ({args.sft_steps} steps of 8, learning rate {args.sft_lr:g})",
-              flush=True)
+        print(f"SFT on {len(train)} tool demonstrations ({args.sft_steps} steps of {SFT_BATCH}, learning rate "
+              f"{args.sft_lr:g})", flush=True)
         t0 = time.time()
         model, tok = sft(start, demonstrations(train, args.seed, args.skip_rate, args.skip_kinds), True,
-                         args.sft_steps, args.seed, log=print, batch_size=8, lr=args.sft_lr)
+                         args.sft_steps, args.seed, log=print, batch_size=SFT_BATCH, lr=args.sft_lr,
+                         device=args.device)
         results["sft_seconds"] = time.time() - t0
-        start = OUT / "sft_tool"
-        model.save_pretrained(start)
-        tok.save_pretrained(start)
+        start = save(model, tok, OUT / "sft_tool")
         results["sft"] = evaluate(model, tok, test, True, "plain", args.max_new_tokens)
         print(f"  after the SFT, plain form: {results['sft']['accuracy']:.0%}", flush=True)
     if args.rl_steps:
         print(f"RL: rlhflab grpo --config examples/calculator/grpo_real.yaml ({args.rl_steps} steps)", flush=True)
-        cmd = [sys.executable, "-m", "rlhflab", "grpo", "--config", str(HERE / "grpo_real.yaml"),
-               *rl_overrides(OUT, "grpo", args.rl_steps, args.threads, args.seed),
-               f"model.name_or_path={start}", "training.eval_interval=0", *args.set]
+        overrides = [*rl_overrides(OUT, "grpo", args.rl_steps, args.threads, args.seed),
+                     f"model.name_or_path={start}", "training.eval_interval=0"]
+        lr = [] if args.rl_lr is None else [f"grpo.learning_rate={args.rl_lr}"]
         t0 = time.time()
-        if args.rl_lr is not None:
-            cmd.append(f"grpo.learning_rate={args.rl_lr}")
-        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+        model, tok = run_grpo(HERE / "grpo_real.yaml", overrides, OUT / "grpo", args.device, [*args.set, *lr])
         results["rl_seconds"] = time.time() - t0
-        model, tok = load_model(str(OUT / "grpo" / "final"))
         results["rl"] = evaluate(model, tok, test, True, "plain", args.max_new_tokens)
+        print(f"  after GRPO, plain form: {results['rl']['accuracy']:.0%}", flush=True)
     return results
 
 
 def print_real(results: dict, args, test: list[dict], seconds: float) -> None:
     how = "zero-shot" if not args.sft_steps else f"after {args.sft_steps} SFT steps"
+    where = "" if args.device == "cpu" else f", on {args.device}"
     print(f"\ncalculator example, a real chat model {how}: {Path(args.model).name}, {len(test)} held-out word "
-          f"problems ({args.level} level), greedy, at most {args.max_new_tokens} new tokens a turn")
+          f"problems ({args.level} level), greedy, at most {args.max_new_tokens} new tokens a turn{where}")
     print(f"{'setting':<50} {'accuracy':>8} {'ep. w/ call':>11} {'calls/ep':>8} {'malformed':>9} "
           f"{'tool err':>8} {'turns':>5} {'cut off':>7}")
     rows = [(label, key) for label, key, _, _ in REAL_SETTINGS]
@@ -241,12 +238,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-direct", action="store_true", help="skip the SFT without a tool")
     ap.add_argument("--reuse-sft", action="store_true", help="load the SFT models a previous run saved")
-    ap.add_argument("--model", default=None, metavar="DIR",
-                    help="a real chat model's folder: evaluate it zero-shot (no tiny model, no SFT); with --rl-steps, "
-                         "GRPO from grpo_real.yaml")
-    ap.add_argument("--no-zero-shot", action="store_true", help="with --model: skip the zero-shot rows")
-    ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS,
-                    help="tokens per turn at most (default: %(default)s; a real chat model needs more)")
+    add_model_options(ap, MAX_NEW_TOKENS)
     args = ap.parse_args()
     if args.sft_steps is None:
         args.sft_steps = 0 if args.model else 300

@@ -10,6 +10,12 @@ turns, before and after RL.
 With --threads 1 on a 2-core machine shared with other jobs, seeds 0 and 1 printed 182 s and
 177 s of wall time (docs/environments.md); expect about 3 minutes.
 
+A real chat model in place of the tiny one (its folder; zero-shot, then with --sft-steps N
+an SFT on the same demonstrator's games, then with --rl-steps N GRPO from grpo_real.yaml):
+
+    python examples/guess_the_number/run.py --model outputs/models/smollm2-135m-instruct \
+        --max-new-tokens 32 --sft-steps 30 --rl-steps 20
+
 Outputs go to outputs/examples/guess_the_number/. The printed table is what
 docs/environments.md quotes.
 """
@@ -28,12 +34,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE.parent))  # examples/real_chat.py
 
 import torch  # noqa: E402
 
 from rlhflab.data.arith import write_jsonl  # noqa: E402
 from rlhflab.envs import EnvConfig, setup_episodes  # noqa: E402
 from rlhflab.envs.demos import demonstration_episodes, greedy_episodes, sft_on_episodes  # noqa: E402
+from real_chat import SFT_BATCH, add_model_options, load, run_grpo, save  # noqa: E402
 
 OUT = ROOT / "outputs" / "examples" / "guess_the_number"
 HIGH, MAX_TURNS = 10, 4  # bisection finds any number from 1 to 10 in 4 guesses; counting up, only 1 to 4
@@ -98,14 +106,16 @@ def demonstrations(tok, rows: list[dict], seed: int, halve: float):
                                   max_turns=MAX_TURNS, env_kwargs={"high": HIGH})
 
 
-def measure(model, tok, rows) -> dict:
+def measure(model, tok, rows, max_new_tokens: int = 8) -> dict:
     """Greedy games on `rows`: the share solved, mean turns of the solved games and of all,
-    the mean return."""
-    eps = greedy_episodes(model, setup_episodes(env_config(), tok), rows, max_turns=MAX_TURNS, max_new_tokens=8,
-                          stop_ids=[tok.eos_token_id], env_kwargs={"high": HIGH})
+    the mean return; the share of games ended by a turn cut off at `max_new_tokens`
+    (`cut_off`), and the first game's messages (`sample`)."""
+    eps = greedy_episodes(model, setup_episodes(env_config(), tok), rows, max_turns=MAX_TURNS,
+                          max_new_tokens=max_new_tokens, stop_ids=[tok.eos_token_id], env_kwargs={"high": HIGH})
     solved = [e for e in eps if e.done and e.turn_rewards and e.turn_rewards[-1] == 1.0]
     return {"solved": len(solved) / len(eps), "turns_solved": sum(e.num_turns for e in solved) / max(len(solved), 1),
-            "turns": sum(e.num_turns for e in eps) / len(eps), "return": sum(e.total_reward for e in eps) / len(eps)}
+            "turns": sum(e.num_turns for e in eps) / len(eps), "return": sum(e.total_reward for e in eps) / len(eps),
+            "cut_off": sum(e.hit_limit for e in eps) / len(eps), "sample": eps[0].messages}
 
 
 def rl_overrides(out: Path, steps: int, threads: int, seed: int) -> list[str]:
@@ -116,21 +126,79 @@ def rl_overrides(out: Path, steps: int, threads: int, seed: int) -> list[str]:
             f"training.output_dir={out / 'grpo'}", f"env.max_turns={MAX_TURNS}"]
 
 
+def real_model(args, train: list[dict], test: list[dict]) -> dict:
+    """A real chat model (a Hugging Face folder) on the held-out games, greedy: zero-shot;
+    with `--sft-steps`, after an SFT on the demonstrator's games (batch 8); with
+    `--rl-steps`, after `rlhflab grpo` from grpo_real.yaml (from the SFT model when there is one)."""
+    model, tok = load(args.model, args.device)
+    results = {}
+    if not args.no_zero_shot:
+        results["zero_shot"] = measure(model, tok, test, args.max_new_tokens)
+        print(f"  zero-shot: {results['zero_shot']['solved']:.0%} solved", flush=True)
+    start = Path(args.model).resolve()
+    if args.sft_steps:
+        eps = demonstrations(tok, train, args.seed, args.halve)
+        results["demo_turns"] = sum(e.num_turns for e in eps) / len(eps)
+        print(f"SFT on {len(eps)} games of the demonstrator ({args.sft_steps} steps of {SFT_BATCH}, learning rate "
+              f"{args.sft_lr:g})", flush=True)
+        t0 = time.time()
+        sft_on_episodes(model, eps, tok.pad_token_id, steps=args.sft_steps, batch_size=SFT_BATCH, lr=args.sft_lr,
+                        seed=args.seed, log=print)
+        results["sft_seconds"] = time.time() - t0
+        start = save(model, tok, OUT / "sft")
+        results["sft"] = measure(model, tok, test, args.max_new_tokens)
+        print(f"  after the SFT: {results['sft']['solved']:.0%} solved", flush=True)
+    if args.rl_steps:
+        print(f"RL: rlhflab grpo --config examples/guess_the_number/grpo_real.yaml ({args.rl_steps} steps)",
+              flush=True)
+        overrides = [*rl_overrides(OUT, args.rl_steps, args.threads, args.seed), f"model.name_or_path={start}",
+                     f"generation.max_new_tokens={args.max_new_tokens}"]
+        lr = [] if args.rl_lr is None else [f"grpo.learning_rate={args.rl_lr}"]
+        t0 = time.time()
+        model, tok = run_grpo(HERE / "grpo_real.yaml", overrides, OUT / "grpo", args.device, [*args.set, *lr])
+        results["rl_seconds"] = time.time() - t0
+        results["grpo"] = measure(model, tok, test, args.max_new_tokens)
+    return results
+
+
+def print_real(results: dict, args, test: list[dict], seconds: float) -> None:
+    where = "" if args.device == "cpu" else f", on {args.device}"
+    print(f"\nguess-the-number (1 to {HIGH}, at most {MAX_TURNS} turns), a real chat model: {Path(args.model).name}, "
+          f"{len(test)} held-out games, greedy, at most {args.max_new_tokens} new tokens a turn{where}")
+    print(f"{'model':<52} {'solved':>7} {'turns to solve':>15} {'turns':>6} {'return':>7} {'cut off':>7}")
+    rows = (("zero-shot", "zero_shot"),
+            (f"SFT, {args.sft_steps} steps on the demonstrator (halving {args.halve:.0%})", "sft"),
+            (f"  then GRPO, {args.rl_steps} steps", "grpo"))
+    for label, key in rows:
+        if key in results:
+            r = results[key]
+            print(f"{label:<52} {r['solved']:>7.0%} {r['turns_solved']:>15.2f} {r['turns']:>6.2f} {r['return']:>7.2f} "
+                  f"{r['cut_off']:>7.0%}")
+    demo = f"the demonstrations took {results['demo_turns']:.2f} turns on average; " if "demo_turns" in results else ""
+    print(f"(cut off: games that ended on a turn cut off at the token limit; {demo}{seconds:.0f} s)")
+
+
 def main() -> int:
     global OUT, MAX_TURNS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sft-steps", type=int, default=200)
+    ap.add_argument("--sft-steps", type=int, default=None, help="SFT steps (default: 200; with --model 0)")
     ap.add_argument("--rl-steps", type=int, default=30)
     ap.add_argument("--rl-lr", type=float, default=None, help="the RL learning rate (default: the YAML's)")
     ap.add_argument("--halve", type=float, default=HALVE, help="share of the demonstrator's games played by halving")
-    ap.add_argument("--sft-lr", type=float, default=SFT_LR)
+    ap.add_argument("--sft-lr", type=float, default=None,
+                    help=f"SFT learning rate (default: {SFT_LR:g}, batch 32; with --model 3e-5, batch {SFT_BATCH})")
     ap.add_argument("--max-turns", type=int, default=MAX_TURNS)
     ap.add_argument("--seed", type=int, default=0, help="seeds the model, the demonstrations, the SFT and the RL run")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides for the RL run")
     ap.add_argument("--out", default=str(OUT), help="output folder (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reuse-sft", action="store_true", help="load the SFT model a previous run saved")
+    add_model_options(ap, 8)
     args = ap.parse_args()
+    if args.sft_steps is None:
+        args.sft_steps = 0 if args.model else 200
+    if args.sft_lr is None:
+        args.sft_lr = 3e-5 if args.model else SFT_LR
     torch.set_num_threads(args.threads)
     OUT, MAX_TURNS = Path(args.out).resolve(), args.max_turns
     t0 = time.time()
@@ -139,6 +207,13 @@ def main() -> int:
     train, test = games(2000, 0), games(100, 1)
     write_jsonl(train, OUT / "train.jsonl")
     write_jsonl(test, OUT / "test.jsonl")
+    if args.model:
+        results = real_model(args, train, test)
+        print_real(results, args, test, time.time() - t0)
+        results["args"] = vars(args)
+        (OUT / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+        print(f"results: {OUT / 'results.json'}")
+        return 0
     base = OUT / "base" if args.reuse_sft else make_base(OUT / "base", args.seed)
     model, tok = load_model(str(OUT / "sft" if args.reuse_sft else base))
     eps = demonstrations(tok, train, args.seed, args.halve)

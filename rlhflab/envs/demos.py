@@ -44,11 +44,13 @@ def sft_on_episodes(model, episodes: Sequence[Episode], pad_token_id: int, *, st
     torch.manual_seed(seed)
     actor = PolicyOnly(model).train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    device = next(model.parameters()).device
     losses = []
     for step in range(steps):
         batch = collate_episodes(rng.sample(list(episodes), min(batch_size, len(episodes))), pad_token_id)
-        out = actor(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_attention_mask)
-        mask = batch.response_mask.float()                                           # (B, T) actions only
+        out = actor(*(t.to(device) for t in (batch.prompt_ids, batch.prompt_mask, batch.response_ids,
+                                             batch.response_attention_mask)))
+        mask = batch.response_mask.to(device).float()                                # (B, T) actions only
         loss = -(out.logprobs * mask).sum() / mask.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -34,20 +34,25 @@ from rlhflab.errors import UserError
 TURN_STEP = 100_003  # turn t samples with the noise keys of step + t * TURN_STEP (turn 0: the step's own)
 
 
-def episodes_to_rollout(batch: EpisodeBatch, tokenizer, group_size: int = 1):
-    """The engine's `Rollout` of a batch of episodes (see the module docstring)."""
+def episodes_to_rollout(batch: EpisodeBatch, tokenizer, group_size: int = 1, device=None):
+    """The engine's `Rollout` of a batch of episodes (see the module docstring), its tensors
+    on `device` (the policy's; `batch` itself stays where collate_episodes made it, the CPU)."""
     from rlhflab.rollout import Rollout
+
+    def on(t):
+        return t if t is None or device is None else t.to(device)
 
     prompts = [tokenizer.decode(e.prompt_ids, skip_special_tokens=False) for e in batch.episodes]
     finals = []
     for e in batch.episodes:
         said = [m["content"] for m in e.messages if m["role"] == "assistant"]
         finals.append(said[-1] if said else "")
-    return Rollout(prompt_ids=batch.prompt_ids, prompt_mask=batch.prompt_mask, response_ids=batch.response_ids,
-                   response_mask=batch.response_mask, hit_limit=batch.hit_limit.clone(), prompts=prompts,
+    return Rollout(prompt_ids=on(batch.prompt_ids), prompt_mask=on(batch.prompt_mask),
+                   response_ids=on(batch.response_ids), response_mask=on(batch.response_mask),
+                   hit_limit=on(batch.hit_limit.clone()), prompts=prompts,
                    responses=finals, examples=[e.example for e in batch.episodes], group_size=group_size,
-                   sample_logprobs=batch.sample_logprobs,
-                   response_attention_mask=batch.response_attention_mask, episodes=batch)
+                   sample_logprobs=on(batch.sample_logprobs),
+                   response_attention_mask=on(batch.response_attention_mask), episodes=batch)
 
 
 @torch.no_grad()
@@ -184,7 +189,9 @@ class EpisodeBackend:
         self.last = batch
         if engine is not None:
             engine.sleep()  # GPU: free the engine's memory for the update; a no-op on CPU
-        return episodes_to_rollout(batch, self.tokenizer, group_size=n)
+        policy = getattr(self.backend, "policy", None)  # the update runs where the policy is (a GPU, say)
+        device = next(policy.parameters()).device if policy is not None else None
+        return episodes_to_rollout(batch, self.tokenizer, group_size=n, device=device)
 
 
 def _keys(seed: int, step: int, turn: int, row_offset: int, rows: Sequence[int]) -> torch.Tensor:
