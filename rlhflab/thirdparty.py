@@ -63,3 +63,22 @@ def defer_deepspeed() -> None:
         _ask_imported(loaded)
     elif not any(isinstance(f, _OnLoad) for f in sys.meta_path):
         sys.meta_path.insert(0, _OnLoad())
+
+
+# DeepSpeed's name for its CPU accelerator's shared-memory all-reduce op (ShareMemCommBuilder.NAME).
+SHM_OP = "deepspeed_shm_comm"
+
+
+def skip_deepspeed_shm_op() -> None:
+    """DeepSpeed on a CPU: do not build the shared-memory all-reduce op.
+
+    When DeepSpeed starts its process group on a CPU it compiles that op with g++ (about
+    20 s, once per machine and per virtual environment: the build is keyed on the
+    installed paths). Only `inference_all_reduce` uses it (DeepSpeed's tensor-parallel
+    inference layers); training reduces through torch.distributed's gloo group, and
+    `inference_all_reduce` itself falls back to that group without the op. Marked
+    incompatible before the group starts, the op is neither built nor loaded. Call it
+    before accelerate starts a DeepSpeed process group; imports deepspeed."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[SHM_OP] = False

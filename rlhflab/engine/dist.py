@@ -519,6 +519,8 @@ def init_dist(device: str = "auto") -> Dist:
         # here, gives DeepSpeed's CPU accelerator its process group.
         from accelerate.utils import InitProcessGroupKwargs
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        from rlhflab.thirdparty import skip_deepspeed_shm_op
+        skip_deepspeed_shm_op()  # an inference-only op that DeepSpeed would compile first (thirdparty.py)
         kwargs = {"kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]}
     try:
         acc = Accelerator(**kwargs)
