@@ -158,13 +158,16 @@ def run_one(recipe: str, seed: int, overrides: list[str], out: Path, threads: in
     if run_dir.exists():
         shutil.rmtree(run_dir)  # this script's own folder
     with LoadSampler() as sampler:
+        t0 = time.perf_counter()
         res = module.train(cfg, effective=eff, quiet=True)
+        wall = time.perf_counter() - t0  # the steps plus start-up (model loads, a vLLM engine)
     step_seconds = [h["time/step"] for h in res.history]
     print("evaluating the trained model ...", flush=True)
     end = evaluate(res.models.policy, res.models.tokenizer, cfg)
     last = res.history[-1]
     row = {"recipe": recipe, "seed": seed, "steps": len(step_seconds), "overrides": overrides,
            "before": start["accuracy"], "after": end["accuracy"], "train_minutes": sum(step_seconds) / 60,
+           "train_wall_minutes": wall / 60,
            "s_per_step": sum(step_seconds) / len(step_seconds), "load": sampler.mean,
            "after_response_tokens": end["mean_response_tokens"],
            "before_response_tokens": start["mean_response_tokens"],
