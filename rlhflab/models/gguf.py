@@ -35,6 +35,7 @@ import json
 import os
 import shutil
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
@@ -108,6 +109,11 @@ def _field(reader, key: str):
 
 def read_header(path: str | os.PathLike) -> GGUFHeader:
     """Check that `path` is a whole GGUF file of an architecture transformers can load."""
+    return _read(path)[0]
+
+
+def _read(path: str | os.PathLike) -> tuple[GGUFHeader, Any]:
+    """`read_header`'s header and the `gguf.GGUFReader` it was read with."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise UserError(f"{path}: no such GGUF file; check the path")
@@ -150,7 +156,29 @@ def read_header(path: str | os.PathLike) -> GGUFHeader:
         eot = next((index[n] for n in END_OF_TURN_NAMES if n in index), None)
     return GGUFHeader(arch, len(reader.tensors), _field(reader, "tokenizer.ggml.eos_token_id"), eot,
                       _field(reader, "tokenizer.ggml.padding_token_id"), tokens,
-                      bool(_field(reader, "tokenizer.ggml.add_bos_token")))
+                      bool(_field(reader, "tokenizer.ggml.add_bos_token"))), reader
+
+
+@contextmanager
+def _reader_reused(gguf, path: Path, reader):
+    """Inside the block, `gguf.GGUFReader(path)` of this file returns `reader`, the one
+    already built. transformers' GGUF load builds a reader of the file for the tokenizer,
+    the config and the weights, each parsing every metadata field again (SmolLM2's
+    49,152-token vocabulary and merges: about 2 s of CPU each); it only reads them. Other
+    files, or other arguments, get a reader of their own."""
+    build = gguf.GGUFReader
+    path = path.resolve()
+
+    def reader_of(file, *args, **kwargs):
+        if not args and not kwargs and Path(file).resolve() == path:
+            return reader
+        return build(file, *args, **kwargs)
+
+    gguf.GGUFReader = reader_of
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = build
 
 
 def _check_out(out: Path) -> None:
@@ -183,7 +211,7 @@ def import_gguf(file: str | os.PathLike, out: str | os.PathLike, dtype: str = "f
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: choose {' or '.join(DTYPES)}")
     _check_out(out)
-    header = read_header(src)
+    header, reader = _read(src)
     say = (lambda *a: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     say(f"importing {src.name} ({header.architecture}, {header.n_tensors} tensors): dequantizing every tensor "
         f"to float32 and writing {out}")
@@ -194,8 +222,9 @@ def import_gguf(file: str | os.PathLike, out: str | os.PathLike, dtype: str = "f
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-        loaded = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+        with _reader_reused(_import_gguf_package(), src, reader):
+            tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+            loaded = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
     except Exception as exc:  # an unsupported quantization type, a tokenizer model transformers lacks, ...
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise UserError(f"{src}: transformers {transformers.__version__} could not load this GGUF file ({first}); "
