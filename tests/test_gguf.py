@@ -45,14 +45,18 @@ def test_on_load_is_given_the_gguf_load_the_folder_is_written_from(tiny_gguf, tm
 
 def test_the_file_is_parsed_once_per_import(tiny_gguf, tmp_path, monkeypatch):
     # read_header's reader serves transformers' three loads (tokenizer, config, weights),
-    # which built one each before; the round trip below checks the result is the same.
+    # which built one each before, and the name map is built once; the round trip below
+    # checks the result is the same.
     import gguf
 
     built, init = [], gguf.GGUFReader.__init__
     monkeypatch.setattr(gguf.GGUFReader, "__init__", lambda self, *a, **k: built.append(a) or init(self, *a, **k))
-    factory = gguf.GGUFReader
+    maps, name_map = [], gguf.get_tensor_name_map
+    monkeypatch.setattr(gguf, "get_tensor_name_map", lambda *a: maps.append(a) or name_map(*a))
+    factory, mapper = gguf.GGUFReader, gguf.get_tensor_name_map
     import_gguf(tiny_gguf, tmp_path / "tiny", quiet=True)
-    assert len(built) == 1 and gguf.GGUFReader is factory  # and the package is as it was
+    assert len(built) == 1 and len(maps) == 1  # one architecture, one name map (one per module before)
+    assert gguf.GGUFReader is factory and gguf.get_tensor_name_map is mapper  # the package is as it was
 
 
 def test_round_trip_logits_template_and_stop_ids(tiny_gguf, tiny_imported):

@@ -160,25 +160,33 @@ def _read(path: str | os.PathLike) -> tuple[GGUFHeader, Any]:
 
 
 @contextmanager
-def _reader_reused(gguf, path: Path, reader):
+def _parsed_once(gguf, path: Path, reader):
     """Inside the block, `gguf.GGUFReader(path)` of this file returns `reader`, the one
-    already built. transformers' GGUF load builds a reader of the file for the tokenizer,
-    the config and the weights, each parsing every metadata field again (SmolLM2's
-    49,152-token vocabulary and merges: about 2 s of CPU each); it only reads them. Other
-    files, or other arguments, get a reader of their own."""
-    build = gguf.GGUFReader
+    already built, and `gguf.get_tensor_name_map` builds each architecture's name map once.
+    transformers' GGUF load builds a reader of the file for the tokenizer, the config and
+    the weights, each parsing every metadata field again (SmolLM2's 49,152-token vocabulary
+    and merges: about 2 s of CPU each), and a name map for every module of the model (397
+    for SmolLM2, about 7 ms each); it only reads them. Other files, or other arguments,
+    get a reader of their own."""
+    build, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     path = path.resolve()
+    maps: dict = {}
 
     def reader_of(file, *args, **kwargs):
         if not args and not kwargs and Path(file).resolve() == path:
             return reader
         return build(file, *args, **kwargs)
 
-    gguf.GGUFReader = reader_of
+    def name_map_of(arch, n_blocks):
+        if (arch, n_blocks) not in maps:
+            maps[arch, n_blocks] = name_map(arch, n_blocks)
+        return maps[arch, n_blocks]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader_of, name_map_of
     try:
         yield
     finally:
-        gguf.GGUFReader = build
+        gguf.GGUFReader, gguf.get_tensor_name_map = build, name_map
 
 
 def _check_out(out: Path) -> None:
@@ -222,7 +230,7 @@ def import_gguf(file: str | os.PathLike, out: str | os.PathLike, dtype: str = "f
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        with _reader_reused(_import_gguf_package(), src, reader):
+        with _parsed_once(_import_gguf_package(), src, reader):
             tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
             loaded = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
     except Exception as exc:  # an unsupported quantization type, a tokenizer model transformers lacks, ...
