@@ -12,6 +12,7 @@ Two SFT runs from the same tiny model, shared by the tests of this module:
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -35,11 +36,10 @@ def task(tmp_path_factory) -> dict[str, Path]:
     return {**paths, "prefs_train": prefs["train"], "prefs_test": prefs["test"]}
 
 
-def _sft(tmp_path_factory, base: Path, data: Path, task: dict, name: str) -> Path:
+def _sft(out: Path, base: Path, data: Path, task: dict) -> Path:
     from rlhflab.config import load_config
     from rlhflab.trainers.sft import SFTRunConfig, train_sft
 
-    out = tmp_path_factory.mktemp(name)
     cfg, _ = load_config(CONFIGS / "sft_debug.yaml", SFTRunConfig, [
         f"model.name_or_path={base}", f"data.path={data}", f"data.eval_path={task['test']}",
         f"training.output_dir={out}", "training.num_threads=1", "logging.progress_bar=false", "logging.plots=false",
@@ -49,15 +49,35 @@ def _sft(tmp_path_factory, base: Path, data: Path, task: dict, name: str) -> Pat
 
 
 @pytest.fixture(scope="module")
-def policy(tmp_path_factory, tiny_sft_rm_dir, task) -> Path:
-    """SFT on the sloppy demonstrations (60% off by one): right about a third of the time."""
-    return _sft(tmp_path_factory, tiny_sft_rm_dir, task["sft"], task, "policy")
+def policy_run(tmp_path_factory, tiny_sft_rm_dir, task):
+    """The policy's SFT, started in a process of its own (this module as a script, one
+    thread), so that it runs beside the judge's SFT and the reward model on CI's other core
+    (about 10 s against 30 s). `policy` waits for it."""
+    out = tmp_path_factory.mktemp("policy")
+    spec = out / "task.json"
+    spec.write_text(json.dumps({k: str(v) for k, v in task.items()}))
+    with (out / "log.txt").open("w") as log:
+        proc = subprocess.Popen([sys.executable, __file__, str(out / "run"), str(tiny_sft_rm_dir), str(spec)],
+                                env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT)
+    yield proc, out
+    if proc.poll() is None:  # the tests that needed it did not run
+        proc.kill()
+        proc.wait()
 
 
 @pytest.fixture(scope="module")
-def judge(tmp_path_factory, tiny_sft_rm_dir, task) -> Path:
-    """SFT on the worked solutions: the reward model's base (a judge that has seen arithmetic)."""
-    return _sft(tmp_path_factory, tiny_sft_rm_dir, task["train"], task, "judge")
+def policy(policy_run) -> Path:
+    """SFT on the sloppy demonstrations (60% off by one): right about a third of the time."""
+    proc, out = policy_run
+    assert proc.wait(timeout=1200) == 0, (out / "log.txt").read_text()[-3000:]
+    return Path((out / "final_dir.txt").read_text())
+
+
+@pytest.fixture(scope="module")
+def judge(tmp_path_factory, tiny_sft_rm_dir, task, policy_run) -> Path:
+    """SFT on the worked solutions: the reward model's base (a judge that has seen arithmetic).
+    The policy's SFT goes on beside it (`policy_run`)."""
+    return _sft(tmp_path_factory.mktemp("judge"), tiny_sft_rm_dir, task["train"], task)
 
 
 @pytest.fixture(scope="module")
@@ -168,3 +188,10 @@ def test_the_script_lists_the_same_stages():
     at = 0
     for stage in stages:  # each stage after the one before
         at = script.index(stage, at) + len(stage)
+
+
+if __name__ == "__main__":  # policy_run's process: python tests/test_pipeline.py OUT BASE TASK.json
+    folder = Path(sys.argv[1])
+    paths = {k: Path(v) for k, v in json.loads(Path(sys.argv[3]).read_text()).items()}
+    final = _sft(folder, Path(sys.argv[2]), paths["sft"], paths)
+    (folder.parent / "final_dir.txt").write_text(str(final))
