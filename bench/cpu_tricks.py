@@ -141,7 +141,7 @@ def run_side(trick, method, side, overrides, args, workdir: Path, tag: str) -> R
     spec = {"command": command, "config": config, "out": str(out),
             "probe": trick if trick in PROBED else None,
             "overrides": [*overrides, *sizes, f"training.total_steps={1 + args.steps}",
-                          "training.eval_interval=0", f"training.num_threads={args.threads}",
+                          "training.eval_interval=0", f"training.num_threads={args.threads}", "generation.backend=hf",
                           f"training.output_dir={out}", "training.overwrite=true"]}
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     log = open(workdir / f"{tag}.log", "w")

@@ -54,7 +54,8 @@ run() {  # run NAME LIMIT_S ARGS...: one stage, at most LIMIT_S seconds and neve
   note "$name: exit ${RC[$name]} after $((SECONDS - t0)) s"
 }
 
-GPU=("training.device=$DEVICE" "training.mixed_precision=$MP" "model.name_or_path=$SMOL")
+# BACKEND=vllm where vLLM is installed on the GPU machine (the CPU recipe generates with vLLM's CPU build)
+GPU=("training.device=$DEVICE" "training.mixed_precision=$MP" "model.name_or_path=$SMOL" "generation.backend=${BACKEND:-hf}")
 if [ "$QUICK" = 1 ]; then
   run grpo_recipe_s0 300 scripts/real_model_recipes.py --recipe grpo --seed 0 --threads 4 --out "$OUT/recipes" \
     --results "$OUT/real_model_gpu.json" "${GPU[@]}" training.total_steps=2 dataset.num_eval_samples=16

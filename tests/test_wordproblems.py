@@ -137,6 +137,7 @@ def test_grpo_smollm2_recipe_runs_two_steps_on_the_real_model(smollm2_dir, tmp_p
         f"dataset.eval_path={tmp_path / 'data' / 'test.jsonl'}", f"training.output_dir={tmp_path / 'run'}",
         "training.total_steps=2", "training.eval_interval=0", "grpo.prompts_per_step=2", "grpo.group_size=2",
         "grpo.batch_size=4", "grpo.mini_batch_size=4", "generation.max_new_tokens=8",
+        "generation.backend=hf",  # the recipe generates with vLLM; its start-up is tested in test_vllm_backend
         "logging.progress_bar=false", "logging.plots=false"])
     assert cfg.dataset.use_chat_template == "auto" and cfg.eval.correct == "rlhflab.data.wordproblems:correct"
     res = train(cfg, effective=eff, quiet=True)
