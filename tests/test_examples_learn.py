@@ -96,7 +96,8 @@ def example_runs(request, tmp_path_factory):
     """`example_runs(name)` -> {"before", "after"} of that example's job. The jobs of every
     selected test of this module start together at the first call, one process each."""
     names = sorted({TESTS[item.originalname] for item in request.session.items
-                    if item.module is request.module and item.originalname in TESTS})
+                    if getattr(item, "module", None) is request.module
+                    and getattr(item, "originalname", None) in TESTS})
     base = tmp_path_factory.mktemp("examples-learn")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     started: dict[str, subprocess.Popen] = {}
