@@ -3,7 +3,7 @@
 A trainer is its numbered loop; around it the context owns, once for every method:
 
 - the process group and ranks (`engine.dist`, the one module that knows about ranks),
-  torch threads and the seeds;
+  torch threads (set at the start, the caller's count put back at the finish) and the seeds;
 - the output folder: another run there is refused before anything loads
   (`folders.check_output_dir`), the folder is made and held once the model and the data
   have loaded (`open`), the effective config written (a resume keeps the run's record and
@@ -91,6 +91,7 @@ class Run:
     doctor: Any = None
     history: list[dict] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
+    threads_before: int = 0       # torch's thread count when the run began: put back by finish()
 
     # ---------------------------------------------------------------- rank 0's share
     @property
@@ -263,6 +264,8 @@ class Run:
 
         self.dist.on_main(write)
         self.dist.barrier()
+        if self.threads_before:  # a run in a notebook or script leaves its caller's thread count as it found it
+            torch.set_num_threads(self.threads_before)
 
 
 def start_run(cfg, method: str, *, effective=None, resume: str | Path | None = None, quiet: bool = False,
@@ -286,6 +289,7 @@ def start_run(cfg, method: str, *, effective=None, resume: str | Path | None = N
     dist = init_dist(t.device)
     for key, n in (local or {}).items():
         dist.local(n, key)
+    threads_before = torch.get_num_threads()
     set_threads(t.num_threads or default_threads(dist, t.device))
     if preflight is not None:
         preflight(quiet or not dist.is_main)
@@ -301,4 +305,5 @@ def start_run(cfg, method: str, *, effective=None, resume: str | Path | None = N
                      config=record)
     seed_everything(t.seed)
     check_mixed_precision(t.mixed_precision, device)
-    return Run(cfg, method, dist, device, record, resume_dir, quiet, Path(t.output_dir))
+    return Run(cfg, method, dist, device, record, resume_dir, quiet, Path(t.output_dir),
+               threads_before=threads_before)
