@@ -239,16 +239,20 @@ def recipes_table(rec: dict) -> str:
     """docs/real_models.md: every recorded SmolLM2 recipe run, one row each (held-out greedy
     accuracy before and after, training time as run and the conditions it ran under; a
     row's `note` says how its settings differ from the config as it is now)."""
-    lines = ["| recipe | seed | steps | held-out accuracy | gain | during the run | train min | s/step | threads "
-             "| load | overrides |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| recipe | seed | steps | held-out accuracy | gain | during the run | train min | wall min | s/step "
+             "| generate / no-grad / update s | threads | load | overrides |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rec["runs"]:
         over = " ".join(o for o in r["overrides"] if not o.startswith("training.output_dir=")) or "-"
         if r.get("note"):
             over = f"{over} ({r['note']})" if over != "-" else r["note"]
+        wall = f"{r['train_wall_minutes']:.1f}" if "train_wall_minutes" in r else "-"
+        ph = r.get("phase_seconds") or {}
+        phases = " / ".join(f"{ph[k]:.1f}" for k in ("generate", "forward", "update")) if len(ph) == 3 else "-"
         lines.append(f"| {r['recipe']} | {r['seed']} | {r['steps']} | {100 * r['before']:.1f}% → "
                      f"{100 * r['after']:.1f}% ({r['n_eval']} rows) | {100 * (r['after'] - r['before']):+.1f} | "
-                     f"{during(r)} | {r['train_minutes']:.1f} | "
-                     f"{r['s_per_step']:.0f} | {r.get('threads', '?')} | {r['load']:.1f} | {over} |")
+                     f"{during(r)} | {r['train_minutes']:.1f} | {wall} | "
+                     f"{r['s_per_step']:.0f} | {phases} | {r.get('threads', '?')} | {r['load']:.1f} | {over} |")
     return "\n".join(lines) + f"\n\n{rec['machine']}, {rec['date']}; rows from `{rec['script']}` ({rec['command']})."
 
 

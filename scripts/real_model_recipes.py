@@ -142,6 +142,15 @@ def format_row(r: dict) -> str:
             f"{r['s_per_step']:.1f} | {r['load']:.1f} |")
 
 
+def phase_seconds(history: list[dict]) -> dict:
+    """Median seconds of a step's phases (the trainer's time/* metrics): generation, the
+    no-grad log-probs and values, the update."""
+    import statistics
+
+    return {phase: round(statistics.median(h[f"time/{phase}"] for h in history), 2)
+            for phase in ("generate", "forward", "update") if all(f"time/{phase}" in h for h in history)}
+
+
 def run_one(recipe: str, seed: int, overrides: list[str], out: Path, threads: int) -> dict:
     import torch
 
@@ -167,7 +176,7 @@ def run_one(recipe: str, seed: int, overrides: list[str], out: Path, threads: in
     last = res.history[-1]
     row = {"recipe": recipe, "seed": seed, "steps": len(step_seconds), "overrides": overrides,
            "before": start["accuracy"], "after": end["accuracy"], "train_minutes": sum(step_seconds) / 60,
-           "train_wall_minutes": wall / 60,
+           "train_wall_minutes": wall / 60, "phase_seconds": phase_seconds(res.history),
            "s_per_step": sum(step_seconds) / len(step_seconds), "load": sampler.mean,
            "after_response_tokens": end["mean_response_tokens"],
            "before_response_tokens": start["mean_response_tokens"],
@@ -210,6 +219,8 @@ def record(results: Path, row: dict, command: str) -> None:
     if run_dir is not None and (run_dir / "metrics.jsonl").is_file():  # the run's own held-out evaluations
         evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         row = {**row, "eval_by_step": {str(e["step"]): e["eval/accuracy"] for e in evals if "eval/accuracy" in e}}
+        if "phase_seconds" not in row:  # a row written before rows kept it
+            row = {**row, "phase_seconds": phase_seconds([e for e in evals if "time/step" in e])}
     rec["runs"].append({**row, "command": command, "date": datetime.date.today().isoformat()})
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps(rec, indent=2) + "\n")
