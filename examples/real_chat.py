@@ -9,6 +9,7 @@ this folder on sys.path).
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -49,3 +50,14 @@ def run_grpo(config: Path, overrides: list[str], output_dir: Path, device: str, 
            f"training.output_dir={output_dir}", f"training.device={device}", *more]
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     return load(output_dir / "final", device)
+
+
+def run_real(args, train: list[dict], test: list[dict], out: Path, real_model, print_real, seconds) -> int:
+    """The `--model DIR` branch of an example's main(): evaluate (and train) the real model,
+    print its table and write `results.json` with the arguments beside the numbers."""
+    results = real_model(args, train, test)
+    print_real(results, args, test, seconds())
+    results["args"] = vars(args)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    print(f"results: {out / 'results.json'}")
+    return 0

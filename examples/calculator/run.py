@@ -33,7 +33,7 @@ from rlhflab.data import wordproblems  # noqa: E402
 from rlhflab.data.arith import write_jsonl  # noqa: E402
 from rlhflab.envs import EnvConfig, setup_episodes  # noqa: E402
 from rlhflab.envs.demos import demonstration_episodes, greedy_episodes, sft_on_episodes  # noqa: E402
-from real_chat import SFT_BATCH, add_model_options, load, run_grpo, save  # noqa: E402
+from real_chat import SFT_BATCH, add_model_options, load, run_grpo, run_real, save  # noqa: E402
 
 OUT = ROOT / "outputs" / "examples" / "calculator"
 KINDS = ("add", "sub", "mul", "div")  # one-step problems: one call answers them
@@ -253,12 +253,7 @@ def main() -> int:
     write_jsonl(train, OUT / "train.jsonl")
     write_jsonl(test, OUT / "test.jsonl")
     if args.model:
-        results = real_model(args, train, test)
-        print_real(results, args, test, time.time() - t0)
-        results["args"] = vars(args)
-        (OUT / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-        print(f"results: {OUT / 'results.json'}")
-        return 0
+        return run_real(args, train, test, OUT, real_model, print_real, lambda: time.time() - t0)
     demo_rows = demonstrations(train, args.seed, args.skip_rate, args.skip_kinds)
     base = OUT / "base" if args.reuse_sft else make_base(OUT / "base", train, args.seed)
     results = {}
