@@ -114,3 +114,17 @@ def test_measure_readme_writes_what_the_views_read(tmp_path, monkeypatch):
     assert "76-80 episodes/s" in FIG.render("quickstart-summary")
     assert "| 35.0% |" in FIG.render("quickstart-table")
     assert "wall time 70 s, PPO 76.00 episodes/s" in FIG.render("quickstart-output")   # the second run's table
+
+
+def test_recipe_rows_show_wall_minutes_and_phases_where_recorded():
+    base = {"recipe": "grpo", "seed": 0, "steps": 50, "before": 0.315, "after": 0.49, "n_eval": 200,
+            "train_minutes": 16.9, "s_per_step": 20.3, "threads": 2, "load": 2.3, "overrides": []}
+    rec = {"machine": "m", "date": "d", "script": "s", "command": "c", "runs": [
+        {**base, "train_wall_minutes": 17.82, "phase_seconds": {"generate": 5.16, "forward": 4.38, "update": 9.94}},
+        {**base, "seed": 1, "note": "earlier settings"}]}
+    new, old = FIG.recipes_table(rec).splitlines()[2:4]
+    # 31.5% -> 49.0% is +17.5; the phases' medians at one decimal; a row without them shows '-'
+    assert "| 31.5% → 49.0% (200 rows) | +17.5 | - | 16.9 | 17.8 | 20 | 5.2 / 4.4 / 9.9 | 2 | 2.3 | - |" in new
+    assert "| 16.9 | - | 20 | - | 2 |" in old and old.endswith("| earlier settings |")
+    # only the noteless rows are the shipped recipe
+    assert [r["seed"] for r in FIG.shipped_runs(rec, "grpo")] == [0]
