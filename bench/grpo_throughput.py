@@ -79,6 +79,8 @@ import _common  # noqa: E402  (the bench folder is not a package)
 import _mfu  # noqa: E402
 
 PHASES = ("generate", "score", "forward", "update")
+
+
 def _baseline(device: str) -> float:
     """After a priming run: free what it left, reset the peak mark, return the resident
     set now (MiB) that the measured run's peak is taken above (CPU); 0 on CUDA, whose
