@@ -12,6 +12,12 @@ A trainer is its numbered loop; around it the context owns, once for every metho
 - checkpoint save and resume (`rlhflab.models.checkpoint`), rank 0 writing;
 - the finish: plots, peak memory, train_result.json, the result's printout.
 
+What a run sets in its caller's process (torch's thread count, the open metrics sinks) is
+undone in one place, `Run.close`: at the end of `finish`, and, when a trainer raises (a
+bad row, a reward plug-in that fails, Ctrl-C), by `entry_point`, the decorator on every
+trainer's entry function. What the run already wrote (metrics.jsonl rows, checkpoints)
+stays as it is; a failed run writes no train_result.json.
+
 Rank-0-only work goes through it (`log`, `print`, `save`, `on_main`), so a trainer never
 tests the rank. In one process every call is the plain thing it names.
 """
@@ -19,9 +25,12 @@ tests the rank. In one process every call is the plain thing it names.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 import time
+import warnings
 from contextlib import nullcontext
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -91,7 +100,7 @@ class Run:
     doctor: Any = None
     history: list[dict] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
-    threads_before: int = 0       # torch's thread count when the run began: put back by finish()
+    threads_before: int = 0       # torch's thread count when the run began: put back by close()
 
     # ---------------------------------------------------------------- rank 0's share
     @property
@@ -259,22 +268,68 @@ class Run:
         peak_memory_mb.txt and train_result.json (`fields` in their order, then world_size)
         written on the main process; every rank leaves together."""
         def write() -> None:
-            finish_run(self.logger, self.out_dir, self.device, self.cfg.logging.plots, plot_groups)
+            logger, self.logger = self.logger, None  # closed here, once
+            finish_run(logger, self.out_dir, self.device, self.cfg.logging.plots, plot_groups)
             write_train_result(self.out_dir, **fields, world_size=self.dist.world_size)
 
         self.dist.on_main(write)
         self.dist.barrier()
-        if self.threads_before:  # a run in a notebook or script leaves its caller's thread count as it found it
-            torch.set_num_threads(self.threads_before)
+        self.close()
+
+    def close(self) -> None:
+        """Undo what the run set in its process, on this rank alone (no collective: the
+        other ranks may not be here): the metrics sinks closed (the rows written stay) and
+        torch's thread count put back to the caller's, so a run in a notebook or a script
+        leaves that process as it found it. `finish` ends with it; `entry_point` calls it
+        when a trainer raises. A second call does nothing."""
+        logger, self.logger = self.logger, None
+        threads, self.threads_before = self.threads_before, 0
+        try:
+            if logger is not None:
+                logger.close()
+        finally:
+            if threads:
+                torch.set_num_threads(threads)
+
+
+# The runs started under the innermost `entry_point` call (None outside one).
+_entered: ContextVar[list[Run] | None] = ContextVar("rlhflab_entered_runs", default=None)
+
+
+def entry_point(train: Callable) -> Callable:
+    """The decorator on every trainer's entry function: when `train` raises anything (a
+    UserError, a diverged run, KeyboardInterrupt), each run it started is closed
+    (`Run.close`: sinks closed, the caller's thread count back) and the exception goes on
+    to the caller unchanged. A run that returns has closed itself in `finish`."""
+
+    @functools.wraps(train)
+    def entered(*args, **kwargs):
+        runs: list[Run] = []
+        token = _entered.set(runs)
+        try:
+            return train(*args, **kwargs)
+        except BaseException:
+            for run in reversed(runs):
+                try:
+                    run.close()
+                except Exception as exc:  # the run's own exception is the one the caller must see
+                    warnings.warn(f"closing the failed {run.method} run also raised {type(exc).__name__}: {exc}",
+                                  stacklevel=2)
+            raise
+        finally:
+            _entered.reset(token)
+
+    return entered
 
 
 def start_run(cfg, method: str, *, effective=None, resume: str | Path | None = None, quiet: bool = False,
               resumable: bool = False, backend: str | None = None, critic: str = "none",
               local: dict[str, int] | None = None, preflight: Callable[[bool], None] | None = None) -> Run:
-    """Enter a run: the process group, threads, the CPU-only speed settings, the checks
-    that come before anything loads or is written (the `--resume` checkpoint: it loads, its
-    method, LoRA, critic and world size match; an output folder holding another run is
-    refused), then the seeds.
+    """Enter a run: the process group, the CPU-only speed settings, the checks that come
+    before anything loads or is written (the `--resume` checkpoint: it loads, its method,
+    LoRA, critic and world size match; an output folder holding another run is refused),
+    the seeds, then the run's torch thread count (a check that fails leaves the caller's).
+    Under `entry_point` the run is closed if the trainer raises.
 
     `resumable`: the trainer has --resume. `backend`: a policy method's generation backend
     (None: not a policy method). `local`: global counts that must divide among the
@@ -289,8 +344,6 @@ def start_run(cfg, method: str, *, effective=None, resume: str | Path | None = N
     dist = init_dist(t.device)
     for key, n in (local or {}).items():
         dist.local(n, key)
-    threads_before = torch.get_num_threads()
-    set_threads(t.num_threads or default_threads(dist, t.device))
     if preflight is not None:
         preflight(quiet or not dist.is_main)
     check_strategy(dist, lora, method, backend or "hf", rl=backend is not None)
@@ -305,5 +358,12 @@ def start_run(cfg, method: str, *, effective=None, resume: str | Path | None = N
                      config=record)
     seed_everything(t.seed)
     check_mixed_precision(t.mixed_precision, device)
-    return Run(cfg, method, dist, device, record, resume_dir, quiet, Path(t.output_dir),
-               threads_before=threads_before)
+    # The run's thread count last, once every check has passed: from here `Run.close` puts
+    # the caller's back (at the finish, or through `entry_point` when the trainer raises).
+    run = Run(cfg, method, dist, device, record, resume_dir, quiet, Path(t.output_dir),
+              threads_before=torch.get_num_threads())
+    set_threads(t.num_threads or default_threads(dist, t.device))
+    entered = _entered.get()
+    if entered is not None:
+        entered.append(run)
+    return run

@@ -34,7 +34,7 @@ from rlhflab.config.schema import LoggingConfig, ModelConfig, TrainingConfig, f
 from rlhflab.data.loading import read_rows, require_fields
 from rlhflab.errors import UserError
 from rlhflab.models.load import disable_dropout, load_tokenizer, resolve_dtype
-from rlhflab.run import TrainResult, start_run
+from rlhflab.run import TrainResult, entry_point, start_run
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, clip_and_step, config_entry_points,
                                      make_optimizer, make_probe_batch, make_scheduler, warmup_of)
 
@@ -226,6 +226,7 @@ def save_classifier(model, tokenizer, folder: Path) -> None:
         tokenizer.save_pretrained(tmp)
 
 
+@entry_point  # a run that raises is closed: the caller's threads back, its sinks closed
 def train_classifier(cfg: ClassifierRunConfig, effective=None, quiet: bool = False) -> ClassifierResult:
     """Train a sequence classifier as configured; returns where it went and its held-out metrics."""
     t, c, d = cfg.training, cfg.classifier, cfg.data

@@ -61,7 +61,7 @@ from rlhflab.models.actor_critic import PolicyOnly, Reference, response_hidden
 from rlhflab.models.head import linear_lm_head
 from rlhflab.rewards import RuleScorer, resolve_rule
 from rlhflab.models.setup import PolicyModels, build_models
-from rlhflab.run import TrainResult, start_run
+from rlhflab.run import TrainResult, entry_point, start_run
 from rlhflab.trainers.common import (Timer, check_finite_model, check_finite_step, clip_and_step, last_eval,
                                      make_optimization, make_probe_batch)
 
@@ -391,6 +391,7 @@ def _evaluate(models: PolicyModels, eval_tok, eval_cache, task_examples, task_sc
     return metrics
 
 
+@entry_point  # a run that raises is closed: the caller's threads back, its sinks closed
 def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, quiet: bool = False) -> TrainResult:
     """Run DPO as configured; returns where the outputs went and the metric history."""
     t, sec, d = cfg.training, cfg.dpo, cfg.dataset

@@ -27,7 +27,7 @@ from rlhflab.models.setup import CriticKind, PolicyModels, build_models
 from rlhflab.rewards import build_reward
 from rlhflab.rewards.preflight import preflight
 from rlhflab.rollout import Rollout, RolloutBackend, make_backend
-from rlhflab.run import Run, TrainResult, start_run
+from rlhflab.run import Run, TrainResult, entry_point, start_run
 from rlhflab.trainers.common import (Timer, check_finite_model, diverged, format_metrics, last_eval,
                                      make_optimization, make_probe_batch)
 
@@ -297,6 +297,7 @@ def format_eval(step: int, res: EvalResult, path: Path, n_show: int = 2) -> str:
     return "\n".join(lines)
 
 
+@entry_point  # a run that raises is closed: the caller's threads back, its sinks closed
 def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None = None, effective=None,
                         quiet: bool = False, math_: PPOMath | None = None) -> TrainResult:
     """Set up, then per step: fresh prompts, the method's phases 1-5, then 6. log,

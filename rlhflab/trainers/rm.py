@@ -50,7 +50,7 @@ from rlhflab.models.lean import make_lean
 from rlhflab.models.precision import autocast
 from rlhflab.rewards.model import META_FILE, RMMeta, encode, score_head, sequence_scores, text_ids
 from rlhflab.models.checkpoint import atomic_folder, state_part, untied
-from rlhflab.run import TrainResult, start_run
+from rlhflab.run import TrainResult, entry_point, start_run
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, clip_and_step, config_entry_points,
                                      make_optimizer, make_probe_batch, make_scheduler,
                                      train_and_held_out, warmup_of)
@@ -343,6 +343,7 @@ def save_reward_model(model, tokenizer, meta: RMMeta, folder: Path, state: dict 
         (tmp / META_FILE).write_text(meta.to_json())
 
 
+@entry_point  # a run that raises is closed: the caller's threads back, its sinks closed
 def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
     """Train a reward model as configured; returns where it went and the before/after metrics."""
     t, r = cfg.training, cfg.rm

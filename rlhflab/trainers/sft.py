@@ -59,7 +59,7 @@ from rlhflab.models.load import add_lora, load_model
 from rlhflab.models.lean import make_lean
 from rlhflab.models.precision import autocast
 from rlhflab.models.quant import prepare_quantized, quantization_kwargs
-from rlhflab.run import TrainResult, start_run
+from rlhflab.run import TrainResult, entry_point, start_run
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, clip_and_step, config_entry_points,
                                      make_optimizer, make_scheduler, train_and_held_out, warmup_of)
 
@@ -383,6 +383,7 @@ def _save(model, tokenizer, folder: Path, merged: bool, state: dict | None = Non
         model.config.use_cache = False
 
 
+@entry_point  # a run that raises is closed: the caller's threads back, its sinks closed
 def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResult:
     """Run SFT as configured; returns where the model went and the before/after metrics."""
     t, s = cfg.training, cfg.sft
