@@ -142,13 +142,51 @@ def format_row(r: dict) -> str:
             f"{r['s_per_step']:.1f} | {r['load']:.1f} |")
 
 
-def phase_seconds(history: list[dict]) -> dict:
-    """Median seconds of a step's phases (the trainer's time/* metrics): generation, the
-    no-grad log-probs and values, the update."""
+# The trainer's time/<phase> metrics: generation, the no-grad log-probs and values, the update.
+PHASES = ("generate", "forward", "update")
+
+
+def step_rows(rows: list[dict]) -> list[dict]:
+    """The training steps' rows among a run's metrics rows (metrics.jsonl's or the result's
+    history): those with `time/step`. An evaluation-only row (step 0's) has none."""
+    return [r for r in rows if "time/step" in r]
+
+
+def phase_seconds(rows: list[dict]) -> dict | None:
+    """Median seconds of a step's phases (`PHASES`) over the training steps among `rows`,
+    rounded to 0.01 s; a phase some step lacks is left out; None when no step has any
+    (no timed steps: the table shows '-', never a 0)."""
     import statistics
 
-    return {phase: round(statistics.median(h[f"time/{phase}"] for h in history), 2)
-            for phase in ("generate", "forward", "update") if all(f"time/{phase}" in h for h in history)}
+    steps = step_rows(rows)
+    medians = {phase: round(statistics.median(h[f"time/{phase}"] for h in steps), 2)
+               for phase in PHASES if steps and all(f"time/{phase}" in h for h in steps)}
+    return medians or None
+
+
+def timing_fields(rows: list[dict], wall_seconds: float) -> dict:
+    """A results row's timing fields from a run's metrics rows and the wall-clock seconds
+    its `train()` call took (start-up included: model loads, a vLLM engine):
+    `steps`, `train_minutes` (the steps' `time/step` summed; evaluations not counted),
+    `s_per_step`, `train_wall_minutes` and `phase_seconds`. With no timed steps the
+    minutes, s/step and phases are None."""
+    seconds = [h["time/step"] for h in step_rows(rows)]
+    return {"steps": len(seconds), "train_minutes": sum(seconds) / 60 if seconds else None,
+            "train_wall_minutes": wall_seconds / 60, "phase_seconds": phase_seconds(rows),
+            "s_per_step": sum(seconds) / len(seconds) if seconds else None}
+
+
+def run_folder_fields(run_dir: Path) -> dict:
+    """What `record` reads from a run folder's metrics.jsonl: `eval_by_step` (each held-out
+    evaluation's accuracy by step) and `phase_seconds`; {} without a metrics.jsonl."""
+    from rlhflab.metrics import read_metrics
+
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return {}
+    rows = read_metrics(path)
+    return {"eval_by_step": {str(e["step"]): e["eval/accuracy"] for e in rows if "eval/accuracy" in e},
+            "phase_seconds": phase_seconds(rows)}
 
 
 def run_one(recipe: str, seed: int, overrides: list[str], out: Path, threads: int) -> dict:
@@ -170,14 +208,14 @@ def run_one(recipe: str, seed: int, overrides: list[str], out: Path, threads: in
         t0 = time.perf_counter()
         res = module.train(cfg, effective=eff, quiet=True)
         wall = time.perf_counter() - t0  # the steps plus start-up (model loads, a vLLM engine)
-    step_seconds = [h["time/step"] for h in res.history]
+    timing = timing_fields(res.history, wall)
     print("evaluating the trained model ...", flush=True)
     end = evaluate(res.models.policy, res.models.tokenizer, cfg)
     last = res.history[-1]
-    row = {"recipe": recipe, "seed": seed, "steps": len(step_seconds), "overrides": overrides,
-           "before": start["accuracy"], "after": end["accuracy"], "train_minutes": sum(step_seconds) / 60,
-           "train_wall_minutes": wall / 60, "phase_seconds": phase_seconds(res.history),
-           "s_per_step": sum(step_seconds) / len(step_seconds), "load": sampler.mean,
+    row = {"recipe": recipe, "seed": seed, "steps": timing["steps"], "overrides": overrides,
+           "before": start["accuracy"], "after": end["accuracy"], "train_minutes": timing["train_minutes"],
+           "train_wall_minutes": timing["train_wall_minutes"], "phase_seconds": timing["phase_seconds"],
+           "s_per_step": timing["s_per_step"], "load": sampler.mean,
            "after_response_tokens": end["mean_response_tokens"],
            "before_response_tokens": start["mean_response_tokens"],
            "last_hit_limit_frac": last.get("rollout/hit_limit_frac"), "last_kl_to_ref": last.get("params/kl_to_ref"),
@@ -216,11 +254,9 @@ def record(results: Path, row: dict, command: str) -> None:
         import yaml  # a row written before rows kept it: the run folder's effective config has it
 
         row = {**row, "threads": yaml.safe_load((run_dir / "effective_config.yaml").read_text())["training"]["num_threads"]}
-    if run_dir is not None and (run_dir / "metrics.jsonl").is_file():  # the run's own held-out evaluations
-        evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        row = {**row, "eval_by_step": {str(e["step"]): e["eval/accuracy"] for e in evals if "eval/accuracy" in e}}
-        if "phase_seconds" not in row:  # a row written before rows kept it
-            row = {**row, "phase_seconds": phase_seconds([e for e in evals if "time/step" in e])}
+    if run_dir is not None:  # the run's own held-out evaluations (and phases, for a row written before rows kept them)
+        found = run_folder_fields(run_dir)
+        row = {**row, **{k: v for k, v in found.items() if k == "eval_by_step" or k not in row}}
     rec["runs"].append({**row, "command": command, "date": datetime.date.today().isoformat()})
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps(rec, indent=2) + "\n")
