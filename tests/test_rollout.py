@@ -228,6 +228,38 @@ def test_score_rollout_with_reference_and_micro_batches(tiny_model_dir):
     assert score_rollout(ac, None, roll).ref_logprobs is None
 
 
+def test_micro_batches_by_length_pad_less_and_keep_the_rollout_order(tiny_model_dir):
+    torch.manual_seed(0)
+    model, tok = load_model(str(tiny_model_dir))
+    disable_dropout(model)
+    ac = ActorCritic(model, value_head=ValueHead(hidden_size_of(model)))
+    ref = Reference.frozen_copy(model)
+    seven = tok.convert_tokens_to_ids("7")
+    # Long and short rows alternate: real lengths 9, 2, 8, 3 (prompt + response).
+    roll = _roll([[11, 12, 13, 14], [15], [16, 17, 18, 19], [20]],
+                 [[seven] * 4 + [EOS], [EOS], [seven] * 3 + [EOS], [seven, EOS]])
+    order = scoring.row_order(roll, 1, by_length=True)
+    assert order.tolist() == [1, 3, 2, 0]                      # shortest first
+    # Padded cells (rows x (P' + T')) of micro-batches of 2: in order, both pairs mix a long
+    # and a short row: 2 x (4 + 5) + 2 x (4 + 4) = 34; by length, {1, 3}: 2 x (1 + 2) = 6
+    # and {2, 0}: 2 x (4 + 5) = 18, together 24.
+    def cells(mbs):
+        return sum(len(mb) * (mb.prompt_ids.shape[1] + mb.response_ids.shape[1]) for mb in mbs)
+    assert cells(scoring.micro_batches(roll, 2, 1)) == 34
+    assert cells(scoring.micro_batches(roll, 2, 1, order)) == 24
+    # The numbers come back in the rollout's order, equal to one pass over every row.
+    whole = score_rollout(ac, ref, roll, micro_batch=64)
+    lp, val, ref_lp = whole.logprobs.clone(), whole.values.clone(), whole.ref_logprobs.clone()
+    sorted_ = score_rollout(ac, ref, roll, micro_batch=2)
+    torch.testing.assert_close(sorted_.logprobs, lp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(sorted_.values, val, rtol=0, atol=1e-5)
+    torch.testing.assert_close(sorted_.ref_logprobs, ref_lp, rtol=0, atol=1e-5)
+    # Groups move whole: rows (0, 1) and (2, 3) as groups of 2, the second one shorter.
+    grouped = scoring.row_order(_roll([[11, 12]] * 2 + [[13]] * 2,
+                                      [[seven, EOS], [seven] * 3, [EOS], [seven, EOS]]), 2, by_length=True)
+    assert grouped.tolist() == [2, 3, 0, 1]
+
+
 def test_generate_invariants_on_the_tiny_model(tiny_model_dir):
     torch.manual_seed(0)
     model, tok = load_model(str(tiny_model_dir))

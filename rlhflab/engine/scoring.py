@@ -24,12 +24,26 @@ def shared_group_size(roll: Rollout, model: nn.Module, share_prompt: bool = True
     return k if groups_share_prompt(roll.prompt_ids, roll.prompt_mask, k) else 1
 
 
-def micro_batches(roll: Rollout, micro_batch: int, k: int) -> list[MiniBatch]:
-    """The rollout in order, `micro_batch` rows at a time (whole groups of k)."""
+def row_order(roll: Rollout, k: int, by_length: bool) -> Tensor:
+    """(B,) the rows in the order the micro-batches take them: as they are, or whole
+    groups of k from the shortest to the longest (prompt plus response, real tokens), so
+    that each micro-batch pads only to its own longest row."""
+    b = len(roll)
+    groups = torch.arange(b, device=roll.response_mask.device).view(-1, k)       # (B/k, k)
+    if by_length and b > k:
+        lengths = roll.prompt_mask.sum(1) + roll.response_mask.sum(1)              # (B,)
+        groups = groups[lengths.view(-1, k).amax(1).argsort(stable=True)]
+    return groups.reshape(-1)
+
+
+def micro_batches(roll: Rollout, micro_batch: int, k: int, order: Tensor | None = None) -> list[MiniBatch]:
+    """The rollout's rows in `order` (default: as they are), `micro_batch` rows at a time
+    (whole groups of k)."""
     micro = max(k, micro_batch - micro_batch % k)
     mask = roll.response_mask
-    return [select(roll, torch.arange(s, min(s + micro, len(roll)), device=mask.device), mask, k)
-            for s in range(0, len(roll), micro)]
+    if order is None:
+        order = torch.arange(len(roll), device=mask.device)
+    return [select(roll, order[s:s + micro], mask, k) for s in range(0, len(roll), micro)]
 
 
 def _pad_to(x: Tensor, width: int) -> Tensor:
@@ -39,13 +53,19 @@ def _pad_to(x: Tensor, width: int) -> Tensor:
 @torch.no_grad()
 def score_rollout(actor, reference: Reference | None, roll: Rollout, *, temperature: float = 1.0,
                   micro_batch: int = 64, with_policy: bool = True, with_values: bool = False,
-                  share_prompt: bool = True) -> Rollout:
+                  share_prompt: bool = True, by_length: bool = True) -> Rollout:
     """Fill roll.logprobs (the policy as it is now), roll.values (`with_values`) and
-    roll.ref_logprobs (when a reference is given); each (B, T), 0 on padding."""
+    roll.ref_logprobs (when a reference is given); each (B, T), 0 on padding.
+
+    With more rows than `micro_batch`, the passes take the rows from the shortest to the
+    longest (`by_length`): one long answer then pads only its own micro-batch. The rows
+    come back in the rollout's order; each row's numbers are those of a pass over it alone
+    (to float rounding)."""
     k = shared_group_size(roll, actor.policy, share_prompt)
     width = roll.response_ids.shape[1]
+    order = row_order(roll, k, by_length)
     lps, vals, refs = [], [], []
-    for mb in micro_batches(roll, micro_batch, k):
+    for mb in micro_batches(roll, micro_batch, k, order):
         args = (mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.attend_mask, k)  # attention: context too
         if with_policy or with_values:
             out = actor(*args, temperature=temperature, with_values=with_values)
@@ -55,9 +75,15 @@ def score_rollout(actor, reference: Reference | None, roll: Rollout, *, temperat
         if reference is not None:
             refs.append(_pad_to(reference.logprobs(*args, temperature=temperature), width))
     mask = roll.response_mask.float()
+
+    def in_rollout_order(parts: list[Tensor]) -> Tensor:
+        out = torch.empty_like(mask, dtype=parts[0].dtype)
+        out[order] = torch.cat(parts)
+        return out * mask
+
     if with_policy:
-        roll.logprobs = torch.cat(lps) * mask
+        roll.logprobs = in_rollout_order(lps)
     if with_values:
-        roll.values = torch.cat(vals) * mask
-    roll.ref_logprobs = torch.cat(refs) * mask if reference is not None else None
+        roll.values = in_rollout_order(vals)
+    roll.ref_logprobs = in_rollout_order(refs) if reference is not None else None
     return roll

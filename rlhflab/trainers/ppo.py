@@ -96,10 +96,12 @@ def collect_rollout(run: RLRun, examples, timer: Timer, step: int = 0):
     # 2. score: one float per response, batched.
     with timer("score"):
         roll.scores = score_responses(run.scorer, roll, cfg.reward, models.device)      # (B,)
-    # 3. forward: old logprobs and values (one pass), reference logprobs (one pass).
+    # 3. forward: old logprobs and values (one pass), reference logprobs (one pass), a
+    # minibatch of rows at a time from the shortest to the longest: every row has its own
+    # prompt here, and one pass over them all would pad each to the longest of the rollout.
     with timer("forward"):
         score_rollout(models.actor, models.reference, roll, temperature=temp,
-                      micro_batch=max(sec.mini_batch_size, sec.batch_size), with_values=True)
+                      micro_batch=sec.mini_batch_size, with_values=True)
         ref_lp = roll.ref_logprobs if roll.ref_logprobs is not None else roll.logprobs
         coeff = sec.kl_coeff if sec.kl_in == "reward" else 0.0
         roll.rewards, roll.kl = ops.kl_shaped_rewards(
