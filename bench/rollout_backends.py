@@ -322,7 +322,19 @@ def targets(cells: list[Cell], peak: Peak) -> str:
     return (f"targets: ratio >= 1.50: {c.tok_s('vllm') / c.tok_s('hf'):.2f} "
             f"(on CPU seconds {c.tok_cpu_s('vllm') / c.tok_cpu_s('hf'):.2f}{lp}); "
             f"vllm MFU at {c.model} >= {'60' if c.model in FOLDERS else '40'}%: {100 * mfu:.1f}% "
-            f"(per CPU-second {100 * mfu_cpu:.1f}%)")
+            f"(per CPU-second {100 * mfu_cpu:.1f}%){best_vllm_cell(cells, c, peak)}")
+
+
+def best_vllm_cell(cells: list[Cell], headline_cell: Cell, peak: Peak) -> str:
+    """'; best vllm MFU X% at batch B' over the headline model and length, when another
+    batch than the headline's (the largest) gave vllm's best wall MFU; else ''."""
+    same = [c for c in cells if (c.model, c.length) == (headline_cell.model, headline_cell.length)
+            and c.seconds.get("vllm")]
+    best = max(same, key=lambda c: c.flops / _common.median(c.seconds["vllm"]), default=headline_cell)
+    if best is headline_cell:
+        return ""
+    mfu = best.flops / _common.median(best.seconds["vllm"]) / peak.wall
+    return f"; best vllm MFU {100 * mfu:.1f}% at batch {best.batch}"
 
 
 def headline(cells: list[Cell]) -> str:

@@ -9,8 +9,11 @@ folder that holds a finished run); a second invocation with the same `--out` run
 
 from __future__ import annotations
 
+import argparse
+import ast
 import math
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -71,6 +74,7 @@ def test_trl_side_without_trl_says_how_to_install_and_how_to_skip_it(bench, tmp_
 
 @pytest.mark.parametrize("bad, says", [(["--sides", "rlhflab,vllm"], "give rlhflab, trl or rlhflab,trl"),
                                        (["--sides", ","], "give rlhflab, trl or rlhflab,trl"),
+                                       (["--sides", "trl-hf"], "rlhflab-vllm, trl-vllm"),
                                        (["--steps", "1"], "--steps at least 2"),
                                        (["--repeats", "0"], "--repeats must be at least 1")])
 def test_bad_options_are_refused_in_one_line(bench, bad, says, tmp_path, capsys):
@@ -79,3 +83,84 @@ def test_bad_options_are_refused_in_one_line(bench, bad, says, tmp_path, capsys)
     assert exc.value.code == 2
     assert says in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------------------
+# vLLM generation on both sides (rlhflab-vllm, trl-vllm): what each side is asked to run,
+# checked without starting a worker, TRL or vLLM.
+# --------------------------------------------------------------------------------------
+def _args(tmp_path, generation: str, **kw) -> argparse.Namespace:
+    base = dict(model=tmp_path / "model", data=tmp_path / "data", out=tmp_path, steps=4, beta=0.04, lr=1e-5,
+                device="cpu", mixed_precision="no", threads=2, group_size=4, completions=32, max_new_tokens=32,
+                no_share_prompt=False, prime=True, generation=generation)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_rlhflab_vllm_side_runs_the_vllm_backend_and_the_config_accepts_it(bench, tmp_path):
+    from rlhflab.config import load_config
+    from rlhflab.trainers.grpo import GRPORunConfig
+
+    for generation in ("hf", "vllm"):
+        overrides = bench.rlhflab_overrides(_args(tmp_path, generation), steps=4, out="run")
+        assert f"generation.backend={generation}" in overrides
+        cfg, _ = load_config(bench.ROOT / "configs" / "grpo_debug.yaml", GRPORunConfig, overrides)
+        assert cfg.generation.backend == generation
+        # the same GRPO as TRL's side: 32 completions = 8 prompts x 4, one optimizer step per rollout
+        assert (cfg.grpo.group_size, cfg.grpo.prompts_per_step, cfg.grpo.batch_size) == (4, 8, 32)
+        assert cfg.grpo.mini_batch_size == 32 and cfg.dataset.max_prompt_length == bench.MAX_PROMPT_TOKENS
+
+
+def test_trl_vllm_side_asks_grpoconfig_for_a_colocated_engine(bench, tmp_path):
+    hf = bench.trl_config_kwargs(_args(tmp_path, "hf"), "run")
+    vl = bench.trl_config_kwargs(_args(tmp_path, "vllm"), "run")
+    assert not any(k.startswith("vllm") or k == "use_vllm" for k in hf)  # TRL's own default: HF generate
+    extra = {k: v for k, v in vl.items() if k not in hf}
+    # one process, no sleep mode, the context rlhflab's engine gets: 64 prompt tokens + 32 new
+    assert extra == {"use_vllm": True, "vllm_mode": "colocate", "vllm_enable_sleep_mode": False,
+                     "vllm_max_model_length": 64 + 32}
+    assert {k: v for k, v in vl.items() if k in hf} == hf  # the GRPO itself unchanged
+    grpo_config = bench.TRL_DIR / "trl" / "trainer" / "grpo_config.py"
+    if grpo_config.is_file():  # TRL installed for the bench: these are GRPOConfig fields of this version
+        fields = {node.target.id for node in ast.walk(ast.parse(grpo_config.read_text()))
+                  if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+        assert set(extra) <= fields, set(extra) - fields
+
+
+def test_trl_vllm_on_cpu_gets_a_1_gib_kv_cache_unless_the_user_set_one(bench, tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    a = _args(tmp_path, "hf")
+    assert bench.worker_env(a, "trl-vllm")["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    for side in ("trl", "rlhflab", "rlhflab-vllm"):  # rlhflab sizes its own; TRL's HF generate has none
+        assert "VLLM_CPU_KVCACHE_SPACE" not in bench.worker_env(a, side)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in bench.worker_env(_args(tmp_path, "hf", device="cuda"), "trl-vllm")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    assert bench.worker_env(a, "trl-vllm")["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    assert bench.worker_env(a, "trl-vllm")["OMP_NUM_THREADS"] == "2"
+
+
+def test_a_failed_trl_vllm_run_is_reported_and_any_other_failure_stops(bench, tmp_path, monkeypatch):
+    seen = []
+
+    def fake_run(cmd, **kwargs):
+        seen.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "Traceback ...\n[rank0]: AttributeError: 'Parameter' "
+                                                         "object has no attribute 'weight_loader'\n")
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    a = _args(tmp_path, "hf")
+    assert bench._worker("trl-vllm", a, 1) == {
+        "error": "AttributeError: 'Parameter' object has no attribute 'weight_loader'"}
+    cmd = seen[-1]
+    assert cmd[cmd.index("--worker") + 1] == "trl" and cmd[cmd.index("--generation") + 1] == "vllm"
+    with pytest.raises(SystemExit, match="the rlhflab-vllm worker failed"):
+        bench._worker("rlhflab-vllm", a, 1)
+    cmd = seen[-1]
+    assert cmd[cmd.index("--worker") + 1] == "rlhflab" and cmd[cmd.index("--generation") + 1] == "vllm"
+
+
+@pytest.mark.parametrize("sides, pair", [(["rlhflab", "trl"], ("rlhflab", "trl")),
+                                         (["rlhflab", "rlhflab-vllm", "trl"], ("rlhflab", "trl")),
+                                         (["rlhflab-vllm", "trl-vllm"], ("rlhflab-vllm", "trl-vllm")),
+                                         (["rlhflab-vllm"], ("rlhflab-vllm", "trl-vllm"))])
+def test_the_last_line_compares_sides_that_sample_alike(bench, sides, pair):
+    assert bench.last_line_pair(sides) == pair

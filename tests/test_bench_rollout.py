@@ -63,3 +63,22 @@ def test_a_small_run_prints_the_table_and_the_last_line(bench, tmp_path, monkeyp
     (targets,) = [line for line in out if line.startswith("targets: ratio >= 1.50")]
     assert "with the sampler's log-probs (as the trainers ask)" in targets
     assert any(line.startswith("vllm engine: eager (enforce_eager), KV blocks of 64") for line in out)
+
+
+def test_targets_name_the_best_vllm_batch_when_it_is_not_the_headline(bench, monkeypatch):
+    # Three batches at one length; the headline is the largest batch (256). FLOPs per call
+    # are B x 1e9, so vllm's rate (FLOP/s) is B x 1e9 / seconds: 32 -> 32e9 / 1 = 32 GFLOP/s,
+    # 128 -> 128e9 / 2 = 64 GFLOP/s, 256 -> 256e9 / 5 = 51.2 GFLOP/s. Against a 100 GFLOP/s
+    # peak: the best is batch 128 at 64.0%, the headline 51.2%.
+    monkeypatch.setattr(bench, "HEADLINE", ("m", 64, 256))
+    cells = []
+    for batch, vllm_s in ((32, 1.0), (128, 2.0), (256, 5.0)):
+        c = bench.Cell("m", 64, batch, flops=batch * 1e9)
+        c.seconds, c.cpu = {"hf": [2 * vllm_s], "vllm": [vllm_s]}, {"hf": [2 * vllm_s], "vllm": [vllm_s]}
+        cells.append(c)
+    peak = bench.Peak(wall=100e9, per_cpu=100e9)
+    line = bench.targets(cells, peak)
+    assert ": 51.2% (per CPU-second 51.2%); best vllm MFU 64.0% at batch 128" in line
+    # the headline cell the best: nothing added
+    cells[2].seconds["vllm"] = [2.0]  # 128 GFLOP/s, 128%
+    assert "best vllm" not in bench.targets(cells, peak) and bench.targets(cells, peak).endswith("(per CPU-second 51.2%)")
