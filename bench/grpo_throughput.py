@@ -12,13 +12,20 @@ given), on the arithmetic task's prompts with the GSM8K checker as the reward: g
 size 8, 32 completions per step (4 prompts), responses of up to 16 new tokens,
 temperature 1, one optimizer step per generation batch (fully on-policy), the same
 learning rate, `beta` and clip, fused AdamW, no gradient checkpointing (TRL turns it on
-by default since 1.0; it is switched off here to match). Each runs in a fresh subprocess, so its peak memory is
-its own. On CPU it is measured as bench/ppo_throughput.py does: a priming run of one
-step (thrown away) loads what the libraries import lazily, then the peak resident set
-(VmHWM) is reset and the peak of the measured run is taken above the resident set at
-that point, so the libraries' import footprint (TRL's imports are about 190 MiB larger
-than rlhflab's) is not counted; the whole-process `ru_maxrss` is shown beside it. On
-CUDA: `torch.cuda.max_memory_allocated`.
+by default since 1.0; it is switched off here to match). Both are asked the same prompt
+tokens: rlhflab's side renders each prompt as configs/grpo_debug.yaml says
+(`use_chat_template: auto`: wrapped in the tokenizer's chat template when it has one, as
+SmolLM2's ChatML), and TRL then gets the same text as one user message, which its trainer
+renders with that template and the generation prompt; a model without a chat template
+gets the raw `Question: ...\nAnswer:` on both sides. Before any run the bench tokenizes
+the first 256 prompts as each side does (rlhflab's loading and encoding, TRL's own
+`_tokenize_prompts`) and refuses to run if the token ids differ.
+Each runs in a fresh subprocess, so its peak memory is its own. On CPU it is measured as
+bench/ppo_throughput.py does: a priming run of one step (thrown away) loads what the
+libraries import lazily, then the peak resident set (VmHWM) is reset and the peak of the
+measured run is taken above the resident set at that point, so the libraries' import
+footprint (TRL's imports are about 190 MiB larger than rlhflab's) is not counted; the
+whole-process `ru_maxrss` is shown beside it. On CUDA: `torch.cuda.max_memory_allocated`.
 The first step of each is a warm-up and is not timed; completions/s is the
 completions of the other steps over their wall time, from the end of the first step
 to the end of the last (generation, reward, forward, backward, optimizer, logging;
@@ -48,7 +55,8 @@ which the trainer would refuse.
 
 Above the last line, one line per side gives the median seconds, model FLOPs and MFU of
 each phase (generate, forward = the no-grad reference pass, update) against the float32
-peak measured here (bench/_mfu.py); TRL's phases are timed around its own methods.
+peak measured here (bench/_mfu.py), the prompt counted with the mean tokens that side feeds
+the model (printed at the end of its line); TRL's phases are timed around its own methods.
 
 vLLM generation: the sides `rlhflab-vllm` and `trl-vllm` (`--generation vllm` turns the
 names rlhflab and trl into them) sample with a vLLM engine in the training process:
@@ -280,10 +288,13 @@ def _train_trl(a: argparse.Namespace, steps: int, out: str) -> dict:
 
     torch.set_num_threads(a.threads)
     rows = read_rows(f"{a.data}/train.jsonl")
-    ds = Dataset.from_list([{"prompt": TEMPLATE.format(prompt=r["question"]), "answer": r["answer"]} for r in rows])
+    ds = Dataset.from_list([{"prompt": p, "answer": r["answer"]}
+                            for p, r in zip(trl_prompts(rows, TEMPLATE, a.chat_prompts), rows)])
 
     def reward(prompts, completions, answer, **kwargs):
-        return [gsm8k_reward(c, a_) for c, a_ in zip(completions, answer)]
+        # a conversational prompt's completion comes as [{"role": "assistant", "content": text}]
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [gsm8k_reward(c, a_) for c, a_ in zip(texts, answer)]
 
     class StepMarks(TrainerCallback):
         def __init__(self):
@@ -367,6 +378,7 @@ def _worker(side: str, a: argparse.Namespace, round_: int) -> dict:
            "--threads", str(a.threads), "--group-size", str(a.group_size),
            "--completions", str(a.completions), "--max-new-tokens", str(a.max_new_tokens),
            "--generation", generation] \
+        + (["--chat-prompts"] if a.chat_prompts else []) \
         + (["--no-share-prompt"] if a.no_share_prompt else []) \
         + ([] if a.prime else ["--no-prime"])
     env = worker_env(a, side)
@@ -388,17 +400,95 @@ def worker_env(a: argparse.Namespace, side: str) -> dict[str, str]:
     return env
 
 
-def _mean_prompt_tokens(model: str | Path, data: str | Path, limit: int = 256) -> float:
-    """Mean tokens of the task's prompts (the first `limit` rows, the bench's template, no
-    special tokens): steps draw different prompts, so the MFU uses the mean."""
+# --------------------------------------------------------------------------------------
+# The prompts each side sees
+# --------------------------------------------------------------------------------------
+def _rlhflab_config(a: argparse.Namespace):
+    """rlhflab's worker config (configs/grpo_debug.yaml with this run's overrides)."""
+    from rlhflab.config import load_config
+    from rlhflab.trainers import grpo
+
+    cfg, _ = load_config(ROOT / "configs" / "grpo_debug.yaml", grpo.GRPORunConfig, rlhflab_overrides(a, 2, "run"))
+    return cfg
+
+
+def trl_prompts(rows: list[dict], template: str, use_chat: bool) -> list:
+    """TRL's `prompt` column for `rows`: the text rlhflab's template makes, as one user
+    message when rlhflab wraps it in the tokenizer's chat template (TRL's GRPOTrainer then
+    applies that template with the generation prompt), else the plain string."""
+    from rlhflab.data.prompts import format_prompt
+
+    bodies = [format_prompt(str(r["question"]), template) for r in rows]
+    return [[{"role": "user", "content": b}] for b in bodies] if use_chat else bodies
+
+
+def rlhflab_prompt_ids(a: argparse.Namespace, limit: int) -> tuple[list[list[int]], bool]:
+    """(the token ids rlhflab's worker feeds the model for the first `limit` training
+    prompts, whether it wraps them in the chat template): its own loading, rendering
+    (`dataset.use_chat_template`) and encoding (rollout.encode_prompts, with the prompt
+    cut at `dataset.max_prompt_length`)."""
+    from rlhflab.data.prompts import PromptFormat, load_prompts
+    from rlhflab.models.load import load_tokenizer
+    from rlhflab.rollout import encode_prompts
+
+    cfg = _rlhflab_config(a)
+    tok = load_tokenizer(cfg.model.name_or_path)
+    examples = load_prompts(cfg.dataset, tok, "train")[:limit]
+    ids, mask = encode_prompts(tok, [e.prompt for e in examples], cfg.dataset.max_prompt_length)  # (B, P)
+    use_chat = PromptFormat.resolve(cfg.dataset.prompt_template, cfg.dataset.use_chat_template, tok).use_chat
+    return [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)], use_chat
+
+
+def trl_prompt_ids(a: argparse.Namespace, limit: int, use_chat: bool) -> list[list[int]]:
+    """The token ids TRL 1.16's GRPOTrainer makes of the same prompts: its own
+    `_tokenize_prompts` (chat template with the generation prompt for a conversational
+    prompt, else the tokenizer's plain call) on the column its worker builds."""
+    if str(TRL_DIR) not in sys.path:
+        sys.path.insert(0, str(TRL_DIR))
+    from types import SimpleNamespace
+
     from transformers import AutoTokenizer
+    from trl import GRPOTrainer
 
     from rlhflab.data.loading import read_rows
 
-    tok = AutoTokenizer.from_pretrained(str(model))
-    rows = read_rows(f"{data}/train.jsonl")[:limit]
-    return statistics.mean(len(tok(TEMPLATE.format(prompt=r["question"]), add_special_tokens=False)["input_ids"])
-                           for r in rows)
+    cfg = _rlhflab_config(a)
+    tok = AutoTokenizer.from_pretrained(str(a.model), padding_side="left")  # as the TRL worker loads it
+    prompts = trl_prompts(read_rows(f"{a.data}/train.jsonl")[:limit], TEMPLATE, use_chat)  # as its worker does
+    # the trainer's state that method reads, as GRPOTrainer.__init__ sets it for a text model without tools
+    state = SimpleNamespace(processing_class=tok, _is_vlm=False, environment_factories=None, tools=[],
+                            chat_template=None, chat_template_kwargs={})
+    ids, _, _ = GRPOTrainer._tokenize_prompts(state, prompts)
+    return [list(r) for r in ids]
+
+
+def check_same_prompts(ours: list[list[int]], theirs: list[list[int]]) -> str | None:
+    """None when both sides feed the model the same prompt tokens, else one line naming the
+    first prompt that differs."""
+    if len(ours) != len(theirs):
+        return f"rlhflab reads {len(ours)} prompts, TRL {len(theirs)}"
+    for i, (o, t) in enumerate(zip(ours, theirs)):
+        if o != t:
+            return (f"prompt {i} differs: rlhflab feeds {len(o)} tokens {o[:12]}..., TRL {len(t)} tokens "
+                    f"{t[:12]}...")
+    return None
+
+
+def side_prompt_tokens(a: argparse.Namespace, sides: list[str], limit: int = 256) -> tuple[dict[str, float], bool]:
+    """({side: mean prompt tokens it feeds the model}, whether prompts are chat-templated),
+    over the first `limit` training prompts (steps draw different prompts, so the MFU uses
+    the mean). With a TRL side, both token lists are compared first and a difference
+    stops the benchmark: the sides must be asked the same prompts."""
+    ours, use_chat = rlhflab_prompt_ids(a, limit)
+    counts = {s: statistics.mean(map(len, ours)) for s in sides if SIDES[s][0] == "rlhflab"}
+    if any(SIDES[s][0] == "trl" for s in sides):
+        theirs = trl_prompt_ids(a, limit, use_chat)
+        why = check_same_prompts(ours, theirs)
+        if why:
+            raise SystemExit(f"grpo_throughput: rlhflab and TRL would not be asked the same prompts ({why}); "
+                             f"not like for like, not run")
+        counts.update({s: statistics.mean(map(len, theirs)) for s in sides if SIDES[s][0] == "trl"})
+    return counts, use_chat
 
 
 def phase_flops(a: argparse.Namespace, n: "_mfu.LinearParams", prompt_tokens: float,
@@ -417,21 +507,23 @@ def phase_flops(a: argparse.Namespace, n: "_mfu.LinearParams", prompt_tokens: fl
 
 
 def mfu_lines(results: dict[str, list[dict]], a: argparse.Namespace, n: "_mfu.LinearParams",
-              prompt_tokens: float, peak: float, peak_what: str | None = None) -> list[str]:
-    """Per side: median seconds, model FLOPs and MFU of each phase of a timed step."""
+              prompt_tokens: dict[str, float], peak: float, peak_what: str | None = None) -> list[str]:
+    """Per side: median seconds, model FLOPs and MFU of each phase of a timed step, the
+    FLOPs counted with the mean prompt tokens that side feeds the model (`prompt_tokens`)."""
     peak_what = peak_what or f"the float32 matmul peak measured here ({_mfu.cpu_name()})"
     lines = [f"per phase (median seconds of the timed steps of every run); MFU against {peak_what}, "
              f"{peak / 1e9:.1f} GFLOP/s; N = {n.body / 1e6:.1f}M decoder + "
-             f"{n.head / 1e6:.1f}M LM-head linear weights, {prompt_tokens:.1f} prompt tokens on average; "
+             f"{n.head / 1e6:.1f}M LM-head linear weights; mean prompt tokens as each side renders and "
+             f"tokenizes them; "
              f"2N per token forward, 6N forward+backward (bench/_mfu.py)"]
     for name, runs in results.items():
         if not runs or "phases_s" not in runs[0]:
             continue
         seconds = {k: statistics.median(r["phases_s"][k] for r in runs) for k in PHASES}
         length = statistics.median(r["mean_response_length"] for r in runs)
-        flops = phase_flops(a, n, prompt_tokens, length)
+        flops = phase_flops(a, n, prompt_tokens[name], length)
         lines.append(_mfu.format_mfu(f"  {name}", {k: flops[k] for k in PHASES if k != "score"}, seconds, peak)
-                     + f"; score {seconds['score']:.2f} s")
+                     + f"; score {seconds['score']:.2f} s; {prompt_tokens[name]:.1f} prompt tokens")
     return lines
 
 
@@ -488,6 +580,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="take the memory baseline right after the imports, without the priming run (what the "
                         "libraries import lazily during the run then counts)")
     p.add_argument("--worker", choices=["rlhflab", "trl"], help=argparse.SUPPRESS)
+    # the TRL worker: prompts as chat messages (rlhflab's side wraps them in the chat template)
+    p.add_argument("--chat-prompts", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
         _common.sync_clock_with_cuda(a.device == "cuda")
@@ -533,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
             write_task(a.data, n_train=500, n_test=10)
     a.out = scratch
     n = _mfu.linear_params(a.model)
-    prompt_tokens = _mean_prompt_tokens(a.model, a.data)
+    prompt_tokens, a.chat_prompts = side_prompt_tokens(a, sides)
     peak, peak_what = _mfu.device_peak(a.device, a.threads, tuple(a.peak_sizes),
                                        "bfloat16" if a.mixed_precision == "bf16" else "float32", a.peak_tflops)
 

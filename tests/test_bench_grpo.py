@@ -92,7 +92,7 @@ def test_bad_options_are_refused_in_one_line(bench, bad, says, tmp_path, capsys)
 def _args(tmp_path, generation: str, **kw) -> argparse.Namespace:
     base = dict(model=tmp_path / "model", data=tmp_path / "data", out=tmp_path, steps=4, beta=0.04, lr=1e-5,
                 device="cpu", mixed_precision="no", threads=2, group_size=4, completions=32, max_new_tokens=32,
-                no_share_prompt=False, prime=True, generation=generation)
+                no_share_prompt=False, prime=True, generation=generation, chat_prompts=False)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -164,3 +164,105 @@ def test_a_failed_trl_vllm_run_is_reported_and_any_other_failure_stops(bench, tm
                                          (["rlhflab-vllm"], ("rlhflab-vllm", "trl-vllm"))])
 def test_the_last_line_compares_sides_that_sample_alike(bench, sides, pair):
     assert bench.last_line_pair(sides) == pair
+
+
+# --------------------------------------------------------------------------------------
+# The prompts each side is asked: rlhflab wraps them in the tokenizer's chat template
+# (configs/grpo_debug.yaml: use_chat_template auto), so TRL gets them as chat messages,
+# which its GRPOTrainer renders with the same template; a model without one gets raw text
+# on both sides. The bench compares the two token lists before it runs.
+# --------------------------------------------------------------------------------------
+ROWS = [{"question": "2 + 3?", "answer": "5"}, {"question": "Ann has 7 pens and gives away 4. How many?",
+                                                "answer": "3"}, {"question": "10 - 9?", "answer": "1"}]
+
+
+@pytest.fixture(scope="module")
+def chatml_dir(tmp_path_factory) -> Path:
+    from rlhflab.models.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("grpo-bench-chatml"), hidden_size=64, num_layers=2,
+                           num_heads=2, chat_template="chatml")
+
+
+@pytest.fixture
+def rows_dir(tmp_path) -> Path:
+    import json
+
+    folder = tmp_path / "rows"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return folder
+
+
+def test_a_chat_model_is_asked_the_templated_prompt_on_both_sides(bench, chatml_dir, rows_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    ours, use_chat = bench.rlhflab_prompt_ids(_args(tmp_path, "hf", model=chatml_dir, data=rows_dir), 3)
+    assert use_chat
+    column = bench.trl_prompts(ROWS, bench.TEMPLATE, use_chat)
+    assert column[0] == [{"role": "user", "content": "Question: 2 + 3?\nAnswer:"}]
+    # what TRL 1.16's GRPOTrainer does with a conversational prompt (_tokenize_prompts): the
+    # tokenizer's chat template with the generation prompt, tokenized by that call
+    tok = AutoTokenizer.from_pretrained(chatml_dir)
+    theirs = tok.apply_chat_template(column, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert ours == [list(r) for r in theirs]
+    text = tok.decode(ours[0])
+    assert "Question: 2 + 3?\nAnswer:" in text and text.endswith("<|im_start|>assistant\n")
+    # the defect this replaced: TRL given the raw string is asked fewer, different tokens
+    raw = tok(bench.trl_prompts(ROWS, bench.TEMPLATE, False))["input_ids"]
+    assert len(raw[0]) < len(ours[0])
+    assert bench.check_same_prompts(ours, raw).startswith("prompt 0 differs: rlhflab feeds ")
+
+
+def test_a_model_without_a_chat_template_is_asked_the_raw_prompt_on_both_sides(bench, tiny_model_dir, rows_dir,
+                                                                                tmp_path):
+    from transformers import AutoTokenizer
+
+    ours, use_chat = bench.rlhflab_prompt_ids(_args(tmp_path, "hf", model=tiny_model_dir, data=rows_dir), 3)
+    assert not use_chat
+    column = bench.trl_prompts(ROWS, bench.TEMPLATE, use_chat)
+    assert column[1] == "Question: Ann has 7 pens and gives away 4. How many?\nAnswer:"
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert ours == tok(column)["input_ids"]  # TRL's plain call: processing_class(text=prompts)
+    assert bench.check_same_prompts(ours, ours) is None
+
+
+def test_prompts_that_differ_stop_the_bench_and_rlhflab_alone_needs_no_trl(bench, chatml_dir, rows_dir, tmp_path,
+                                                                           monkeypatch):
+    a = _args(tmp_path, "hf", model=chatml_dir, data=rows_dir)
+    monkeypatch.setattr(bench, "trl_prompt_ids", lambda a, limit, use_chat: [[1, 2, 3]] * len(ROWS))
+    with pytest.raises(SystemExit, match="would not be asked the same prompts .prompt 0 differs"):
+        bench.side_prompt_tokens(a, ["rlhflab", "trl"])
+
+    def no_trl(*args):
+        raise AssertionError("TRL's tokenization asked for a run without a TRL side")
+
+    monkeypatch.setattr(bench, "trl_prompt_ids", no_trl)
+    counts, use_chat = bench.side_prompt_tokens(a, ["rlhflab", "rlhflab-vllm"])
+    ours, _ = bench.rlhflab_prompt_ids(a, 3)
+    assert use_chat and counts == {"rlhflab": sum(map(len, ours)) / 3, "rlhflab-vllm": sum(map(len, ours)) / 3}
+    assert bench.check_same_prompts(ours, ours[:2]) == "rlhflab reads 3 prompts, TRL 2"
+
+
+def test_each_sides_mfu_counts_its_own_prompt_tokens(bench, tmp_path):
+    import _mfu
+
+    a = _args(tmp_path, "hf", completions=8, group_size=4)
+    n = _mfu.LinearParams(body=10, head=3)
+    run = {"phases_s": {"generate": 1.0, "score": 0.0, "forward": 1.0, "update": 1.0}, "mean_response_length": 3}
+    lines = bench.mfu_lines({"rlhflab": [run], "trl": [run]}, a, n, {"rlhflab": 5, "trl": 9}, peak=1e3, peak_what="x")
+    # 2 prompts x 5 tokens + 8 x 3 response tokens = 34: 2 x (10 x 34 + 3 x 24) = 824 FLOPs;
+    # with 9 prompt tokens 42: 2 x (10 x 42 + 72) = 984
+    assert "generate 1.00 s 8.24e-07 GFLOP" in lines[1] and lines[1].endswith("; 5.0 prompt tokens")
+    assert "generate 1.00 s 9.84e-07 GFLOP" in lines[2] and lines[2].endswith("; 9.0 prompt tokens")
+
+
+@pytest.mark.slow
+def test_trl_tokenizes_the_column_as_rlhflab_does(bench, chatml_dir, tiny_model_dir, rows_dir, tmp_path):
+    """TRL 1.16's own `_tokenize_prompts` (imported from the bench's install) against rlhflab's ids."""
+    if not (bench.TRL_DIR / f"trl-{bench.TRL_VERSION}.dist-info").is_dir():
+        pytest.skip(f"TRL {bench.TRL_VERSION} is not installed for the bench ({bench.INSTALL_HINT})")
+    for model in (chatml_dir, tiny_model_dir):
+        a = _args(tmp_path, "hf", model=model, data=rows_dir)
+        ours, use_chat = bench.rlhflab_prompt_ids(a, 3)
+        assert bench.trl_prompt_ids(a, 3, use_chat) == ours
