@@ -4,21 +4,17 @@ docs rest on, checked by playing the demonstrator against the environment in pla
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
+from file_modules import load_file
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "guess_the_number"
 
 
 def _load(name: str, file: str):
-    spec = importlib.util.spec_from_file_location(name, EXAMPLE / file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_file(name, EXAMPLE / file)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ as JSON, which the tests assert on. `python tests/test_examples_learn.py NAME OU
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -23,19 +22,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from file_modules import load_file
 
 pytestmark = pytest.mark.slow
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SEED = 0
-
-
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _grpo(config: Path, overrides: list[str]) -> None:
@@ -52,7 +44,7 @@ def calculator(out: Path) -> dict:
     from rlhflab.data.arith import write_jsonl
     from rlhflab.models.load import load_model
 
-    run = _load("calculator_example_run", EXAMPLES / "calculator" / "run.py")
+    run = load_file("calculator_example_run", EXAMPLES / "calculator" / "run.py")
     train, test = run.make_data(400, 50)
     write_jsonl(train, out / "train.jsonl")
     write_jsonl(test, out / "test.jsonl")
@@ -71,7 +63,7 @@ def guess_the_number(out: Path) -> dict:
     from rlhflab.data.arith import write_jsonl
     from rlhflab.models.load import load_model
 
-    run = _load("guess_example_run", EXAMPLES / "guess_the_number" / "run.py")
+    run = load_file("guess_example_run", EXAMPLES / "guess_the_number" / "run.py")
     train, test = run.games(2000, 0), run.games(100, 1)
     write_jsonl(train, out / "train.jsonl")
     write_jsonl(test, out / "test.jsonl")

@@ -12,23 +12,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from file_modules import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _module(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-FIG = _module("insert_figures", ROOT / "scripts" / "insert_figures.py")
+FIG = load_file("insert_figures", ROOT / "scripts" / "insert_figures.py")
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +93,7 @@ def test_runs_that_differ_are_quoted_as_a_range():
 
 
 def test_measure_readme_writes_what_the_views_read(tmp_path, monkeypatch):
-    measure = _module("measure_readme", ROOT / "scripts" / "measure_readme.py")
+    measure = load_file("measure_readme", ROOT / "scripts" / "measure_readme.py")
     run = {"accuracy after SFT (greedy)": 0.2, "accuracy after PPO step 10": 0.7, "accuracy after PPO (greedy)": 0.8,
            "reward after SFT": 0.28, "reward after PPO": 0.82, "seconds, all five stages (summary.json)": 70.0,
            "seconds, SFT warm start": 45.0, "seconds, the whole command": 75.0, "PPO episodes/s": 80.0,

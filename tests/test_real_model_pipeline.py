@@ -3,27 +3,16 @@ and the whole chain with --quick on SmolLM2-135M-Instruct (slow)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from file_modules import load_file
 
 from rlhflab.data.preferences import pairs_from_samples
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("real_model_pipeline", ROOT / "scripts" / "real_model_pipeline.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("real_model_pipeline", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-pipeline = _script()
+pipeline = load_file("real_model_pipeline", ROOT / "scripts" / "real_model_pipeline.py")
 
 
 def test_pairs_from_samples_pairs_best_with_worst_and_uses_each_response_once():

@@ -5,25 +5,16 @@ Evaluation-only lines are not steps; a run without timed steps says None, never 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from file_modules import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _module(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-RECIPES = _module("real_model_recipes", ROOT / "scripts" / "real_model_recipes.py")
+RECIPES = load_file("real_model_recipes", ROOT / "scripts" / "real_model_recipes.py")
 
 # Three timed steps as a policy trainer logs them, the step-0 evaluation before them (its own
 # line, no time/*) and a held-out evaluation merged into step 3's row.
@@ -102,7 +93,7 @@ def test_record_fills_in_phases_only_for_a_row_without_them(tmp_path):
     untimed = write_metrics(tmp_path / "untimed", [{"step": 0, "eval/accuracy": 0.3}])
     row = _record(tmp_path / "results.json", {**base, "run_dir": str(untimed)})
     assert row["phase_seconds"] is None
-    fig = _module("insert_figures", ROOT / "scripts" / "insert_figures.py")
+    fig = load_file("insert_figures", ROOT / "scripts" / "insert_figures.py")
     table_row = fig.recipes_table({"machine": "m", "date": "d", "script": "s", "command": "c", "runs": [
         {**row, "steps": 0, "before": 0.3, "after": 0.3, "n_eval": 200, "train_minutes": 0.0, "s_per_step": 0.0,
          "load": 1.0}]}).splitlines()[2]

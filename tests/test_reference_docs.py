@@ -14,26 +14,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import re
 import sqlite3
 from pathlib import Path
 
 import pytest
+from file_modules import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 REF = ROOT / "docs" / "reference"
 
 
-def _make_reference():
-    spec = importlib.util.spec_from_file_location("make_reference", ROOT / "scripts" / "make_reference.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-MAKE = _make_reference()
+MAKE = load_file("make_reference", ROOT / "scripts" / "make_reference.py")
 
 
 # ----------------------------------------------------------------- generated pages
@@ -265,16 +258,11 @@ def test_reference_links_resolve(md):
 # ----------------------------------------------------------------- commands on these pages
 
 def _docs_commands():
-    """tests/test_docs_commands.py as a module (its dataclass needs it in sys.modules)."""
+    """tests/test_docs_commands.py as a module, loaded once."""
     import sys
 
     name = "_reference_docs_commands"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "tests" / "test_docs_commands.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return sys.modules.get(name) or load_file(name, ROOT / "tests" / "test_docs_commands.py")
 
 
 @pytest.mark.parametrize("md", sorted(p.name for p in REF.glob("*.md")))

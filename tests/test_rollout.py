@@ -208,13 +208,17 @@ def test_logprobs_at_the_sampling_temperature(tiny_model_dir, temperature):
     torch.testing.assert_close(roll.logprobs, expected, rtol=0, atol=1e-5)
 
 
-def test_score_rollout_with_reference_and_micro_batches(tiny_model_dir):
+def _scorers(tiny_model_dir):
+    """The tiny model with a value head (seeded), a frozen copy as the reference, and the id of "7"."""
     torch.manual_seed(0)
     model, tok = load_model(str(tiny_model_dir))
     disable_dropout(model)
-    ac = ActorCritic(model, value_head=ValueHead(hidden_size_of(model)))
-    ref = Reference.frozen_copy(model)
-    seven = tok.convert_tokens_to_ids("7")
+    return (ActorCritic(model, value_head=ValueHead(hidden_size_of(model))), Reference.frozen_copy(model),
+            tok.convert_tokens_to_ids("7"))
+
+
+def test_score_rollout_with_reference_and_micro_batches(tiny_model_dir):
+    ac, ref, seven = _scorers(tiny_model_dir)
     roll = _roll([[11, 12], [13], [14, 15, 16]], [[seven, EOS], [seven, seven, seven], [EOS]])
     whole = score_rollout(ac, ref, roll, micro_batch=64)
     lp, val, ref_lp = whole.logprobs.clone(), whole.values.clone(), whole.ref_logprobs.clone()
@@ -229,12 +233,7 @@ def test_score_rollout_with_reference_and_micro_batches(tiny_model_dir):
 
 
 def test_micro_batches_by_length_pad_less_and_keep_the_rollout_order(tiny_model_dir):
-    torch.manual_seed(0)
-    model, tok = load_model(str(tiny_model_dir))
-    disable_dropout(model)
-    ac = ActorCritic(model, value_head=ValueHead(hidden_size_of(model)))
-    ref = Reference.frozen_copy(model)
-    seven = tok.convert_tokens_to_ids("7")
+    ac, ref, seven = _scorers(tiny_model_dir)
     # Long and short rows alternate: real lengths 9, 2, 8, 3 (prompt + response).
     roll = _roll([[11, 12, 13, 14], [15], [16, 17, 18, 19], [20]],
                  [[seven] * 4 + [EOS], [EOS], [seven] * 3 + [EOS], [seven, EOS]])
