@@ -68,13 +68,18 @@ def _open_files_under(folder) -> list[str]:
     ('KeyboardInterrupt("stopped at step 2")', KeyboardInterrupt, r"^stopped at step 2$"),
 ])
 def test_a_run_that_raises_mid_way_still_puts_the_callers_count_back(ppo_cfg, torch_threads, tmp_path, exc,
-                                                                      caught, message):
+                                                                      caught, message, monkeypatch):
     """A run that raises at step 2 (here its reward plug-in) undoes what it set in the
     caller's process as a finished run does, and leaves what it wrote: the exception
     reaches the caller unchanged, torch's thread count is the caller's again, metrics.jsonl
-    is closed and holds step 1's row."""
+    is closed and holds step 1's row, and a backend that holds an engine (vLLM's: a
+    `close`, given here to the hf backend) is closed."""
     from rlhflab.metrics import read_metrics
+    from rlhflab.rollout.hf import HFBackend
     from rlhflab.trainers.ppo import train
+
+    closed = []
+    monkeypatch.setattr(HFBackend, "close", lambda self: closed.append(type(self).__name__), raising=False)
 
     out = tmp_path / "run"
     plugin = tmp_path / f"flaky_{caught.__name__}.py"
@@ -88,3 +93,4 @@ def test_a_run_that_raises_mid_way_still_puts_the_callers_count_back(ppo_cfg, to
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1] and "rollout/reward_mean" in rows[0]
     assert not (out / "train_result.json").exists()  # a failed run is not reported as finished
+    assert closed == ["HFBackend"]  # once

@@ -461,7 +461,7 @@ def test_kv_bytes_and_dtype_from_the_config():
 # PPO learns with the vLLM backend
 # --------------------------------------------------------------------------------------
 @engine_test
-def test_ppo_with_the_vllm_backend_learns_the_task(tmp_path_factory, tmp_path):
+def test_ppo_with_the_vllm_backend_learns_the_task(tmp_path_factory, tmp_path, monkeypatch):
     """A short PPO run sampling with vLLM raises held-out greedy accuracy by >= 15 points
     from a supervised warm start on sloppy demonstrations (measured with training seeds
     0-3 and 42: 49% -> 85-98% in 15 steps; 6 steps are run here: seed 0 measured 44% ->
@@ -483,7 +483,12 @@ def test_ppo_with_the_vllm_backend_learns_the_task(tmp_path_factory, tmp_path):
                        "generation.enforce_eager=true", "generation.max_new_tokens=16", "training.total_steps=6",
                        "training.eval_interval=6", "training.save_interval=0", "dataset.num_eval_samples=100",
                        "ppo.rollout_samples=32", "ppo.batch_size=32", "ppo.mini_batch_size=16", "ppo.epochs=2", "ppo.learning_rate=1e-4")
+    from rlhflab.rollout.vllm import VLLMEngine
+
+    stopped, close = [], VLLMEngine.close
+    monkeypatch.setattr(VLLMEngine, "close", lambda self: (stopped.append(self.llm is not None), close(self)))
     res = train(cfg, quiet=True)
+    assert stopped == [True]  # the run stopped its engine when it finished (one engine, then none held)
     before, after = res.eval_before["eval/accuracy"], res.eval_after["eval/accuracy"]
     assert after >= before + 0.15, (before, after)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][1:]

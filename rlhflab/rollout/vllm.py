@@ -630,6 +630,12 @@ class VLLMBackend:
         self.engine.sleep()  # GPU: free the engine's memory for the update; a no-op on CPU
         return roll
 
+    def close(self) -> None:
+        """Stop the engine and free its memory: the run is over (its context calls this at
+        the finish, or when the run raised), so a second run in the same process does not
+        find the first one's engine still holding its weights and KV cache."""
+        self.engine.close()
+
     def check_sync(self, gap: float | None, step: int) -> None:
         """The canary on the last rollout's `rollout/logprob_gap` (None: not computed this
         step), when that rollout was sampled right after a push; a UserError on a jump."""

@@ -101,6 +101,7 @@ class Run:
     history: list[dict] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
     threads_before: int = 0       # torch's thread count when the run began: put back by close()
+    closing: list[Callable[[], None]] = field(default_factory=list)  # what stops with the run (a vLLM engine)
 
     # ---------------------------------------------------------------- rank 0's share
     @property
@@ -280,16 +281,26 @@ class Run:
         """Undo what the run set in its process, on this rank alone (no collective: the
         other ranks may not be here): the metrics sinks closed (the rows written stay) and
         torch's thread count put back to the caller's, so a run in a notebook or a script
-        leaves that process as it found it. `finish` ends with it; `entry_point` calls it
-        when a trainer raises. A second call does nothing."""
+        leaves that process as it found it; and what the run started that would outlive it
+        (`on_close`: the vLLM engine and its memory) stopped. `finish` ends with it;
+        `entry_point` calls it when a trainer raises. A second call does nothing."""
         logger, self.logger = self.logger, None
         threads, self.threads_before = self.threads_before, 0
+        closing, self.closing = self.closing, []
         try:
-            if logger is not None:
-                logger.close()
+            for stop in reversed(closing):
+                stop()
         finally:
-            if threads:
-                torch.set_num_threads(threads)
+            try:
+                if logger is not None:
+                    logger.close()
+            finally:
+                if threads:
+                    torch.set_num_threads(threads)
+
+    def on_close(self, stop: Callable[[], None]) -> None:
+        """Have `close` call `stop` (last registered, first called)."""
+        self.closing.append(stop)
 
 
 # The runs started under the innermost `entry_point` call (None outside one).
