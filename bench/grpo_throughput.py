@@ -202,11 +202,10 @@ def run_rlhflab(a: argparse.Namespace) -> dict:
 
 
 def _train_rlhflab(a: argparse.Namespace, steps: int, out: str) -> dict:
-    from rlhflab.config import load_config
     from rlhflab.trainers import grpo
     from rlhflab.trainers.loop import PolicyMethod, run_policy_training
 
-    cfg, _ = load_config(ROOT / "configs" / "grpo_debug.yaml", grpo.GRPORunConfig, rlhflab_overrides(a, steps, out))
+    cfg = _rlhflab_config(a, steps, out)
     marks: list[tuple[float, float]] = []
 
     def timed_step(*args):  # grpo_step, with a mark at the end of each step (as TRL's on_step_end)
@@ -403,12 +402,13 @@ def worker_env(a: argparse.Namespace, side: str) -> dict[str, str]:
 # --------------------------------------------------------------------------------------
 # The prompts each side sees
 # --------------------------------------------------------------------------------------
-def _rlhflab_config(a: argparse.Namespace):
-    """rlhflab's worker config (configs/grpo_debug.yaml with this run's overrides)."""
+def _rlhflab_config(a: argparse.Namespace, steps: int = 2, out: str = "run"):
+    """rlhflab's worker config (configs/grpo_debug.yaml with this run's overrides); the
+    prompts do not depend on `steps` and `out`."""
     from rlhflab.config import load_config
     from rlhflab.trainers import grpo
 
-    cfg, _ = load_config(ROOT / "configs" / "grpo_debug.yaml", grpo.GRPORunConfig, rlhflab_overrides(a, 2, "run"))
+    cfg, _ = load_config(ROOT / "configs" / "grpo_debug.yaml", grpo.GRPORunConfig, rlhflab_overrides(a, steps, out))
     return cfg
 
 
@@ -452,7 +452,6 @@ def trl_prompt_ids(a: argparse.Namespace, limit: int, use_chat: bool) -> list[li
 
     from rlhflab.data.loading import read_rows
 
-    cfg = _rlhflab_config(a)
     tok = AutoTokenizer.from_pretrained(str(a.model), padding_side="left")  # as the TRL worker loads it
     prompts = trl_prompts(read_rows(f"{a.data}/train.jsonl")[:limit], TEMPLATE, use_chat)  # as its worker does
     # the trainer's state that method reads, as GRPOTrainer.__init__ sets it for a text model without tools
