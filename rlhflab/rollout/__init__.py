@@ -187,6 +187,9 @@ class RolloutBackend(Protocol):
     def sync(self, policy: torch.nn.Module, updates: int = 1) -> None:
         """The policy's weights changed (`updates` optimizer steps): make sampling follow them."""
 
+    def close(self) -> None:
+        """The run is over (finished or raised): free what the backend holds (an engine)."""
+
 
 from rlhflab.rollout.hf import HFBackend, generate  # noqa: E402  (it builds on the definitions above)
 

@@ -157,3 +157,6 @@ class HFBackend:
 
     def sync(self, policy, updates: int = 1) -> None:
         return None
+
+    def close(self) -> None:  # it samples from the training model: nothing of its own to free
+        return None

@@ -207,7 +207,7 @@ def build_run(cfg, method: PolicyMethod, *, resume_dir: Path | None = None, math
     backend = make_backend(cfg.generation, models.policy, models.tokenizer,
                            max_prompt_length=prompt_room, batch_size=sec.batch_size,
                            seed=train_cfg.seed, rank=dist.rank)
-    if context is not None and hasattr(backend, "close"):  # vllm: the engine stops with the run
+    if context is not None:  # the backend stops with the run (vllm: its engine)
         context.on_close(backend.close)
     if env_active(cfg):  # multi-turn episodes through the same backend (rlhflab.envs.rollout)
         from rlhflab.envs import setup_episodes
