@@ -94,12 +94,14 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(numeric, step=step)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Close every sink; `failed`: the run raised, and W&B marks it failed (exit code 1)
+        instead of finished."""
         self._fh.close()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
-            self._wandb.finish()
+            self._wandb.finish(exit_code=1 if failed else 0)
 
 
 def read_metrics(path: str | Path, notes: list[str] | None = None) -> list[dict[str, Any]]:

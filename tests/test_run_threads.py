@@ -10,7 +10,32 @@ import torch
 from rlhflab.errors import UserError
 
 
-def test_a_run_trains_on_its_threads_and_puts_the_callers_count_back(ppo_cfg, torch_threads, monkeypatch):
+@pytest.fixture
+def wandb_runs(monkeypatch):
+    """A stand-in `wandb` module (W&B itself is not installed here, and would go online):
+    each `init` returns a run that records the exit code `finish` was given."""
+    import sys
+    import types
+
+    runs: list[dict] = []
+
+    class FakeRun:
+        def __init__(self, **kwargs):
+            self.record = {"init": kwargs, "logged": 0, "exit_code": None}
+            runs.append(self.record)
+
+        def log(self, metrics, step=None):
+            self.record["logged"] += 1
+
+        def finish(self, exit_code=None, quiet=None):
+            self.record["exit_code"] = exit_code
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: FakeRun(**kw)))
+    return runs
+
+
+def test_a_run_trains_on_its_threads_and_puts_the_callers_count_back(ppo_cfg, torch_threads, monkeypatch,
+                                                                       wandb_runs):
     from rlhflab.trainers.ppo import train
 
     torch_threads(2)
@@ -21,10 +46,12 @@ def test_a_run_trains_on_its_threads_and_puts_the_callers_count_back(ppo_cfg, to
         real_set(n)
 
     monkeypatch.setattr(torch, "set_num_threads", recording_set)
-    res = train(ppo_cfg("training.num_threads=1", "training.total_steps=1"), quiet=True)
+    res = train(ppo_cfg("training.num_threads=1", "training.total_steps=1", "logging.report_to=[wandb]"),
+                quiet=True)
     assert [h["step"] for h in res.history] == [1]
     assert calls[0] == 1 and calls[-1] == 2  # the run's own count first, the caller's last
     assert torch.get_num_threads() == 2
+    assert len(wandb_runs) == 1 and wandb_runs[0]["exit_code"] == 0  # W&B shows it finished
 
 
 # A reward plug-in that works through step 1 and raises at step 2: it raises once the run's
@@ -68,12 +95,12 @@ def _open_files_under(folder) -> list[str]:
     ('KeyboardInterrupt("stopped at step 2")', KeyboardInterrupt, r"^stopped at step 2$"),
 ])
 def test_a_run_that_raises_mid_way_still_puts_the_callers_count_back(ppo_cfg, torch_threads, tmp_path, exc,
-                                                                      caught, message, monkeypatch):
+                                                                      caught, message, monkeypatch, wandb_runs):
     """A run that raises at step 2 (here its reward plug-in) undoes what it set in the
     caller's process as a finished run does, and leaves what it wrote: the exception
     reaches the caller unchanged, torch's thread count is the caller's again, metrics.jsonl
-    is closed and holds step 1's row, and the generation backend is closed (vLLM's frees
-    its engine; recorded here on the hf backend)."""
+    is closed and holds step 1's row, W&B marks the run failed (not finished), and the
+    generation backend is closed (vLLM's frees its engine; recorded here on the hf backend)."""
     from rlhflab.metrics import read_metrics
     from rlhflab.rollout.hf import HFBackend
     from rlhflab.trainers.ppo import train
@@ -87,10 +114,12 @@ def test_a_run_that_raises_mid_way_still_puts_the_callers_count_back(ppo_cfg, to
     torch_threads(2)
     with pytest.raises(caught, match=message) as failed:  # kept, as a notebook keeps its last traceback
         train(ppo_cfg("training.num_threads=1", "training.total_steps=3",
-                      f"reward.sources=[{{type: rule, name: '{plugin}:score'}}]", out_dir=out), quiet=True)
+                      f"reward.sources=[{{type: rule, name: '{plugin}:score'}}]", "logging.report_to=[wandb]",
+                      out_dir=out), quiet=True)
     assert torch.get_num_threads() == 2  # the run trained on 1
     assert failed.tb is not None and _open_files_under(out) == []  # closed, not left to the garbage collector
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1] and "rollout/reward_mean" in rows[0]
     assert not (out / "train_result.json").exists()  # a failed run is not reported as finished
     assert closed == ["HFBackend"]  # once
+    assert len(wandb_runs) == 1 and wandb_runs[0]["logged"] >= 1 and wandb_runs[0]["exit_code"] == 1

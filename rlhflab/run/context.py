@@ -277,9 +277,10 @@ class Run:
         self.dist.barrier()
         self.close()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         """Undo what the run set in its process, on this rank alone (no collective: the
-        other ranks may not be here): the metrics sinks closed (the rows written stay) and
+        other ranks may not be here): the metrics sinks closed (the rows written stay; W&B
+        marks the run failed when `failed`, i.e. the trainer raised) and
         torch's thread count put back to the caller's, so a run in a notebook or a script
         leaves that process as it found it; and what the run started that would outlive it
         (`on_close`: the vLLM engine and its memory) stopped. `finish` ends with it;
@@ -293,7 +294,7 @@ class Run:
         finally:
             try:
                 if logger is not None:
-                    logger.close()
+                    logger.close(failed=failed)
             finally:
                 if threads:
                     torch.set_num_threads(threads)
@@ -322,7 +323,7 @@ def entry_point(train: Callable) -> Callable:
         except BaseException:
             for run in reversed(runs):
                 try:
-                    run.close()
+                    run.close(failed=True)
                 except Exception as exc:  # the run's own exception is the one the caller must see
                     warnings.warn(f"closing the failed {run.method} run also raised {type(exc).__name__}: {exc}",
                                   stacklevel=2)
