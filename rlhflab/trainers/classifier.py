@@ -226,7 +226,7 @@ def save_classifier(model, tokenizer, folder: Path) -> None:
         tokenizer.save_pretrained(tmp)
 
 
-@entry_point  # a run that raises is closed: the caller's threads back, its sinks closed
+@entry_point
 def train_classifier(cfg: ClassifierRunConfig, effective=None, quiet: bool = False) -> ClassifierResult:
     """Train a sequence classifier as configured; returns where it went and its held-out metrics."""
     t, c, d = cfg.training, cfg.classifier, cfg.data

@@ -391,7 +391,7 @@ def _evaluate(models: PolicyModels, eval_tok, eval_cache, task_examples, task_sc
     return metrics
 
 
-@entry_point  # a run that raises is closed: the caller's threads back, its sinks closed
+@entry_point
 def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, quiet: bool = False) -> TrainResult:
     """Run DPO as configured; returns where the outputs went and the metric history."""
     t, sec, d = cfg.training, cfg.dpo, cfg.dataset

@@ -299,7 +299,7 @@ def format_eval(step: int, res: EvalResult, path: Path, n_show: int = 2) -> str:
     return "\n".join(lines)
 
 
-@entry_point  # a run that raises is closed: the caller's threads back, its sinks closed
+@entry_point
 def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None = None, effective=None,
                         quiet: bool = False, math_: PPOMath | None = None) -> TrainResult:
     """Set up, then per step: fresh prompts, the method's phases 1-5, then 6. log,

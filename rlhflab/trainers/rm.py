@@ -343,7 +343,7 @@ def save_reward_model(model, tokenizer, meta: RMMeta, folder: Path, state: dict 
         (tmp / META_FILE).write_text(meta.to_json())
 
 
-@entry_point  # a run that raises is closed: the caller's threads back, its sinks closed
+@entry_point
 def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
     """Train a reward model as configured; returns where it went and the before/after metrics."""
     t, r = cfg.training, cfg.rm

@@ -383,7 +383,7 @@ def _save(model, tokenizer, folder: Path, merged: bool, state: dict | None = Non
         model.config.use_cache = False
 
 
-@entry_point  # a run that raises is closed: the caller's threads back, its sinks closed
+@entry_point
 def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResult:
     """Run SFT as configured; returns where the model went and the before/after metrics."""
     t, s = cfg.training, cfg.sft
