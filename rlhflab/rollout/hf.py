@@ -1,11 +1,18 @@
 """The Hugging Face backend: `model.generate` with the KV cache, in batches.
 
-Seeded sampling (`generation.seeded_sampling`): instead of `generate`'s multinomial
-draw from the batch's shared random stream, each row's token is the argmax of its
-processed logits (temperature, top-k, top-p) plus Gumbel noise keyed by (seed, step,
-the row's index in the whole step, the response position) (`rlhflab.ops.sampling`): the
-same distribution, and the same samples whatever the batch size, the number of
-processes, or the other prompts' lengths (which set the batch's left padding).
+How a sampled token is drawn. By default `generate` draws it (torch.multinomial, from one
+random stream for the whole batch). Two settings replace that draw with rlhflab's own,
+`InverseCDFDraw`: the first token whose cumulative probability passes u × total, from the
+processed logits (temperature, top-k, top-p) and one uniform number u per row
+(`ops.inverse_cdf_draw`); `generate` is then run greedy and takes that token.
+- Seeded sampling (`generation.seeded_sampling`): u is keyed by (seed, step, the row's index
+  in the whole step, the response position) (`ops.counter_uniform`), so a row samples the
+  same tokens whatever the batch size, the number of processes, or the other prompts'
+  lengths (which set the batch's left padding).
+- `generation.fast_draw` (opt-in, on a CPU only: `rlhflab.cpu.fast_draw`): u from torch's
+  global generator. multinomial draws a random number for every vocabulary entry, which on
+  a CPU costs more than the cumulative sum (bench/cpu_tricks.py).
+Both keep the sampling distribution; they draw other tokens than `generate` for a given seed.
 
 `n` > 1 answers per prompt (GRPO, RLOO groups) share the prompt: each prompt is
 prefilled once (all but its last token) and its KV cache repeated n times before
@@ -25,23 +32,39 @@ from rlhflab.models.actor_critic import decoder_and_head, is_checkpointing, posi
 from rlhflab.rollout import Rollout, collate, encode_prompts, eos_ids_of, finish_rollout
 
 
-class SeededGumbel:
-    """A logits processor adding per-row counter-based Gumbel noise (see the module docstring).
+class InverseCDFDraw:
+    """The last logits processor of a sampled `generate` call that rlhflab draws itself (see
+    the module docstring): the row's token drawn from softmax(scores) by
+    `ops.inverse_cdf_draw`, which leaves it the only finite score for `generate`, run
+    greedy, to take. u per row: keyed by (`keys`, the response position) when seeded, else
+    from torch's global generator (so `torch.manual_seed` still fixes the samples).
 
-    The noise is keyed by the response position (tokens generated so far), not by the
-    padded sequence length, which depends on the longest prompt in the batch."""
+    The position is the number of tokens generated so far, not the padded sequence
+    length, which depends on the longest prompt in the batch (`prompt_len`: the padded
+    prompt width of this generate call)."""
 
-    def __init__(self, keys: torch.Tensor, prompt_len: int = 0):
-        self.keys = keys  # (B,) int64
-        self.prompt_len = prompt_len  # P: the padded prompt width of this generate call
+    def __init__(self, keys: torch.Tensor | None = None, prompt_len: int = 0):
+        self.keys = keys  # (B,) int64, or None: unseeded
+        self.prompt_len = prompt_len
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        position = input_ids.shape[1] - self.prompt_len
-        noise = ops.gumbel_noise(self.keys.to(scores.device), position, scores.shape[-1])
-        return scores + noise.to(scores.dtype)
+        if self.keys is None:
+            u = torch.rand(scores.shape[0], dtype=torch.float64, device=scores.device)
+        else:
+            position = input_ids.shape[1] - self.prompt_len
+            u = ops.counter_uniform(self.keys.to(scores.device), position, 1).squeeze(1)
+        token = ops.inverse_cdf_draw(scores, u)
+        return torch.full_like(scores, float("-inf")).scatter_(1, token.unsqueeze(1), 0.0)
 
 
-def _seeded_processors(keys: torch.Tensor, temperature: float, top_k: int, top_p: float, prompt_len: int):
+def draw_kwargs(*, greedy: bool, temperature: float, top_k: int, top_p: float, keys: torch.Tensor | None = None,
+                prompt_len: int = 0, fast_draw: bool = False) -> dict:
+    """`model.generate` arguments that replace its own multinomial draw with `InverseCDFDraw`:
+    seeded when `keys` are given (`generation.seeded_sampling`), else with `fast_draw`.
+    `generate` then runs greedy over our processors (temperature, top-k, top-p, then the
+    draw), after its own (min_new_tokens). {} when greedy or neither applies."""
+    if greedy or (keys is None and not fast_draw):
+        return {}
     from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
                                                         TopKLogitsWarper, TopPLogitsWarper)
     procs = [TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []
@@ -49,7 +72,8 @@ def _seeded_processors(keys: torch.Tensor, temperature: float, top_k: int, top_p
         procs.append(TopKLogitsWarper(top_k))
     if top_p < 1.0:
         procs.append(TopPLogitsWarper(top_p))
-    return LogitsProcessorList([*procs, SeededGumbel(keys, prompt_len)])
+    return dict(do_sample=False, temperature=None, top_k=None, top_p=None,
+                logits_processor=LogitsProcessorList([*procs, InverseCDFDraw(keys, prompt_len)]))
 
 
 LOCKSTEP_ATTR = "_rlhflab_lockstep"  # set on every submodule by engine.dist.mark_lockstep
@@ -83,12 +107,14 @@ def generate(model, tokenizer, prompts: Sequence[str], *, n: int = 1, max_new_to
              min_new_tokens: int = 0, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              greedy: bool = False, max_prompt_length: int | None = None, batch_size: int = 64,
              examples: Sequence[dict] | None = None, share_prompt: bool = True,
-             seed: int | None = None, step: int = 0, row_offset: int = 0) -> Rollout:
+             seed: int | None = None, step: int = 0, row_offset: int = 0, fast_draw: bool = False) -> Rollout:
     """Sample (or greedily decode) `n` responses per prompt, `batch_size` responses at a time.
 
     Rows [i·n, (i+1)·n) of the result answer prompt i. With `share_prompt` (and n > 1,
     no gradient checkpointing) each prompt is prefilled once for its n rows. With `seed`,
-    sampling is seeded per row (row r of this call is row `row_offset + r` of the step).
+    sampling is seeded per row (row r of this call is row `row_offset + r` of the step);
+    else with `fast_draw` each token is drawn by `InverseCDFDraw` instead of `generate`'s
+    multinomial (the same distribution).
     """
     device = next(model.parameters()).device
     eos = eos_ids_of(model, tokenizer)
@@ -115,11 +141,11 @@ def generate(model, tokenizer, prompts: Sequence[str], *, n: int = 1, max_new_to
             cache.batch_repeat_interleave(n)
             call_kw["past_key_values"] = cache
         ids_n, am_n = ids.repeat_interleave(n, dim=0), am.repeat_interleave(n, dim=0)  # (G·n, P)
+        keys = None
         if seed is not None and not greedy:
-            rows = row_offset + start * n + torch.arange(ids_n.shape[0])
-            call_kw.update(do_sample=False, temperature=None, top_k=None, top_p=None,
-                           logits_processor=_seeded_processors(ops.row_keys(seed, step, rows), temperature,
-                                                               top_k, top_p, prompt_len=ids_n.shape[1]))
+            keys = ops.row_keys(seed, step, row_offset + start * n + torch.arange(ids_n.shape[0]))
+        call_kw.update(draw_kwargs(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, keys=keys,
+                                   prompt_len=ids_n.shape[1], fast_draw=fast_draw))
         out = model.generate(input_ids=ids_n, attention_mask=am_n, **call_kw)
         rows = examples[start : start + per_call]
         parts.append(finish_rollout(out, ids_n, am_n, tokenizer, eos, [p for p in chunk for _ in range(n)],
@@ -141,6 +167,8 @@ class HFBackend:
         self.max_prompt_length, self.batch_size = max_prompt_length, batch_size
         self.seed = seed if getattr(gen_cfg, "seeded_sampling", False) else None
         self.rank = rank
+        from rlhflab import cpu
+        self.fast_draw = cpu.fast_draw(next(policy.parameters()).device, gen_cfg)
 
     def generate(self, prompts: Sequence[str], *, n: int = 1, examples: Sequence[dict] | None = None,
                  greedy: bool = False, max_new_tokens: int | None = None, batch_size: int | None = None,
@@ -153,7 +181,7 @@ class HFBackend:
                         temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, greedy=greedy,
                         max_prompt_length=self.max_prompt_length, batch_size=batch_size or self.batch_size,
                         examples=examples, share_prompt=share_prompt, seed=self.seed, step=step,
-                        row_offset=self.rank * len(prompts) * n)
+                        row_offset=self.rank * len(prompts) * n, fast_draw=self.fast_draw)
 
     def sync(self, policy, updates: int = 1) -> None:
         return None

@@ -15,9 +15,9 @@ Either way `sample` returns a `Rollout` in the one layout (`rlhflab.rollout`): t
 prompts' and responses' token ids and the decoded response texts, so whoever scores it
 does not know who generated.
 
-`seed` in `sample`: each response draws noise keyed by (seed, its prompt's index), so the
-samples do not depend on the batch size (hf: `generation.seeded_sampling`'s Gumbel noise;
-vLLM: a generator per prompt). Without it, hf follows torch's global random stream.
+`seed` in `sample`: each response draws from numbers keyed by (seed, its prompt's index),
+so the samples do not depend on the batch size (hf: `generation.seeded_sampling`'s keyed
+draw; vLLM: a generator per prompt). Without it, hf follows torch's global random stream.
 Greedy decoding ignores it.
 """
 
