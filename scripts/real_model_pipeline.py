@@ -194,6 +194,12 @@ def write_jsonl(rows: Sequence[dict], path: Path) -> Path:
     return path
 
 
+# The PPO and DPO stages' final/ is read as a model (evaluated, never resumed): their
+# checkpoints skip the optimizer state (training.save_only_model), which under AdamW holds
+# two numbers per trained weight, so a fully fine-tuned final/ takes a third of the room.
+MODEL_ONLY = ["training.save_only_model=true"]
+
+
 class Pipeline:
     def __init__(self, a: argparse.Namespace, sizes: Sizes):
         self.a, self.s, self.out = a, sizes, a.out
@@ -311,7 +317,7 @@ class Pipeline:
             f"reward.sources=[{{type: model, path: {reward_model}, normalize: true, batch_size: 32}}]",
             f"eval.correct={a.correct}", f"ppo.rollout_samples={s.ppo_episodes}", f"ppo.batch_size={s.ppo_episodes}",
             f"ppo.mini_batch_size={mini}", f"training.total_steps={s.ppo_steps}", "training.eval_interval=1",
-            f"training.output_dir={folder}", *self.common, *a.ppo)
+            f"training.output_dir={folder}", *self.common, *MODEL_ONLY, *a.ppo)
         from rlhflab.metrics import read_metrics
 
         steps = [r for r in read_metrics(folder / "metrics.jsonl") if "eval/accuracy" in r]
@@ -333,7 +339,8 @@ class Pipeline:
         folder = self.out / "dpo"
         _, minutes = timed(rlhflab, "dpo", "--config", str(CONFIGS / "dpo_smollm2_pipeline.yaml"),
                            f"model.name_or_path={policy}", f"dataset.path={train}", f"dataset.eval_path={test}",
-                           f"dpo.epochs={s.dpo_epochs}", f"training.output_dir={folder}", *self.common, *a.dpo)
+                           f"dpo.epochs={s.dpo_epochs}", f"training.output_dir={folder}", *self.common, *MODEL_ONLY,
+                           *a.dpo)
         result = json.loads((folder / "train_result.json").read_text())
         from rlhflab.metrics import read_metrics
 

@@ -221,3 +221,25 @@ def test_resume_continues_like_the_uninterrupted_run(ppo_cfg, tmp_path, monkeypa
     head_a = load_file(tmp_path / "a" / "final" / "value_head.safetensors")
     head_b = load_file(b / "final" / "value_head.safetensors")
     assert all(torch.equal(head_a[k], head_b[k]) for k in head_a)
+
+
+def test_save_only_model_writes_the_same_weights_without_the_trainer_state(ppo_cfg, tmp_path):
+    """training.save_only_model (TRL's save_only_model): the same run saved both ways gives
+    byte-identical weights (policy and value head) in step_N/ and final/, and the model-only
+    folders hold no trainer_state.pt; --resume from one is refused with the fix."""
+    settings = ("training.total_steps=2", "training.save_interval=1", "ppo.rollout_samples=8",
+                "ppo.batch_size=8", "ppo.mini_batch_size=4", "ppo.epochs=1")
+    full, only = tmp_path / "full", tmp_path / "only"
+    ppo.train(ppo_cfg(*settings, out_dir=full), quiet=True)
+    cfg = ppo_cfg(*settings, "training.save_only_model=true", out_dir=only)
+    ppo.train(cfg, quiet=True)
+    for name in ("step_1", "final"):  # the last step is saved as final/ only
+        kept, whole = _tree(only / name), _tree(full / name)
+        assert "trainer_state.pt" in whole and "trainer_state.pt" not in kept, name
+        assert {"model.safetensors", "value_head.safetensors", "config.json", "rlhflab.json"} <= set(kept), name
+        for f in ("model.safetensors", "value_head.safetensors"):
+            assert kept[f] == whole[f], (name, f)
+    AutoModelForCausalLM.from_pretrained(only / "final")  # a plain Hugging Face folder
+    with pytest.raises(UserError, match=r"saved with training.save_only_model=true .* cannot be resumed; start a "
+                                        r"new run from its weights with model.name_or_path=.*step_1"):
+        ppo.train(cfg, resume=only / "step_1", quiet=True)

@@ -64,6 +64,7 @@ FOREIGN_KEYS: dict[str, str] = {
     "train_on_inputs": "sft.train_on_prompt",
     # Hugging Face TrainingArguments
     "save_steps": "training.save_interval", "save_total_limit": "training.keep_last_checkpoints",
+    "save_only_model": "training.save_only_model",
     "eval_steps": "training.eval_interval",
 }
 

@@ -399,6 +399,10 @@ class TrainingConfig:
     eval_interval: int = f(25, "evaluate on the held-out split every this many steps; 0 disables", ge=0)
     eval_batch_size: int = f(64, "prompts per batch during greedy evaluation", gt=0)
     keep_last_checkpoints: Optional[int] = f(None, "keep only the newest N step_N/ folders; null keeps all", gt=0)
+    save_only_model: bool = f(False, "policy methods and DPO: step_N/ and final/ hold the models (policy, value head "
+                                     "or critic, LoRA adapter) without trainer_state.pt (optimizer, scheduler, random "
+                                     "states; AdamW's is twice the trained weights); such a checkpoint loads as a "
+                                     "model anywhere but cannot be --resumed")
     num_threads: Optional[int] = f(None, "torch CPU threads; null leaves torch's default", gt=0)
     mixed_precision: MixedPrecision = f(
         "no", "no, or bf16: forward passes under bfloat16 autocast with float32 weights (docs/precision.md); "

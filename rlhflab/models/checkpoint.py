@@ -324,13 +324,24 @@ def _write_checkpoint(tmp: Path, actor_critic, tokenizer, optimizer, scheduler, 
     (tmp / META_FILE).write_text(json.dumps({"step": step, **layout, **(extra or {})}, indent=2))
 
 
+def no_state_message(folder: str | Path) -> str:
+    """What --resume says of a folder without trainer_state.pt: a checkpoint saved with
+    `training.save_only_model` (its rlhflab.json is there) or not a checkpoint at all."""
+    folder = Path(folder)
+    if (folder / META_FILE).is_file():
+        return (f"--resume {folder}: this checkpoint was saved with training.save_only_model=true (no {STATE_FILE}: "
+                f"no optimizer, scheduler or random state), so it cannot be resumed; start a new run from its "
+                f"weights with model.name_or_path={folder}")
+    return f"--resume {folder}: no {STATE_FILE} there; point it at a step_N/ folder"
+
+
 def load_trainer_state(folder: str | Path) -> dict[str, Any]:
     """The trainer state of a checkpoint; a truncated or corrupt file is a `UserError`."""
     path = Path(folder) / STATE_FILE
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except FileNotFoundError:
-        raise UserError(f"--resume {folder}: no {STATE_FILE} there; point it at a step_N/ folder") from None
+        raise UserError(no_state_message(folder)) from None
     except Exception as exc:  # EOFError, UnpicklingError, RuntimeError (zip archive): a cut file
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"--resume {folder}: {STATE_FILE} cannot be read ({first[:120]}); it is truncated or "

@@ -226,13 +226,20 @@ class Run:
         """A resumable checkpoint (`models.checkpoint.save_checkpoint`): the full weights
         and optimizer state gathered from `module` (as the strategy wraps it; its state keys
         under `state_prefix` when it wraps the actor), every rank's random state when
-        `rank_rng`, DeepSpeed's partitions; `check()` first (the forward pass finite)."""
+        `rank_rng`, DeepSpeed's partitions; `check()` first (the forward pass finite).
+        With `training.save_only_model` the weights alone: no optimizer, scheduler or random
+        state is gathered or written, so it cannot be resumed."""
         from rlhflab.models.checkpoint import rng_state, save_checkpoint, state_part
 
         dist = self.dist
+        if self.cfg.training.save_only_model:
+            optimizer = scheduler = None
+            rank_rng = False
         rng = dist.gather(rng_state()) if rank_rng else None  # every rank's random state, for an exact resume
         state, optimizer_state = dist.full_state(module, optimizer)  # FSDP: gathered to rank 0
-        engine_state = dist.stage_engine_state(module, folder)  # DeepSpeed: every rank's partitions
+        if optimizer is None:  # DeepSpeed's pointer to its own optimizer checkpoint, not written
+            optimizer_state = None
+        engine_state = dist.stage_engine_state(module, folder) if optimizer is not None else None  # DeepSpeed
         if state_prefix is not None:
             state = state_part(state, state_prefix)
 

@@ -195,14 +195,14 @@ def check_resume_dir(resume: str | Path | None, *, method: str | None = None, lo
     LoRA, `critic` layout (value_head, separate or none), `world_size`, `fsdp` and `deepspeed` match, and the
     files that layout needs are there. Call it before anything is written.
     """
-    from rlhflab.models.checkpoint import STATE_FILE, check_not_debris, check_resume
+    from rlhflab.models.checkpoint import STATE_FILE, check_not_debris, check_resume, no_state_message
 
     if resume is None:
         return None
     path = Path(resume)
     check_not_debris(path)
     if not (path / STATE_FILE).is_file():
-        raise UserError(f"--resume {path}: no {STATE_FILE} there; point it at a step_N/ folder")
+        raise UserError(no_state_message(path))
     if method is not None and lora is not None:
         check_resume(path, method=method, lora=lora, critic=critic, world_size=world_size, fsdp=fsdp,
                      deepspeed=deepspeed)
