@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-from rlhflab import ops
+from rlhflab import cpu, ops
 from rlhflab.models.actor_critic import decoder_and_head, is_checkpointing, position_ids_from
 from rlhflab.rollout import Rollout, collate, encode_prompts, eos_ids_of, finish_rollout
 
@@ -167,7 +167,6 @@ class HFBackend:
         self.max_prompt_length, self.batch_size = max_prompt_length, batch_size
         self.seed = seed if getattr(gen_cfg, "seeded_sampling", False) else None
         self.rank = rank
-        from rlhflab import cpu
         self.fast_draw = cpu.fast_draw(next(policy.parameters()).device, gen_cfg)
 
     def generate(self, prompts: Sequence[str], *, n: int = 1, examples: Sequence[dict] | None = None,

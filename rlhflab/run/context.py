@@ -232,14 +232,15 @@ class Run:
         from rlhflab.models.checkpoint import rng_state, save_checkpoint, state_part
 
         dist = self.dist
-        if self.cfg.training.save_only_model:
+        only_model = self.cfg.training.save_only_model
+        if only_model:
             optimizer = scheduler = None
             rank_rng = False
         rng = dist.gather(rng_state()) if rank_rng else None  # every rank's random state, for an exact resume
         state, optimizer_state = dist.full_state(module, optimizer)  # FSDP: gathered to rank 0
-        if optimizer is None:  # DeepSpeed's pointer to its own optimizer checkpoint, not written
+        if only_model:  # DeepSpeed's pointer to its own optimizer checkpoint: not written either
             optimizer_state = None
-        engine_state = dist.stage_engine_state(module, folder) if optimizer is not None else None  # DeepSpeed
+        engine_state = None if only_model else dist.stage_engine_state(module, folder)  # DeepSpeed's partitions
         if state_prefix is not None:
             state = state_part(state, state_prefix)
 
