@@ -18,7 +18,10 @@ passes it runs, a bench's `phase_flops` says which):
 
 MFU = those FLOPs / the phase's wall seconds / the machine's float32 matmul peak, measured
 in the bench's own process (`measure_peak`: the best square float32 matmul through
-PyTorch's own matmul and through oneDNN). bf16 rows are still divided by the float32 peak.
+PyTorch's own matmul and through oneDNN). A bf16 run (`--mixed-precision bf16`) divides by
+the bfloat16 peak measured the same way (`measure_peak(dtype="bfloat16")`: torch's matmul,
+which reaches AMX where the CPU has it), as on CUDA; its float32 passes (the log-probs'
+chunks) then count against the faster rate.
 """
 
 from __future__ import annotations
@@ -58,15 +61,31 @@ def pass_flops(n: LinearParams, seq_tokens: float, head_tokens: float, backward:
     return (6 if backward else 2) * (n.body * seq_tokens + n.head * head_tokens)
 
 
-def measure_peak(threads: int, sizes: tuple[int, ...] = (2048, 4096)) -> float:
-    """This machine's float32 matmul peak in FLOP/s on `threads` threads (wall time), in
-    this process (bench/rollout_backends.py's `matmul_peak`)."""
+def measure_peak(threads: int, sizes: tuple[int, ...] = (2048, 4096), dtype: str = "float32",
+                 trials: int = 5) -> float:
+    """This machine's matmul peak in FLOP/s on `threads` threads (wall time), in this
+    process: float32 as bench/rollout_backends.py's `matmul_peak` measures it (torch's
+    matmul or oneDNN, the faster), bfloat16 through torch's matmul."""
     import sys
+    import time
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from rollout_backends import matmul_peak
+    import torch
 
-    return matmul_peak(threads, sizes).wall
+    if dtype == "float32":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from rollout_backends import matmul_peak
+
+        return matmul_peak(threads, sizes).wall
+    torch.set_num_threads(threads)
+    best = 0.0
+    for n in sizes:
+        a, b = (torch.randn(n, n).to(getattr(torch, dtype)) for _ in range(2))
+        a @ b  # warm-up
+        for _ in range(trials):
+            t0 = time.perf_counter()
+            a @ b
+            best = max(best, 2 * n ** 3 / (time.perf_counter() - t0))
+    return best
 
 
 def cuda_matmul_peak(sizes: tuple[int, ...] = (4096, 8192), dtype: str = "float32", trials: int = 10) -> float:
@@ -96,12 +115,12 @@ def cuda_matmul_peak(sizes: tuple[int, ...] = (4096, 8192), dtype: str = "float3
 def device_peak(device: str, threads: int, sizes: tuple[int, ...], dtype: str = "float32",
                 peak_tflops: float | None = None) -> tuple[float, str]:
     """(peak FLOP/s, what it is) for the MFU: `peak_tflops` when given, else measured here:
-    the CPU's float32 peak (`measure_peak`), or on CUDA the GPU's `dtype` matmul peak."""
+    the CPU's or the GPU's `dtype` matmul peak."""
     if peak_tflops:
         return peak_tflops * 1e12, f"the given peak, {peak_tflops:g} TFLOP/s"
     if device == "cuda":
         return cuda_matmul_peak(sizes, dtype), f"the {dtype} matmul peak measured on {device_name(device)}"
-    return measure_peak(threads, sizes), f"the float32 matmul peak measured here ({cpu_name()})"
+    return measure_peak(threads, sizes, dtype), f"the {dtype} matmul peak measured here ({cpu_name()})"
 
 
 def device_name(device: str) -> str:

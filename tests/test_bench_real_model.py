@@ -55,6 +55,22 @@ def test_pass_flops_by_hand(benches):
     assert cells["generate"] == 2.0 and math.isnan(cells["update"])
 
 
+def test_cpu_peak_is_measured_in_the_runs_precision(benches, monkeypatch):
+    """A bf16 run's MFU divides by a bfloat16 matmul rate: the timed product is bfloat16,
+    and the rate is 2 n^3 FLOPs over its time."""
+    import time
+
+    mfu, seen = benches["mfu"], []
+    real_matmul = torch.Tensor.__matmul__
+    ticks = iter(range(100))  # every timed product takes one "second"
+    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: seen.append(a.dtype) or real_matmul(a, b))
+    monkeypatch.setattr(time, "perf_counter", lambda: float(next(ticks)))
+    peak, what = mfu.device_peak("cpu", 1, (8,), "bfloat16")
+    assert set(seen) == {torch.bfloat16}
+    assert peak == 2 * 8 ** 3
+    assert what.startswith("the bfloat16 matmul peak measured here")
+
+
 def test_ppo_phase_flops_by_hand(benches):
     ppo, mfu = benches["ppo"], benches["mfu"]
     n = mfu.LinearParams(body=10, head=3)
