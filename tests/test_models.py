@@ -329,3 +329,36 @@ def test_lora_disabled_reference_equals_the_base_model(tiny_model_dir):
 def test_cuda_without_a_device_is_a_user_error(tiny_model_dir):
     with pytest.raises(UserError, match="no CUDA device.*training.device=cpu"):
         load_model(str(tiny_model_dir), device="cuda")
+
+
+def test_attn_implementation_reaches_every_model_and_computes_the_same(ppo_cfg):
+    """model.attn_implementation=eager loads the policy, the separate critic and the frozen
+    reference with eager attention, and they compute what transformers' default (sdpa)
+    computes, left padding included."""
+    from rlhflab.trainers import ppo
+
+    torch.manual_seed(0)  # the same value head in both
+    eager = ppo.build_models(ppo_cfg("model.attn_implementation=eager", "model.critic=separate"))
+    torch.manual_seed(0)
+    default = ppo.build_models(ppo_cfg("model.critic=separate"))
+    ac = eager.actor
+    assert {ac.policy.config._attn_implementation, ac.critic.base.config._attn_implementation,
+            eager.reference.model.config._attn_implementation} == {"eager"}
+    assert default.actor.policy.config._attn_implementation == "sdpa"
+    ids, am, _, p = _batch(eager.tokenizer)
+    assert (am[:, :p] == 0).any()  # some prompt is left-padded
+    mine, theirs = ac.forward_response(ids, am, p), default.actor.forward_response(ids, am, p)
+    torch.testing.assert_close(mine.logits, theirs.logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(mine.values, theirs.values, rtol=0, atol=1e-5)
+
+
+def test_bad_attn_implementation_is_refused_in_one_line(ppo_cfg, tiny_model_dir):
+    from rlhflab.errors import ConfigError
+    from rlhflab.trainers import ppo
+
+    with pytest.raises((ConfigError, UserError), match=r"model\.attn_implementation: expected one of sdpa, eager"):
+        ppo_cfg("model.attn_implementation=flash")
+    # flash-attn is not installed here (and needs CUDA): transformers refuses, the message names the knob
+    with pytest.raises(UserError, match=r"model\.attn_implementation=flash_attention_2 cannot load .*; set "
+                                        r"model\.attn_implementation=sdpa or eager"):
+        ppo.build_models(ppo_cfg("model.attn_implementation=flash_attention_2"))

@@ -56,6 +56,9 @@ KLKind = Literal["k1", "k2", "k3", "abs", "mse"]
 MixedPrecision = Literal["no", "bf16", "fp16", False]
 
 
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
 @dataclass
 class ModelConfig:
     """The policy model."""
@@ -94,11 +97,21 @@ class ModelConfig:
                                   "lora.enabled (rlhflab/models/quant.py)")
     load_in_8bit: bool = f(False, "load the base weights in 8 bits (bitsandbytes LLM.int8) and train a LoRA adapter "
                                   "on them; CUDA only, needs lora.enabled")
+    attn_implementation: Optional[str] = f(
+        None, "the attention kernel of every model the run loads (transformers' and TRL's name): sdpa, eager, "
+              "flash_attention_2, flash_attention_3, flex_attention, or a hub kernel (org/name); null: "
+              "transformers' default (sdpa where the model has it). On a CPU under mixed_precision=bf16, eager "
+              "runs the attention's backward faster than sdpa (docs/precision.md)")
 
     def check(self) -> list[str]:
+        errs = []
         if self.load_in_4bit and self.load_in_8bit:
-            return ["load_in_8bit: load_in_4bit is set too; choose one of them"]
-        return []
+            errs.append("load_in_8bit: load_in_4bit is set too; choose one of them")
+        impl = self.attn_implementation
+        if impl is not None and impl not in ATTN_IMPLEMENTATIONS and "/" not in impl:
+            errs.append(f"attn_implementation: expected one of {', '.join(ATTN_IMPLEMENTATIONS)}, a hub kernel "
+                        f"(org/name) or null, got {impl!r}")
+        return errs
 
 
 def check_quantization(model_cfg, lora_cfg) -> list[str]:

@@ -305,6 +305,8 @@ def load_model(name_or_path: str, torch_dtype: str = "float32", device: str = "c
     quantized = kwargs.get("quantization_config") is not None
     if quantized:
         kwargs.setdefault("device_map", {"": dev})
+    if kwargs.get("attn_implementation") is None:
+        kwargs.pop("attn_implementation", None)  # transformers' own choice
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
@@ -313,6 +315,11 @@ def load_model(name_or_path: str, torch_dtype: str = "float32", device: str = "c
 
             model = PeftModel.from_pretrained(model, str(Path(name_or_path).expanduser())).merge_and_unload()
     except Exception as exc:
+        impl = kwargs.get("attn_implementation")
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if impl is not None and any(w in first.lower() for w in ("attn", "attention", impl.lower())):
+            raise UserError(f"model.attn_implementation={impl} cannot load {source!r} here ({first}); set "
+                            f"model.attn_implementation=sdpa or eager, or null for transformers' default") from None
         raise _load_error("model", source, exc) from None
     if not quantized:
         model.to(dev)

@@ -64,7 +64,8 @@ def build_models(model_cfg, lora_cfg, device: str, *, need_reference: bool,
     dev = resolve_device(device)
     check_mixed_precision(mixed_precision, dev)
     load_kw = dict(torch_dtype=model_cfg.torch_dtype, device=str(dev),
-                   trust_remote_code=model_cfg.trust_remote_code, tokenizer=model_cfg.tokenizer)
+                   trust_remote_code=model_cfg.trust_remote_code, tokenizer=model_cfg.tokenizer,
+                   attn_implementation=model_cfg.attn_implementation)
     quant = quantization_kwargs(model_cfg, lora_cfg, dev)  # {} unless model.load_in_4bit/8bit (QLoRA)
     full_resume = resume_dir is not None and not lora_cfg.enabled
     policy, tok = load_model(str(resume_dir) if full_resume else model_cfg.name_or_path, **load_kw, **quant)

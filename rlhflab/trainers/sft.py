@@ -353,7 +353,8 @@ def build_model(cfg: SFTRunConfig, device: torch.device):
     m = cfg.model
     quant = quantization_kwargs(m, cfg.lora, device)  # {} unless model.load_in_4bit/8bit (QLoRA)
     model, tok = load_model(m.name_or_path, torch_dtype=m.torch_dtype, device=str(device),
-                            trust_remote_code=m.trust_remote_code, tokenizer=m.tokenizer, **quant)
+                            trust_remote_code=m.trust_remote_code, tokenizer=m.tokenizer,
+                            attn_implementation=m.attn_implementation, **quant)
     if cfg.lora.enabled:
         model = prepare_quantized(model, m.gradient_checkpointing)
         model = add_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
