@@ -71,6 +71,8 @@ SIDES = {
     "trl-bf16": (f"trl {TRL_VERSION} bf16", "bf16"),
     "rlhflab-bf16": ("rlhflab (value head) bf16", "bf16"),
     "rlhflab-bf16-weights": ("rlhflab (value head) bf16 weights", "bf16-weights"),  # model.torch_dtype
+    # bf16 autocast with model.attn_implementation=eager (the CPU's bf16 SDPA backward is slow)
+    "rlhflab-bf16-eager": ("rlhflab (value head) bf16, eager attention", "bf16"),
 }
 DEFAULT_SIDES = ("rlhflab", "rlhflab-critic", "rlhflab-critic-torchmm", "trl", "rlhflab-critic-bf16", "trl-bf16")
 LABELS = {name: label for name, (label, _) in SIDES.items()}
@@ -107,11 +109,12 @@ class RlhflabSide:
     """rlhflab's PPO step: `collect_rollout` (phases 1-4) then `ppo_update` (phase 5)."""
 
     def __init__(self, s: BenchSettings, critic: str = "value_head", precision: str = "fp32",
-                 cpu_matmul: str = "auto"):
+                 cpu_matmul: str = "auto", attn: str | None = None):
         import torch  # noqa: F401  (imported before the memory baseline)
 
         from rlhflab.trainers import ppo  # noqa: F401
         self.s, self.critic, self.precision, self.cpu_matmul = s, critic, precision, cpu_matmul
+        self.attn = attn  # model.attn_implementation (None: transformers' default)
 
     def config(self):
         from rlhflab.trainers.ppo import PPORunConfig
@@ -120,7 +123,7 @@ class RlhflabSide:
         cfg.model.name_or_path = s.model_dir
         cfg.model.torch_dtype = "bfloat16" if self.precision == "bf16-weights" else "float32"
         cfg.model.gradient_checkpointing, cfg.model.critic, cfg.model.reference = False, self.critic, "copy"
-        cfg.model.cpu_matmul = self.cpu_matmul
+        cfg.model.cpu_matmul, cfg.model.attn_implementation = self.cpu_matmul, self.attn
         cfg.lora.enabled = False
         cfg.dataset.max_prompt_length = 128
         g = cfg.generation
@@ -429,7 +432,7 @@ def make_side(name: str, s: BenchSettings):
     if name.startswith("trl"):
         return TrlSide(s, precision)
     return RlhflabSide(s, "separate" if name.startswith("rlhflab-critic") else "value_head", precision,
-                       "torch" if name.endswith("-torchmm") else "auto")
+                       "torch" if name.endswith("-torchmm") else "auto", "eager" if name.endswith("-eager") else None)
 
 
 def worker(name: str, settings: dict, conn, tensor_memory: bool = True) -> None:
