@@ -362,3 +362,11 @@ def test_bad_attn_implementation_is_refused_in_one_line(ppo_cfg, tiny_model_dir)
     with pytest.raises(UserError, match=r"model\.attn_implementation=flash_attention_2 cannot load .*; set "
                                         r"model\.attn_implementation=sdpa or eager"):
         ppo.build_models(ppo_cfg("model.attn_implementation=flash_attention_2"))
+    from rlhflab.config.schema import ModelConfig
+    from rlhflab.trainers.rm import RMRunConfig, build_reward_model
+
+    rm_cfg = RMRunConfig(model=ModelConfig(name_or_path=str(tiny_model_dir), attn_implementation="flash_attention_2"))
+    with pytest.raises(UserError, match=r"model\.attn_implementation=flash_attention_2 cannot load"):
+        build_reward_model(rm_cfg, torch.device("cpu"))
+    rm_cfg.model.attn_implementation = "eager"  # and the reward model takes it
+    assert build_reward_model(rm_cfg, torch.device("cpu"))[0].config._attn_implementation == "eager"

@@ -228,7 +228,13 @@ def _merged_sibling(adapter: Path) -> str:
     return f" ({parent} holds one)" if (parent / "config.json").is_file() else ""
 
 
-def _load_error(kind: str, name_or_path: str, exc: Exception) -> UserError:
+def _load_error(kind: str, name_or_path: str, exc: Exception, attn: str | None = None) -> UserError:
+    """The one-line error for a model that did not load; `attn`: the model.attn_implementation
+    asked for, named when transformers' error is about it."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if attn is not None and any(w in first.lower() for w in ("attn", "attention", attn.lower())):
+        return UserError(f"model.attn_implementation={attn} cannot load {name_or_path!r} here ({first}); set "
+                         f"model.attn_implementation=sdpa or eager, or null for transformers' default")
     path = Path(name_or_path).expanduser()
     if path.is_dir() and (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
         try:
@@ -241,7 +247,6 @@ def _load_error(kind: str, name_or_path: str, exc: Exception) -> UserError:
     if not path.exists() and ("/" not in name_or_path.strip("./") or name_or_path.startswith((".", "/"))):
         return UserError(f"{kind} {name_or_path!r}: no such local folder and not a hub name; "
                          f"{_missing_hint(name_or_path, kind)}")
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return UserError(f"could not load {kind} {name_or_path!r} ({first}); give a local folder saved "
                      f"with save_pretrained, or a hub name on a machine that can reach the hub")
 
@@ -315,12 +320,7 @@ def load_model(name_or_path: str, torch_dtype: str = "float32", device: str = "c
 
             model = PeftModel.from_pretrained(model, str(Path(name_or_path).expanduser())).merge_and_unload()
     except Exception as exc:
-        impl = kwargs.get("attn_implementation")
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if impl is not None and any(w in first.lower() for w in ("attn", "attention", impl.lower())):
-            raise UserError(f"model.attn_implementation={impl} cannot load {source!r} here ({first}); set "
-                            f"model.attn_implementation=sdpa or eager, or null for transformers' default") from None
-        raise _load_error("model", source, exc) from None
+        raise _load_error("model", source, exc, kwargs.get("attn_implementation")) from None
     if not quantized:
         model.to(dev)
     if model.generation_config is not None:

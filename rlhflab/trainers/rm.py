@@ -238,7 +238,7 @@ def build_reward_model(cfg: RMRunConfig, device: torch.device):
             resolve_model_path(m.name_or_path), num_labels=1, dtype=resolve_dtype(m.torch_dtype, device), trust_remote_code=m.trust_remote_code,
             output_loading_info=True, **({"attn_implementation": m.attn_implementation} if m.attn_implementation else {}))
     except Exception as exc:
-        raise _load_error("model", m.name_or_path, exc) from None
+        raise _load_error("model", m.name_or_path, exc, m.attn_implementation) from None
     model.config.pad_token_id = tok.pad_token_id
     head = score_head(model)
     head_name = "score" if hasattr(model, "score") else "classifier"
