@@ -61,31 +61,15 @@ def pass_flops(n: LinearParams, seq_tokens: float, head_tokens: float, backward:
     return (6 if backward else 2) * (n.body * seq_tokens + n.head * head_tokens)
 
 
-def measure_peak(threads: int, sizes: tuple[int, ...] = (2048, 4096), dtype: str = "float32",
-                 trials: int = 5) -> float:
-    """This machine's matmul peak in FLOP/s on `threads` threads (wall time), in this
-    process: float32 as bench/rollout_backends.py's `matmul_peak` measures it (torch's
-    matmul or oneDNN, the faster), bfloat16 through torch's matmul."""
+def measure_peak(threads: int, sizes: tuple[int, ...] = (2048, 4096), dtype: str = "float32") -> float:
+    """This machine's `dtype` matmul peak in FLOP/s on `threads` threads (wall time), in
+    this process (bench/rollout_backends.py's `matmul_peak`)."""
     import sys
-    import time
 
-    import torch
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from rollout_backends import matmul_peak
 
-    if dtype == "float32":
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from rollout_backends import matmul_peak
-
-        return matmul_peak(threads, sizes).wall
-    torch.set_num_threads(threads)
-    best = 0.0
-    for n in sizes:
-        a, b = (torch.randn(n, n).to(getattr(torch, dtype)) for _ in range(2))
-        a @ b  # warm-up
-        for _ in range(trials):
-            t0 = time.perf_counter()
-            a @ b
-            best = max(best, 2 * n ** 3 / (time.perf_counter() - t0))
-    return best
+    return matmul_peak(threads, sizes, dtype=dtype).wall
 
 
 def cuda_matmul_peak(sizes: tuple[int, ...] = (4096, 8192), dtype: str = "float32", trials: int = 10) -> float:

@@ -99,19 +99,21 @@ class Peak:
     per_cpu: float  # FLOP per CPU-second of one thread
 
 
-def matmul_peak(threads: int, sizes: tuple[int, ...] = (2048, 4096), trials: int = 5) -> Peak:
-    """Best float32 matmul rates of this machine over a few sizes, through PyTorch's own
-    matmul (MKL) and through oneDNN (`ops.matmul`), whichever is faster."""
+def matmul_peak(threads: int, sizes: tuple[int, ...] = (2048, 4096), trials: int = 5,
+                dtype: str = "float32") -> Peak:
+    """Best matmul rates of this machine over a few sizes: float32 through PyTorch's own
+    matmul (MKL) and through oneDNN (`ops.matmul`), whichever is faster; another `dtype`
+    (bfloat16: AMX where the CPU has it) through PyTorch's matmul."""
     import torch
 
     from rlhflab.ops import matmul
 
     products = [lambda a, b: a @ b]
-    if matmul.onednn_available():
+    if dtype == "float32" and matmul.onednn_available():
         products.append(lambda a, b: matmul._onednn(a, b, None))  # a @ bᵀ: the same FLOPs
     best_wall = best_cpu = 0.0
     for n, product in ((n, p) for n in sizes for p in products):
-        a, b = torch.randn(n, n), torch.randn(n, n)
+        a, b = (torch.randn(n, n).to(getattr(torch, dtype)) for _ in range(2))
         for t in (threads, 1):
             torch.set_num_threads(t)
             product(a, b)  # warm-up
