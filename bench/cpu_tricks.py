@@ -36,8 +36,9 @@ The last line: `cpu_tricks: <trick>/<method> ratio R ...` (median s/step on / of
 1 the trick is faster; the rule in docs/cpu_matmul.md keeps a trick on by default only
 where it saves at least 10% of step time or of memory).
 
-Needs outputs/models/smollm2-135m-instruct (`rlhflab fetch-model smollm2`) and
-outputs/wordproblems (`rlhflab make-data --task word-problems --out outputs/wordproblems`).
+Needs outputs/models/smollm2-135m-instruct (`rlhflab fetch-model smollm2`); the configs'
+task, outputs/wordproblems-easy, is written when missing (as `rlhflab make-data --task
+word-problems --level easy --out outputs/wordproblems-easy` writes it).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _mfu import cpu_name  # noqa: E402  (bench/_mfu.py: no torch import)
 
 MODEL = REPO / "outputs/models/smollm2-135m-instruct"
+DATA = REPO / "outputs/wordproblems-easy"  # the dataset folder of every config in CONFIGS
 CONFIGS = {"ppo": ("ppo", "configs/ppo_smollm2.yaml"),
            "ppo_critic": ("ppo", "configs/ppo_smollm2_critic.yaml"),
            "grpo": ("grpo", "configs/grpo_smollm2.yaml")}
@@ -231,6 +233,11 @@ def main() -> int:
         parser.error("--episodes must be a positive multiple of 8 (mini_batch_size 8, GRPO groups of 8)")
     if not (MODEL / "config.json").is_file():
         sys.exit(f"cpu_tricks: no model at {MODEL}; run `rlhflab fetch-model smollm2` first")
+    if not all((DATA / f).is_file() for f in ("train.jsonl", "test.jsonl")):
+        from rlhflab.data.wordproblems import write_task
+
+        print(f"cpu_tricks: writing the word-problem task (easy level) to {DATA}", flush=True)
+        write_task(DATA, level="easy")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="cpu_tricks-"))
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"cpu_tricks: {cpu_name()}, {os.cpu_count()} CPUs, "
