@@ -236,6 +236,7 @@ def rlhflab_overrides(a: argparse.Namespace, steps: int, out: str) -> list[str]:
         f"training.total_steps={steps}", "training.eval_interval=0", "training.save_interval=0",
         f"training.output_dir={a.out}/{out}", f"training.device={a.device}", f"training.num_threads={a.threads}",
         f"training.mixed_precision={a.mixed_precision}", f"generation.backend={a.generation}",
+        f"model.cpu_matmul={a.cpu_matmul}",
         "logging.progress_bar=false", "logging.plots=false", "logging.doctor=false"]
 
 
@@ -364,6 +365,14 @@ def _train_trl(a: argparse.Namespace, steps: int, out: str) -> dict:
 # --------------------------------------------------------------------------------------
 # Driver
 # --------------------------------------------------------------------------------------
+def _matmul_here(a: argparse.Namespace) -> str:
+    """What rlhflab's model.cpu_matmul resolves to on this machine (always torch on CUDA)."""
+    if a.device != "cpu":
+        return "torch"
+    from rlhflab.models.cpu_matmul import resolve
+    return resolve(a.cpu_matmul)
+
+
 def _worker(side: str, a: argparse.Namespace, round_: int) -> dict:
     """One run of `side` in a fresh process and a fresh folder under the scratch folder
     (made here, so no round, and no earlier invocation with the same --out, can collide).
@@ -376,7 +385,7 @@ def _worker(side: str, a: argparse.Namespace, round_: int) -> dict:
            "--device", a.device, "--mixed-precision", a.mixed_precision,
            "--threads", str(a.threads), "--group-size", str(a.group_size),
            "--completions", str(a.completions), "--max-new-tokens", str(a.max_new_tokens),
-           "--generation", generation] \
+           "--generation", generation, "--cpu-matmul", a.cpu_matmul] \
         + (["--chat-prompts"] if a.chat_prompts else []) \
         + (["--no-share-prompt"] if a.no_share_prompt else []) \
         + ([] if a.prime else ["--no-prime"])
@@ -573,6 +582,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="how the sides named rlhflab and trl sample: hf (Hugging Face generate) or vllm "
                         "(they become rlhflab-vllm: generation.backend=vllm, and trl-vllm: use_vllm=True, "
                         "vllm_mode='colocate')")
+    p.add_argument("--cpu-matmul", choices=["torch", "onednn", "auto"], default="torch",
+                   help="rlhflab's model.cpu_matmul (its default: torch, MKL, as TRL runs); auto picks oneDNN on "
+                        "non-Intel CPUs with AVX-512 (docs/cpu_matmul.md). TRL always runs torch's own")
     p.add_argument("--no-share-prompt", action="store_true",
                    help="run rlhflab with grpo.share_prompt=false (each prompt computed k times, as TRL does)")
     p.add_argument("--no-prime", dest="prime", action="store_false",
@@ -650,7 +662,8 @@ def main(argv: list[str] | None = None) -> int:
           f"group {a.group_size}, {a.completions} "
           f"completions/step, <= {a.max_new_tokens} new tokens, beta {a.beta}; {a.steps} steps (first untimed); "
           f"median of {a.repeats} alternating runs; trl {trl_version}; rlhflab share_prompt "
-          f"{not a.no_share_prompt}; memory baseline {'after a priming run' if a.prime else 'after the imports'}; "
+          f"{not a.no_share_prompt}; rlhflab cpu_matmul {a.cpu_matmul} ({_matmul_here(a)} here); "
+          f"memory baseline {'after a priming run' if a.prime else 'after the imports'}; "
           f"sides {', '.join(f'{s} ({SIDES[s][1]})' for s in sides)}; load average {os.getloadavg()[0]:.1f}")
     print(f"| trainer | completions/s (wall) | completions per CPU-s | {mem_name} | process ru_maxrss MiB "
           f"| mean response tokens | runs: completions/s (wall) | runs: {mem_name} |")

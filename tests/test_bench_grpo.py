@@ -92,7 +92,7 @@ def test_bad_options_are_refused_in_one_line(bench, bad, says, tmp_path, capsys)
 def _args(tmp_path, generation: str, **kw) -> argparse.Namespace:
     base = dict(model=tmp_path / "model", data=tmp_path / "data", out=tmp_path, steps=4, beta=0.04, lr=1e-5,
                 device="cpu", mixed_precision="no", threads=2, group_size=4, completions=32, max_new_tokens=32,
-                no_share_prompt=False, prime=True, generation=generation, chat_prompts=False)
+                no_share_prompt=False, prime=True, generation=generation, chat_prompts=False, cpu_matmul="torch")
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -108,6 +108,27 @@ def test_rlhflab_vllm_side_runs_the_vllm_backend_and_the_config_accepts_it(bench
         # the same GRPO as TRL's side: 32 completions = 8 prompts x 4, one optimizer step per rollout
         assert (cfg.grpo.group_size, cfg.grpo.prompts_per_step, cfg.grpo.batch_size) == (4, 8, 32)
         assert cfg.grpo.mini_batch_size == 32 and cfg.dataset.max_prompt_length == bench.MAX_PROMPT_TOKENS
+
+
+def test_cpu_matmul_reaches_rlhflabs_config_and_the_worker(bench, tmp_path, monkeypatch):
+    from rlhflab.config import load_config
+    from rlhflab.trainers.grpo import GRPORunConfig
+
+    for mode in ("torch", "onednn", "auto"):
+        a = _args(tmp_path, "hf", cpu_matmul=mode)
+        cfg, _ = load_config(bench.ROOT / "configs" / "grpo_debug.yaml", GRPORunConfig,
+                             bench.rlhflab_overrides(a, steps=4, out="run"))
+        assert cfg.model.cpu_matmul == mode
+    assert bench._matmul_here(_args(tmp_path, "hf", cpu_matmul="auto", device="cuda")) == "torch"
+    seen = {}
+
+    def run(cmd, **kw):
+        seen["cmd"] = cmd
+        return subprocess.CompletedProcess(cmd, 0, stdout="{}\n", stderr="")
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    bench._worker("rlhflab", _args(tmp_path, "hf", cpu_matmul="onednn"), 0)
+    assert seen["cmd"][seen["cmd"].index("--cpu-matmul") + 1] == "onednn"
 
 
 def test_trl_vllm_side_asks_grpoconfig_for_a_colocated_engine(bench, tmp_path):
