@@ -244,8 +244,9 @@ def recipes_table(rec: dict) -> str:
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rec["runs"]:
         over = " ".join(o for o in r["overrides"] if not o.startswith("training.output_dir=")) or "-"
-        if r.get("note"):
-            over = f"{over} ({r['note']})" if over != "-" else r["note"]
+        note = "; ".join(x for x in (r.get("note"), r.get("machine") and f"on a {r['machine']}") if x)
+        if note:
+            over = f"{over} ({note})" if over != "-" else note
         wall = f"{r['train_wall_minutes']:.1f}" if "train_wall_minutes" in r else "-"
         ph = r.get("phase_seconds") or {}
         phases = " / ".join(f"{ph[k]:.1f}" for k in ("generate", "forward", "update")) if len(ph) == 3 else "-"
@@ -253,13 +254,17 @@ def recipes_table(rec: dict) -> str:
                      f"{100 * r['after']:.1f}% ({r['n_eval']} rows) | {100 * (r['after'] - r['before']):+.1f} | "
                      f"{during(r)} | {r['train_minutes']:.1f} | {wall} | "
                      f"{r['s_per_step']:.0f} | {phases} | {r.get('threads', '?')} | {r['load']:.1f} | {over} |")
-    return "\n".join(lines) + f"\n\n{rec['machine']}, {rec['date']}; rows from `{rec['script']}` ({rec['command']})."
+    return ("\n".join(lines) + f"\n\n{rec['machine']} unless a row names another, {rec['date']}; rows from "
+            f"`{rec['script']}` ({rec['command']}).")
 
 
-def shipped_runs(rec: dict, recipe: str) -> list[dict]:
-    """The runs of `recipe` at its shipped config: every held-out row, no `note` (a note says how a
-    run's settings differ from the config as it is now)."""
-    return [r for r in rec["runs"] if r["recipe"] == recipe and not r.get("note") and r["n_eval"] >= 200]
+def shipped_runs(rec: dict, recipe: str, machine: str | None = None) -> list[dict]:
+    """The runs of `recipe` at its shipped config on `machine` (default: the file's): every
+    held-out row, no `note` (a note says how a run's settings differ from the config as it is
+    now); a row made on another machine than the file's names it (`machine`)."""
+    machine = machine or rec["machine"]
+    return [r for r in rec["runs"] if r["recipe"] == recipe and not r.get("note") and r["n_eval"] >= 200
+            and r.get("machine", rec["machine"]) == machine]
 
 
 def recipes_summary(rec: dict) -> str:
@@ -267,19 +272,28 @@ def recipes_summary(rec: dict) -> str:
     training minutes come from the runs that had both cores (threads 2); runs made two at a
     time on one thread each count for their accuracy only."""
     names = {"grpo": "GRPO", "ppo": "PPO with a value head"}
-    parts = []
-    for recipe, name in names.items():
-        runs = sorted(shipped_runs(rec, recipe), key=lambda r: r["seed"])
-        if not runs:
-            continue
-        gains = ", ".join(f"{100 * (r['after'] - r['before']):+.1f} (seed {r['seed']})" for r in runs)
-        timed = [r["train_minutes"] for r in runs if r.get("threads") == 2]
-        minutes = f", {span(timed, '{:.1f}')} minutes of training on both cores" if timed else ""
-        parts.append(f"{name}, {runs[0]['steps']} steps{minutes}: held-out greedy accuracy "
-                     f"{pct_span([r['before'] for r in runs])} → {pct_span([r['after'] for r in runs])}, "
-                     f"{gains} points")
-    return (f"On a {rec['machine']} ({rec['date']}; `{rec['script']}`), SmolLM2-135M-Instruct on the easy "
-            f"word problems: " + "; ".join(parts) + ".")
+
+    def parts(machine: str) -> list[str]:
+        out = []
+        for recipe, name in names.items():
+            runs = sorted(shipped_runs(rec, recipe, machine), key=lambda r: r["seed"])
+            if not runs:
+                continue
+            gains = ", ".join(f"{100 * (r['after'] - r['before']):+.1f} (seed {r['seed']})" for r in runs)
+            timed = [r["train_minutes"] for r in runs if r.get("threads") == 2]
+            minutes = f", {span(timed, '{:.1f}')} minutes of training on both cores" if timed else ""
+            out.append(f"{name}, {runs[0]['steps']} steps{minutes}: held-out greedy accuracy "
+                       f"{pct_span([r['before'] for r in runs])} → {pct_span([r['after'] for r in runs])}, "
+                       f"{gains} points")
+        return out
+
+    text = (f"On a {rec['machine']} ({rec['date']}; `{rec['script']}`), SmolLM2-135M-Instruct on the easy "
+            f"word problems: " + "; ".join(parts(rec["machine"])) + ".")
+    others = sorted({r["machine"] for r in rec["runs"] if r.get("machine")} - {rec["machine"]})
+    for machine in others:
+        if parts(machine):
+            text += f" The same configs on a {machine}: " + "; ".join(parts(machine)) + "."
+    return text
 
 
 VIEWS: dict[str, tuple[str, Callable[[dict], str]]] = {

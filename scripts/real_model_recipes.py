@@ -244,10 +244,13 @@ def record(results: Path, row: dict, command: str) -> None:
     """Add `row` (with the command that made it) to the results file's runs."""
     import datetime
 
+    here = machine()
     rec = json.loads(results.read_text()) if results.exists() else {
         "name": results.stem, "script": "scripts/real_model_recipes.py",
         "command": "scripts/real_model_recipes.py --recipe RECIPE --seed SEED --results " + str(results),
-        "machine": machine(), "date": datetime.date.today().isoformat(), "runs": []}
+        "machine": here, "date": datetime.date.today().isoformat(), "runs": []}
+    if here != rec["machine"]:  # the file names the machine of its first rows; a row from another says its own
+        row = {**row, "machine": here}
     out = [o.split("=", 1)[1] for o in row["overrides"] if o.startswith("training.output_dir=")]
     run_dir = Path(row["run_dir"]) if row.get("run_dir") else Path(out[-1]) if out else None
     if "threads" not in row and run_dir is not None and (run_dir / "effective_config.yaml").is_file():

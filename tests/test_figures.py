@@ -121,3 +121,20 @@ def test_recipe_rows_show_wall_minutes_and_phases_where_recorded():
     assert "| 16.9 | - | 20 | - | 2 |" in old and old.endswith("| earlier settings |")
     # only the noteless rows are the shipped recipe
     assert [r["seed"] for r in FIG.shipped_runs(rec, "grpo")] == [0]
+
+
+def test_rows_from_another_machine_are_labelled_and_summarised_apart():
+    base = {"recipe": "ppo", "seed": 0, "steps": 44, "before": 0.315, "after": 0.525, "n_eval": 200,
+            "train_minutes": 18.6, "s_per_step": 25.4, "threads": 2, "load": 1.9, "overrides": []}
+    rec = {"machine": "2-core Intel", "date": "d", "script": "s", "command": "c", "runs": [
+        base, {**base, "seed": 1, "after": 0.52},
+        {**base, "after": 0.5, "train_minutes": 12.0, "machine": "2-core AMD"}]}
+    rows = FIG.recipes_table(rec).splitlines()
+    assert rows[4].endswith("| on a 2-core AMD |") and rows[2].endswith("| - |")
+    assert [r["seed"] for r in FIG.shipped_runs(rec, "ppo")] == [0, 1]
+    assert [r["after"] for r in FIG.shipped_runs(rec, "ppo", "2-core AMD")] == [0.5]
+    text = FIG.recipes_summary(rec)
+    # the file's machine first, with its two seeds (+21.0, +20.5); the other machine's row apart
+    assert text.startswith("On a 2-core Intel (d; `s`)") and "+21.0 (seed 0), +20.5 (seed 1)" in text
+    assert text.endswith("The same configs on a 2-core AMD: PPO with a value head, 44 steps, 12.0 minutes of "
+                         "training on both cores: held-out greedy accuracy 31.5% → 50.0%, +18.5 (seed 0) points.")

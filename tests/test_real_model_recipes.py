@@ -82,6 +82,15 @@ def _record(results: Path, row: dict) -> dict:
     return json.loads(results.read_text())["runs"][-1]
 
 
+def test_a_row_from_another_machine_names_it(tmp_path, monkeypatch):
+    run = write_metrics(tmp_path / "run", STEPS)
+    base = {"recipe": "grpo", "seed": 0, "overrides": [], "run_dir": str(run), "threads": 2}
+    monkeypatch.setattr(RECIPES, "machine", lambda: "m")          # the file's own machine ("m")
+    assert "machine" not in _record(tmp_path / "results.json", base)
+    monkeypatch.setattr(RECIPES, "machine", lambda: "2-core other CPU")
+    assert _record(tmp_path / "results.json", base)["machine"] == "2-core other CPU"
+
+
 def test_record_fills_in_phases_only_for_a_row_without_them(tmp_path):
     run = write_metrics(tmp_path / "run", STEPS)
     base = {"recipe": "grpo", "seed": 0, "overrides": [], "run_dir": str(run), "threads": 2}
