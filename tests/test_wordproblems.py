@@ -135,8 +135,11 @@ def test_grpo_smollm2_recipe_runs_two_steps_on_the_real_model(smollm2_dir, tmp_p
     cfg, eff = load_config(root / "configs" / "grpo_smollm2.yaml", GRPORunConfig, [
         f"model.name_or_path={smollm2_dir}", f"dataset.path={tmp_path / 'data' / 'train.jsonl'}",
         f"dataset.eval_path={tmp_path / 'data' / 'test.jsonl'}", f"training.output_dir={tmp_path / 'run'}",
-        "training.total_steps=2", "training.eval_interval=0", "grpo.prompts_per_step=2", "grpo.group_size=2",
-        "grpo.batch_size=4", "grpo.mini_batch_size=4", "generation.max_new_tokens=8",
+        # groups of 4 answers of up to 32 tokens: some groups then hold a right and a wrong answer, so
+        # the advantages are not all zero (with 8 tokens every answer could be cut off and score 0,
+        # and a step with no advantage and no KL yet moves nothing)
+        "training.total_steps=2", "training.eval_interval=0", "grpo.prompts_per_step=2", "grpo.group_size=4",
+        "grpo.batch_size=8", "grpo.mini_batch_size=8", "generation.max_new_tokens=32",
         "generation.backend=hf",  # the recipe generates with vLLM; its start-up is tested in test_vllm_backend
         "training.save_only_model=true",  # final/ without AdamW's 1 GB of state: CI's disk
         "logging.progress_bar=false", "logging.plots=false"])
@@ -144,7 +147,8 @@ def test_grpo_smollm2_recipe_runs_two_steps_on_the_real_model(smollm2_dir, tmp_p
     res = train(cfg, effective=eff, quiet=True)
     assert [h["step"] for h in res.history] == [1, 2]
     for h in res.history:  # the recipe's reward is 0/1 per response
-        assert 0.0 <= h["rollout/reward_mean"] <= 1.0 and h["rollout/response_length"] <= 8
+        assert 0.0 <= h["rollout/reward_mean"] <= 1.0 and h["rollout/response_length"] <= 32
+    assert any(h["rollout/advantage_abs_mean"] > 0 for h in res.history)  # something to learn from
     name = "model.layers.0.self_attn.q_proj.weight"
     with safe_open(str(smollm2_dir / "model.safetensors"), "pt") as fh:
         before = fh.get_tensor(name)
