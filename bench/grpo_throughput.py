@@ -582,9 +582,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="how the sides named rlhflab and trl sample: hf (Hugging Face generate) or vllm "
                         "(they become rlhflab-vllm: generation.backend=vllm, and trl-vllm: use_vllm=True, "
                         "vllm_mode='colocate')")
-    p.add_argument("--cpu-matmul", choices=["torch", "onednn", "auto"], default="torch",
-                   help="rlhflab's model.cpu_matmul (its default: torch, MKL, as TRL runs); auto picks oneDNN on "
-                        "non-Intel CPUs with AVX-512 (docs/cpu_matmul.md). TRL always runs torch's own")
+    p.add_argument("--cpu-matmul", choices=["torch", "onednn", "auto"], default="auto",
+                   help="rlhflab's model.cpu_matmul (its default, auto: oneDNN on non-Intel CPUs with AVX-512, "
+                        "docs/cpu_matmul.md); torch runs MKL as TRL's side always does")
     p.add_argument("--no-share-prompt", action="store_true",
                    help="run rlhflab with grpo.share_prompt=false (each prompt computed k times, as TRL does)")
     p.add_argument("--no-prime", dest="prime", action="store_false",

@@ -74,9 +74,10 @@ class ModelConfig:
                                "hand-written backward: the same output; opt-in: it did not earn its place on a real "
                                "model (docs/cpu_matmul.md; rlhflab/models/lean.py)")
     cpu_matmul: Literal["auto", "onednn", "torch"] = f(
-        "torch", "float32 linear layers on a CPU: torch (its MKL, what every PyTorch program runs), onednn "
-                 "(PyTorch's oneDNN; opt-in: slower on a real model on an Intel Xeon, docs/cpu_matmul.md), or "
-                 "auto: onednn on non-Intel CPUs with AVX-512, where MKL runs half-width kernels")
+        "auto", "float32 linear layers on a CPU: auto picks onednn (PyTorch's oneDNN) on non-Intel CPUs with "
+                "AVX-512, where MKL runs half-width kernels (a third off a real model's step on an AMD EPYC), "
+                "and torch elsewhere (its MKL, what every PyTorch program runs; oneDNN was slower on an Intel "
+                "Xeon); onednn or torch force one (docs/cpu_matmul.md)")
     critic: Literal["value_head", "separate"] = f(
         "value_head", "value_head: one head on the shared base; separate: a critic model of its own")
     critic_name_or_path: Optional[str] = f(None, "base of a separate critic; null means the policy's base")

@@ -27,11 +27,12 @@ model option, not part of this seam (`models.lean.make_lean`).
 Which tricks are on by default is decided by one rule: a trick stays on only where it
 saves at least 10% of a real model's step time or memory on a CPU (bench/cpu_tricks.py on
 SmolLM2-135M-Instruct's PPO and GRPO steps; the tables are in docs/cpu_matmul.md, "Each
-CPU trick on a real model"). By that rule oneDNN linears (`model.cpu_matmul: onednn` or
-`auto`), the lean RMSNorm (`model.lean_norm: true`), the critic's worker thread
-(`model.critic_overlap: true`) and the inverse-CDF draw (`generation.fast_draw: true`) are
-opt-in, and `mallopt` stays on for every CPU run (it
-changes no number a run computes, and saves memory at larger models' sizes).
+CPU trick on a real model"). By that rule oneDNN linears are on where they pay: the default
+`model.cpu_matmul: auto` picks them on non-Intel CPUs with AVX-512 (a third off a step on an
+AMD EPYC) and torch's MKL on Intel's (where oneDNN was slower); the lean RMSNorm
+(`model.lean_norm: true`), the critic's worker thread (`model.critic_overlap: true`) and the
+inverse-CDF draw (`generation.fast_draw: true`) are opt-in; and `mallopt` stays on for every
+CPU run (it changes no number a run computes, and saves memory at larger models' sizes).
 
 Standard library only at import time: the CLI imports `apply_default_wait` before torch.
 """
