@@ -290,9 +290,9 @@ def recipes_summary(rec: dict) -> str:
     text = (f"On a {rec['machine']} ({rec['date']}; `{rec['script']}`), SmolLM2-135M-Instruct on the easy "
             f"word problems: " + "; ".join(parts(rec["machine"])) + ".")
     others = sorted({r["machine"] for r in rec["runs"] if r.get("machine")} - {rec["machine"]})
-    for machine in others:
-        if parts(machine):
-            text += f" The same configs on a {machine}: " + "; ".join(parts(machine)) + "."
+    for machine, found in ((m, parts(m)) for m in others):
+        if found:
+            text += f" The same configs on a {machine}: " + "; ".join(found) + "."
     return text
 
 
