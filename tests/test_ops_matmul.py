@@ -67,6 +67,18 @@ def test_resolve_rule(mode, cpuinfo, want):
     assert cm.resolve(mode, cpuinfo) == want
 
 
+@needs_onednn
+def test_the_default_picks_onednn_only_where_it_paid():
+    """model.cpu_matmul's default follows bench/cpu_tricks.py on SmolLM2: oneDNN on an AMD EPYC
+    with AVX-512 (a third off a step), MKL on an Intel Xeon (where oneDNN was slower)."""
+    from dataclasses import fields
+
+    from rlhflab.config.schema import ModelConfig
+
+    default = next(f.default for f in fields(ModelConfig) if f.name == "cpu_matmul")
+    assert (cm.resolve(default, AMD), cm.resolve(default, INTEL)) == ("onednn", "torch")
+
+
 def test_bad_mode_names_the_key():
     with pytest.raises(ValueError, match=r"model\.cpu_matmul: 'fast' is not one of auto, onednn, torch"):
         cm.resolve("fast")
