@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The real-model measurements on one CUDA GPU, one after the other, each under a time limit:
-#   1. the SmolLM2 GRPO recipe (configs/grpo_smollm2.yaml) on CUDA with bf16 autocast and
-#      float32 weights, held-out greedy accuracy before / at step 22 / at step 44 (seed 0,
-#      then seed 1 if time is left);
-#   2. grpo_throughput.py: rlhflab beside TRL 1.16's GRPOTrainer, both in bf16;
-#   3. ppo_throughput.py: rlhflab (value head, separate critic) and TRL 1.12's PPO, each alone;
-#   4. rollout_backends.py: the hf backend on the GPU (vLLM too where it is installed).
+#   1. grpo_throughput.py: rlhflab beside TRL 1.16's GRPOTrainer, both in bf16;
+#   2. the SmolLM2 GRPO recipe (configs/grpo_smollm2.yaml) on CUDA with bf16 autocast and
+#      float32 weights, held-out greedy accuracy before / at step 25 / at step 50, seeds 0
+#      and 1 side by side (two processes on the one GPU);
+#   3. rollout_backends.py: the hf backend on the GPU (vLLM too where it is installed);
+#   4. ppo_throughput.py: rlhflab (value head, separate critic) and TRL 1.12's PPO, each alone.
 # Reports go to $OUT/<name>.txt (stderr to <name>.err, JSON where a bench writes one); the
 # lines to paste are printed at the end and kept in $OUT/paste.txt.
 #
@@ -51,14 +51,25 @@ run() {  # run NAME LIMIT_S ARGS...: one stage, at most LIMIT_S seconds and neve
   local t0=$SECONDS
   timeout -k 10 "$limit" "$PY" "$@" > "$OUT/$name.txt" 2> "$OUT/$name.err"
   RC[$name]=$?
+  echo "${RC[$name]}" > "$OUT/$name.rc"
   note "$name: exit ${RC[$name]} after $((SECONDS - t0)) s"
+}
+
+together() {  # together NAME1 NAME2: the two stages started since the last call (run ... &) have ended
+  wait
+  local name
+  for name in "$@"; do RC[$name]=$(cat "$OUT/$name.rc" 2>/dev/null || echo skipped); done
 }
 
 # BACKEND=vllm where vLLM is installed on the GPU machine (the CPU recipe generates with vLLM's CPU build)
 GPU=("training.device=$DEVICE" "training.mixed_precision=$MP" "model.name_or_path=$SMOL" "generation.backend=${BACKEND:-hf}")
 if [ "$QUICK" = 1 ]; then
-  run grpo_recipe_s0 300 scripts/real_model_recipes.py --recipe grpo --seed 0 --threads 4 --out "$OUT/recipes" \
-    --results "$OUT/real_model_gpu.json" "${GPU[@]}" training.total_steps=2 dataset.num_eval_samples=16
+  for seed in 0 1; do
+    run grpo_recipe_s$seed 300 scripts/real_model_recipes.py --recipe grpo --seed $seed --threads 2 \
+      --out "$OUT/recipes_s$seed" --results "$OUT/real_model_gpu_s$seed.json" "${GPU[@]}" \
+      training.total_steps=2 dataset.num_eval_samples=16 &
+  done
+  together grpo_recipe_s0 grpo_recipe_s1
   run grpo_throughput 300 bench/grpo_throughput.py --device "$DEVICE" --mixed-precision "$MP" --model-dir "$SMOL" \
     --sides rlhflab,trl --steps 2 --repeats 1 --completions 4 --group-size 2 --max-new-tokens 4 --beta 0.04 \
     --peak-sizes 512 --out "$OUT/grpo-scratch"
@@ -68,21 +79,24 @@ if [ "$QUICK" = 1 ]; then
   run rollout_backends 300 bench/rollout_backends.py --device "$DEVICE" --mixed-precision "$MP" --model-dir "$SMOL" \
     --lengths 8 --batches 4 --repeats 1 --peak-sizes 512
 else
-  # 44 steps of 4 prompts x 8 completions, up to 48 new tokens, as on the CPU; evaluated at 0, 22, 44.
-  run grpo_recipe_s0 240 scripts/real_model_recipes.py --recipe grpo --seed 0 --threads 8 --out "$OUT/recipes" \
-    --results "$OUT/real_model_gpu.json" "${GPU[@]}" training.eval_interval=22
   # GRPO: 8 prompts x 4 completions of up to 32 tokens, beta 0.04, as on the CPU.
-  run grpo_throughput 150 bench/grpo_throughput.py --device "$DEVICE" --mixed-precision "$MP" --model-dir "$SMOL" \
+  run grpo_throughput 240 bench/grpo_throughput.py --device "$DEVICE" --mixed-precision "$MP" --model-dir "$SMOL" \
     --sides rlhflab,trl --steps 4 --repeats 2 --completions 32 --group-size 4 --max-new-tokens 32 --beta 0.04 \
     --peak-sizes 8192 --out "$OUT/grpo-scratch"
+  # The recipe (50 steps of 4 prompts x 8 completions, up to 48 new tokens), evaluated at 0, 25 and 50;
+  # seeds 0 and 1 side by side on the one GPU (at this size a step leaves the GPU mostly idle),
+  # each in a folder and results file of its own.
+  for seed in 0 1; do
+    run grpo_recipe_s$seed 330 scripts/real_model_recipes.py --recipe grpo --seed $seed --threads 6 \
+      --out "$OUT/recipes_s$seed" --results "$OUT/real_model_gpu_s$seed.json" "${GPU[@]}" training.eval_interval=25 &
+  done
+  together grpo_recipe_s0 grpo_recipe_s1
+  run rollout_backends 150 bench/rollout_backends.py --device "$DEVICE" --mixed-precision "$MP" --model-dir "$SMOL" \
+    --lengths 64 256 --batches 32 128 --repeats 2 --peak-sizes 8192
   # PPO: 32 episodes x 16 tokens, 4 epochs of one 32-episode minibatch, as on the CPU.
   run ppo_throughput 150 bench/ppo_throughput.py --device "$DEVICE" --mixed-precision "$MP" --model-dir "$SMOL" \
     --sides rlhflab,rlhflab-critic,trl --repeats 3 --warmup 1 --peak-sizes 8192 \
     --json "$OUT/ppo_throughput.json"
-  run rollout_backends 90 bench/rollout_backends.py --device "$DEVICE" --mixed-precision "$MP" --model-dir "$SMOL" \
-    --lengths 64 256 --batches 32 128 --repeats 3 --peak-sizes 8192
-  run grpo_recipe_s1 240 scripts/real_model_recipes.py --recipe grpo --seed 1 --threads 8 --out "$OUT/recipes" \
-    --results "$OUT/real_model_gpu.json" "${GPU[@]}" training.eval_interval=22
 fi
 
 {
