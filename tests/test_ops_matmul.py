@@ -276,3 +276,18 @@ def test_ppo_model_gradients_equal_under_both_libraries(monkeypatch, tiny_model_
     for name in g_t:
         scale = g_t[name].abs().max().item()
         assert (g_o[name] - g_t[name]).abs().max().item() <= 1e-4 * scale + 1e-7, name
+
+
+@needs_onednn
+@pytest.mark.parametrize("mode", ["onednn", "torch"])
+def test_a_run_says_when_its_linears_run_on_onednn(ppo_cfg, mode, monkeypatch, capsys):
+    """A run that computes with oneDNN (other float32 rounding than torch's own) says so in
+    its first lines; one on torch's own library prints nothing about it."""
+    from rlhflab.trainers.ppo import train
+
+    monkeypatch.setattr(cpu, "_matmul", None)  # the run chooses (restored after the test)
+    res = train(ppo_cfg(f"model.cpu_matmul={mode}", "training.total_steps=1"))
+    assert res.history and cpu.matmul_library() == mode
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("float32 linear layers")]
+    assert said == ([f"float32 linear layers: oneDNN (model.cpu_matmul: onednn; model.cpu_matmul=torch for "
+                     "torch's own; docs/cpu_matmul.md)"] if mode == "onednn" else [])
