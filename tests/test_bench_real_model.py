@@ -287,3 +287,55 @@ def test_real_model_script_is_valid_bash_and_runs_every_bench():
     for bench in ("ppo_throughput", "grpo_throughput", "rollout_backends"):
         assert text.count(f"run {bench} bench/{bench}.py --model-dir \"$SMOL\"") == 2, bench
     assert 'run large_vocab bench/large_vocab.py --model-dir "$GEMMA"' in text
+
+
+FAKE_PY = r'''#!/usr/bin/env bash
+# Stands in for python in bench/real_model_gpu.sh: logs each stage's start and end (epoch
+# seconds) and prints what the summary greps; rollout_backends fails with exit 3.
+[ "$1" = -c ] && { echo "torch fake | transformers fake | cuda None"; exit 0; }
+log="$FAKE_LOG"; name=$(basename "$1" .py); seed=none
+for a in "$@"; do case $prev in --seed) seed=$a;; esac; prev=$a; done
+echo "start $name $seed $(date +%s.%N)" >> "$log"
+sleep 1
+echo "end $name $seed $(date +%s.%N)" >> "$log"
+case $name in
+  real_model_recipes) echo "| grpo | $seed | 50 | fake | 31.5% -> 40.0% | +8.5 | 3.0 | 3.6 | 1.0 |";;
+  grpo_throughput) echo "grpo_throughput: rlhflab 1 completions/s, trl 1 completions/s, speed ratio 1.00, memory ratio 1.00";;
+  rollout_backends) echo "boom" >&2; exit 3;;
+esac
+exit 0
+'''
+
+
+def test_gpu_script_runs_its_stages_in_order_with_the_two_seeds_side_by_side(tmp_path):
+    """bench/real_model_gpu.sh (the GPU session's one prepared script), with a stand-in for
+    python: grpo_throughput first, then the recipe's seeds 0 and 1 at the same time, then
+    rollout_backends and ppo_throughput; every stage's exit code (a failing one's too, with
+    its stderr) reaches the summary, and both seeds' rows are in paste.txt."""
+    import os
+    import subprocess
+
+    fake = tmp_path / "fakepy"
+    fake.write_text(FAKE_PY)
+    fake.chmod(0o755)
+    log, out = tmp_path / "stages.log", tmp_path / "out"
+    env = {**os.environ, "PY": str(fake), "OUT": str(out), "SMOL": "unused", "BUDGET": "120",
+           "FAKE_LOG": str(log)}
+    res = subprocess.run(["bash", str(BENCH / "real_model_gpu.sh")], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    events = [line.split() for line in log.read_text().splitlines()]
+    t = {(kind, name, seed): float(at) for kind, name, seed, at in events}
+    starts = [(name, seed) for kind, name, seed, _ in events if kind == "start"]
+    assert starts[0] == ("grpo_throughput", "none") and starts[-2:] == [("rollout_backends", "none"),
+                                                                        ("ppo_throughput", "none")]
+    assert sorted(starts[1:3]) == [("real_model_recipes", "0"), ("real_model_recipes", "1")]
+    s0, s1 = ("real_model_recipes", "0"), ("real_model_recipes", "1")
+    assert t[("start",) + s1] < t[("end",) + s0] and t[("start",) + s0] < t[("end",) + s1]  # side by side
+    assert t[("end", "grpo_throughput", "none")] <= min(t[("start",) + s0], t[("start",) + s1])
+    assert max(t[("end",) + s0], t[("end",) + s1]) <= t[("start", "rollout_backends", "none")]
+    paste = (out / "paste.txt").read_text()
+    assert "| grpo | 0 | 50 |" in paste and "| grpo | 1 | 50 |" in paste
+    assert "-- grpo_recipe_s0 (exit 0)" in paste and "-- grpo_recipe_s1 (exit 0)" in paste
+    assert "-- rollout_backends (exit 3)" in paste and "boom" in paste
+    assert "-- grpo_throughput (exit 0)" in paste and "-- ppo_throughput (exit 0)" in paste
