@@ -4,8 +4,9 @@
 #   2. the SmolLM2 GRPO recipe (configs/grpo_smollm2.yaml) on CUDA with bf16 autocast and
 #      float32 weights, held-out greedy accuracy before / at step 25 / at step 50, seeds 0
 #      and 1 side by side (two processes on the one GPU);
-#   3. rollout_backends.py: the hf backend on the GPU (vLLM too where it is installed);
-#   4. ppo_throughput.py: rlhflab (value head, separate critic) and TRL 1.12's PPO, each alone.
+#   3. grpo_throughput.py again with grpo.share_prompt=false on rlhflab's side;
+#   4. rollout_backends.py: the hf backend on the GPU (vLLM too where it is installed);
+#   5. ppo_throughput.py: rlhflab (value head, separate critic) and TRL 1.12's PPO, each alone.
 # Reports go to $OUT/<name>.txt (stderr to <name>.err, JSON where a bench writes one); the
 # lines to paste are printed at the end and kept in $OUT/paste.txt.
 #
@@ -91,6 +92,11 @@ else
       --out "$OUT/recipes_s$seed" --results "$OUT/real_model_gpu_s$seed.json" "${GPU[@]}" training.eval_interval=25 &
   done
   together grpo_recipe_s0 grpo_recipe_s1
+  # The same GRPO bench with each prompt computed once per completion (grpo.share_prompt=false,
+  # as TRL does): on a GPU the shared prompt saves FLOPs that cost little and adds passes.
+  run grpo_throughput_noshare 150 bench/grpo_throughput.py --device "$DEVICE" --mixed-precision "$MP" \
+    --model-dir "$SMOL" --sides rlhflab,trl --no-share-prompt --steps 4 --repeats 1 --completions 32 \
+    --group-size 4 --max-new-tokens 32 --beta 0.04 --peak-sizes 8192 --out "$OUT/grpo-noshare-scratch"
   run rollout_backends 150 bench/rollout_backends.py --device "$DEVICE" --mixed-precision "$MP" --model-dir "$SMOL" \
     --lengths 64 256 --batches 32 128 --repeats 2 --peak-sizes 8192
   # PPO: 32 episodes x 16 tokens, 4 epochs of one 32-episode minibatch, as on the CPU.
@@ -102,14 +108,14 @@ fi
 {
   echo "== real-model runs on $(sed -n 's/^gpu: //p' "$OUT/machine.txt"), $(sed -n 's/^date: //p' "$OUT/machine.txt")"
   echo "model: $SMOL; outputs: $OUT; $(grep '^torch' "$OUT/machine.txt")"
-  for name in grpo_recipe_s0 grpo_recipe_s1 grpo_throughput ppo_throughput rollout_backends; do
+  for name in grpo_recipe_s0 grpo_recipe_s1 grpo_throughput grpo_throughput_noshare ppo_throughput rollout_backends; do
     [ -n "${RC[$name]:-}" ] || continue
     echo
     echo "-- $name (exit ${RC[$name]})"
     case $name in
       grpo_recipe_*) grep -E '^\| grpo' "$OUT/$name.txt" ;;
       ppo_throughput) sed -n '/^side /,/^$/p; /^MFU per phase/,$p; /^ratios/,/^$/p' "$OUT/$name.txt" ;;
-      grpo_throughput) grep -E '^\| |^per phase|^  (rlhflab|trl):|^grpo_throughput:' "$OUT/$name.txt" ;;
+      grpo_throughput*) grep -E '^\| |^per phase|^  (rlhflab|trl):|^grpo_throughput:' "$OUT/$name.txt" ;;
       rollout_backends) grep -E '^matmul peak|^smollm2|^[a-z0-9.-]+ +[0-9.]+M|^targets:|^rollout_backends:' "$OUT/$name.txt" ;;
     esac
     [ "${RC[$name]}" = 0 ] || tail -8 "$OUT/$name.err"

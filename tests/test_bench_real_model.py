@@ -310,7 +310,7 @@ exit 0
 def test_gpu_script_runs_its_stages_in_order_with_the_two_seeds_side_by_side(tmp_path):
     """bench/real_model_gpu.sh (the GPU session's one prepared script), with a stand-in for
     python: grpo_throughput first, then the recipe's seeds 0 and 1 at the same time, then
-    rollout_backends and ppo_throughput; every stage's exit code (a failing one's too, with
+    grpo_throughput without the shared prompt, rollout_backends and ppo_throughput; every stage's exit code (a failing one's too, with
     its stderr) reaches the summary, and both seeds' rows are in paste.txt."""
     import os
     import subprocess
@@ -325,11 +325,14 @@ def test_gpu_script_runs_its_stages_in_order_with_the_two_seeds_side_by_side(tmp
                          timeout=60)
     assert res.returncode == 0, res.stderr
     events = [line.split() for line in log.read_text().splitlines()]
-    t = {(kind, name, seed): float(at) for kind, name, seed, at in events}
+    t: dict = {}
+    for kind, name, seed, at in events:  # a stage run twice (grpo_throughput): its first run
+        t.setdefault((kind, name, seed), float(at))
     starts = [(name, seed) for kind, name, seed, _ in events if kind == "start"]
     assert starts[0] == ("grpo_throughput", "none") and starts[-2:] == [("rollout_backends", "none"),
                                                                         ("ppo_throughput", "none")]
     assert sorted(starts[1:3]) == [("real_model_recipes", "0"), ("real_model_recipes", "1")]
+    assert starts[3] == ("grpo_throughput", "none") and len(starts) == 6  # then without the shared prompt
     s0, s1 = ("real_model_recipes", "0"), ("real_model_recipes", "1")
     assert t[("start",) + s1] < t[("end",) + s0] and t[("start",) + s0] < t[("end",) + s1]  # side by side
     assert t[("end", "grpo_throughput", "none")] <= min(t[("start",) + s0], t[("start",) + s1])
@@ -338,4 +341,5 @@ def test_gpu_script_runs_its_stages_in_order_with_the_two_seeds_side_by_side(tmp
     assert "| grpo | 0 | 50 |" in paste and "| grpo | 1 | 50 |" in paste
     assert "-- grpo_recipe_s0 (exit 0)" in paste and "-- grpo_recipe_s1 (exit 0)" in paste
     assert "-- rollout_backends (exit 3)" in paste and "boom" in paste
+    assert "-- grpo_throughput_noshare (exit 0)" in paste and paste.count("grpo_throughput: rlhflab 1") == 2
     assert "-- grpo_throughput (exit 0)" in paste and "-- ppo_throughput (exit 0)" in paste
