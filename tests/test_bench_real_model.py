@@ -343,3 +343,30 @@ def test_gpu_script_runs_its_stages_in_order_with_the_two_seeds_side_by_side(tmp
     assert "-- rollout_backends (exit 3)" in paste and "boom" in paste
     assert "-- grpo_throughput_noshare (exit 0)" in paste and paste.count("grpo_throughput: rlhflab 1") == 2
     assert "-- grpo_throughput (exit 0)" in paste and "-- ppo_throughput (exit 0)" in paste
+
+
+def test_op_counts_sees_the_shared_prompts_extra_pass(tiny_model_dir, arith_dir, tmp_path, capsys):
+    """bench/op_counts.py counts the aten ops of one GRPO step's scoring and update. With
+    grpo.share_prompt the prompt is a pass of its own before the responses' pass (on its
+    cache), so both phases dispatch more ops than with each prompt repeated in its rows; the
+    same step counted twice gives the same numbers."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import op_counts
+    finally:
+        sys.path.remove(str(BENCH))
+
+    def count(share: str, out: str) -> dict:
+        c = op_counts.count_step(str(BENCH.parent / "configs" / "grpo_debug.yaml"), [
+            f"model.name_or_path={tiny_model_dir}", f"dataset.path={arith_dir}/train.jsonl", "dataset.eval_path=null",
+            "generation.backend=hf", "generation.max_new_tokens=6", "grpo.prompts_per_step=2", "grpo.group_size=2",
+            "grpo.batch_size=4", "grpo.mini_batch_size=4", "grpo.gradient_accumulation_steps=1", "grpo.epochs=1",
+            f"grpo.share_prompt={share}", "training.total_steps=1", "training.eval_interval=0",
+            "training.save_interval=0", f"training.output_dir={tmp_path / out}", "model.cpu_matmul=torch",
+            "logging.progress_bar=false", "logging.plots=false", "logging.doctor=false", "logging.report_to=[]"])
+        return {name: sum(c[name].values()) for name in op_counts.PHASES}
+
+    shared, again, plain = count("true", "a"), count("true", "b"), count("false", "c")
+    assert shared == again
+    assert all(plain[name] > 0 for name in op_counts.PHASES)
+    assert shared["score_rollout"] > plain["score_rollout"] and shared["run_update"] > plain["run_update"]
