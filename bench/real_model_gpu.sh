@@ -5,8 +5,9 @@
 #      float32 weights, held-out greedy accuracy before / at step 25 / at step 50, seeds 0
 #      and 1 side by side (two processes on the one GPU);
 #   3. grpo_throughput.py again with grpo.share_prompt=false on rlhflab's side;
-#   4. rollout_backends.py: the hf backend on the GPU (vLLM too where it is installed);
-#   5. ppo_throughput.py: rlhflab (value head, separate critic) and TRL 1.12's PPO, each alone.
+#   4. packed_prompt.py: the shared prompt's two passes against one packed pass per group;
+#   5. rollout_backends.py: the hf backend on the GPU (vLLM too where it is installed);
+#   6. ppo_throughput.py: rlhflab (value head, separate critic) and TRL 1.12's PPO, each alone.
 # Reports go to $OUT/<name>.txt (stderr to <name>.err, JSON where a bench writes one); the
 # lines to paste are printed at the end and kept in $OUT/paste.txt.
 #
@@ -97,6 +98,9 @@ else
   run grpo_throughput_noshare 150 bench/grpo_throughput.py --device "$DEVICE" --mixed-precision "$MP" \
     --model-dir "$SMOL" --sides rlhflab,trl --no-share-prompt --steps 4 --repeats 1 --completions 32 \
     --group-size 4 --max-new-tokens 32 --beta 0.04 --peak-sizes 8192 --out "$OUT/grpo-noshare-scratch"
+  # The shared prompt's two passes against one packed pass per group (bench/packed_prompt.py).
+  run packed_prompt 90 bench/packed_prompt.py --device "$DEVICE" --mixed-precision "$MP" --model-dir "$SMOL" \
+    --repeats 5 --threads 4
   run rollout_backends 150 bench/rollout_backends.py --device "$DEVICE" --mixed-precision "$MP" --model-dir "$SMOL" \
     --lengths 64 256 --batches 32 128 --repeats 2 --peak-sizes 8192
   # PPO: 32 episodes x 16 tokens, 4 epochs of one 32-episode minibatch, as on the CPU.
@@ -108,13 +112,14 @@ fi
 {
   echo "== real-model runs on $(sed -n 's/^gpu: //p' "$OUT/machine.txt"), $(sed -n 's/^date: //p' "$OUT/machine.txt")"
   echo "model: $SMOL; outputs: $OUT; $(grep '^torch' "$OUT/machine.txt")"
-  for name in grpo_recipe_s0 grpo_recipe_s1 grpo_throughput grpo_throughput_noshare ppo_throughput rollout_backends; do
+  for name in grpo_recipe_s0 grpo_recipe_s1 grpo_throughput grpo_throughput_noshare packed_prompt ppo_throughput rollout_backends; do
     [ -n "${RC[$name]:-}" ] || continue
     echo
     echo "-- $name (exit ${RC[$name]})"
     case $name in
       grpo_recipe_*) grep -E '^\| grpo' "$OUT/$name.txt" ;;
       ppo_throughput) sed -n '/^side /,/^$/p; /^MFU per phase/,$p; /^ratios/,/^$/p' "$OUT/$name.txt" ;;
+      packed_prompt) grep -E '^(plain|shared|packed) |^largest|^packed_prompt:' "$OUT/$name.txt" ;;
       grpo_throughput*) grep -E '^\| |^per phase|^  (rlhflab|trl):|^grpo_throughput:' "$OUT/$name.txt" ;;
       rollout_backends) grep -E '^matmul peak|^smollm2|^[a-z0-9.-]+ +[0-9.]+M|^targets:|^rollout_backends:' "$OUT/$name.txt" ;;
     esac

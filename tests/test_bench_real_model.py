@@ -310,7 +310,8 @@ exit 0
 def test_gpu_script_runs_its_stages_in_order_with_the_two_seeds_side_by_side(tmp_path):
     """bench/real_model_gpu.sh (the GPU session's one prepared script), with a stand-in for
     python: grpo_throughput first, then the recipe's seeds 0 and 1 at the same time, then
-    grpo_throughput without the shared prompt, rollout_backends and ppo_throughput; every stage's exit code (a failing one's too, with
+    grpo_throughput without the shared prompt, packed_prompt, rollout_backends and
+    ppo_throughput; every stage's exit code (a failing one's too, with
     its stderr) reaches the summary, and both seeds' rows are in paste.txt."""
     import os
     import subprocess
@@ -332,7 +333,8 @@ def test_gpu_script_runs_its_stages_in_order_with_the_two_seeds_side_by_side(tmp
     assert starts[0] == ("grpo_throughput", "none") and starts[-2:] == [("rollout_backends", "none"),
                                                                         ("ppo_throughput", "none")]
     assert sorted(starts[1:3]) == [("real_model_recipes", "0"), ("real_model_recipes", "1")]
-    assert starts[3] == ("grpo_throughput", "none") and len(starts) == 6  # then without the shared prompt
+    assert starts[3] == ("grpo_throughput", "none") and starts[4] == ("packed_prompt", "none")  # no shared prompt
+    assert len(starts) == 7
     s0, s1 = ("real_model_recipes", "0"), ("real_model_recipes", "1")
     assert t[("start",) + s1] < t[("end",) + s0] and t[("start",) + s0] < t[("end",) + s1]  # side by side
     assert t[("end", "grpo_throughput", "none")] <= min(t[("start",) + s0], t[("start",) + s1])
@@ -343,6 +345,7 @@ def test_gpu_script_runs_its_stages_in_order_with_the_two_seeds_side_by_side(tmp
     assert "-- rollout_backends (exit 3)" in paste and "boom" in paste
     assert "-- grpo_throughput_noshare (exit 0)" in paste and paste.count("grpo_throughput: rlhflab 1") == 2
     assert "-- grpo_throughput (exit 0)" in paste and "-- ppo_throughput (exit 0)" in paste
+    assert "-- packed_prompt (exit 0)" in paste
 
 
 def test_op_counts_sees_the_shared_prompts_extra_pass(tiny_model_dir, arith_dir, tmp_path, capsys):
@@ -370,3 +373,36 @@ def test_op_counts_sees_the_shared_prompts_extra_pass(tiny_model_dir, arith_dir,
     assert shared == again
     assert all(plain[name] > 0 for name in op_counts.PHASES)
     assert shared["score_rollout"] > plain["score_rollout"] and shared["run_update"] > plain["run_update"]
+
+
+def test_packed_prompt_pass_equals_the_plain_pass_with_one_pass(tiny_model_dir):
+    """bench/packed_prompt.py's packed pass (a group in one row, a 4-D mask, positions that
+    restart after the prompt) gives the plain pass's hidden states on every real response
+    position, and gradients, within float32 rounding, on left-padded prompts and
+    right-padded responses; and it dispatches about the plain pass's number of ops, not the
+    shared pass's two passes' worth."""
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        import packed_prompt
+    finally:
+        sys.path.remove(str(BENCH))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    inputs = packed_prompt.batch(3, 4, 10, 7, model.config.vocab_size, seed=1)
+    real = inputs[3].bool()
+    assert not real.all() and not inputs[1].bool().all()  # padding on both sides
+    fns = packed_prompt.ways(model, *inputs, 4)
+    results = {}
+    for name, fn in fns.items():
+        model.zero_grad(set_to_none=True)
+        h = fn()[real]
+        h.square().mean().backward()
+        results[name] = (h.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    (h0, g0), (h1, g1) = results["plain"], results["packed"]
+    assert (h1 - h0).abs().max() <= 1e-5 * h0.abs().max()
+    assert g0.keys() == g1.keys() and g0
+    for n in g0:
+        assert (g1[n] - g0[n]).abs().max() <= 1e-4 * g0[n].abs().max() + 1e-7, n
+    ops = {name: packed_prompt.count_ops(fn) for name, fn in fns.items()}
+    assert ops["packed"] < 0.7 * ops["shared"] and ops["packed"] < 1.3 * ops["plain"]
