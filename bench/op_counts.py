@@ -29,28 +29,37 @@ import _common  # noqa: E402
 PHASES = ("score_rollout", "run_update")
 
 
-def count_step(config: str, overrides: list[str]) -> dict[str, Counter]:
-    """Aten ops per phase of one `rlhflab grpo` step (each phase's calls summed)."""
+def counting_ops(into: Counter):
+    """A context in which every aten call adds one to `into[op name]` (a TorchDispatchMode)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            into[str(func.overloadpacket)] += 1
+            return func(*args, **(kwargs or {}))
+
+    return Count()
+
+
+def count_ops(fn) -> int:
+    """The aten calls `fn()` makes."""
+    into: Counter = Counter()
+    with counting_ops(into):
+        fn()
+    return sum(into.values())
+
+
+def count_step(config: str, overrides: list[str]) -> dict[str, Counter]:
+    """Aten ops per phase of one `rlhflab grpo` step (each phase's calls summed)."""
     from rlhflab.cli import main
     from rlhflab.trainers import grpo
-
-    class Count(TorchDispatchMode):
-        def __init__(self, into: Counter):
-            super().__init__()
-            self.into = into
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.into[str(func.overloadpacket)] += 1
-            return func(*args, **(kwargs or {}))
 
     counts = {name: Counter() for name in PHASES}
     plain = {name: getattr(grpo, name) for name in PHASES}
 
     def counted(name):
         def call(*args, **kwargs):
-            with Count(counts[name]):
+            with counting_ops(counts[name]):
                 return plain[name](*args, **kwargs)
         return call
 

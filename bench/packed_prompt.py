@@ -26,11 +26,11 @@ import argparse
 import statistics
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
+from op_counts import count_ops  # noqa: E402
 
 
 def packed_response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, group_size: int):
@@ -93,27 +93,6 @@ def ways(model, prompt_ids, prompt_mask, response_ids, response_mask, k: int):
     }
 
 
-def _under(context, fn):
-    with context():
-        return fn()
-
-
-def count_ops(fn) -> int:
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        n = Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n[str(func.overloadpacket)] += 1
-            return func(*args, **(kwargs or {}))
-
-    c = Count()
-    with c:
-        fn()
-    return sum(c.n.values())
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", default=None, help="default: the tiny model, built in .bench/tiny-model")
@@ -139,19 +118,23 @@ def main(argv: list[str] | None = None) -> int:
     model.to(a.device).train()
     k = a.group_size
     inputs = [x.to(a.device) for x in batch(a.groups, k, a.prompt_len, a.response_len, model.config.vocab_size)]
-    autocast = lambda: torch.autocast(a.device, dtype=torch.bfloat16, enabled=a.mixed_precision == "bf16")  # noqa: E731
-    fns = {name: (lambda fn=fn: _under(autocast, fn)) for name, fn in ways(model, *inputs, k).items()}
+    fns = ways(model, *inputs, k)
     mask_rows = inputs[3].bool()
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+
+    def hidden(fn):  # the real response positions' states, under the run's precision
+        with torch.autocast(a.device, dtype=torch.bfloat16, enabled=a.mixed_precision == "bf16"):
+            return fn()[mask_rows].float()
+
     with torch.no_grad():
-        out = {name: fn()[mask_rows].float() for name, fn in fns.items()}
+        out = {name: hidden(fn) for name, fn in fns.items()}
     scale = out["plain"].abs().max().item()
     gaps = {name: (out[name] - out["plain"]).abs().max().item() / scale for name in ("shared", "packed")}
 
     def fwd_bwd(fn):
         def run():
             model.zero_grad(set_to_none=True)
-            fn()[mask_rows].float().square().mean().backward()
+            hidden(fn).square().mean().backward()
         return run
 
     times = {name: [] for name in fns}
