@@ -290,7 +290,8 @@ def recipes_summary(rec: dict) -> str:
     text = (f"On a {rec['machine']} ({rec['date']}; `{rec['script']}`), SmolLM2-135M-Instruct on the easy "
             f"word problems: " + "; ".join(parts(rec["machine"])) + ".")
     others = sorted({r["machine"] for r in rec["runs"] if r.get("machine")} - {rec["machine"]})
-    for machine, found in ((m, parts(m)) for m in others):
+    for machine in others:
+        found = parts(machine)
         if found:
             text += f" The same configs on a {machine}: " + "; ".join(found) + "."
     return text
