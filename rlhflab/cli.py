@@ -112,5 +112,17 @@ def main(argv: list[str] | None = None) -> int:
     return int(rc or 0)
 
 
+def entry() -> None:
+    """The `rlhflab` program (and `python -m rlhflab`): `main`, then the exit. A rank of a
+    multi-process launch leaves through `rlhflab.engine.dist.leave`, which skips the
+    interpreter's teardown (where gloo can abort a finished rank); `main` itself returns,
+    so that Python (and the tests) can call it several times in one process."""
+    rc = main()
+    dist = sys.modules.get("rlhflab.engine.dist")  # imported only by a command that ran a model
+    if dist is not None:
+        dist.leave(rc)
+    sys.exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

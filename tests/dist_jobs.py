@@ -10,7 +10,8 @@ job is `rlhflab.cli.main(argv)`, what `python -m rlhflab COMMAND ...` runs; its 
 (file descriptors 1 and 2, so every library's too) goes to FOLDER/NAME.rankR.out and .err,
 its exit code to FOLDER/NAME.rankR.rc (R: the process's RANK, 0 alone). A job that raises
 stops the process, so the launcher ends the others instead of leaving them waiting in a
-collective; its traceback is in its .err file.
+collective; its traceback is in its .err file. The process ends as `rlhflab` does
+(`rlhflab.engine.dist.leave`).
 
 The tests start it with `run_jobs` (which writes JOBS.json) and read what it left with the
 `Launch` it returns (tests/test_distributed.py, test_envs_distributed.py, test_envs_training.py).
@@ -121,4 +122,7 @@ def main(spec_file: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    rc = main(sys.argv[1])
+    from rlhflab.engine.dist import leave  # the exit `rlhflab` itself takes (rlhflab.cli.entry)
+
+    leave(rc)

@@ -139,3 +139,39 @@ def test_the_merged_weights_of_a_gathered_lora_state_are_what_peft_merges():
     q = "model.layers.0.self_attn.q_proj.weight"
     assert float((merged[q] - policy.get_base_model().state_dict()[q.replace(".weight", ".base_layer.weight")])
                  .abs().max()) > 1e-3  # the adapter did change the weight
+
+
+# A process that writes a line without a newline (block-buffered on a pipe), registers an
+# exit handler, keeps a module-level object whose __del__ speaks at the interpreter's
+# teardown, and ends through `leave(3)`; as a rank (a real one-process gloo group) or not.
+_LEAVE = """
+import atexit, os, sys, torch, torch.distributed as td
+from rlhflab.engine import dist
+class Teardown:
+    def __del__(self, write=os.write):  # module globals are gone by then
+        write(2, b"teardown\\n")
+keep = Teardown()
+atexit.register(lambda: print("handler, group alive:", td.is_initialized(), file=sys.stderr))
+if sys.argv[1] == "rank":
+    td.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+    dist._joined()
+    atexit.register(lambda: td.all_reduce(torch.ones(1)))  # runs first (LIFO): the group still works
+sys.stdout.write("unflushed")
+dist.leave(3)
+"""
+
+
+@pytest.mark.parametrize("as_rank", [False, True])
+def test_leave_exits_with_the_code_after_the_exit_handlers_and_a_rank_skips_the_teardown(tmp_path, as_rank):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _LEAVE, "rank" if as_rank else "alone", str(tmp_path / "store")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 3, out.stderr
+    assert out.stdout == "unflushed"  # buffered output reaches the pipe either way
+    # The exit handlers run either way; a rank's process group is destroyed by then (the
+    # handler registered before the group sees it gone), and only the plain exit reaches
+    # the interpreter's teardown.
+    assert "handler, group alive: False" in out.stderr
+    assert ("teardown" in out.stderr) is (not as_rank), out.stderr

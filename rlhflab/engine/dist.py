@@ -42,6 +42,7 @@ import atexit
 import math
 import os
 import shutil
+import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,7 @@ from rlhflab.rollout.hf import LOCKSTEP_ATTR
 
 ENGINE_DIR = "deepspeed"  # a DeepSpeed run's checkpoint keeps the engine's own state here
 ENGINE_TAG = "state"
+_launched = False  # True once init_dist has joined this process to a launch
 
 
 class Forward(torch.nn.Module):
@@ -536,7 +538,7 @@ def init_dist(device: str = "auto") -> Dist:
         from transformers.integrations import unset_hf_deepspeed_config
         unset_hf_deepspeed_config()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", acc.num_processes))
-    atexit.register(_close_process_group)
+    _joined()
     return Dist(acc.process_index, acc.num_processes, local, acc, fsdp_here, reshard)
 
 
@@ -612,12 +614,41 @@ def _fully_shard(module: torch.nn.Module, world_size: int, reshard_after_forward
         group["params"] = [now[n] for n in group_names]
 
 
+def _joined() -> None:
+    """Mark this process a rank of a launch (`leave` then skips the teardown), and destroy
+    its process group at exit."""
+    global _launched
+    if not _launched:
+        atexit.register(_close_process_group)
+        _launched = True
+
+
 def _close_process_group() -> None:
     """Destroy the process group before the interpreter exits: a rank that leaves with
     it alive can abort in the collective library's threads ("terminate called without an
     active exception", SIGABRT) after its work is done, which fails the launch."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def leave(rc: int) -> None:
+    """End the process with exit status `rc`. One process: `sys.exit(rc)`. A rank of a
+    launch runs every exit handler (the process group's destruction among them, logging's
+    and trackers' flushes), flushes stdout and stderr, and ends with `os._exit(rc)`,
+    skipping the interpreter's teardown: a rank can still abort there after a finished run
+    (SIGABRT, "terminate called without an active exception", seen with gloo on 2 CPU
+    processes even with the process group destroyed), while objects that hold the
+    destroyed group's backend (DDP's reducer, device meshes) are freed, and the launcher
+    then fails the whole launch."""
+    if not _launched:
+        sys.exit(rc)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or gone: nothing left to keep
+            pass
+    os._exit(rc)
 
 
 def check_strategy(dist: Dist, lora: bool, method: str, backend: str = "hf", rl: bool = True) -> None:
