@@ -624,9 +624,9 @@ def _joined() -> None:
 
 
 def _close_process_group() -> None:
-    """Destroy the process group before the interpreter exits: a rank that leaves with
-    it alive can abort in the collective library's threads ("terminate called without an
-    active exception", SIGABRT) after its work is done, which fails the launch."""
+    """Destroy the process group at exit, as torch asks of every process that made one
+    (an exit handler, so that a run that raises does it too). Not enough on its own
+    against the abort in the interpreter's teardown: `leave` says why."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
@@ -635,11 +635,11 @@ def leave(rc: int) -> None:
     """End the process with exit status `rc`. One process: `sys.exit(rc)`. A rank of a
     launch runs every exit handler (the process group's destruction among them, logging's
     and trackers' flushes), flushes stdout and stderr, and ends with `os._exit(rc)`,
-    skipping the interpreter's teardown: a rank can still abort there after a finished run
-    (SIGABRT, "terminate called without an active exception", seen with gloo on 2 CPU
-    processes even with the process group destroyed), while objects that hold the
-    destroyed group's backend (DDP's reducer, device meshes) are freed, and the launcher
-    then fails the whole launch."""
+    skipping the interpreter's teardown. After DDP on gloo a rank can abort in that
+    teardown with its work done, the group destroyed first or not (SIGABRT, "terminate
+    called without an active exception"; bench/exit_teardown.py counts how often), and the
+    launcher then fails the whole launch.
+    Threads still running are not waited for; rlhflab leaves none that write."""
     if not _launched:
         sys.exit(rc)
     atexit._run_exitfuncs()
