@@ -32,10 +32,7 @@ from rlhflab.engine import dist
 
 way = sys.argv[1]
 td.init_process_group("gloo")
-if way == "ddp-leave":
-    dist._joined()  # what init_dist does: leave() will skip the teardown
-else:
-    atexit.register(dist._close_process_group)
+atexit.register(dist._close_process_group)  # as rlhflab's init_dist does
 if way == "allreduce":
     t = torch.ones(64)
     for _ in range(5):

@@ -152,9 +152,9 @@ class Teardown:
         write(2, b"teardown\\n")
 keep = Teardown()
 atexit.register(lambda: print("handler, group alive:", td.is_initialized(), file=sys.stderr))
-if sys.argv[1] == "rank":
+if sys.argv[1] == "rank":  # WORLD_SIZE=2 in its environment says so (nothing waits on a rank 1)
     td.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
-    dist._joined()
+    atexit.register(dist._close_process_group)  # as init_dist does
     atexit.register(lambda: td.all_reduce(torch.ones(1)))  # runs first (LIFO): the group still works
 sys.stdout.write("unflushed")
 dist.leave(3)
@@ -163,11 +163,13 @@ dist.leave(3)
 
 @pytest.mark.parametrize("as_rank", [False, True])
 def test_leave_exits_with_the_code_after_the_exit_handlers_and_a_rank_skips_the_teardown(tmp_path, as_rank):
+    import os
     import subprocess
     import sys
 
+    env = {**os.environ, "WORLD_SIZE": "2" if as_rank else "1"}
     out = subprocess.run([sys.executable, "-c", _LEAVE, "rank" if as_rank else "alone", str(tmp_path / "store")],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 3, out.stderr
     assert out.stdout == "unflushed"  # buffered output reaches the pipe either way
     # The exit handlers run either way; a rank's process group is destroyed by then (the

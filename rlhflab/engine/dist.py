@@ -56,7 +56,6 @@ from rlhflab.rollout.hf import LOCKSTEP_ATTR
 
 ENGINE_DIR = "deepspeed"  # a DeepSpeed run's checkpoint keeps the engine's own state here
 ENGINE_TAG = "state"
-_launched = False  # True once init_dist has joined this process to a launch
 
 
 class Forward(torch.nn.Module):
@@ -538,7 +537,7 @@ def init_dist(device: str = "auto") -> Dist:
         from transformers.integrations import unset_hf_deepspeed_config
         unset_hf_deepspeed_config()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", acc.num_processes))
-    _joined()
+    atexit.register(_close_process_group)
     return Dist(acc.process_index, acc.num_processes, local, acc, fsdp_here, reshard)
 
 
@@ -614,15 +613,6 @@ def _fully_shard(module: torch.nn.Module, world_size: int, reshard_after_forward
         group["params"] = [now[n] for n in group_names]
 
 
-def _joined() -> None:
-    """Mark this process a rank of a launch (`leave` then skips the teardown), and destroy
-    its process group at exit."""
-    global _launched
-    if not _launched:
-        atexit.register(_close_process_group)
-        _launched = True
-
-
 def _close_process_group() -> None:
     """Destroy the process group at exit, as torch asks of every process that made one
     (an exit handler, so that a run that raises does it too). Not enough on its own
@@ -633,14 +623,15 @@ def _close_process_group() -> None:
 
 def leave(rc: int) -> None:
     """End the process with exit status `rc`. One process: `sys.exit(rc)`. A rank of a
-    launch runs every exit handler (the process group's destruction among them, logging's
-    and trackers' flushes), flushes stdout and stderr, and ends with `os._exit(rc)`,
+    launch (WORLD_SIZE > 1, as init_dist decides) runs every exit handler (the process
+    group's destruction among them, logging's and trackers' flushes), flushes stdout and
+    stderr, and ends with `os._exit(rc)`,
     skipping the interpreter's teardown. After DDP on gloo a rank can abort in that
     teardown with its work done, the group destroyed first or not (SIGABRT, "terminate
     called without an active exception"; bench/exit_teardown.py counts how often), and the
     launcher then fails the whole launch.
     Threads still running are not waited for; rlhflab leaves none that write."""
-    if not _launched:
+    if launched_world_size() <= 1:
         sys.exit(rc)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
