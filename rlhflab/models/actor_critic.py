@@ -221,7 +221,7 @@ def response_hidden(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, r
 class ForwardOutput(NamedTuple):
     """What one teacher-forced pass returns for a (mini)batch."""
 
-    logprobs: Tensor          # (B, T) float32, at the sampling temperature
+    logprobs: Tensor | None   # (B, T) float32, at the sampling temperature; None when not asked (values only)
     values: Tensor | None     # (B, T) float32, or None
     entropy: Tensor | None    # (B, T) float32, or None
     lm_loss: Tensor | None = None  # token-mean NLL of an extra LM batch (PPO-ptx), or None
@@ -322,16 +322,27 @@ class PolicyOnly(nn.Module):
     def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor,
                 group_size: int = 1, temperature: float = 1.0, with_values: bool = False,
                 with_entropy: bool = False, entropy_grad: bool = True,
-                lm_batch: dict[str, Tensor] | None = None) -> ForwardOutput:
+                lm_batch: dict[str, Tensor] | None = None, with_logprobs: bool = True) -> ForwardOutput:
         """Log-probs (B, T) of the response tokens, and values and entropy when asked;
-        with `lm_batch`, also the policy's LM loss on it (PPO-ptx).
+        with `lm_batch`, also the policy's LM loss on it (PPO-ptx). `with_logprobs=False`
+        (values only: the old log-probs came from the sampler) skips the LM head; a
+        separate critic's values then need no policy pass at all.
 
         Shapes as in `response_hidden`. This is the module's `forward`, so a wrapper
         (DDP, FSDP) sees the whole pass.
         """
+        if not with_logprobs:
+            if not with_values or with_entropy or lm_batch is not None:
+                raise ValueError("with_logprobs=False computes values only")
+            if self.critic is not None:
+                return ForwardOutput(None, self._values(None, prompt_ids, prompt_mask, response_ids, response_mask,
+                                                        group_size), None)
         with self.autocast(prompt_ids.device):
             hidden = response_hidden(self.policy, prompt_ids, prompt_mask, response_ids, response_mask,
                                      group_size)
+        if not with_logprobs:
+            return ForwardOutput(None, self._values(hidden, prompt_ids, prompt_mask, response_ids, response_mask,
+                                                    group_size), None)
         _, head = decoder_and_head(self.policy)
         logprobs, entropy = token_stats(hidden, head, response_ids, temperature, with_entropy, entropy_grad,
                                         model=self.policy)
@@ -383,9 +394,9 @@ class ActorCritic(PolicyOnly):
     def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor,
                 group_size: int = 1, temperature: float = 1.0, with_values: bool = True,
                 with_entropy: bool = False, entropy_grad: bool = True,
-                lm_batch: dict[str, Tensor] | None = None) -> ForwardOutput:
+                lm_batch: dict[str, Tensor] | None = None, with_logprobs: bool = True) -> ForwardOutput:
         return super().forward(prompt_ids, prompt_mask, response_ids, response_mask, group_size, temperature,
-                               with_values, with_entropy, entropy_grad, lm_batch)
+                               with_values, with_entropy, entropy_grad, lm_batch, with_logprobs)
 
 
 class Critic(nn.Module):

@@ -46,7 +46,8 @@ class Rollout:
     advantages: Tensor | None = None   # (B, T)
     returns: Tensor | None = None      # (B, T)
     group_size: int = 1                # rows [i·k, (i+1)·k) answer the same prompt (GRPO, RLOO)
-    sample_logprobs: Tensor | None = None  # (B, T) the sampler's own log-probs (vLLM); None for hf
+    sample_logprobs: Tensor | None = None  # (B, T) the sampler's own log-probs (vLLM; hf when asked), 0 on padding
+    old_from_sampler: bool = False     # logprobs are sample_logprobs (generation.old_logprobs: sampler)
     # Multi-turn episodes (rlhflab.envs): 1 on every real response-part token, the
     # environment's context included, which the forward attends to; response_mask stays the
     # action mask (loss, KL, entropy, advantages). None: single-turn, the two are one mask.
@@ -109,6 +110,8 @@ def collate(parts: list[Rollout], pad_token_id: int) -> Rollout:
         response_attention_mask=(None if all(r.response_attention_mask is None for r in parts) else
                                  torch.cat([_pad_right(r.attend_mask, t, 0) for r in parts])),
         hit_limit=torch.cat([r.hit_limit for r in parts]),
+        sample_logprobs=(None if any(r.sample_logprobs is None for r in parts) else
+                         torch.cat([_pad_right(r.sample_logprobs, t, 0.0) for r in parts])),
         prompts=[s for r in parts for s in r.prompts],
         responses=[s for r in parts for s in r.responses],
         examples=[e for r in parts for e in r.examples],

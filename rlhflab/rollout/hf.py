@@ -13,6 +13,11 @@ processed logits (temperature, top-k, top-p) and one uniform number u per row
   global generator. multinomial draws a random number for every vocabulary entry, which on
   a CPU costs more than the cumulative sum (bench/cpu_tricks.py).
 Both keep the sampling distribution; they draw other tokens than `generate` for a given seed.
+The sampler's log-probs (`generation.old_logprobs: sampler`) are taken by the same draw:
+`InverseCDFDraw` records log softmax(scores) of the token it draws, so asking for them also
+switches a plain sampled run to this draw. They are the policy's log-probs at the sampling
+temperature, as the update computes them: the draw itself keeps the end tokens out of the
+first `min_new_tokens` positions (generate's own ban is then not used), after recording.
 
 `n` > 1 answers per prompt (GRPO, RLOO groups) share the prompt: each prompt is
 prefilled once (all but its last token) and its KV cache repeated n times before
@@ -41,29 +46,53 @@ class InverseCDFDraw:
 
     The position is the number of tokens generated so far, not the padded sequence
     length, which depends on the longest prompt in the batch (`prompt_len`: the padded
-    prompt width of this generate call)."""
+    prompt width of this generate call).
 
-    def __init__(self, keys: torch.Tensor | None = None, prompt_len: int = 0):
+    `record`: keep the log-probability of each drawn token under softmax(scores), one (B,)
+    tensor per step (`taken`). `ban`: (end token ids, n): those ids are not drawn in the
+    first n positions (generate's min_new_tokens, applied after recording)."""
+
+    def __init__(self, keys: torch.Tensor | None = None, prompt_len: int = 0, record: bool = False,
+                 ban: tuple[list[int], int] | None = None):
         self.keys = keys  # (B,) int64, or None: unseeded
         self.prompt_len = prompt_len
+        self.logprobs: list[torch.Tensor] | None = [] if record else None
+        self.ban = ban
+
+    def taken(self, width: int) -> torch.Tensor:
+        """(B, width) recorded log-probs, step t in column t; zeros past the last step."""
+        lp = torch.stack(self.logprobs, 1)                                               # (B, steps)
+        if lp.shape[1] >= width:
+            return lp[:, :width]
+        return torch.nn.functional.pad(lp, (0, width - lp.shape[1]))
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        position = input_ids.shape[1] - self.prompt_len
         if self.keys is None:
             u = torch.rand(scores.shape[0], dtype=torch.float64, device=scores.device)
         else:
-            position = input_ids.shape[1] - self.prompt_len
             u = ops.counter_uniform(self.keys.to(scores.device), position, 1).squeeze(1)
-        token = ops.inverse_cdf_draw(scores, u)
+        allowed = scores
+        if self.ban is not None and position < self.ban[1]:
+            allowed = scores.clone()
+            allowed[:, self.ban[0]] = float("-inf")
+        token = ops.inverse_cdf_draw(allowed, u)
+        if self.logprobs is not None:
+            z = scores.float()                                                            # (B, V)
+            self.logprobs.append(z.gather(1, token.unsqueeze(1)).squeeze(1) - torch.logsumexp(z, dim=-1))
         return torch.full_like(scores, float("-inf")).scatter_(1, token.unsqueeze(1), 0.0)
 
 
 def draw_kwargs(*, greedy: bool, temperature: float, top_k: int, top_p: float, keys: torch.Tensor | None = None,
-                prompt_len: int = 0, fast_draw: bool = False) -> dict:
+                prompt_len: int = 0, fast_draw: bool = False, record: bool = False,
+                ban: tuple[list[int], int] | None = None) -> dict:
     """`model.generate` arguments that replace its own multinomial draw with `InverseCDFDraw`:
-    seeded when `keys` are given (`generation.seeded_sampling`), else with `fast_draw`.
+    seeded when `keys` are given (`generation.seeded_sampling`), else with `fast_draw` or
+    `record` (the sampler's log-probs; `drawn_logprobs` reads them after the call; `ban`,
+    the end tokens and min_new_tokens, when generate is not to apply that itself).
     `generate` then runs greedy over our processors (temperature, top-k, top-p, then the
-    draw), after its own (min_new_tokens). {} when greedy or neither applies."""
-    if greedy or (keys is None and not fast_draw):
+    draw), after its own (min_new_tokens). {} when greedy or none applies."""
+    if greedy or (keys is None and not fast_draw and not record):
         return {}
     from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
                                                         TopKLogitsWarper, TopPLogitsWarper)
@@ -73,7 +102,17 @@ def draw_kwargs(*, greedy: bool, temperature: float, top_k: int, top_p: float, k
     if top_p < 1.0:
         procs.append(TopPLogitsWarper(top_p))
     return dict(do_sample=False, temperature=None, top_k=None, top_p=None,
-                logits_processor=LogitsProcessorList([*procs, InverseCDFDraw(keys, prompt_len)]))
+                logits_processor=LogitsProcessorList([*procs, InverseCDFDraw(keys, prompt_len, record, ban)]))
+
+
+def drawn_logprobs(call_kw: dict, width: int) -> torch.Tensor | None:
+    """The sampler's log-probs (B, width) of a `generate` call made with `draw_kwargs(...,
+    record=True)`; None when the call drew no samples (greedy) or recorded none."""
+    procs = call_kw.get("logits_processor") or []
+    draw = procs[-1] if procs and isinstance(procs[-1], InverseCDFDraw) else None
+    if draw is None or draw.logprobs is None:
+        return None
+    return draw.taken(width)
 
 
 LOCKSTEP_ATTR = "_rlhflab_lockstep"  # set on every submodule by engine.dist.mark_lockstep
@@ -107,14 +146,17 @@ def generate(model, tokenizer, prompts: Sequence[str], *, n: int = 1, max_new_to
              min_new_tokens: int = 0, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              greedy: bool = False, max_prompt_length: int | None = None, batch_size: int = 64,
              examples: Sequence[dict] | None = None, share_prompt: bool = True,
-             seed: int | None = None, step: int = 0, row_offset: int = 0, fast_draw: bool = False) -> Rollout:
+             seed: int | None = None, step: int = 0, row_offset: int = 0, fast_draw: bool = False,
+             sample_logprobs: bool = False) -> Rollout:
     """Sample (or greedily decode) `n` responses per prompt, `batch_size` responses at a time.
 
     Rows [i·n, (i+1)·n) of the result answer prompt i. With `share_prompt` (and n > 1,
     no gradient checkpointing) each prompt is prefilled once for its n rows. With `seed`,
     sampling is seeded per row (row r of this call is row `row_offset + r` of the step);
     else with `fast_draw` each token is drawn by `InverseCDFDraw` instead of `generate`'s
-    multinomial (the same distribution).
+    multinomial (the same distribution). `sample_logprobs` (sampled, not greedy): the
+    rollout's `sample_logprobs` (B, T) hold the log-probability the draw gave each token
+    (0 on padding), taken by rlhflab's draw.
     """
     device = next(model.parameters()).device
     eos = eos_ids_of(model, tokenizer)
@@ -122,7 +164,9 @@ def generate(model, tokenizer, prompts: Sequence[str], *, n: int = 1, max_new_to
     tokenizer.truncation_side = "left"  # keep the end of a long prompt, where the question is
     examples = list(examples) if examples is not None else [{} for _ in prompts]
     shared = share_prompt and n > 1 and not is_checkpointing(model)
-    kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens or None,
+    # recording: the draw bans the end tokens itself, after taking the unbanned log-prob
+    ban = (eos, min_new_tokens) if sample_logprobs and min_new_tokens and not greedy else None
+    kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=None if ban else (min_new_tokens or None),
                   pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, use_cache=True,
                   **decode_kwargs(model, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p))
     was_training = model.training
@@ -145,11 +189,16 @@ def generate(model, tokenizer, prompts: Sequence[str], *, n: int = 1, max_new_to
         if seed is not None and not greedy:
             keys = ops.row_keys(seed, step, row_offset + start * n + torch.arange(ids_n.shape[0]))
         call_kw.update(draw_kwargs(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, keys=keys,
-                                   prompt_len=ids_n.shape[1], fast_draw=fast_draw))
+                                   prompt_len=ids_n.shape[1], fast_draw=fast_draw, record=sample_logprobs,
+                                   ban=ban))
         out = model.generate(input_ids=ids_n, attention_mask=am_n, **call_kw)
         rows = examples[start : start + per_call]
-        parts.append(finish_rollout(out, ids_n, am_n, tokenizer, eos, [p for p in chunk for _ in range(n)],
-                                    [e for e in rows for _ in range(n)]))
+        part = finish_rollout(out, ids_n, am_n, tokenizer, eos, [p for p in chunk for _ in range(n)],
+                              [e for e in rows for _ in range(n)])
+        drawn = drawn_logprobs(call_kw, part.response_ids.shape[1])
+        if drawn is not None:
+            part.sample_logprobs = drawn * part.response_mask
+        parts.append(part)
     if was_training:
         model.train()
     roll = collate(parts, tokenizer.pad_token_id)
@@ -168,6 +217,8 @@ class HFBackend:
         self.seed = seed if getattr(gen_cfg, "seeded_sampling", False) else None
         self.rank = rank
         self.fast_draw = cpu.fast_draw(next(policy.parameters()).device, gen_cfg)
+        # generation.old_logprobs: sampler: the draw records its log-probs (rollout.sample_logprobs)
+        self.sample_logprobs = getattr(gen_cfg, "old_logprobs", "recompute") == "sampler"
 
     def generate(self, prompts: Sequence[str], *, n: int = 1, examples: Sequence[dict] | None = None,
                  greedy: bool = False, max_new_tokens: int | None = None, batch_size: int | None = None,
@@ -180,7 +231,8 @@ class HFBackend:
                         temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, greedy=greedy,
                         max_prompt_length=self.max_prompt_length, batch_size=batch_size or self.batch_size,
                         examples=examples, share_prompt=share_prompt, seed=self.seed, step=step,
-                        row_offset=self.rank * len(prompts) * n, fast_draw=self.fast_draw)
+                        row_offset=self.rank * len(prompts) * n, fast_draw=self.fast_draw,
+                        sample_logprobs=self.sample_logprobs and not greedy)
 
     def sync(self, policy, updates: int = 1) -> None:
         return None

@@ -152,7 +152,8 @@ def rollout_metrics(roll: Rollout, dist: Dist | None = None) -> dict[str, float]
             out["rollout/explained_variance"] = ev
     if roll.kl is not None:  # the estimator that is penalised, summed over a response, averaged
         out["params/kl_to_ref"] = dist.mean(float((roll.kl * mask).sum(-1).mean()))
-    if getattr(roll, "sample_logprobs", None) is not None and roll.logprobs is not None:
+    if (getattr(roll, "sample_logprobs", None) is not None and roll.logprobs is not None
+            and not roll.old_from_sampler):  # else the update measures it, before its first step
         out["rollout/logprob_gap"] = token_mean((roll.logprobs - roll.sample_logprobs).abs())
     if getattr(roll, "episodes", None) is not None:  # multi-turn: turns, max_turns, tool errors
         from rlhflab.envs.rollout import episode_metrics
@@ -409,6 +410,19 @@ def run_policy_command(args, schema, train) -> int:
 # --------------------------------------------------------------------------------------
 # A policy method's run config and entry points, written once
 # --------------------------------------------------------------------------------------
+def sampler_rules(gen, sec, section: str) -> list[str]:
+    """Cross-section rules of `generation.old_logprobs: sampler` for a method's section."""
+    if gen.old_logprobs != "sampler":
+        return []
+    if not getattr(sec, "SAMPLER_OLD_LOGPROBS", True):
+        return [f"generation.old_logprobs: sampler is not available to {section} (its update recomputes the old "
+                f"policy's whole distribution); set generation.old_logprobs: recompute"]
+    if getattr(sec, "tis_cap", None) is not None:
+        return [f"{section}.tis_cap: weighs by pi_old / pi_sampler, which is 1 when pi_old is the sampler's "
+                f"(generation.old_logprobs: sampler); set {section}.tis_cap: null or old_logprobs: recompute"]
+    return []
+
+
 def policy_run_config(cls_name: str, section: str, section_cls: type, *, command: str, title: str,
                       kl_weight: str, module: str) -> type:
     """The run config class of a policy method: the shared sections (model, lora, dataset,
@@ -430,7 +444,8 @@ def policy_run_config(cls_name: str, section: str, section_cls: type, *, command
     def check(self) -> list[str]:
         return (check_reference(self.model, self.lora, getattr(getattr(self, section), kl_weight),
                                 f"{section}.{kl_weight}")
-                + [f"env.{e}" for e in (self.env.check() if (self.env.name or self.env.tools) else [])])
+                + [f"env.{e}" for e in (self.env.check() if (self.env.name or self.env.tools) else [])]
+                + sampler_rules(self.generation, getattr(self, section), section))
 
     cls = make_dataclass(cls_name, [(name, kind, dc_field(default_factory=kind)) for name, kind in sections],
                          namespace={"check": check, "__doc__": f"`rlhflab {command}`: every section of {title} run."})

@@ -53,6 +53,7 @@ class TRPOSection(OptimizerFields):
     natural-gradient step)."""
 
     KL_KNOB = "max_kl"
+    SAMPLER_OLD_LOGPROBS = False  # the update recomputes the old policy's whole distribution (generation.old_logprobs)
 
     rollout_samples: int = f(32, "episodes collected per step (one batch for the natural-gradient step)", gt=0)
     batch_size: int = f(32, "responses generated at once during the rollout", gt=0)
