@@ -111,6 +111,35 @@ def test_one_turn_environment_is_the_single_turn_step_bit_for_bit(chat_model, ta
         assert torch.equal(p, q), name
 
 
+def test_two_turn_episodes_take_the_samplers_old_policy_on_their_action_tokens(chat_model, task_dir, tmp_path,
+                                                                               monkeypatch):
+    """generation.old_logprobs=sampler on multi-turn episodes (hf): each turn's draw records its
+    tokens' log-probs, the environment's tokens get 0, and the old policy equals the
+    teacher-forced one over the whole episode (context attended) on every action token."""
+    import copy
+
+    from rlhflab.engine import scoring
+
+    monkeypatch.chdir(task_dir)
+    cfg, run = _run(chat_model, task_dir, tmp_path, "env.name=my_env:TwoTurns", "env.max_turns=2",
+                    "generation.old_logprobs=sampler")
+    examples = load_prompts(cfg.dataset, run.models.tokenizer, "train")[:4]
+    policy, tok = run.models.policy, run.models.tokenizer
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    with torch.no_grad():  # make the end of turn likely (tens of percent a token), so that second turns happen
+        enc = tok([e.prompt for e in examples], return_tensors="pt", padding=True, add_special_tokens=False)
+        m = policy.model.norm(policy(**enc, output_hidden_states=True).hidden_states[-1]).mean((0, 1))
+        policy.get_output_embeddings().weight[eot] = 4.5 * m / m.norm() ** 2
+    roll = ppo.collect_rollout(run, examples, Timer(), step=1)
+    assert roll.old_from_sampler and roll.response_attention_mask is not None
+    context = roll.response_attention_mask.bool() & ~roll.response_mask.bool()
+    assert context.any()  # the environment's "again" turn sits between the two replies
+    assert torch.all(roll.logprobs[context] == 0) and torch.all(roll.logprobs[roll.response_mask.bool()] < 0)
+    exact = scoring.score_rollout(run.models.actor, None, copy.copy(roll), temperature=cfg.generation.temperature,
+                                  micro_batch=4).logprobs
+    torch.testing.assert_close(roll.logprobs, exact, rtol=0, atol=2e-5)
+
+
 def _two_turn_episode(prompt, first, context, second) -> Episode:
     ep = Episode(prompt_ids=list(prompt))
     ep.ids = list(first) + list(context) + list(second)

@@ -168,6 +168,32 @@ def test_a_push_that_skips_one_tensor_stops_the_run_at_the_next_rollout(ppo_cfg,
 
 @needs_vllm
 @pytest.mark.slow
+def test_with_the_samplers_old_policy_a_broken_push_still_stops_the_run(ppo_cfg, tmp_path, monkeypatch):
+    """generation.old_logprobs=sampler: no pass recomputes the old policy, so the update's passes
+    before its first optimizer step measure the gap, and the canary trips on it the same way."""
+    from rlhflab.rollout import vllm as vllm_backend
+    from rlhflab.trainers.ppo import train
+
+    pushes = []
+    real = vllm_backend.policy_weights
+
+    def broken(model):
+        pushes.append(1)
+        for name, tensor in real(model):
+            if len(pushes) == 1 or name != "model.layers.0.mlp.down_proj.weight":
+                yield name, tensor
+
+    monkeypatch.setattr(vllm_backend, "policy_weights", broken)
+    with pytest.raises(UserError) as err:
+        train(_vllm_ppo(ppo_cfg, tmp_path, "generation.old_logprobs=sampler"), quiet=True)
+    assert str(err.value).startswith("step 2: generation.backend=vllm: the weight sync looks broken"), str(err.value)
+    gaps = _gaps(tmp_path / "run")
+    print("sampler's old policy, broken push: rollout/logprob_gap per step:", gaps)
+    assert len(gaps) == 2 and gaps[0] < 1e-5 and gaps[1] > 2e-3
+
+
+@needs_vllm
+@pytest.mark.slow
 def test_a_healthy_vllm_run_never_trips_the_canary(ppo_cfg, tmp_path):
     from rlhflab.trainers.ppo import train
 
