@@ -66,6 +66,9 @@ SIDES = {
     "rlhflab-critic": ("rlhflab (separate critic)", "fp32"),
     # the same with model.cpu_matmul=torch: PyTorch's own float32 matmul (MKL), as TRL runs
     "rlhflab-critic-torchmm": ("rlhflab (separate critic), torch mm", "fp32"),
+    # generation.old_logprobs=sampler: the old log-probs from the draw, no policy pass in scoring (as TRL)
+    "rlhflab-critic-samplerlp": ("rlhflab critic, sampler lp", "fp32"),
+    "rlhflab-critic-torchmm-samplerlp": ("rlhflab critic, torch mm, sampler lp", "fp32"),
     "trl": (f"trl {TRL_VERSION} (experimental.ppo)", "fp32"),
     "rlhflab-critic-bf16": ("rlhflab (separate critic) bf16", "bf16"),
     "trl-bf16": (f"trl {TRL_VERSION} bf16", "bf16"),
@@ -109,12 +112,13 @@ class RlhflabSide:
     """rlhflab's PPO step: `collect_rollout` (phases 1-4) then `ppo_update` (phase 5)."""
 
     def __init__(self, s: BenchSettings, critic: str = "value_head", precision: str = "fp32",
-                 cpu_matmul: str = "auto", attn: str | None = None):
+                 cpu_matmul: str = "auto", attn: str | None = None, old_logprobs: str = "recompute"):
         import torch  # noqa: F401  (imported before the memory baseline)
 
         from rlhflab.trainers import ppo  # noqa: F401
         self.s, self.critic, self.precision, self.cpu_matmul = s, critic, precision, cpu_matmul
         self.attn = attn  # model.attn_implementation (None: transformers' default)
+        self.old_logprobs = old_logprobs  # generation.old_logprobs
 
     def config(self):
         from rlhflab.trainers.ppo import PPORunConfig
@@ -129,6 +133,7 @@ class RlhflabSide:
         g = cfg.generation
         g.max_new_tokens = g.min_new_tokens = s.response_length
         g.temperature, g.top_k, g.top_p = s.temperature, 0, 1.0
+        g.old_logprobs = self.old_logprobs
         cfg.reward.missing_eos_penalty, cfg.reward.score_clip = None, None
         p = cfg.ppo
         p.rollout_samples = p.batch_size = p.mini_batch_size = s.episodes
@@ -432,7 +437,8 @@ def make_side(name: str, s: BenchSettings):
     if name.startswith("trl"):
         return TrlSide(s, precision)
     return RlhflabSide(s, "separate" if name.startswith("rlhflab-critic") else "value_head", precision,
-                       "torch" if name.endswith("-torchmm") else "auto", "eager" if name.endswith("-eager") else None)
+                       "torch" if "-torchmm" in name else "auto", "eager" if name.endswith("-eager") else None,
+                       "sampler" if name.endswith("-samplerlp") else "recompute")
 
 
 def worker(name: str, settings: dict, conn, tensor_memory: bool = True) -> None:
@@ -601,6 +607,8 @@ def final_line(summary: dict[str, dict]) -> str:
 # like-for-like (both with a separate critic), and the same in bfloat16 autocast.
 PAIRS = (("rlhflab", "trl", "value head vs TRL"), ("rlhflab-critic", "trl", "like for like (separate critics)"),
          ("rlhflab-critic-torchmm", "trl", "... and torch's matmul on both"),
+         ("rlhflab-critic-samplerlp", "trl", "like for like, old lp from the sampler (as TRL)"),
+         ("rlhflab-critic-torchmm-samplerlp", "trl", "... and torch's matmul on both"),
          ("rlhflab-critic-bf16", "trl-bf16", "like for like, bf16 autocast"),
          ("rlhflab-bf16", "trl-bf16", "value head vs TRL, bf16 autocast"))
 
@@ -612,13 +620,13 @@ def phase_flops(name: str, n: "_mfu.LinearParams", prompt_tokens: float, respons
     response tokens. forward: rlhflab's policy pass (old log-probs; with the value head, the
     values too) and the reference's, plus the critic's where there is one; TRL takes the
     old log-probs from the sampling logits, so it runs the reference's and its critic's
-    only. update: `epochs` x forward + backward of the policy, and of the critic where
+    only, as rlhflab does with `generation.old_logprobs=sampler` (the -samplerlp sides). update: `epochs` x forward + backward of the policy, and of the critic where
     there is one (TRL always has one)."""
     seq = prompt_tokens + response_tokens
     policy = _mfu.pass_flops(n, seq, response_tokens)
     critic = _mfu.pass_flops(_mfu.LinearParams(n.body, 0), seq, 0) \
         if name.startswith(("trl", "rlhflab-critic")) else 0.0
-    scoring = (1 if name.startswith("trl") else 2) * policy + critic
+    scoring = (1 if name.startswith("trl") or name.endswith("-samplerlp") else 2) * policy + critic
     return {"generate": policy, "forward": scoring, "update": epochs * 3 * (policy + critic)}
 
 

@@ -99,10 +99,12 @@ def test_torchmm_side_runs_torchs_own_matmul(bench, tiny_model, monkeypatch):
     monkeypatch.setattr(cpu, "_matmul", None)
     monkeypatch.setattr(matmul, "resolve", lambda mode, cpuinfo=None: "torch" if mode == "torch" else "onednn")
     s = bench.BenchSettings(model_dir=str(tiny_model), episodes=4, response_length=4, epochs=1)
-    for name, want in (("rlhflab-critic-torchmm", False), ("rlhflab-critic", True)):
+    for name, want in (("rlhflab-critic-torchmm", False), ("rlhflab-critic", True),
+                       ("rlhflab-critic-torchmm-samplerlp", False), ("rlhflab-critic-samplerlp", True)):
         side = bench.make_side(name, s)
         side.build()
         assert side.cfg.model.critic == "separate"
+        assert side.cfg.generation.old_logprobs == ("sampler" if name.endswith("-samplerlp") else "recompute")
         fast = [type(m) is matmul.FastLinear for m in side.models.actor.modules()]
         assert any(fast) == want, name
         side.release()
@@ -140,3 +142,19 @@ def test_trl_side_without_trl_says_how_to_install(bench, tmp_path, monkeypatch, 
     err = capsys.readouterr().err
     assert "pip install --no-deps --target" in err and "trl==1.12.0" in err
     assert "--sides rlhflab" in err
+
+
+def test_phase_flops_count_the_passes_each_side_runs(bench):
+    """By hand: N = 100 body + 10 head weights, 20 prompt + 5 response tokens, 4 epochs.
+    A policy pass 2 x (100 x 25 + 10 x 5) = 5,100; a critic pass (no head) 2 x 100 x 25 = 5,000.
+    Scoring: rlhflab's critic side runs policy + reference + critic (15,200); with the sampler's
+    old log-probs, reference + critic (10,100), TRL's passes; update 4 x 3 x (5,100 + 5,000)."""
+    import _mfu
+
+    n = _mfu.LinearParams(100, 10)
+    recompute = bench.phase_flops("rlhflab-critic", n, 20, 5, 4)
+    sampler = bench.phase_flops("rlhflab-critic-samplerlp", n, 20, 5, 4)
+    trl = bench.phase_flops("trl", n, 20, 5, 4)
+    assert recompute["forward"] == 15_200 and sampler["forward"] == trl["forward"] == 10_100
+    assert recompute["update"] == sampler["update"] == trl["update"] == 121_200
+    assert bench.phase_flops("rlhflab", n, 20, 5, 4)["forward"] == 10_200  # value head: policy + reference
