@@ -187,18 +187,11 @@ def test_ppo_recompute_is_still_the_default(ppo_cfg, monkeypatch):
 # --------------------------------------------------------------------------------------
 # GRPO with several optimizer steps, and the gap the canary reads
 # --------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return small_model(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def task_dir(tmp_path_factory):
-    return easy_task(tmp_path_factory)
-
-
-def _grpo(model_dir, task_dir, tmp_path, *overrides):
-    cfg = debug_config(GRPORunConfig, "grpo_debug.yaml", model_dir, task_dir, tmp_path / "run",
+def _grpo(tmp_path_factory, tmp_path, *overrides):
+    """A GRPO run on the shared small model and easy task (built once a session), 16 rows of
+    4 groups, 2 epochs of 2 minibatches, and one step's prompts."""
+    cfg = debug_config(GRPORunConfig, "grpo_debug.yaml", small_model(tmp_path_factory),
+                       easy_task(tmp_path_factory), tmp_path / "run",
                        "generation.max_new_tokens=6", "grpo.prompts_per_step=4", "grpo.group_size=4",
                        "grpo.mini_batch_size=8", "grpo.epochs=2", "grpo.kl_coeff=0", *overrides)
     torch.manual_seed(0)
@@ -212,9 +205,8 @@ def _grpo(model_dir, task_dir, tmp_path, *overrides):
     return cfg, run, load_prompts(cfg.dataset, run.models.tokenizer, "train")[:4]
 
 
-def test_grpo_epochs_ratio_starts_at_one_against_the_samplers_old_policy(model_dir, task_dir, tmp_path,
-                                                                         monkeypatch):
-    cfg, run, examples = _grpo(model_dir, task_dir, tmp_path, "generation.old_logprobs=sampler",
+def test_grpo_epochs_ratio_starts_at_one_against_the_samplers_old_policy(tmp_path_factory, tmp_path, monkeypatch):
+    cfg, run, examples = _grpo(tmp_path_factory, tmp_path, "generation.old_logprobs=sampler",
                                "grpo.gradient_accumulation_steps=1", "grpo.learning_rate=1e-2")
     assert cfg.grpo.optimizer_steps_per_rollout() == 4
     ratios = []
@@ -232,10 +224,10 @@ def test_grpo_epochs_ratio_starts_at_one_against_the_samplers_old_policy(model_d
     assert 0 <= metrics["rollout/logprob_gap"] < 1e-4
 
 
-def test_the_update_measures_the_samplers_gap_on_its_first_passes(model_dir, task_dir, tmp_path, monkeypatch):
+def test_the_update_measures_the_samplers_gap_on_its_first_passes(tmp_path_factory, tmp_path, monkeypatch):
     """Two epochs, accumulation 2: the first optimizer step's two minibatches cover every row on
     the sampling weights; a sampler off by a known delta shows as that delta."""
-    cfg, run, examples = _grpo(model_dir, task_dir, tmp_path, "generation.old_logprobs=sampler",
+    cfg, run, examples = _grpo(tmp_path_factory, tmp_path, "generation.old_logprobs=sampler",
                                "grpo.gradient_accumulation_steps=2")
     assert cfg.grpo.optimizer_steps_per_rollout() == 2
     seen = {}
