@@ -722,6 +722,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sequential", action="store_true",
                     help="run the sides one at a time instead of interleaved (on by itself for a model of "
                          f"more than {SEQUENTIAL_ABOVE // 10**6}M parameters)")
+    ap.add_argument("--interleaved", action="store_true",
+                    help="interleave the sides step by step even on a real model, every side's process alive at "
+                         "once (check they fit: SmolLM2's separate-critic side and TRL's take about 8 + 11 GiB); "
+                         "the machine's drift then falls on every side alike")
     ap.add_argument("--peak-sizes", nargs="+", type=int, default=[2048, 4096],
                     help="square float32 matmuls that measure the machine's peak for the MFU")
     ap.add_argument("--json", default=None, help="also write the raw timings and summary here")
@@ -768,7 +772,9 @@ def main(argv: list[str] | None = None) -> int:
             if precision == "fp32":
                 LABELS[name] = f"{label} bf16"
     n = _mfu.linear_params(settings.model_dir)
-    sequential = args.sequential or n.total > SEQUENTIAL_ABOVE or args.device == "cuda"
+    if args.interleaved and (args.sequential or args.device == "cuda"):
+        ap.error("--interleaved: not with --sequential or --device cuda (the sides would share the GPU)")
+    sequential = args.sequential or (n.total > SEQUENTIAL_ABOVE and not args.interleaved) or args.device == "cuda"
     prompt_tokens = count_prompt_tokens(settings)
     print(f"ppo_throughput: {', '.join(sides)}; {args.warmup} warm-up + {args.repeats} measured steps each"
           f"{', sides one at a time' if sequential else ''} ({_common.cpu_count()} CPUs visible)", file=sys.stderr)

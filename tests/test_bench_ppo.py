@@ -158,3 +158,20 @@ def test_phase_flops_count_the_passes_each_side_runs(bench):
     assert recompute["forward"] == 15_200 and sampler["forward"] == trl["forward"] == 10_100
     assert recompute["update"] == sampler["update"] == trl["update"] == 121_200
     assert bench.phase_flops("rlhflab", n, 20, 5, 4)["forward"] == 10_200  # value head: policy + reference
+
+
+def test_interleaved_steps_a_real_size_model_side_by_side(bench, tiny_model, tmp_path, monkeypatch):
+    """A model above SEQUENTIAL_ABOVE runs its sides one at a time; --interleaved keeps them
+    alive together and steps them in turn; with --sequential it is refused."""
+    monkeypatch.setattr(bench, "SEQUENTIAL_ABOVE", 0)  # the tiny model counts as a real one
+    small = ["--sides", "rlhflab,rlhflab-critic-samplerlp", "--repeats", "2", "--warmup", "0", "--episodes", "4",
+             "--response-length", "4", "--epochs", "1", "--threads", "1", "--peak-sizes", "256",
+             "--model-dir", str(tiny_model), "--no-tensor-memory"]
+    for extra, want in (([], True), (["--interleaved"], False)):
+        raw = tmp_path / f"raw{len(extra)}.json"
+        assert bench.main(small + extra + ["--json", str(raw)]) == 0
+        result = json.loads(raw.read_text())
+        assert result["sequential"] is want and len(result["steps"]["rlhflab-critic-samplerlp"]) == 2
+    with pytest.raises(SystemExit) as err:
+        bench.main(small + ["--interleaved", "--sequential"])
+    assert err.value.code == 2
