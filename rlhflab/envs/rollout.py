@@ -89,7 +89,7 @@ def hf_generate_ids(model, tokenizer, prompts: Sequence[Sequence[int]], *, max_n
                                    keys=None if keys is None else keys[s : s + batch_size], prompt_len=width,
                                    fast_draw=fast_draw, record=sample_logprobs))
         seqs = model.generate(input_ids=ids, attention_mask=am, **call_kw)[:, width:]
-        drawn = drawn_logprobs(call_kw, seqs.shape[1])
+        drawn = drawn_logprobs(call_kw)
         if drawn is None:
             out.extend(Generated(row.tolist()) for row in seqs.cpu())
         else:
@@ -160,7 +160,7 @@ class EpisodeBackend:
             return vllm_generate_ids(b.engine, prompts, keys=keys, **kw)
         keys = None if b.seed is None else _keys(b.seed, step, turn, row_offset, rows)
         return hf_generate_ids(b.policy, self.tokenizer, prompts, batch_size=b.batch_size, keys=keys,
-                               fast_draw=b.fast_draw, sample_logprobs=b.sample_logprobs and not greedy, **kw)
+                               fast_draw=b.fast_draw, sample_logprobs=b.sample_logprobs, **kw)
 
     def generate(self, prompts: Sequence[str], *, n: int = 1, examples: Sequence[dict] | None = None,
                  greedy: bool = False, max_new_tokens: int | None = None, step: int = 0, rank: int | None = None,

@@ -49,7 +49,7 @@ class InverseCDFDraw:
     prompt width of this generate call).
 
     `record`: keep the log-probability of each drawn token under softmax(scores), one (B,)
-    tensor per step (`taken`). `ban`: (end token ids, n): those ids are not drawn in the
+    tensor per step (`drawn_logprobs` stacks them). `ban`: (end token ids, n): those ids are not drawn in the
     first n positions (generate's min_new_tokens, applied after recording)."""
 
     def __init__(self, keys: torch.Tensor | None = None, prompt_len: int = 0, record: bool = False,
@@ -58,13 +58,6 @@ class InverseCDFDraw:
         self.prompt_len = prompt_len
         self.logprobs: list[torch.Tensor] | None = [] if record else None
         self.ban = ban
-
-    def taken(self, width: int) -> torch.Tensor:
-        """(B, width) recorded log-probs, step t in column t; zeros past the last step."""
-        lp = torch.stack(self.logprobs, 1)                                               # (B, steps)
-        if lp.shape[1] >= width:
-            return lp[:, :width]
-        return torch.nn.functional.pad(lp, (0, width - lp.shape[1]))
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         position = input_ids.shape[1] - self.prompt_len
@@ -105,14 +98,15 @@ def draw_kwargs(*, greedy: bool, temperature: float, top_k: int, top_p: float, k
                 logits_processor=LogitsProcessorList([*procs, InverseCDFDraw(keys, prompt_len, record, ban)]))
 
 
-def drawn_logprobs(call_kw: dict, width: int) -> torch.Tensor | None:
-    """The sampler's log-probs (B, width) of a `generate` call made with `draw_kwargs(...,
-    record=True)`; None when the call drew no samples (greedy) or recorded none."""
+def drawn_logprobs(call_kw: dict) -> torch.Tensor | None:
+    """The sampler's log-probs (B, steps) of a `generate` call made with `draw_kwargs(...,
+    record=True)`, step t in column t (as the generated tokens); None when the call drew
+    no samples (greedy) or recorded none."""
     procs = call_kw.get("logits_processor") or []
     draw = procs[-1] if procs and isinstance(procs[-1], InverseCDFDraw) else None
     if draw is None or draw.logprobs is None:
         return None
-    return draw.taken(width)
+    return torch.stack(draw.logprobs, 1)
 
 
 LOCKSTEP_ATTR = "_rlhflab_lockstep"  # set on every submodule by engine.dist.mark_lockstep
@@ -195,7 +189,7 @@ def generate(model, tokenizer, prompts: Sequence[str], *, n: int = 1, max_new_to
         rows = examples[start : start + per_call]
         part = finish_rollout(out, ids_n, am_n, tokenizer, eos, [p for p in chunk for _ in range(n)],
                               [e for e in rows for _ in range(n)])
-        drawn = drawn_logprobs(call_kw, part.response_ids.shape[1])
+        drawn = drawn_logprobs(call_kw)  # (G·n, T): one column per generated token
         if drawn is not None:
             part.sample_logprobs = drawn * part.response_mask
         parts.append(part)
@@ -232,7 +226,7 @@ class HFBackend:
                         max_prompt_length=self.max_prompt_length, batch_size=batch_size or self.batch_size,
                         examples=examples, share_prompt=share_prompt, seed=self.seed, step=step,
                         row_offset=self.rank * len(prompts) * n, fast_draw=self.fast_draw,
-                        sample_logprobs=self.sample_logprobs and not greedy)
+                        sample_logprobs=self.sample_logprobs)
 
     def sync(self, policy, updates: int = 1) -> None:
         return None
