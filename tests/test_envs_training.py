@@ -22,6 +22,7 @@ from rlhflab.trainers import ppo
 from rlhflab.trainers.common import Timer
 from rlhflab.trainers.loop import build_run, outcome_scores
 
+from model_helpers import favour_token
 from test_grpo_helpers import ROOT, debug_config, easy_task
 from test_vllm_backend import HAVE_VLLM, needs_vllm
 
@@ -124,12 +125,8 @@ def test_two_turn_episodes_take_the_samplers_old_policy_on_their_action_tokens(c
     cfg, run = _run(chat_model, task_dir, tmp_path, "env.name=my_env:TwoTurns", "env.max_turns=2",
                     "generation.old_logprobs=sampler")
     examples = load_prompts(cfg.dataset, run.models.tokenizer, "train")[:4]
-    policy, tok = run.models.policy, run.models.tokenizer
-    eot = tok.convert_tokens_to_ids("<|im_end|>")
-    with torch.no_grad():  # make the end of turn likely (tens of percent a token), so that second turns happen
-        enc = tok([e.prompt for e in examples], return_tensors="pt", padding=True, add_special_tokens=False)
-        m = policy.model.norm(policy(**enc, output_hidden_states=True).hidden_states[-1]).mean((0, 1))
-        policy.get_output_embeddings().weight[eot] = 4.5 * m / m.norm() ** 2
+    tok = run.models.tokenizer  # the end of turn made likely, so that second turns happen
+    favour_token(run.models.policy, tok, [e.prompt for e in examples], tok.convert_tokens_to_ids("<|im_end|>"), 4.5)
     roll = ppo.collect_rollout(run, examples, Timer(), step=1)
     assert roll.old_from_sampler and roll.response_attention_mask is not None
     context = roll.response_attention_mask.bool() & ~roll.response_mask.bool()

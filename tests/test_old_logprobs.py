@@ -25,22 +25,12 @@ from rlhflab.trainers.grpo import GRPORunConfig, grpo_step
 from rlhflab.trainers.loop import build_run, rollout_metrics
 from rlhflab.trainers.ppo import PPOMath
 
+from model_helpers import favour_token
 from test_grpo_helpers import ROOT, debug_config, easy_task, small_model
 
 EOS = 0  # the tiny tokenizer's <|endoftext|>
 PROMPTS = ["Question: Ada has 3 pens and gets 4 more. How many pens?\nAnswer:", "Question: 1 + 2?\nAnswer:",
            "Question: What is 12 minus 5?\nAnswer:"]
-
-
-def _eos_prone(model, tok):
-    """Point EOS's output row along the model's mean last hidden state (after the final norm),
-    so that EOS has a few percent of the mass and responses end at different lengths."""
-    enc = tok(PROMPTS, return_tensors="pt", padding=True, add_special_tokens=False)
-    with torch.no_grad():
-        h = model(**enc, output_hidden_states=True).hidden_states[-1]
-        m = model.model.norm(h).mean((0, 1))
-        model.get_output_embeddings().weight[EOS] = 3.0 * m / m.norm() ** 2
-    return model
 
 
 def _recomputed(model, roll, temperature):
@@ -54,7 +44,7 @@ def test_the_hf_draw_records_the_log_probs_the_update_would_recompute(tiny_model
     torch.manual_seed(0)
     model, tok = load_model(str(tiny_model_dir))
     disable_dropout(model)
-    _eos_prone(model, tok)
+    favour_token(model, tok, PROMPTS, EOS, 3.0)  # some responses end early, others do not
     torch.manual_seed(1)
     roll = generate(model, tok, PROMPTS, n=n, max_new_tokens=10, temperature=temperature, seed=seed,
                     batch_size=4, sample_logprobs=True)  # batch 4: several generate calls, collated
@@ -74,7 +64,7 @@ def test_with_min_new_tokens_the_log_probs_are_the_policys_not_the_banned_ones(t
     torch.manual_seed(0)
     model, tok = load_model(str(tiny_model_dir))
     disable_dropout(model)
-    _eos_prone(model, tok)
+    favour_token(model, tok, PROMPTS, EOS, 3.0)  # some responses end early, others do not
     torch.manual_seed(3)
     roll = generate(model, tok, PROMPTS, n=4, max_new_tokens=10, min_new_tokens=5, temperature=0.9,
                     sample_logprobs=True)
