@@ -100,6 +100,36 @@ def test_values_and_gradients_equal_the_unchunked_path(dtype, chunk_size, temper
         torch.testing.assert_close(x, y, rtol=10 * tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("chunk_size", [1, 5, 1000])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("with_entropy", [False, True])  # True: computed for logging, not in the loss
+def test_a_loss_on_the_logprobs_alone_has_the_unchunked_gradients(dtype, chunk_size, temperature, with_entropy):
+    # The backward without an entropy gradient: softmax in place, the row weights -g / T on
+    # the (c, H) side of each product. Checked against autograd through the full logits.
+    hidden, weight, bias, targets = _inputs(dtype=dtype, seed=3)
+    a = torch.randn(targets.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64).to(dtype)
+    out = chunked_logprobs(hidden, weight, bias, targets, temperature, chunk_size, with_entropy=with_entropy)
+    ref_lp, ref_h = _reference(hidden, weight, bias, targets, temperature)
+    tol = 1e-6 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(out.logprobs, ref_lp, rtol=tol, atol=tol)
+    if with_entropy:
+        torch.testing.assert_close(out.entropy, ref_h, rtol=tol, atol=tol)
+    got = _grads((a * out.logprobs).sum(), (hidden, weight, bias))
+    want = _grads((a * ref_lp).sum(), (hidden, weight, bias))
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=10 * tol, atol=tol)
+
+
+def test_gradcheck_float64_logprobs_alone():
+    hidden, weight, bias, targets = _inputs(b=2, t=3, h=4, v=7, dtype=torch.float64)
+
+    def fn(h, w, b):
+        return chunked_logprobs(h, w, b, targets, temperature=0.8, chunk_size=4).logprobs
+
+    assert torch.autograd.gradcheck(fn, (hidden, weight, bias))
+
+
 def test_gradcheck_float64_logprobs_and_entropy():
     hidden, weight, bias, targets = _inputs(b=2, t=3, h=4, v=7, dtype=torch.float64)
 

@@ -84,13 +84,25 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
             z = _chunk_logits(hidden[s:e].to(dtype), w, b, temperature, onednn)  # (c, V)
-            lz = torch.logsumexp(z, dim=-1)                                  # (c,)
-            log_z[s:e] = lz
-            logprobs[s:e] = z.gather(-1, targets[s:e, None]).squeeze(-1) - lz
+            m = z.amax(-1)                                                   # (c,)
+            d = z.sub_(m[:, None])                                           # (c, V) z - m <= 0, in z's storage
+            picked = d.gather(-1, targets[s:e, None]).squeeze(-1)            # (c,) z_y - m
             if with_entropy:
-                logp = z.sub_(lz[:, None])                                   # (c, V) log p, in z's storage
-                # H = -sum p log p: every term >= 0, no cancellation of two large sums
-                entropy[s:e] = -logp.exp().mul_(logp).sum(-1)
+                ex = d.exp()                                                 # (c, V) exp(z - m)
+                sum_ex = ex.sum(-1)                                          # (c,)  S
+                # sum_v exp(z_v - m) (z_v - m), one row-wise dot product per row
+                dot = torch.bmm(ex.unsqueeze(1), d.unsqueeze(2)).view(-1)    # (c,)
+            else:
+                sum_ex = d.exp_().sum(-1)                                    # d is not needed again
+            log_s = sum_ex.log()                                             # (c,) log S, >= 0
+            log_z[s:e] = m + log_s                                           # logsumexp(z)
+            logprobs[s:e] = picked - log_s                                   # z_y - logsumexp(z)
+            if with_entropy:
+                # H = -sum p log p = log S + sum_v p_v (m - z_v): two terms >= 0, so no
+                # cancellation of two large sums
+                entropy[s:e] = log_s - dot / sum_ex
+                del ex
+            del z, d  # before the next chunk's logits exist: one chunk alive between chunks
         ctx.save_for_backward(hidden, weight, bias, targets, log_z, entropy)
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
         ctx.onednn = onednn
@@ -124,17 +136,28 @@ class _ChunkedLogprobs(torch.autograd.Function):
             e = min(s + ctx.chunk_size, n)
             h = hidden[s:e].to(dtype)                                        # (c, H)
             logp = _chunk_logits(h, w, b, tau, ctx.onednn).sub_(log_z[s:e, None])  # (c, V) log p
+            if g_entropy is None:
+                # g_z = g (onehot(y) - p) / tau: the row scale -g / tau goes on the (c, H) side of
+                # each product, so the (c, V) work is the softmax in place and one entry a row.
+                q = logp.exp_()                                              # (c, V) p, in logp's storage
+                rows = torch.arange(e - s, device=q.device)
+                q[rows, targets[s:e]] -= 1                                   # p - onehot(y)
+                scale = g_logprobs[s:e, None].mul(-1.0 / tau)                # (c, 1)
+                if need_h:
+                    grad_h[s:e] = mm(q, w, onednn=ctx.onednn).mul_(scale).to(hidden.dtype)
+                if need_w:
+                    grad_w.addmm_(q.t(), h * scale)                          # in place, as below
+                if need_b:
+                    grad_b += (scale.t() @ q).view(-1)                       # (1, c) x (c, V)
+                del logp, q
+                continue
             p = logp.exp()                                                   # (c, V) softmax
-            if g_entropy is not None:
-                # dH/dz = -p (z - E_p[z]) = -p (log p + H); built in log p's storage.
-                g_z = logp.add_(entropy[s:e, None]).mul_(p).mul_(-g_entropy[s:e, None])
-                if g_logprobs is not None:
-                    g_z.sub_(p.mul_(g_logprobs[s:e, None]))                  # - g p
-            else:
-                g_z = p.mul_(-g_logprobs[s:e, None])                         # - g p
-            if g_logprobs is not None:                                       # + g onehot(y)
+            # dH/dz = -p (z - E_p[z]) = -p (log p + H); built in log p's storage.
+            g_z = logp.add_(entropy[s:e, None]).mul_(p).mul_(-g_entropy[s:e, None])
+            if g_logprobs is not None:
+                g_z.sub_(p.mul_(g_logprobs[s:e, None]))                      # - g p
                 rows = torch.arange(e - s, device=g_z.device)
-                g_z[rows, targets[s:e]] += g_logprobs[s:e]
+                g_z[rows, targets[s:e]] += g_logprobs[s:e]                   # + g onehot(y)
             if tau != 1.0:
                 g_z.div_(tau)                                                # d/dlogits
             if need_h:
