@@ -9,8 +9,10 @@ The tricks of the CPU seam (rlhflab/cpu/), each as side A (on) and side B (off):
     lean_norm       model.lean_norm=true (the hand-written RMSNorm)  vs  false (the model's own)
     critic_overlap  model.critic_overlap=true (the separate critic's pass in a second
                     thread)  vs  false (one pass after the other); the separate-critic config only
-    mallopt         glibc's mmap threshold pinned at 4 MiB (`rlhflab.cpu.map_large_allocations`,
-                    always on for a CPU run)  vs  glibc's default (the call skipped)
+    mallopt         model.cpu_allocator=release: glibc's mmap threshold pinned at 4 MiB
+                    (`rlhflab.cpu.map_large_allocations`)  vs  glibc's default (the call skipped)
+    cpu_allocator   model.cpu_allocator=reuse (freed blocks below 256 MiB kept in glibc's heap
+                    for the next allocation, `rlhflab.cpu.reuse_freed_blocks`)  vs  =release
     fast_draw       generation.fast_draw=true (sampled tokens drawn by inverse transform,
                     ops/sampling.py)  vs  false (generate's torch.multinomial); both sides
                     generate with the hf backend (the shipped PPO and GRPO configs use vLLM)
@@ -67,7 +69,8 @@ TRICKS = {
     "cpu_matmul": (["model.cpu_matmul=onednn"], ["model.cpu_matmul=torch"], ("ppo", "grpo")),
     "lean_norm": (["model.lean_norm=true"], ["model.lean_norm=false"], ("ppo", "grpo")),
     "critic_overlap": (["model.critic_overlap=true"], ["model.critic_overlap=false"], ("ppo_critic",)),
-    "mallopt": ([], ["+no-mallopt"], ("grpo",)),
+    "mallopt": (["model.cpu_allocator=release"], ["model.cpu_allocator=release", "+no-mallopt"], ("grpo",)),
+    "cpu_allocator": (["model.cpu_allocator=reuse"], ["model.cpu_allocator=release"], ("ppo", "ppo_critic", "grpo")),
     "fast_draw": (["generation.fast_draw=true", "generation.backend=hf"],
                   ["generation.fast_draw=false", "generation.backend=hf"], ("ppo", "grpo")),
 }

@@ -110,6 +110,8 @@ def config(model_dir: Path, variant: str, a) -> object:
     m = cfg.model
     m.name_or_path, m.torch_dtype, m.critic = str(model_dir), "float32", "value_head"
     m.gradient_checkpointing = a.gradient_checkpointing
+    if a.cpu_allocator:
+        m.cpu_allocator = a.cpu_allocator
     m.reference = "lora_disabled" if variant == "lora" else "copy"
     cfg.lora.enabled = variant == "lora"
     cfg.dataset.max_prompt_length = a.prompt_len
@@ -298,6 +300,7 @@ def run_worker(variant: str, a) -> dict:
     cmd = [sys.executable, __file__, "--worker", variant, "--model-dir", str(a.model_dir), "--threads", str(a.threads),
            "--episodes", str(a.episodes), "--prompt-len", str(a.prompt_len), "--response-len", str(a.response_len),
            "--epochs", str(a.epochs), "--mixed-precision", a.mixed_precision]
+    cmd += ["--cpu-allocator", a.cpu_allocator] if a.cpu_allocator else []
     cmd += [] if a.second_update else ["--no-second-update"]
     cmd += [] if a.gradient_checkpointing else ["--no-gradient-checkpointing"]
     cmd += [] if a.logits_meter else ["--no-logits-meter"]
@@ -363,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip the second optimizer step on the same rollout (default: taken, and in the peak)")
     ap.add_argument("--no-logits-meter", dest="logits_meter", action="store_false",
                     help="skip the exact count of vocabulary-sized tensors (it adds a Python call per op)")
+    ap.add_argument("--cpu-allocator", choices=["reuse", "release"], default=None,
+                    help="model.cpu_allocator (default: the config's default)")
     ap.add_argument("--model-dir", default=str(MODEL_DIR), help="built there when missing")
     ap.add_argument("--min-free-gib", type=float, default=13.0,
                     help="refuse to start with less MemAvailable than this (full fine-tuning needs ~12 GiB)")

@@ -67,6 +67,18 @@ def test_a_cuda_device_swaps_no_module_and_starts_no_thread(monkeypatch):
     assert actor.critic_overlap is False                         # the critic's pass stays in this thread
     assert overlap._worker is None                               # no worker thread was made
     assert not cpu.map_large_allocations(CUDA)
+    assert not cpu.reuse_freed_blocks(CUDA)
+
+
+@pytest.mark.parametrize("allocator", ["release", "reuse"])
+def test_the_allocator_setting_is_made_on_a_cpu_run_only(monkeypatch, allocator):
+    calls = []
+    monkeypatch.setattr(cpu, "map_large_allocations", lambda device: calls.append(("release", device.type)))
+    monkeypatch.setattr(cpu, "reuse_freed_blocks", lambda device: calls.append(("reuse", device.type)))
+    cpu.setup_process(CUDA, model_cfg(cpu_allocator=allocator))
+    assert calls == []                                           # a GPU run leaves glibc as it is
+    cpu.setup_process(CPU, model_cfg(cpu_allocator=allocator))
+    assert calls == [(allocator, "cpu")]
 
 
 def test_a_cpu_device_applies_the_tricks_as_configured():

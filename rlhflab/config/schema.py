@@ -78,6 +78,11 @@ class ModelConfig:
                 "AVX-512, where MKL runs half-width kernels (a third off a real model's step on an AMD EPYC), "
                 "and torch elsewhere (its MKL, what every PyTorch program runs; oneDNN was slower on an Intel "
                 "Xeon); onednn or torch force one (docs/cpu_matmul.md)")
+    cpu_allocator: Literal["reuse", "release"] = f(
+        "release", "how glibc's malloc treats freed blocks on a CPU run: release hands every block of 4 MiB or more "
+                   "back to the system when freed (the least resident memory; a page fault per fresh page); reuse "
+                   "keeps blocks below 256 MiB for the next allocation (fewer page faults, more memory kept "
+                   "resident) (docs/cpu_matmul.md; rlhflab/cpu)")
     critic: Literal["value_head", "separate"] = f(
         "value_head", "value_head: one head on the shared base; separate: a critic model of its own")
     critic_name_or_path: Optional[str] = f(None, "base of a separate critic; null means the policy's base")

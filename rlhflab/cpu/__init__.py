@@ -4,9 +4,11 @@ by the run context (`rlhflab.run`) when the training device is a CPU and never o
     setup_process(device, model_cfg)   once per process, before the models load:
         - the float32 linear library (`model.cpu_matmul`: oneDNN or torch's own;
           rlhflab/models/cpu_matmul.py, docs/cpu_matmul.md)
-        - glibc hands freed blocks of 4 MiB or more back to the system (`mallopt`,
-          `map_large_allocations`: 1.15 GiB less resident at a Qwen2.5-0.5B-sized PPO step,
-          bench/real_scale.py)
+        - how glibc's malloc treats freed blocks (`model.cpu_allocator`): `reuse` keeps
+          those below 256 MiB for the next allocation (`reuse_freed_blocks`: no fresh
+          pages to fault in after the first step), `release` hands every block of 4 MiB
+          or more back to the system when freed (`map_large_allocations`: the least
+          resident memory, a page fault per fresh page; bench/real_scale.py)
     apply(module, model_cfg, device)   on each model a run trains or scores with:
         - `nn.Linear` layers switched to `FastLinear` when oneDNN was chosen
         - RMSNorms switched to the lean `RMSNormFn` (`model.lean_norm`; trained models only)
@@ -31,8 +33,10 @@ CPU trick on a real model"). By that rule oneDNN linears are on where they pay: 
 `model.cpu_matmul: auto` picks them on non-Intel CPUs with AVX-512 (a third off a step on an
 AMD EPYC) and torch's MKL on Intel's (where oneDNN was slower); the lean RMSNorm
 (`model.lean_norm: true`), the critic's worker thread (`model.critic_overlap: true`) and the
-inverse-CDF draw (`generation.fast_draw: true`) are opt-in; and `mallopt` stays on for every
-CPU run (it changes no number a run computes, and saves memory at larger models' sizes).
+inverse-CDF draw (`generation.fast_draw: true`) are opt-in; and `model.cpu_allocator` stays
+`release` (it changes no number a run computes, and keeps 10% of the memory at
+Qwen2.5-0.5B's size resident no longer), with `reuse` opt-in (5-6% off SmolLM2's PPO steps,
+13-16% where a step's buffers are larger; docs/cpu_matmul.md).
 
 Standard library only at import time: the CLI imports `apply_default_wait` before torch.
 """
@@ -43,8 +47,10 @@ from typing import NamedTuple
 
 from rlhflab.openmp import apply_default_wait, default_wait, describe  # noqa: F401  (re-exported)
 
-MMAP_THRESHOLD_BYTES = 4 << 20   # blocks this large get their own mapping, unmapped when freed
-_M_MMAP_THRESHOLD = -3           # mallopt's parameter number (<malloc.h>)
+MMAP_THRESHOLD_BYTES = 4 << 20   # release: blocks this large get their own mapping, unmapped when freed
+REUSE_BELOW_BYTES = 256 << 20    # reuse: blocks below this come from the heap; freed, they stay for reuse
+_M_TRIM_THRESHOLD = -1           # mallopt's parameter numbers (<malloc.h>)
+_M_MMAP_THRESHOLD = -3
 
 # The float32 linear library this process chose ("onednn" or "torch"; None: not chosen yet).
 # The one process-wide matmul setting: ops/ has none, and the models' FastLinear layers
@@ -78,7 +84,10 @@ def setup_process(device, model_cfg=None) -> str:
         mode = set_matmul(getattr(model_cfg, "cpu_matmul", "torch"))
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    map_large_allocations(device)
+    if getattr(model_cfg, "cpu_allocator", "release") == "reuse":
+        reuse_freed_blocks(device)
+    else:
+        map_large_allocations(device)
     return mode
 
 
@@ -165,3 +174,29 @@ def map_large_allocations(device=None, threshold: int = MMAP_THRESHOLD_BYTES) ->
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return mallopt(_M_MMAP_THRESHOLD, threshold) == 1
+
+
+def reuse_freed_blocks(device=None, limit: int = REUSE_BELOW_BYTES) -> bool:
+    """Have glibc serve every allocation below `limit` bytes from its heap and keep freed
+    space there for the next allocation (up to `limit` bytes of it at the heap's top before
+    it trims); True when set (glibc only, else a no-op; a device other than the CPU: a
+    no-op).
+
+    A training step allocates and frees the same activations and gradients over and over
+    (on SmolLM2: 8 MiB MLP products, 64 MiB chunks of logits, the 108 MiB embedding
+    gradient). Mapped on their own (`map_large_allocations`) each comes back as fresh
+    pages, one page fault per 4 KiB; here they reuse pages the process already has. The
+    cost is memory that fragmentation keeps resident (blocks of 256 MiB and more, the
+    largest gradients of bigger models, are still mapped and given back at once).
+    Process-wide; the last call wins.
+    """
+    if device is not None and not on_cpu(device):
+        return False
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError, TypeError):  # not glibc (macOS, Windows)
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt(_M_MMAP_THRESHOLD, limit) == 1 and mallopt(_M_TRIM_THRESHOLD, limit) == 1
