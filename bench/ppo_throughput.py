@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -103,6 +104,7 @@ class BenchSettings:
     seed: int = 0
     device: str = "cpu"         # cpu or cuda (--device)
     mixed_precision: str = "no"  # bf16: every float32 side in bfloat16 autocast (--mixed-precision)
+    cpu_allocator: str | None = None  # rlhflab's model.cpu_allocator (--cpu-allocator; None: its default)
 
 
 # --------------------------------------------------------------------------------------
@@ -128,6 +130,8 @@ class RlhflabSide:
         cfg.model.torch_dtype = "bfloat16" if self.precision == "bf16-weights" else "float32"
         cfg.model.gradient_checkpointing, cfg.model.critic, cfg.model.reference = False, self.critic, "copy"
         cfg.model.cpu_matmul, cfg.model.attn_implementation = self.cpu_matmul, self.attn
+        if s.cpu_allocator:
+            cfg.model.cpu_allocator = s.cpu_allocator
         cfg.lora.enabled = False
         cfg.dataset.max_prompt_length = 128
         g = cfg.generation
@@ -479,9 +483,13 @@ def worker(name: str, settings: dict, conn, tensor_memory: bool = True) -> None:
         while True:
             cmd = conn.recv()
             if cmd == "step":
-                c0 = time.process_time()
+                c0, r0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
                 out = side.step()
+                r1 = resource.getrusage(resource.RUSAGE_SELF)
                 out["cpu"] = time.process_time() - c0
+                # the kernel's share: system CPU time and minor page faults (fresh pages of freed and
+                # re-allocated buffers; model.cpu_allocator, docs/cpu_matmul.md)
+                out["sys"], out["faults"] = r1.ru_stime - r0.ru_stime, r1.ru_minflt - r0.ru_minflt
                 conn.send(("step", out))
             elif cmd == "finish":
                 peak = _common.peak_rss_mb()  # read before the profiled step below adds its own
@@ -584,6 +592,8 @@ def summarize(result: dict) -> dict[str, dict]:
             "step_s": med, "eps_per_s": steps[0]["episodes"] / med if med else float("nan"),
             "cpu_s": cpu, "eps_per_cpu_s": steps[0]["episodes"] / cpu if cpu else float("nan"),
             "spread": _common.spread(total), "phases_s": phases,
+            "sys_s": _common.median([st.get("sys", float("nan")) for st in steps]),
+            "faults": _common.median([st.get("faults", float("nan")) for st in steps]),
             "tokens_per_s": {k: tokens / v if v > 0 else float("nan") for k, v in phases.items() if k != "other"},
             "tokens": tokens, **result["memory"][name]}
     return out
@@ -658,7 +668,8 @@ def format_report(result: dict, summary: dict[str, dict]) -> str:
         f"PPO step: {s['episodes']} episodes x {s['response_length']} new tokens, {s['epochs']} epochs of "
         f"one {s['episodes']}-episode minibatch, KL {s['kl_coeff']} in the reward (k1, frozen-copy reference), "
         f"lr {s['learning_rate']:g}, no grad clipping, float32 weights (bf16 rows: bfloat16 autocast), "
-        f"{where}; model {s['model_dir']}",
+        f"{where}; model {s['model_dir']}"
+        + (f"; rlhflab's model.cpu_allocator={s['cpu_allocator']}" if s.get("cpu_allocator") else ""),
         f"medians of {result['repeats']} steps per side after {result['warmup']} warm-up steps, sides "
         + ("run one after the other (--sequential)" if result.get("sequential") else "interleaved step by step"),
         "",
@@ -677,6 +688,10 @@ def format_report(result: dict, summary: dict[str, dict]) -> str:
             tps = m["tokens_per_s"].get(k)
             cells.append(f"{m['phases_s'][k]:>6.3f}" + (f" ({tps:>7.0f})" if tps is not None else " " * 10))
         lines.append(f"{LABELS[name]:<34} " + " ".join(cells))
+    lines += ["", "the kernel's share of a step: median system CPU seconds and minor page faults"]
+    for name, m in summary.items():
+        lines.append(f"{LABELS[name]:<34} sys {m['sys_s']:>6.2f} s, {m['faults'] / 1e6:>5.2f} M page faults "
+                     f"(of {m['cpu_s']:.1f} CPU s)")
     lines += [
         "",
         "eps/s     episodes per second: episodes / median wall seconds of a step",
@@ -737,6 +752,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mixed-precision", choices=["no", "bf16"], default="no",
                     help="bf16: every float32 side in bfloat16 autocast with float32 weights "
                          "(rlhflab's training.mixed_precision=bf16, TRL's bf16=True)")
+    ap.add_argument("--cpu-allocator", choices=["reuse", "release"], default=None,
+                    help="rlhflab's model.cpu_allocator on every rlhflab side (default: the config's default)")
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="the peak FLOP/s (in TFLOP/s) the MFU divides by; default: measured here (on CUDA: "
                          "square matmuls of --peak-sizes in bfloat16 under --mixed-precision bf16, else float32)")
@@ -762,7 +779,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = BenchSettings(model_dir=str(_common.ensure_tiny_model(args.model_dir)),
                              episodes=args.episodes, response_length=args.response_length,
                              epochs=args.epochs, threads=args.threads, device=args.device,
-                             mixed_precision=args.mixed_precision)
+                             mixed_precision=args.mixed_precision, cpu_allocator=args.cpu_allocator)
     if args.device == "cuda":
         import torch
         if not torch.cuda.is_available():

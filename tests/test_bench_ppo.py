@@ -110,6 +110,16 @@ def test_torchmm_side_runs_torchs_own_matmul(bench, tiny_model, monkeypatch):
         side.release()
 
 
+def test_cpu_allocator_flag_reaches_every_rlhflab_side(bench, tiny_model):
+    default = bench.make_side("rlhflab-critic", bench.BenchSettings(model_dir=str(tiny_model))).config()
+    for allocator in ("reuse", "release"):
+        s = bench.BenchSettings(model_dir=str(tiny_model), cpu_allocator=allocator)
+        for name in ("rlhflab", "rlhflab-critic-samplerlp"):
+            assert bench.make_side(name, s).config().model.cpu_allocator == allocator
+    from rlhflab.config.schema import ModelConfig
+    assert default.model.cpu_allocator == ModelConfig().cpu_allocator  # no flag: the config's default
+
+
 def test_rule_reward_module_answers_trls_reward_protocol(bench, tiny_model):
     """Called the way a reward model is read (backbone by prefix, `score`, value at the
     last real token), the wrapper returns the GSM8K rule's score of each response."""
