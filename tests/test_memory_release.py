@@ -39,10 +39,15 @@ print(rss_mib() - before)
 """
 
 
-def retained_mib(mode: str) -> float:
+def last_number(script: str, mode: str) -> float:
+    """The last line `script` prints, run in a fresh process with `mode` as its argument."""
     env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, env=env, check=True)
+    out = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, env=env, check=True)
     return float(out.stdout.strip().splitlines()[-1])
+
+
+def retained_mib(mode: str) -> float:
+    return last_number(SCRIPT, mode)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc and /proc")
@@ -75,9 +80,7 @@ print(faults() - before)
 
 
 def page_faults(mode: str) -> int:
-    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-c", FAULTS, mode], capture_output=True, text=True, env=env, check=True)
-    return int(out.stdout.strip().splitlines()[-1])
+    return int(last_number(FAULTS, mode))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc and getrusage's page-fault count")

@@ -36,7 +36,8 @@ AMD EPYC) and torch's MKL on Intel's (where oneDNN was slower); the lean RMSNorm
 inverse-CDF draw (`generation.fast_draw: true`) are opt-in; and `model.cpu_allocator` stays
 `release` (it changes no number a run computes, and keeps 10% of the memory at
 Qwen2.5-0.5B's size resident no longer), with `reuse` opt-in (5-6% off SmolLM2's PPO steps,
-13-16% where a step's buffers are larger; docs/cpu_matmul.md).
+14% off bench/ppo_throughput.py's and 22-25% off a 0.5B step, for more resident memory;
+docs/cpu_matmul.md).
 
 Standard library only at import time: the CLI imports `apply_default_wait` before torch.
 """
@@ -164,16 +165,7 @@ def map_large_allocations(device=None, threshold: int = MMAP_THRESHOLD_BYTES) ->
     fault per fresh page of such blocks (about 3% more CPU time over that step).
     Process-wide; calling it again is harmless.
     """
-    if device is not None and not on_cpu(device):
-        return False
-    import ctypes
-
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError, TypeError):  # not glibc (macOS, Windows)
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return mallopt(_M_MMAP_THRESHOLD, threshold) == 1
+    return _mallopt(device, {_M_MMAP_THRESHOLD: threshold})
 
 
 def reuse_freed_blocks(device=None, limit: int = REUSE_BELOW_BYTES) -> bool:
@@ -190,13 +182,19 @@ def reuse_freed_blocks(device=None, limit: int = REUSE_BELOW_BYTES) -> bool:
     largest gradients of bigger models, are still mapped and given back at once).
     Process-wide; the last call wins.
     """
+    return _mallopt(device, {_M_MMAP_THRESHOLD: limit, _M_TRIM_THRESHOLD: limit})
+
+
+def _mallopt(device, settings: dict[int, int]) -> bool:
+    """glibc's `mallopt(param, value)` for each setting; True when every one was taken.
+    A device other than the CPU, or no glibc (macOS, Windows): nothing, False."""
     if device is not None and not on_cpu(device):
         return False
     import ctypes
 
     try:
         mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError, TypeError):  # not glibc (macOS, Windows)
+    except (OSError, AttributeError, TypeError):  # not glibc
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return mallopt(_M_MMAP_THRESHOLD, limit) == 1 and mallopt(_M_TRIM_THRESHOLD, limit) == 1
+    return all(mallopt(param, value) == 1 for param, value in settings.items())
