@@ -180,7 +180,8 @@ def reuse_freed_blocks(device=None, limit: int = REUSE_BELOW_BYTES) -> bool:
     pages, one page fault per 4 KiB; here they reuse pages the process already has. The
     cost is memory that fragmentation keeps resident (blocks of 256 MiB and more, the
     largest gradients of bigger models, are still mapped and given back at once).
-    Process-wide; the last call wins.
+    Process-wide (a later `map_large_allocations` pins the mmap threshold again and leaves
+    the trim threshold as this set it).
     """
     return _mallopt(device, {_M_MMAP_THRESHOLD: limit, _M_TRIM_THRESHOLD: limit})
 
