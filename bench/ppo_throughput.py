@@ -630,8 +630,9 @@ def phase_flops(name: str, n: "_mfu.LinearParams", prompt_tokens: float, respons
     response tokens. forward: rlhflab's policy pass (old log-probs; with the value head, the
     values too) and the reference's, plus the critic's where there is one; TRL takes the
     old log-probs from the sampling logits, so it runs the reference's and its critic's
-    only, as rlhflab does with `generation.old_logprobs=sampler` (the -samplerlp sides). update: `epochs` x forward + backward of the policy, and of the critic where
-    there is one (TRL always has one)."""
+    only, as rlhflab does with `generation.old_logprobs=sampler` (the -samplerlp sides).
+    update: `epochs` x forward + backward of the policy, and of the critic where there is
+    one (TRL always has one)."""
     seq = prompt_tokens + response_tokens
     policy = _mfu.pass_flops(n, seq, response_tokens)
     critic = _mfu.pass_flops(_mfu.LinearParams(n.body, 0), seq, 0) \

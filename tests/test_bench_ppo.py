@@ -52,6 +52,9 @@ def test_rlhflab_only_run_prints_table_and_parsable_final_line(bench, tiny_model
     assert float(m.group(1)) > 0
     assert all(math.isnan(float(m.group(i))) for i in (2, 3, 4, 5, 6))  # no TRL side: nan, still parsable
     assert any(line.startswith("rlhflab (value head)") for line in lines)
+    # the kernel's share: one line per side, from the step's own getrusage counters
+    kernel = [line for line in lines if line.startswith("rlhflab (value head)") and " sys " in line]
+    assert len(kernel) == 1 and re.search(r"sys +\d+\.\d\d s, +\d+\.\d\d M page faults \(of ", kernel[0])
 
     result = json.loads(raw.read_text())
     steps = result["steps"]["rlhflab"]
@@ -62,6 +65,7 @@ def test_rlhflab_only_run_prints_table_and_parsable_final_line(bench, tiny_model
         for phase in ("generate", "forward", "update"):
             assert st[phase] > 0, phase
         assert st["total"] >= st["generate"] + st["forward"] + st["update"]
+        assert 0 <= st["sys"] <= st["cpu"] and st["faults"] > 0  # a step touches fresh pages
     mem = result["memory"]["rlhflab"]
     # The run holds at least the weights of policy + reference and the Adam state (2 x weights).
     assert mem["held_tensor_mb"] > 0 and mem["step_tensor_peak_mb"] > 0

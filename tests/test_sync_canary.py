@@ -132,23 +132,29 @@ def _gaps(run_dir):
     return [r[LOGPROB_GAP] for r in rows if LOGPROB_GAP in r]
 
 
-@needs_vllm
-@pytest.mark.slow
-def test_a_push_that_skips_one_tensor_stops_the_run_at_the_next_rollout(ppo_cfg, tmp_path, monkeypatch):
+def _break_later_pushes(monkeypatch) -> None:
+    """The start-up push is whole; every later push leaves out one MLP matrix, which vLLM then
+    keeps from before the update (a stale tensor, not garbage)."""
     from rlhflab.rollout import vllm as vllm_backend
-    from rlhflab.trainers.ppo import train
 
     pushes = []
     real = vllm_backend.policy_weights
 
-    def broken(model):  # the start-up push is whole; every later push leaves out one MLP matrix,
-        # which vLLM then keeps from before the update (a stale tensor, not garbage)
+    def broken(model):
         pushes.append(1)
         for name, tensor in real(model):
             if len(pushes) == 1 or name != "model.layers.0.mlp.down_proj.weight":
                 yield name, tensor
 
     monkeypatch.setattr(vllm_backend, "policy_weights", broken)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_push_that_skips_one_tensor_stops_the_run_at_the_next_rollout(ppo_cfg, tmp_path, monkeypatch):
+    from rlhflab.trainers.ppo import train
+
+    _break_later_pushes(monkeypatch)
     cfg = _vllm_ppo(ppo_cfg, tmp_path)
     with pytest.raises(UserError) as err:
         train(cfg, quiet=True)
@@ -171,19 +177,9 @@ def test_a_push_that_skips_one_tensor_stops_the_run_at_the_next_rollout(ppo_cfg,
 def test_with_the_samplers_old_policy_a_broken_push_still_stops_the_run(ppo_cfg, tmp_path, monkeypatch):
     """generation.old_logprobs=sampler: no pass recomputes the old policy, so the update's passes
     before its first optimizer step measure the gap, and the canary trips on it the same way."""
-    from rlhflab.rollout import vllm as vllm_backend
     from rlhflab.trainers.ppo import train
 
-    pushes = []
-    real = vllm_backend.policy_weights
-
-    def broken(model):
-        pushes.append(1)
-        for name, tensor in real(model):
-            if len(pushes) == 1 or name != "model.layers.0.mlp.down_proj.weight":
-                yield name, tensor
-
-    monkeypatch.setattr(vllm_backend, "policy_weights", broken)
+    _break_later_pushes(monkeypatch)
     with pytest.raises(UserError) as err:
         train(_vllm_ppo(ppo_cfg, tmp_path, "generation.old_logprobs=sampler"), quiet=True)
     assert str(err.value).startswith("step 2: generation.backend=vllm: the weight sync looks broken"), str(err.value)
