@@ -5,7 +5,7 @@ by the run context (`rlhflab.run`) when the training device is a CPU and never o
         - the float32 linear library (`model.cpu_matmul`: oneDNN or torch's own;
           rlhflab/models/cpu_matmul.py, docs/cpu_matmul.md)
         - how glibc's malloc treats freed blocks (`model.cpu_allocator`): `reuse` keeps
-          those below 256 MiB for the next allocation (`reuse_freed_blocks`: no fresh
+          those below 256 MiB and never trims the heap (`reuse_freed_blocks`: no fresh
           pages to fault in after the first step), `release` hands every block of 4 MiB
           or more back to the system when freed (`map_large_allocations`: the least
           resident memory, a page fault per fresh page; bench/real_scale.py)
@@ -52,6 +52,7 @@ MMAP_THRESHOLD_BYTES = 4 << 20   # release: blocks this large get their own mapp
 REUSE_BELOW_BYTES = 256 << 20    # reuse: blocks below this come from the heap; freed, they stay for reuse
 _M_TRIM_THRESHOLD = -1           # mallopt's parameter numbers (<malloc.h>)
 _M_MMAP_THRESHOLD = -3
+_NEVER = -1                      # M_TRIM_THRESHOLD's value that turns trimming off
 
 # The float32 linear library this process chose ("onednn" or "torch"; None: not chosen yet).
 # The one process-wide matmul setting: ops/ has none, and the models' FastLinear layers
@@ -169,21 +170,24 @@ def map_large_allocations(device=None, threshold: int = MMAP_THRESHOLD_BYTES) ->
 
 
 def reuse_freed_blocks(device=None, limit: int = REUSE_BELOW_BYTES) -> bool:
-    """Have glibc serve every allocation below `limit` bytes from its heap and keep freed
-    space there for the next allocation (up to `limit` bytes of it at the heap's top before
-    it trims); True when set (glibc only, else a no-op; a device other than the CPU: a
-    no-op).
+    """Have glibc serve every allocation below `limit` bytes from its heap, keep freed
+    space there for the next allocation and never trim the heap; True when set (glibc
+    only, else a no-op; a device other than the CPU: a no-op).
 
     A training step allocates and frees the same activations and gradients over and over
     (on SmolLM2: 8 MiB MLP products, 64 MiB chunks of logits, the 108 MiB embedding
     gradient). Mapped on their own (`map_large_allocations`) each comes back as fresh
     pages, one page fault per 4 KiB; here they reuse pages the process already has. The
-    cost is memory that fragmentation keeps resident (blocks of 256 MiB and more, the
-    largest gradients of bigger models, are still mapped and given back at once).
-    Process-wide (a later `map_large_allocations` pins the mmap threshold again and leaves
-    the trim threshold as this set it).
+    heap is not trimmed either: a step's passes grow and shrink it by gigabytes, and with
+    glibc's trimming each regrowth was fresh pages again (1.4-1.8 million faults a
+    separate-critic PPO step on SmolLM2 with a 256 MiB trim threshold, none without). The
+    peak resident set is the same either way (trimming only lowers it between peaks); the
+    cost is the memory fragmentation keeps resident, and the heap staying at its
+    high-water mark until the process ends. Blocks of `limit` bytes and more, the largest
+    gradients of bigger models, are still mapped and given back at once. Process-wide (a
+    later `map_large_allocations` pins the mmap threshold again and leaves trimming off).
     """
-    return _mallopt(device, {_M_MMAP_THRESHOLD: limit, _M_TRIM_THRESHOLD: limit})
+    return _mallopt(device, {_M_MMAP_THRESHOLD: limit, _M_TRIM_THRESHOLD: _NEVER})
 
 
 def _mallopt(device, settings: dict[int, int]) -> bool:
