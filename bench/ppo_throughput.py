@@ -105,6 +105,7 @@ class BenchSettings:
     device: str = "cpu"         # cpu or cuda (--device)
     mixed_precision: str = "no"  # bf16: every float32 side in bfloat16 autocast (--mixed-precision)
     cpu_allocator: str | None = None  # rlhflab's model.cpu_allocator (--cpu-allocator; None: its default)
+    trl_cpu_allocator: str | None = None  # the same glibc setting in TRL's process (--trl-cpu-allocator; None: glibc's)
 
 
 # --------------------------------------------------------------------------------------
@@ -288,6 +289,20 @@ def make_rule_reward_module(tokenizer, answers: dict[str, str], separator: str =
     return RuleRewardModel()
 
 
+def set_trl_allocator(s: BenchSettings) -> bool:
+    """Give TRL's process the glibc setting `model.cpu_allocator` gives rlhflab's
+    (--trl-cpu-allocator): a process-wide `mallopt` any program can make (or set with
+    glibc's MALLOC_* variables before it starts), so that a like-for-like pair can
+    differ in the trainers alone. True when set; nothing on CUDA or without glibc."""
+    if not s.trl_cpu_allocator:
+        return False
+    import torch
+
+    from rlhflab import cpu
+    setting = {"reuse": cpu.reuse_freed_blocks, "release": cpu.map_large_allocations}[s.trl_cpu_allocator]
+    return setting(torch.device(s.device))
+
+
 class TrlSide:
     """One call of `PPOTrainer.train()` per step (total_episodes = one batch).
 
@@ -303,6 +318,7 @@ class TrlSide:
         from rlhflab.rewards import resolve_rule  # noqa: F401
         self.trl_ppo = trl_ppo = _import_trl()
         import datasets  # noqa: F401
+        set_trl_allocator(s)
         self.s, self.trainer, self.reward, self.precision = s, None, None, precision
         self.marks: dict = {}
         marks, wrapper_type = self.marks, trl_ppo.PolicyAndValueWrapper
@@ -670,7 +686,9 @@ def format_report(result: dict, summary: dict[str, dict]) -> str:
         f"one {s['episodes']}-episode minibatch, KL {s['kl_coeff']} in the reward (k1, frozen-copy reference), "
         f"lr {s['learning_rate']:g}, no grad clipping, float32 weights (bf16 rows: bfloat16 autocast), "
         f"{where}; model {s['model_dir']}"
-        + (f"; rlhflab's model.cpu_allocator={s['cpu_allocator']}" if s.get("cpu_allocator") else ""),
+        + (f"; rlhflab's model.cpu_allocator={s['cpu_allocator']}" if s.get("cpu_allocator") else "")
+        + (f"; TRL's process: the same glibc setting as cpu_allocator={s['trl_cpu_allocator']}"
+           if s.get("trl_cpu_allocator") else ""),
         f"medians of {result['repeats']} steps per side after {result['warmup']} warm-up steps, sides "
         + ("run one after the other (--sequential)" if result.get("sequential") else "interleaved step by step"),
         "",
@@ -755,6 +773,9 @@ def main(argv: list[str] | None = None) -> int:
                          "(rlhflab's training.mixed_precision=bf16, TRL's bf16=True)")
     ap.add_argument("--cpu-allocator", choices=["reuse", "release"], default=None,
                     help="rlhflab's model.cpu_allocator on every rlhflab side (default: the config's default)")
+    ap.add_argument("--trl-cpu-allocator", choices=["reuse", "release"], default=None,
+                    help="the same glibc malloc setting made in TRL's process, for a pair that differs in "
+                         "the trainers alone (default: glibc's own, what a TRL run gets)")
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="the peak FLOP/s (in TFLOP/s) the MFU divides by; default: measured here (on CUDA: "
                          "square matmuls of --peak-sizes in bfloat16 under --mixed-precision bf16, else float32)")
@@ -780,7 +801,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = BenchSettings(model_dir=str(_common.ensure_tiny_model(args.model_dir)),
                              episodes=args.episodes, response_length=args.response_length,
                              epochs=args.epochs, threads=args.threads, device=args.device,
-                             mixed_precision=args.mixed_precision, cpu_allocator=args.cpu_allocator)
+                             mixed_precision=args.mixed_precision, cpu_allocator=args.cpu_allocator,
+                             trl_cpu_allocator=args.trl_cpu_allocator)
     if args.device == "cuda":
         import torch
         if not torch.cuda.is_available():

@@ -124,6 +124,17 @@ def test_cpu_allocator_flag_reaches_every_rlhflab_side(bench, tiny_model):
     assert default.model.cpu_allocator == ModelConfig().cpu_allocator  # no flag: the config's default
 
 
+def test_trl_cpu_allocator_flag_makes_the_same_glibc_setting_in_trls_process(bench, tiny_model, monkeypatch):
+    from rlhflab import cpu
+    calls = []
+    monkeypatch.setattr(cpu, "reuse_freed_blocks", lambda device: calls.append(("reuse", device.type)) or True)
+    monkeypatch.setattr(cpu, "map_large_allocations", lambda device: calls.append(("release", device.type)) or True)
+    assert not bench.set_trl_allocator(bench.BenchSettings(model_dir=str(tiny_model)))   # no flag: glibc's own
+    for allocator in ("reuse", "release"):
+        assert bench.set_trl_allocator(bench.BenchSettings(model_dir=str(tiny_model), trl_cpu_allocator=allocator))
+    assert calls == [("reuse", "cpu"), ("release", "cpu")]
+
+
 def test_rule_reward_module_answers_trls_reward_protocol(bench, tiny_model):
     """Called the way a reward model is read (backbone by prefix, `score`, value at the
     last real token), the wrapper returns the GSM8K rule's score of each response."""
