@@ -81,8 +81,8 @@ class ModelConfig:
     cpu_allocator: Literal["reuse", "release"] = f(
         "release", "how glibc's malloc treats freed blocks on a CPU run: release hands every block of 4 MiB or more "
                    "back to the system when freed (the least resident memory; a page fault per fresh page); reuse "
-                   "keeps blocks below 256 MiB for the next allocation (fewer page faults, more memory kept "
-                   "resident) (docs/cpu_matmul.md; rlhflab/cpu)")
+                   "keeps blocks below 256 MiB for the next allocation and never trims the heap (no page faults "
+                   "after the first step, more memory kept resident) (docs/cpu_matmul.md; rlhflab/cpu)")
     critic: Literal["value_head", "separate"] = f(
         "value_head", "value_head: one head on the shared base; separate: a critic model of its own")
     critic_name_or_path: Optional[str] = f(None, "base of a separate critic; null means the policy's base")

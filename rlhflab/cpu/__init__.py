@@ -35,8 +35,8 @@ AMD EPYC) and torch's MKL on Intel's (where oneDNN was slower); the lean RMSNorm
 (`model.lean_norm: true`), the critic's worker thread (`model.critic_overlap: true`) and the
 inverse-CDF draw (`generation.fast_draw: true`) are opt-in; and `model.cpu_allocator` stays
 `release` (it changes no number a run computes, and keeps 10% of the memory at
-Qwen2.5-0.5B's size resident no longer), with `reuse` opt-in (5-6% off SmolLM2's PPO steps,
-up to 14% off bench/ppo_throughput.py's and 22-25% off a 0.5B step, for more resident memory;
+Qwen2.5-0.5B's size resident no longer), with `reuse` opt-in (-4% to +6% off SmolLM2's shipped
+steps, 2-14% off their updates, 23% off a 0.5B step, for more resident memory;
 docs/cpu_matmul.md).
 
 Standard library only at import time: the CLI imports `apply_default_wait` before torch.
