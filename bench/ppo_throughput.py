@@ -299,8 +299,7 @@ def set_trl_allocator(s: BenchSettings) -> bool:
     import torch
 
     from rlhflab import cpu
-    setting = {"reuse": cpu.reuse_freed_blocks, "release": cpu.map_large_allocations}[s.trl_cpu_allocator]
-    return setting(torch.device(s.device))
+    return cpu.set_allocator(s.trl_cpu_allocator, torch.device(s.device))
 
 
 class TrlSide:

@@ -81,6 +81,11 @@ def test_the_allocator_setting_is_made_on_a_cpu_run_only(monkeypatch, allocator)
     assert calls == [(allocator, "cpu")]
 
 
+def test_an_unknown_allocator_name_is_refused_by_name():
+    with pytest.raises(ValueError, match="cpu_allocator 'keep': choose reuse or release"):
+        cpu.set_allocator("keep", CPU)
+
+
 def test_a_cpu_device_applies_the_tricks_as_configured():
     if not cm.ops_matmul.onednn_available():
         pytest.skip("this torch build has no oneDNN linear op")

@@ -65,9 +65,8 @@ def test_freed_16mib_blocks_leave_the_resident_set():
 
 FAULTS = """
 import resource, sys, torch
-from rlhflab.cpu import map_large_allocations, reuse_freed_blocks
-set_it = {"release": map_large_allocations, "reuse": reuse_freed_blocks}[sys.argv[1]]
-assert set_it(torch.device("cpu"))
+from rlhflab.cpu import set_allocator
+assert set_allocator(sys.argv[1], torch.device("cpu"))
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 def one_pass():                                 # a step's activations: made, written, all freed

@@ -86,10 +86,7 @@ def setup_process(device, model_cfg=None) -> str:
         mode = set_matmul(getattr(model_cfg, "cpu_matmul", "torch"))
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    if getattr(model_cfg, "cpu_allocator", "release") == "reuse":
-        reuse_freed_blocks(device)
-    else:
-        map_large_allocations(device)
+    set_allocator(getattr(model_cfg, "cpu_allocator", "release"), device)
     return mode
 
 
@@ -150,6 +147,17 @@ def apply_to_models(models, model_cfg) -> None:
     ref_model = getattr(reference, "model", None)
     if ref_model is not None and ref_model is not getattr(models.actor, "policy", None):
         apply(ref_model, model_cfg, models.device, trained=False)
+
+
+def set_allocator(mode: str, device=None) -> bool:
+    """glibc's malloc setting that `model.cpu_allocator: mode` names: `reuse`
+    (`reuse_freed_blocks`) or `release` (`map_large_allocations`); True when set (see
+    those two for a device other than the CPU and for no glibc)."""
+    if mode == "reuse":
+        return reuse_freed_blocks(device)
+    if mode == "release":
+        return map_large_allocations(device)
+    raise ValueError(f"cpu_allocator {mode!r}: choose reuse or release")
 
 
 def map_large_allocations(device=None, threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
