@@ -25,9 +25,11 @@ How it measures (bench/README.md says why):
 - A PPO step is the same work on every side: generate 16 tokens for 32 prompts, score
   them with the GSM8K rule, the no-grad forwards (old logprobs, values, reference
   logprobs), KL-shaped rewards and GAE, then 4 epochs of one 32-episode minibatch.
-- Every side has the same `--threads` (2). rlhflab's separate-critic sides divide them:
-  the critic's pass runs in a second thread beside the policy's (`model.critic_overlap`,
-  its default; docs/actor_critic.md); TRL runs its passes one after the other.
+- Every side has the same `--threads` (2). rlhflab's separate-critic sides run the
+  critic's pass and then the policy's, each on both threads (TRL runs the two models in
+  one pass, on both); with `--critic-overlap` they divide them instead: the critic's pass
+  in a second thread beside the policy's (`model.critic_overlap`, opt-in;
+  docs/actor_critic.md).
 - Peak memory is the peak resident set of the worker (VmHWM) minus its resident set
   with its libraries loaded and no models (taken after a priming build and step that
   are thrown away): models, optimizer state and every activation count, the import
@@ -106,6 +108,7 @@ class BenchSettings:
     mixed_precision: str = "no"  # bf16: every float32 side in bfloat16 autocast (--mixed-precision)
     cpu_allocator: str | None = None  # rlhflab's model.cpu_allocator (--cpu-allocator; None: its default)
     trl_cpu_allocator: str | None = None  # the same glibc setting in TRL's process (--trl-cpu-allocator; None: glibc's)
+    critic_overlap: bool = False  # rlhflab's model.critic_overlap (--critic-overlap)
 
 
 # --------------------------------------------------------------------------------------
@@ -133,6 +136,7 @@ class RlhflabSide:
         cfg.model.cpu_matmul, cfg.model.attn_implementation = self.cpu_matmul, self.attn
         if s.cpu_allocator:
             cfg.model.cpu_allocator = s.cpu_allocator
+        cfg.model.critic_overlap = s.critic_overlap
         cfg.lora.enabled = False
         cfg.dataset.max_prompt_length = 128
         g = cfg.generation
@@ -687,7 +691,9 @@ def format_report(result: dict, summary: dict[str, dict]) -> str:
         f"{where}; model {s['model_dir']}"
         + (f"; rlhflab's model.cpu_allocator={s['cpu_allocator']}" if s.get("cpu_allocator") else "")
         + (f"; TRL's process: the same glibc setting as cpu_allocator={s['trl_cpu_allocator']}"
-           if s.get("trl_cpu_allocator") else ""),
+           if s.get("trl_cpu_allocator") else "")
+        + ("; rlhflab's model.critic_overlap=true (separate critic: its pass beside the policy's, one thread "
+           "each)" if s.get("critic_overlap") else ""),
         f"medians of {result['repeats']} steps per side after {result['warmup']} warm-up steps, sides "
         + ("run one after the other (--sequential)" if result.get("sequential") else "interleaved step by step"),
         "",
@@ -775,6 +781,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trl-cpu-allocator", choices=["reuse", "release"], default=None,
                     help="the same glibc malloc setting made in TRL's process, for a pair that differs in "
                          "the trainers alone (default: glibc's own, what a TRL run gets)")
+    ap.add_argument("--critic-overlap", action="store_true",
+                    help="rlhflab's model.critic_overlap=true on its separate-critic sides: the critic's pass "
+                         "in a second thread beside the policy's (default: off, the config's default)")
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="the peak FLOP/s (in TFLOP/s) the MFU divides by; default: measured here (on CUDA: "
                          "square matmuls of --peak-sizes in bfloat16 under --mixed-precision bf16, else float32)")
@@ -801,7 +810,7 @@ def main(argv: list[str] | None = None) -> int:
                              episodes=args.episodes, response_length=args.response_length,
                              epochs=args.epochs, threads=args.threads, device=args.device,
                              mixed_precision=args.mixed_precision, cpu_allocator=args.cpu_allocator,
-                             trl_cpu_allocator=args.trl_cpu_allocator)
+                             trl_cpu_allocator=args.trl_cpu_allocator, critic_overlap=args.critic_overlap)
     if args.device == "cuda":
         import torch
         if not torch.cuda.is_available():

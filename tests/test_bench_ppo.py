@@ -124,6 +124,23 @@ def test_cpu_allocator_flag_reaches_every_rlhflab_side(bench, tiny_model):
     assert default.model.cpu_allocator == ModelConfig().cpu_allocator  # no flag: the config's default
 
 
+def test_critic_overlap_flag_switches_the_separate_critics_worker_thread_on(bench, tiny_model, monkeypatch):
+    import torch
+
+    from rlhflab.engine import overlap
+    from rlhflab.engine.minibatch import MiniBatch
+    ids = torch.zeros(8, 4, dtype=torch.long)  # 8 one-row groups: two halves to run side by side
+    mb = MiniBatch(prompt_ids=ids, prompt_mask=ids, response_ids=ids, response_mask=ids, loss_mask=ids)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # what the engine asks is the threads' count
+    for flag in (False, True):
+        side = bench.make_side("rlhflab-critic-samplerlp",
+                               bench.BenchSettings(model_dir=str(tiny_model), critic_overlap=flag))
+        side.build()
+        assert side.cfg.model.critic_overlap is flag
+        assert overlap.applies(side.models.actor, mb) is flag  # the engine's question before each minibatch
+        side.release()
+
+
 def test_trl_cpu_allocator_flag_makes_the_same_glibc_setting_in_trls_process(bench, tiny_model, monkeypatch):
     from rlhflab import cpu
     calls = []
