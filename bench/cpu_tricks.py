@@ -17,6 +17,11 @@ The tricks of the CPU seam (rlhflab/cpu/), each as side A (on) and side B (off):
                     ops/sampling.py)  vs  false (generate's torch.multinomial); both sides
                     generate with the hf backend (the shipped PPO and GRPO configs use vLLM)
 
+and one setting outside the seam that a CPU user may want to try:
+
+    eager_attention model.attn_implementation=eager (transformers' matmul-and-softmax
+                    attention)  vs  =sdpa (its default: torch's scaled_dot_product_attention)
+
 Each round runs side A, then side B (the order alternates between rounds: A,B then B,A),
 each in a fresh process running `rlhflab <method>` on the repo's SmolLM2 config
 (configs/ppo_smollm2.yaml, ppo_smollm2_critic.yaml, grpo_smollm2.yaml) with `--episodes`
@@ -73,6 +78,8 @@ TRICKS = {
     "cpu_allocator": (["model.cpu_allocator=reuse"], ["model.cpu_allocator=release"], ("ppo", "ppo_critic", "grpo")),
     "fast_draw": (["generation.fast_draw=true", "generation.backend=hf"],
                   ["generation.fast_draw=false", "generation.backend=hf"], ("ppo", "grpo")),
+    "eager_attention": (["model.attn_implementation=eager"], ["model.attn_implementation=sdpa"],
+                        ("ppo_critic", "grpo")),
 }
 PROBED = ("cpu_matmul", "lean_norm")
 
