@@ -46,6 +46,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import sys
 import tempfile
 import time
@@ -541,12 +542,24 @@ class Worker:
         try:
             got, payload = self.conn.recv()
         except EOFError:
-            raise SystemExit(f"ppo_throughput: the {self.name} worker died (exit code "
-                             f"{self.proc.exitcode}); run it alone with --sides {self.name}") from None
+            raise SystemExit(self.death(kind)) from None
         if got == "error":
             raise SystemExit(f"ppo_throughput: the {self.name} worker failed:\n{payload}")
         assert got == kind, (got, kind)
         return payload
+
+    def death(self, kind: str) -> str:
+        """The line for a worker that died while the parent waited for `kind`."""
+        self.proc.join(timeout=10)  # the exit code is known once the process is reaped
+        code = self.proc.exitcode
+        why = f"exit code {code}"
+        if code == -signal.SIGKILL:
+            why += ": killed, most likely by the kernel for memory"
+        hint = f"run it alone with --sides {self.name}"
+        if kind == "memory":  # after the timed steps, in the profiled step that counts tensor bytes
+            hint = (f"it died in the profiled step that counts tensor bytes, after its timed steps: "
+                    f"--no-tensor-memory skips that step, or {hint}")
+        return f"ppo_throughput: the {self.name} worker died ({why}); {hint}"
 
     def call(self, cmd: str, kind: str):
         self.conn.send(cmd)

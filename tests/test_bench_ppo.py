@@ -141,6 +141,36 @@ def test_critic_overlap_flag_switches_the_separate_critics_worker_thread_on(benc
         side.release()
 
 
+def test_a_worker_killed_for_memory_is_named_with_the_way_out(bench):
+    """A worker the kernel kills (SIGKILL) is reported as killed, with the flag that skips
+    the profiled tensor count when it died there, after its timed steps."""
+    import multiprocessing as mp
+    import os
+    import signal
+    import time
+
+    ctx = mp.get_context("fork")
+    w = bench.Worker.__new__(bench.Worker)
+    w.name = "rlhflab-critic"
+    w.conn, child = ctx.Pipe()
+    w.proc = ctx.Process(target=time.sleep, args=(60,), daemon=True)
+    w.proc.start()
+    child.close()  # the parent's recv() sees EOF, as when the worker's end goes with it
+    os.kill(w.proc.pid, signal.SIGKILL)
+    with pytest.raises(SystemExit) as died:
+        w.expect("memory")
+    msg = str(died.value)
+    assert "rlhflab-critic worker died (exit code -9: killed, most likely by the kernel for memory)" in msg
+    assert "--no-tensor-memory" in msg and "--sides rlhflab-critic" in msg
+    w.conn, child = ctx.Pipe()
+    w.proc = ctx.Process(target=os._exit, args=(3,), daemon=True)
+    w.proc.start()
+    child.close()
+    with pytest.raises(SystemExit) as died:
+        w.expect("step")
+    assert str(died.value) == "ppo_throughput: the rlhflab-critic worker died (exit code 3); run it alone with --sides rlhflab-critic"
+
+
 def test_trl_cpu_allocator_flag_makes_the_same_glibc_setting_in_trls_process(bench, tiny_model, monkeypatch):
     from rlhflab import cpu
     calls = []
