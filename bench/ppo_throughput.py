@@ -532,7 +532,7 @@ def worker(name: str, settings: dict, conn, tensor_memory: bool = True) -> None:
 
 class Worker:
     def __init__(self, ctx, name: str, s: BenchSettings, tensor_memory: bool = True):
-        self.name = name
+        self.name, self.tensor_memory = name, tensor_memory
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=worker, args=(name, asdict(s), child, tensor_memory), daemon=True)
         self.proc.start()
@@ -556,7 +556,7 @@ class Worker:
         if code == -signal.SIGKILL:
             why += ": killed, most likely by the kernel for memory"
         hint = f"run it alone with --sides {self.name}"
-        if kind == "memory":  # after the timed steps, in the profiled step that counts tensor bytes
+        if kind == "memory" and self.tensor_memory:  # after the timed steps, in the profiled tensor count
             hint = (f"it died in the profiled step that counts tensor bytes, after its timed steps: "
                     f"--no-tensor-memory skips that step, or {hint}")
         return f"ppo_throughput: the {self.name} worker died ({why}); {hint}"

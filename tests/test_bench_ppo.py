@@ -151,7 +151,7 @@ def test_a_worker_killed_for_memory_is_named_with_the_way_out(bench):
 
     ctx = mp.get_context("fork")
     w = bench.Worker.__new__(bench.Worker)
-    w.name = "rlhflab-critic"
+    w.name, w.tensor_memory = "rlhflab-critic", True
     w.conn, child = ctx.Pipe()
     w.proc = ctx.Process(target=time.sleep, args=(60,), daemon=True)
     w.proc.start()
@@ -166,9 +166,18 @@ def test_a_worker_killed_for_memory_is_named_with_the_way_out(bench):
     w.proc = ctx.Process(target=os._exit, args=(3,), daemon=True)
     w.proc.start()
     child.close()
+    plain = "ppo_throughput: the rlhflab-critic worker died (exit code 3); run it alone with --sides rlhflab-critic"
     with pytest.raises(SystemExit) as died:
         w.expect("step")
-    assert str(died.value) == "ppo_throughput: the rlhflab-critic worker died (exit code 3); run it alone with --sides rlhflab-critic"
+    assert str(died.value) == plain
+    w.tensor_memory = False  # --no-tensor-memory: no profiled step to blame at the finish
+    w.conn, child = ctx.Pipe()
+    w.proc = ctx.Process(target=os._exit, args=(3,), daemon=True)
+    w.proc.start()
+    child.close()
+    with pytest.raises(SystemExit) as died:
+        w.expect("memory")
+    assert str(died.value) == plain
 
 
 def test_trl_cpu_allocator_flag_makes_the_same_glibc_setting_in_trls_process(bench, tiny_model, monkeypatch):
