@@ -392,3 +392,30 @@ def test_fast_draw_is_opt_in_and_for_the_cpu_only(tiny_model_dir):
         "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "InverseCDFDraw"]
     assert draw_kwargs(greedy=True, temperature=0.7, top_k=0, top_p=1.0, fast_draw=True) == {}
     assert draw_kwargs(greedy=False, temperature=0.7, top_k=0, top_p=1.0, fast_draw=False) == {}
+
+
+def test_static_cache_decodes_what_the_dynamic_cache_does(tiny_model_dir):
+    """`generation.hf_cache: static`: generate's KV cache preallocated at max_prompt_length +
+    max_new_tokens (compiled around on a GPU; eager here). The tokens are the dynamic cache's:
+    greedy, and seeded samples of groups that the dynamic path prefills once and shares, over
+    calls whose prompts differ in width (the cache keeps one size)."""
+    from rlhflab.config.schema import GenerationConfig
+    from rlhflab.rollout import HFBackend
+
+    model, tok = load_model(str(tiny_model_dir))
+    short = [f"Question: {a} + 5?\nAnswer:" for a in range(4)]
+    long_ = [f"Question: {a} + {a} + {a} + 123 + 45?\nAnswer:" for a in range(4)]
+    for prompts in (short, long_):
+        kw = dict(max_new_tokens=6, max_prompt_length=32, batch_size=8)
+        dyn = generate(model, tok, prompts, greedy=True, **kw)
+        sta = generate(model, tok, prompts, greedy=True, static_cache=True, **kw)
+        assert torch.equal(sta.response_ids, dyn.response_ids) and torch.equal(sta.response_mask, dyn.response_mask)
+        seeded = dict(n=2, temperature=1.0, seed=7, step=1, **kw)
+        shared = generate(model, tok, prompts, **seeded)
+        static = generate(model, tok, prompts, static_cache=True, **seeded)
+        assert torch.equal(static.response_ids, shared.response_ids)
+    assert getattr(model, "_previous_max_cache_length", None) == 32 + 6  # one size for every call
+    assert HFBackend(model, tok, GenerationConfig(hf_cache="static"), max_prompt_length=32, batch_size=8).static_cache
+    assert not HFBackend(model, tok, GenerationConfig(), max_prompt_length=32, batch_size=8).static_cache
+    errs = GenerationConfig(hf_cache="static", backend="vllm").check()
+    assert any(e.startswith("hf_cache: static applies only to backend=hf") for e in errs)

