@@ -36,6 +36,9 @@ completions per CPU-second of each process are shown beside it.
 The difference that matters: rlhflab computes each prompt once per group of 8 (prefill
 in sampling; one prompt pass whose KV cache the 8 responses attend to in the update),
 where TRL runs it 8 times; `--no-share-prompt` turns that off for comparison.
+`--hf-cache static` gives both sides generate's static KV cache (rlhflab's
+`generation.hf_cache`, TRL's `cache_implementation`): on a CUDA GPU transformers then
+compiles the decoding step, and the first, untimed step pays the compile.
 
 TRL is not a dependency of rlhflab. Install it for this benchmark only:
 
@@ -232,7 +235,7 @@ def rlhflab_overrides(a: argparse.Namespace, steps: int, out: str) -> list[str]:
         f"grpo.batch_size={a.completions}", f"grpo.mini_batch_size={a.completions}",
         "grpo.gradient_accumulation_steps=1", "grpo.epochs=1",
         f"grpo.learning_rate={a.lr}", f"grpo.kl_coeff={a.beta}", "grpo.clip_eps=0.2", "grpo.max_grad_norm=1.0",
-        f"grpo.share_prompt={str(not a.no_share_prompt).lower()}",
+        f"grpo.share_prompt={str(not a.no_share_prompt).lower()}", f"generation.hf_cache={a.hf_cache if a.generation == 'hf' else 'dynamic'}",
         f"training.total_steps={steps}", "training.eval_interval=0", "training.save_interval=0",
         f"training.output_dir={a.out}/{out}", f"training.device={a.device}", f"training.num_threads={a.threads}",
         f"training.mixed_precision={a.mixed_precision}", f"generation.backend={a.generation}",
@@ -270,6 +273,8 @@ def trl_config_kwargs(a: argparse.Namespace, out: str) -> dict:
         gradient_checkpointing=False,  # rlhflab's run does not checkpoint either
         save_strategy="no", report_to=[], use_cpu=a.device == "cpu", bf16=a.mixed_precision == "bf16", fp16=False,
         dataloader_num_workers=0, seed=42, disable_tqdm=True)
+    if a.hf_cache == "static" and a.generation == "hf":  # TRL's own switch for the same cache
+        kw.update(cache_implementation="static")
     if a.generation == "vllm":
         kw.update(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=False,
                   vllm_max_model_length=MAX_PROMPT_TOKENS + a.max_new_tokens)
@@ -387,7 +392,7 @@ def _worker(side: str, a: argparse.Namespace, round_: int) -> dict:
            "--completions", str(a.completions), "--max-new-tokens", str(a.max_new_tokens),
            "--generation", generation, "--cpu-matmul", a.cpu_matmul] \
         + (["--chat-prompts"] if a.chat_prompts else []) \
-        + (["--no-share-prompt"] if a.no_share_prompt else []) \
+        + (["--no-share-prompt"] if a.no_share_prompt else []) + ["--hf-cache", a.hf_cache] \
         + ([] if a.prime else ["--no-prime"])
     env = worker_env(a, side)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -587,6 +592,10 @@ def main(argv: list[str] | None = None) -> int:
                         "docs/cpu_matmul.md); torch runs MKL as TRL's side always does")
     p.add_argument("--no-share-prompt", action="store_true",
                    help="run rlhflab with grpo.share_prompt=false (each prompt computed k times, as TRL does)")
+    p.add_argument("--hf-cache", choices=["dynamic", "static"], default="dynamic",
+                   help="generate's KV cache on both sides with --generation hf: rlhflab's generation.hf_cache and "
+                        "TRL's cache_implementation ('static': preallocated, so transformers compiles the "
+                        "decoding step on a CUDA GPU; the first, untimed step pays the compile)")
     p.add_argument("--no-prime", dest="prime", action="store_false",
                    help="take the memory baseline right after the imports, without the priming run (what the "
                         "libraries import lazily during the run then counts)")
@@ -662,7 +671,7 @@ def main(argv: list[str] | None = None) -> int:
           f"group {a.group_size}, {a.completions} "
           f"completions/step, <= {a.max_new_tokens} new tokens, beta {a.beta}; {a.steps} steps (first untimed); "
           f"median of {a.repeats} alternating runs; trl {trl_version}; rlhflab share_prompt "
-          f"{not a.no_share_prompt}; rlhflab cpu_matmul {a.cpu_matmul} ({_matmul_here(a)} here); "
+          f"{not a.no_share_prompt}; KV cache {a.hf_cache}; rlhflab cpu_matmul {a.cpu_matmul} ({_matmul_here(a)} here); "
           f"memory baseline {'after a priming run' if a.prime else 'after the imports'}; "
           f"sides {', '.join(f'{s} ({SIDES[s][1]})' for s in sides)}; load average {os.getloadavg()[0]:.1f}")
     print(f"| trainer | completions/s (wall) | completions per CPU-s | {mem_name} | process ru_maxrss MiB "

@@ -8,6 +8,8 @@
 #   4. packed_prompt.py: the shared prompt's two passes against one packed pass per group;
 #   5. rollout_backends.py: the hf backend on the GPU (vLLM too where it is installed);
 #   6. ppo_throughput.py: rlhflab (value head, separate critic) and TRL 1.12's PPO, each alone.
+# Not run unless named in STAGES: grpo_throughput_static, grpo_throughput with generate's static
+# KV cache on both sides (transformers compiles the decoding step on a GPU).
 # Reports go to $OUT/<name>.txt (stderr to <name>.err, JSON where a bench writes one); the
 # lines to paste are printed at the end and kept in $OUT/paste.txt.
 #
@@ -15,6 +17,7 @@
 #   QUICK=1 SMOL=DIR bash bench/real_model_gpu.sh     # tiny settings: checks the script end to end
 #   OUT=DIR PY=python BUDGET=SECONDS ...              # BUDGET: stop starting stages after this long
 #   DEVICE=cpu MP=no QUICK=1 ...                      # the same stages on the CPU (a check of the script)
+#   STAGES="grpo_throughput grpo_throughput_static" GRPO_REPEATS=1 ...   # some stages, in this order
 #
 # TRL lives in .bench/trl (1.12, PPO) and .bench/trl-grpo (1.16, GRPO) as bench/real_model.sh
 # installs them. A stage that fails or runs out of time does not stop the others.
@@ -27,6 +30,10 @@ SMOL=${SMOL:-outputs/models/smollm2-135m-instruct}
 BUDGET=${BUDGET:-3000}
 DEVICE=${DEVICE:-cuda}
 MP=${MP:-bf16}
+# the stages, in this order (a lease too short for all of them names a few)
+STAGES=${STAGES:-grpo_throughput grpo_recipe grpo_throughput_noshare packed_prompt rollout_backends ppo_throughput}
+GRPO_REPEATS=${GRPO_REPEATS:-2}          # grpo_throughput's alternating runs
+NOSHARE_SIDES=${NOSHARE_SIDES:-rlhflab,trl}  # rlhflab alone when TRL ran in grpo_throughput on the same machine
 OUT=${OUT:-outputs/bench-gpu/$(date -u +%Y%m%dT%H%M%SZ)$([ "$QUICK" = 1 ] && echo -quick)}
 mkdir -p "$OUT"
 declare -A RC
@@ -81,38 +88,53 @@ if [ "$QUICK" = 1 ]; then
   run rollout_backends 300 bench/rollout_backends.py --device "$DEVICE" --mixed-precision "$MP" --model-dir "$SMOL" \
     --lengths 8 --batches 4 --repeats 1 --peak-sizes 512
 else
-  # GRPO: 8 prompts x 4 completions of up to 32 tokens, beta 0.04, as on the CPU.
-  run grpo_throughput 240 bench/grpo_throughput.py --device "$DEVICE" --mixed-precision "$MP" --model-dir "$SMOL" \
-    --sides rlhflab,trl --steps 4 --repeats 2 --completions 32 --group-size 4 --max-new-tokens 32 --beta 0.04 \
-    --peak-sizes 8192 --out "$OUT/grpo-scratch"
-  # The recipe (50 steps of 4 prompts x 8 completions, up to 48 new tokens), evaluated at 0, 25 and 50;
-  # seeds 0 and 1 side by side on the one GPU (at this size a step leaves the GPU mostly idle),
-  # each in a folder and results file of its own.
-  for seed in 0 1; do
-    run grpo_recipe_s$seed 330 scripts/real_model_recipes.py --recipe grpo --seed $seed --threads 6 \
-      --out "$OUT/recipes_s$seed" --results "$OUT/real_model_gpu_s$seed.json" "${GPU[@]}" training.eval_interval=25 &
+  for stage in $STAGES; do
+    case $stage in
+      grpo_throughput)  # GRPO: 8 prompts x 4 completions of up to 32 tokens, beta 0.04, as on the CPU.
+        run grpo_throughput 240 bench/grpo_throughput.py --device "$DEVICE" --mixed-precision "$MP" \
+          --model-dir "$SMOL" --sides rlhflab,trl --steps 4 --repeats "$GRPO_REPEATS" --completions 32 \
+          --group-size 4 --max-new-tokens 32 --beta 0.04 --peak-sizes 8192 --out "$OUT/grpo-scratch" ;;
+      grpo_recipe)  # The recipe (50 steps of 4 prompts x 8 completions, up to 48 new tokens), evaluated at
+        # 0, 25 and 50; seeds 0 and 1 side by side on the one GPU (at this size a step leaves the GPU
+        # mostly idle), each in a folder and results file of its own.
+        for seed in 0 1; do
+          run grpo_recipe_s$seed 330 scripts/real_model_recipes.py --recipe grpo --seed $seed --threads 6 \
+            --out "$OUT/recipes_s$seed" --results "$OUT/real_model_gpu_s$seed.json" "${GPU[@]}" \
+            training.eval_interval=25 &
+        done
+        together grpo_recipe_s0 grpo_recipe_s1 ;;
+      grpo_throughput_noshare)  # each prompt computed once per completion (grpo.share_prompt=false, as
+        # TRL does): on a GPU the shared prompt saves FLOPs that cost little and adds passes.
+        run grpo_throughput_noshare 150 bench/grpo_throughput.py --device "$DEVICE" --mixed-precision "$MP" \
+          --model-dir "$SMOL" --sides "$NOSHARE_SIDES" --no-share-prompt --steps 4 --repeats 1 --completions 32 \
+          --group-size 4 --max-new-tokens 32 --beta 0.04 --peak-sizes 8192 --out "$OUT/grpo-noshare-scratch" ;;
+      grpo_throughput_static)  # generate's static KV cache on both sides (rlhflab generation.hf_cache,
+        # TRL cache_implementation): transformers compiles the decoding step; no priming run, so each
+        # side compiles once, in its first (untimed) step.
+        run grpo_throughput_static 240 bench/grpo_throughput.py --device "$DEVICE" --mixed-precision "$MP" \
+          --model-dir "$SMOL" --sides rlhflab,trl --hf-cache static --no-prime --steps 5 --repeats 1 \
+          --completions 32 --group-size 4 --max-new-tokens 32 --beta 0.04 --peak-sizes 8192 \
+          --out "$OUT/grpo-static-scratch" ;;
+      packed_prompt)  # the shared prompt's two passes against one packed pass per group
+        run packed_prompt 90 bench/packed_prompt.py --device "$DEVICE" --mixed-precision "$MP" --model-dir "$SMOL" \
+          --repeats 5 --threads 4 ;;
+      rollout_backends)
+        run rollout_backends 150 bench/rollout_backends.py --device "$DEVICE" --mixed-precision "$MP" \
+          --model-dir "$SMOL" --lengths 64 256 --batches 32 128 --repeats 2 --peak-sizes 8192 ;;
+      ppo_throughput)  # PPO: 32 episodes x 16 tokens, 4 epochs of one 32-episode minibatch, as on the CPU.
+        run ppo_throughput 150 bench/ppo_throughput.py --device "$DEVICE" --mixed-precision "$MP" --model-dir "$SMOL" \
+          --sides rlhflab,rlhflab-critic,trl --repeats 3 --warmup 1 --peak-sizes 8192 \
+          --json "$OUT/ppo_throughput.json" ;;
+      *) note "unknown stage $stage: pick from grpo_throughput grpo_recipe grpo_throughput_noshare grpo_throughput_static packed_prompt rollout_backends ppo_throughput"
+         exit 2 ;;
+    esac
   done
-  together grpo_recipe_s0 grpo_recipe_s1
-  # The same GRPO bench with each prompt computed once per completion (grpo.share_prompt=false,
-  # as TRL does): on a GPU the shared prompt saves FLOPs that cost little and adds passes.
-  run grpo_throughput_noshare 150 bench/grpo_throughput.py --device "$DEVICE" --mixed-precision "$MP" \
-    --model-dir "$SMOL" --sides rlhflab,trl --no-share-prompt --steps 4 --repeats 1 --completions 32 \
-    --group-size 4 --max-new-tokens 32 --beta 0.04 --peak-sizes 8192 --out "$OUT/grpo-noshare-scratch"
-  # The shared prompt's two passes against one packed pass per group (bench/packed_prompt.py).
-  run packed_prompt 90 bench/packed_prompt.py --device "$DEVICE" --mixed-precision "$MP" --model-dir "$SMOL" \
-    --repeats 5 --threads 4
-  run rollout_backends 150 bench/rollout_backends.py --device "$DEVICE" --mixed-precision "$MP" --model-dir "$SMOL" \
-    --lengths 64 256 --batches 32 128 --repeats 2 --peak-sizes 8192
-  # PPO: 32 episodes x 16 tokens, 4 epochs of one 32-episode minibatch, as on the CPU.
-  run ppo_throughput 150 bench/ppo_throughput.py --device "$DEVICE" --mixed-precision "$MP" --model-dir "$SMOL" \
-    --sides rlhflab,rlhflab-critic,trl --repeats 3 --warmup 1 --peak-sizes 8192 \
-    --json "$OUT/ppo_throughput.json"
 fi
 
 {
   echo "== real-model runs on $(sed -n 's/^gpu: //p' "$OUT/machine.txt"), $(sed -n 's/^date: //p' "$OUT/machine.txt")"
   echo "model: $SMOL; outputs: $OUT; $(grep '^torch' "$OUT/machine.txt")"
-  for name in grpo_recipe_s0 grpo_recipe_s1 grpo_throughput grpo_throughput_noshare packed_prompt ppo_throughput rollout_backends; do
+  for name in grpo_recipe_s0 grpo_recipe_s1 grpo_throughput grpo_throughput_noshare grpo_throughput_static packed_prompt ppo_throughput rollout_backends; do
     [ -n "${RC[$name]:-}" ] || continue
     echo
     echo "-- $name (exit ${RC[$name]})"

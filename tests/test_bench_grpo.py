@@ -92,7 +92,8 @@ def test_bad_options_are_refused_in_one_line(bench, bad, says, tmp_path, capsys)
 def _args(tmp_path, generation: str, **kw) -> argparse.Namespace:
     base = dict(model=tmp_path / "model", data=tmp_path / "data", out=tmp_path, steps=4, beta=0.04, lr=1e-5,
                 device="cpu", mixed_precision="no", threads=2, group_size=4, completions=32, max_new_tokens=32,
-                no_share_prompt=False, prime=True, generation=generation, chat_prompts=False, cpu_matmul="torch")
+                no_share_prompt=False, prime=True, generation=generation, chat_prompts=False, cpu_matmul="torch",
+                hf_cache="dynamic")
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -145,6 +146,28 @@ def test_trl_vllm_side_asks_grpoconfig_for_a_colocated_engine(bench, tmp_path):
         fields = {node.target.id for node in ast.walk(ast.parse(grpo_config.read_text()))
                   if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
         assert set(extra) <= fields, set(extra) - fields
+
+
+def test_hf_cache_static_reaches_both_sides_and_the_worker(bench, tmp_path, monkeypatch):
+    from rlhflab.config import load_config
+    from rlhflab.trainers.grpo import GRPORunConfig
+
+    for generation, expected in (("hf", "static"), ("vllm", "dynamic")):  # vLLM keeps its own cache
+        cfg, _ = load_config(bench.ROOT / "configs" / "grpo_debug.yaml", GRPORunConfig,
+                             bench.rlhflab_overrides(_args(tmp_path, generation, hf_cache="static"), 4, "run"))
+        assert cfg.generation.hf_cache == expected
+    static = bench.trl_config_kwargs(_args(tmp_path, "hf", hf_cache="static"), "run")
+    plain = bench.trl_config_kwargs(_args(tmp_path, "hf"), "run")
+    assert {k: v for k, v in static.items() if k not in plain} == {"cache_implementation": "static"}
+    assert "cache_implementation" not in bench.trl_config_kwargs(_args(tmp_path, "vllm", hf_cache="static"), "run")
+    grpo_config = bench.TRL_DIR / "trl" / "trainer" / "grpo_config.py"
+    if grpo_config.is_file():
+        assert "cache_implementation:" in grpo_config.read_text()  # a GRPOConfig field of this version
+    seen = {}
+    monkeypatch.setattr(bench.subprocess, "run", lambda cmd, **kw: seen.update(cmd=cmd)
+                        or subprocess.CompletedProcess(cmd, 0, stdout="{}\n", stderr=""))
+    bench._worker("rlhflab", _args(tmp_path, "hf", hf_cache="static"), 0)
+    assert seen["cmd"][seen["cmd"].index("--hf-cache") + 1] == "static"
 
 
 def test_trl_vllm_on_cpu_gets_a_1_gib_kv_cache_unless_the_user_set_one(bench, tmp_path, monkeypatch):

@@ -348,6 +348,36 @@ def test_gpu_script_runs_its_stages_in_order_with_the_two_seeds_side_by_side(tmp
     assert "-- packed_prompt (exit 0)" in paste
 
 
+def test_gpu_script_runs_the_stages_named_in_stages_in_that_order(tmp_path):
+    """STAGES names the stages of bench/real_model_gpu.sh to run (a lease too short for all):
+    those alone, in the order given, grpo_throughput_static with the static KV cache and
+    without the priming run, the rest as in the full run; an unknown name stops the script."""
+    import os
+    import subprocess
+
+    fake = tmp_path / "fakepy"  # the stand-in, also keeping each call's arguments
+    fake.write_text(FAKE_PY.replace('log="$FAKE_LOG";', 'log="$FAKE_LOG"; echo "$*" >> "$FAKE_ARGV";'))
+    fake.chmod(0o755)
+    log, out, argv = tmp_path / "stages.log", tmp_path / "out", tmp_path / "argv"
+    env = {**os.environ, "PY": str(fake), "OUT": str(out), "SMOL": "unused", "BUDGET": "120",
+           "FAKE_LOG": str(log), "FAKE_ARGV": str(argv), "GRPO_REPEATS": "1", "NOSHARE_SIDES": "rlhflab",
+           "STAGES": "grpo_throughput_static grpo_throughput_noshare grpo_throughput"}
+    res = subprocess.run(["bash", str(BENCH / "real_model_gpu.sh")], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    calls = argv.read_text().splitlines()
+    assert len(calls) == 3 and all(c.startswith("bench/grpo_throughput.py") for c in calls)
+    static, noshare, plain = calls
+    assert "--hf-cache static" in static and "--no-prime" in static and "--sides rlhflab,trl" in static
+    assert "--no-share-prompt" in noshare and "--sides rlhflab " in noshare and "--hf-cache" not in noshare
+    assert "--repeats 1" in plain and "--hf-cache" not in plain and "--no-prime" not in plain
+    paste = (out / "paste.txt").read_text()
+    assert "-- grpo_throughput_static (exit 0)" in paste and paste.count("grpo_throughput: rlhflab 1") == 3
+    res = subprocess.run(["bash", str(BENCH / "real_model_gpu.sh")], capture_output=True, text=True, timeout=60,
+                         env={**env, "OUT": str(tmp_path / "out2"), "STAGES": "grpo_throughput grpo_thruput"})
+    assert res.returncode == 2 and "unknown stage grpo_thruput" in res.stderr
+
+
 def test_op_counts_sees_the_shared_prompts_extra_pass(tiny_model_dir, arith_dir, tmp_path, capsys):
     """bench/op_counts.py counts the aten ops of one GRPO step's scoring and update. With
     grpo.share_prompt the prompt is a pass of its own before the responses' pass (on its
