@@ -354,6 +354,28 @@ def test_shared_prompt_sampling_matches_plain_sampling(model_dir, task_dir, tmp_
     assert not groups_share_prompt(shared.prompt_ids, shared.prompt_mask, 3)
 
 
+def test_share_prompt_auto_shares_on_a_cpu_only(model_dir, task_dir, tmp_path):
+    """`grpo.share_prompt: auto` (the default): a group's prompt once on a CPU, once per
+    response on any other device (a model on the meta device stands in for a GPU here);
+    true and false as set, on any device; a rollout whose groups do not share a prompt, or a
+    checkpointing model, always takes the plain pass."""
+    from rlhflab import cpu
+
+    cfg, run, _ = _setup(model_dir, task_dir, tmp_path, "grpo.kl_coeff=0", need_reference=False)
+    assert cfg.grpo.share_prompt == "auto"
+    models = run.models
+    examples = load_prompts(cfg.dataset, models.tokenizer, "train")[:2]
+    roll = sample_groups(models, examples, 4, GenerationConfig(max_new_tokens=4), 64, batch_size=8)
+    on_meta = torch.nn.Linear(2, 2, device="meta")
+    assert scoring.shared_group_size(roll, models.policy, "auto") == 4
+    assert scoring.shared_group_size(roll, on_meta, "auto") == 1
+    assert scoring.shared_group_size(roll, on_meta, True) == 4 and scoring.shared_group_size(roll, models.policy, False) == 1
+    assert [cpu.share_prompt(d, s) for d in ("cpu", torch.device("cuda")) for s in ("auto", True, False)] == [
+        True, True, False, False, True, False]
+    roll.prompt_ids[1, -1] += 1  # row 1 no longer asks its group's prompt
+    assert scoring.shared_group_size(roll, models.policy, "auto") == 1
+
+
 def test_grouped_forward_matches_the_full_pass_values_and_gradients(model_dir, task_dir, tmp_path):
     cfg, run, _ = _setup(model_dir, task_dir, tmp_path, need_reference=True)
     models = run.models

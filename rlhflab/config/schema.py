@@ -48,6 +48,7 @@ Dtype = Literal["float32", "bfloat16", "float16", "auto"]
 # The one rule for chat templates in every command (rlhflab.data.chat): auto uses the
 # tokenizer's template when it has one; true insists on one; false never uses one.
 ChatTemplateUse = Union[bool, Literal["auto"]]
+ShareUse = Union[bool, Literal["auto"]]
 CHAT_TEMPLATE_HELP = ("auto: use the tokenizer's chat template when it has one (the default in every command); "
                       "true: require one (error without); false: plain templates")
 Device = Literal["cpu", "cuda", "auto"]
@@ -370,8 +371,13 @@ class PolicySection(OptimizerFields):
         "token_mean", "token_mean: every token of the batch weighs the same; seq_mean: every response does; "
                       "token_sum: token sum over responses x max_new_tokens (Dr. GRPO's constant)")
     mask_truncated: bool = f(False, "leave out of the loss the responses that hit max_new_tokens without EOS")
-    share_prompt: bool = f(True, "compute each prompt once for its group of responses (KV cache reused in sampling, "
-                                 "the update and the reference pass); exact, off only to compare")
+    share_prompt: ShareUse = f("auto", "compute a group's prompt once for its responses in the scoring, reference "
+                                       "and update passes (one pass over the prompt, one over the responses on its "
+                                       "KV cache) instead of once per response: the same numbers up to float "
+                                       "rounding, fewer FLOPs, twice the passes. auto: on a CPU, where the FLOPs "
+                                       "are the cost; off on a GPU, where a small model's step is paced by kernel "
+                                       "launches (bench/README.md). hf sampling prefills a group's prompt once "
+                                       "either way")
     tis_cap: Optional[float] = f(None, "truncated importance sampling: weigh each token's loss by "
                                        "min(pi_trainer/pi_sampler, tis_cap) when another engine sampled (vLLM); "
                                        "null disables", gt=0)

@@ -18,6 +18,11 @@ by the run context (`rlhflab.run`) when the training device is a CPU and never o
         - sampled tokens drawn by inverse transform, one uniform number per row
           (`generation.fast_draw`, rollout/hf.py), not torch.multinomial's one per
           vocabulary entry: the same distribution, other tokens for a given seed
+    share_prompt(device, setting)      read by the engine's scoring and update passes
+        (engine/scoring.shared_group_size): `share_prompt: auto` (the group
+        methods' sections) computes a group's prompt once on a CPU, where its FLOPs are the
+        cost, and once per response elsewhere (a GPU at 135M is paced by kernel launches,
+        which the shared prompt's second pass doubles; bench/NOTES.md)
     apply_default_wait()               how idle OpenMP threads wait (rlhflab/openmp.py); it
         must run before torch is imported, so the command line calls it, not the context.
 
@@ -96,6 +101,12 @@ def fast_draw(device, gen_cfg) -> bool:
     torch.multinomial: on a CPU only, where multinomial's exponential per vocabulary entry
     costs most; never on another device."""
     return on_cpu(device) and bool(getattr(gen_cfg, "fast_draw", False))
+
+
+def share_prompt(device, setting) -> bool:
+    """Whether a group's prompt is computed once for its responses in the scoring and update
+    passes (`<method>.share_prompt`): true and false as set; auto on a CPU only."""
+    return on_cpu(device) if setting == "auto" else bool(setting)
 
 
 def set_matmul(mode: str) -> str:

@@ -11,14 +11,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from rlhflab import cpu
 from rlhflab.engine.minibatch import MiniBatch, groups_share_prompt, select
 from rlhflab.models.actor_critic import Reference, is_checkpointing
 from rlhflab.rollout import Rollout
 
 
-def shared_group_size(roll: Rollout, model: nn.Module, share_prompt: bool = True) -> int:
-    """The group size to run prompts once per group with (1: the plain pass)."""
+def shared_group_size(roll: Rollout, model: nn.Module, share_prompt: bool | str = True) -> int:
+    """The group size to run prompts once per group with (1: the plain pass). `share_prompt`:
+    true, false, or auto (on where the model computes on a CPU: `rlhflab.cpu.share_prompt`)."""
     k = roll.group_size
+    if share_prompt == "auto":
+        share_prompt = cpu.share_prompt(next(model.parameters()).device, "auto")
     if not share_prompt or k < 2 or is_checkpointing(model):
         return 1
     return k if groups_share_prompt(roll.prompt_ids, roll.prompt_mask, k) else 1
@@ -53,7 +57,7 @@ def _pad_to(x: Tensor, width: int) -> Tensor:
 @torch.no_grad()
 def score_rollout(actor, reference: Reference | None, roll: Rollout, *, temperature: float = 1.0,
                   micro_batch: int = 64, with_policy: bool = True, with_values: bool = False,
-                  share_prompt: bool = True, by_length: bool = True, old_logprobs: str = "recompute") -> Rollout:
+                  share_prompt: bool | str = True, by_length: bool = True, old_logprobs: str = "recompute") -> Rollout:
     """Fill roll.logprobs (the policy as it is now), roll.values (`with_values`) and
     roll.ref_logprobs (when a reference is given); each (B, T), 0 on padding.
 
