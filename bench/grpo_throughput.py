@@ -33,9 +33,11 @@ evaluation and saving off). On a shared machine wall time also counts other
 processes' load, so the runs alternate and the median is reported, and the
 completions per CPU-second of each process are shown beside it.
 
-The difference that matters: rlhflab computes each prompt once per group of 8 (prefill
-in sampling; one prompt pass whose KV cache the 8 responses attend to in the update),
-where TRL runs it 8 times; `--no-share-prompt` turns that off for comparison.
+The difference that matters on a CPU: rlhflab computes each prompt once per group of 8
+(prefill in sampling; one prompt pass whose KV cache the 8 responses attend to in the
+scoring and update passes), where TRL runs it 8 times. `grpo.share_prompt: auto` does that
+on a CPU only (on a GPU the second pass costs more than the FLOPs it saves at this size);
+`--share-prompt true|false` sets it on any device, `--no-share-prompt` is `false`.
 `--hf-cache static` gives both sides generate's static KV cache (rlhflab's
 `generation.hf_cache`, TRL's `cache_implementation`): on a CUDA GPU transformers then
 compiles the decoding step, and the first, untimed step pays the compile.
@@ -156,7 +158,8 @@ def _rates(marks: list[tuple[float, float]], completions: int) -> dict:
     the end of each step; the first step is the warm-up, so timing starts at its end."""
     (w0, c0), (w1, c1) = marks[0], marks[-1]
     n = completions * (len(marks) - 1)
-    return {"completions_per_s": n / (w1 - w0), "completions_per_cpu_s": n / (c1 - c0), "steps_timed": len(marks) - 1}
+    return {"completions_per_s": n / (w1 - w0), "completions_per_cpu_s": n / (c1 - c0), "steps_timed": len(marks) - 1,
+            "step_s": [b[0] - a[0] for a, b in zip(marks, marks[1:])]}
 
 
 def _prime(train, a: argparse.Namespace) -> None:
@@ -235,7 +238,7 @@ def rlhflab_overrides(a: argparse.Namespace, steps: int, out: str) -> list[str]:
         f"grpo.batch_size={a.completions}", f"grpo.mini_batch_size={a.completions}",
         "grpo.gradient_accumulation_steps=1", "grpo.epochs=1",
         f"grpo.learning_rate={a.lr}", f"grpo.kl_coeff={a.beta}", "grpo.clip_eps=0.2", "grpo.max_grad_norm=1.0",
-        f"grpo.share_prompt={str(not a.no_share_prompt).lower()}", f"generation.hf_cache={a.hf_cache if a.generation == 'hf' else 'dynamic'}",
+        f"grpo.share_prompt={a.share_prompt}", f"generation.hf_cache={a.hf_cache if a.generation == 'hf' else 'dynamic'}",
         f"training.total_steps={steps}", "training.eval_interval=0", "training.save_interval=0",
         f"training.output_dir={a.out}/{out}", f"training.device={a.device}", f"training.num_threads={a.threads}",
         f"training.mixed_precision={a.mixed_precision}", f"generation.backend={a.generation}",
@@ -392,7 +395,7 @@ def _worker(side: str, a: argparse.Namespace, round_: int) -> dict:
            "--completions", str(a.completions), "--max-new-tokens", str(a.max_new_tokens),
            "--generation", generation, "--cpu-matmul", a.cpu_matmul] \
         + (["--chat-prompts"] if a.chat_prompts else []) \
-        + (["--no-share-prompt"] if a.no_share_prompt else []) + ["--hf-cache", a.hf_cache] \
+        + ["--share-prompt", a.share_prompt, "--hf-cache", a.hf_cache] \
         + ([] if a.prime else ["--no-prime"])
     env = worker_env(a, side)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -590,8 +593,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-matmul", choices=["torch", "onednn", "auto"], default="auto",
                    help="rlhflab's model.cpu_matmul (its default, auto: oneDNN on non-Intel CPUs with AVX-512, "
                         "docs/cpu_matmul.md); torch runs MKL as TRL's side always does")
-    p.add_argument("--no-share-prompt", action="store_true",
-                   help="run rlhflab with grpo.share_prompt=false (each prompt computed k times, as TRL does)")
+    p.add_argument("--share-prompt", choices=["auto", "true", "false"], default="auto",
+                   help="rlhflab's grpo.share_prompt (its default, auto: on a CPU, off on a GPU); false computes "
+                        "each prompt k times in the scoring and update passes, as TRL does")
+    p.add_argument("--no-share-prompt", dest="share_prompt", action="store_const", const="false",
+                   help="the same as --share-prompt false")
     p.add_argument("--hf-cache", choices=["dynamic", "static"], default="dynamic",
                    help="generate's KV cache on both sides with --generation hf: rlhflab's generation.hf_cache and "
                         "TRL's cache_implementation ('static': preallocated, so transformers compiles the "
@@ -671,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
           f"group {a.group_size}, {a.completions} "
           f"completions/step, <= {a.max_new_tokens} new tokens, beta {a.beta}; {a.steps} steps (first untimed); "
           f"median of {a.repeats} alternating runs; trl {trl_version}; rlhflab share_prompt "
-          f"{not a.no_share_prompt}; KV cache {a.hf_cache}; rlhflab cpu_matmul {a.cpu_matmul} ({_matmul_here(a)} here); "
+          f"{a.share_prompt} ({_share_here(a)} here); KV cache {a.hf_cache}; rlhflab cpu_matmul {a.cpu_matmul} ({_matmul_here(a)} here); "
           f"memory baseline {'after a priming run' if a.prime else 'after the imports'}; "
           f"sides {', '.join(f'{s} ({SIDES[s][1]})' for s in sides)}; load average {os.getloadavg()[0]:.1f}")
     print(f"| trainer | completions/s (wall) | completions per CPU-s | {mem_name} | process ru_maxrss MiB "
@@ -702,12 +708,23 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for line in mfu_lines(results, a, n, prompt_tokens, peak, peak_what):
         print(line)
+    for name in sides:  # each timed step's wall seconds, end to end (a slow one shows here, not in the medians)
+        if results[name] and "step_s" in results[name][0]:
+            print(f"step seconds {name}: " + " | ".join(" ".join(f"{x:.2f}" for x in r["step_s"])
+                                                         for r in results[name]))
     ours, theirs = last_line_pair(sides)
     o, t = med[ours], med[theirs]
     print(f"grpo_throughput: rlhflab {o['completions_per_s']:.1f} completions/s, trl "
           f"{t['completions_per_s']:.1f} completions/s, speed ratio {o['completions_per_s'] / t['completions_per_s']:.2f}, "
           f"memory ratio {o['peak_memory_mb'] / t['peak_memory_mb']:.2f}")
     return 0
+
+
+def _share_here(a: argparse.Namespace) -> str:
+    """Whether rlhflab's side computes a group's prompt once, as its --share-prompt resolves
+    on this bench's device."""
+    from rlhflab import cpu
+    return "on" if cpu.share_prompt(a.device, {"true": True, "false": False}.get(a.share_prompt, "auto")) else "off"
 
 
 def last_line_pair(sides: list[str]) -> tuple[str, str]:

@@ -4,12 +4,12 @@
 #   2. the SmolLM2 GRPO recipe (configs/grpo_smollm2.yaml) on CUDA with bf16 autocast and
 #      float32 weights, held-out greedy accuracy before / at step 25 / at step 50, seeds 0
 #      and 1 side by side (two processes on the one GPU);
-#   3. grpo_throughput.py again with grpo.share_prompt=false on rlhflab's side;
+#   3. grpo_throughput.py again with grpo.share_prompt=true on rlhflab's side (auto is off on a GPU);
 #   4. packed_prompt.py: the shared prompt's two passes against one packed pass per group;
 #   5. rollout_backends.py: the hf backend on the GPU (vLLM too where it is installed);
 #   6. ppo_throughput.py: rlhflab (value head, separate critic) and TRL 1.12's PPO, each alone.
 # Not run unless named in STAGES: grpo_throughput_static, grpo_throughput with generate's static
-# KV cache on both sides (transformers compiles the decoding step on a GPU).
+# KV cache (transformers compiles the decoding step on a GPU), rlhflab's side (STATIC_SIDES).
 # Reports go to $OUT/<name>.txt (stderr to <name>.err, JSON where a bench writes one); the
 # lines to paste are printed at the end and kept in $OUT/paste.txt.
 #
@@ -31,9 +31,10 @@ BUDGET=${BUDGET:-3000}
 DEVICE=${DEVICE:-cuda}
 MP=${MP:-bf16}
 # the stages, in this order (a lease too short for all of them names a few)
-STAGES=${STAGES:-grpo_throughput grpo_recipe grpo_throughput_noshare packed_prompt rollout_backends ppo_throughput}
+STAGES=${STAGES:-grpo_throughput grpo_recipe grpo_throughput_shared packed_prompt rollout_backends ppo_throughput}
 GRPO_REPEATS=${GRPO_REPEATS:-2}          # grpo_throughput's alternating runs
-NOSHARE_SIDES=${NOSHARE_SIDES:-rlhflab,trl}  # rlhflab alone when TRL ran in grpo_throughput on the same machine
+SHARED_SIDES=${SHARED_SIDES:-rlhflab,trl}  # rlhflab alone when TRL ran in grpo_throughput on the same machine
+STATIC_SIDES=${STATIC_SIDES:-rlhflab}
 OUT=${OUT:-outputs/bench-gpu/$(date -u +%Y%m%dT%H%M%SZ)$([ "$QUICK" = 1 ] && echo -quick)}
 mkdir -p "$OUT"
 declare -A RC
@@ -103,16 +104,17 @@ else
             training.eval_interval=25 &
         done
         together grpo_recipe_s0 grpo_recipe_s1 ;;
-      grpo_throughput_noshare)  # each prompt computed once per completion (grpo.share_prompt=false, as
-        # TRL does): on a GPU the shared prompt saves FLOPs that cost little and adds passes.
-        run grpo_throughput_noshare 150 bench/grpo_throughput.py --device "$DEVICE" --mixed-precision "$MP" \
-          --model-dir "$SMOL" --sides "$NOSHARE_SIDES" --no-share-prompt --steps 4 --repeats 1 --completions 32 \
-          --group-size 4 --max-new-tokens 32 --beta 0.04 --peak-sizes 8192 --out "$OUT/grpo-noshare-scratch" ;;
-      grpo_throughput_static)  # generate's static KV cache on both sides (rlhflab generation.hf_cache,
-        # TRL cache_implementation): transformers compiles the decoding step; no priming run, so each
-        # side compiles once, in its first (untimed) step.
+      grpo_throughput_shared)  # rlhflab computing a group's prompt once (grpo.share_prompt=true, its
+        # CPU setting; auto turns it off on a GPU, where it saves FLOPs that cost little and adds passes)
+        run grpo_throughput_shared 150 bench/grpo_throughput.py --device "$DEVICE" --mixed-precision "$MP" \
+          --model-dir "$SMOL" --sides "$SHARED_SIDES" --share-prompt true --steps 4 --repeats 1 --completions 32 \
+          --group-size 4 --max-new-tokens 32 --beta 0.04 --peak-sizes 8192 --out "$OUT/grpo-shared-scratch" ;;
+      grpo_throughput_static)  # generate's static KV cache (rlhflab generation.hf_cache; TRL's
+        # cache_implementation, which failed under bf16 on 2026-11-28: a float32 cache fed bfloat16 keys):
+        # transformers compiles the decoding step; no priming run, so a side compiles once, in its
+        # first (untimed) step.
         run grpo_throughput_static 240 bench/grpo_throughput.py --device "$DEVICE" --mixed-precision "$MP" \
-          --model-dir "$SMOL" --sides rlhflab,trl --hf-cache static --no-prime --steps 5 --repeats 1 \
+          --model-dir "$SMOL" --sides "$STATIC_SIDES" --hf-cache static --no-prime --steps 5 --repeats 1 \
           --completions 32 --group-size 4 --max-new-tokens 32 --beta 0.04 --peak-sizes 8192 \
           --out "$OUT/grpo-static-scratch" ;;
       packed_prompt)  # the shared prompt's two passes against one packed pass per group
@@ -125,7 +127,7 @@ else
         run ppo_throughput 150 bench/ppo_throughput.py --device "$DEVICE" --mixed-precision "$MP" --model-dir "$SMOL" \
           --sides rlhflab,rlhflab-critic,trl --repeats 3 --warmup 1 --peak-sizes 8192 \
           --json "$OUT/ppo_throughput.json" ;;
-      *) note "unknown stage $stage: pick from grpo_throughput grpo_recipe grpo_throughput_noshare grpo_throughput_static packed_prompt rollout_backends ppo_throughput"
+      *) note "unknown stage $stage: pick from grpo_throughput grpo_recipe grpo_throughput_shared grpo_throughput_static packed_prompt rollout_backends ppo_throughput"
          exit 2 ;;
     esac
   done
@@ -134,7 +136,7 @@ fi
 {
   echo "== real-model runs on $(sed -n 's/^gpu: //p' "$OUT/machine.txt"), $(sed -n 's/^date: //p' "$OUT/machine.txt")"
   echo "model: $SMOL; outputs: $OUT; $(grep '^torch' "$OUT/machine.txt")"
-  for name in grpo_recipe_s0 grpo_recipe_s1 grpo_throughput grpo_throughput_noshare grpo_throughput_static packed_prompt ppo_throughput rollout_backends; do
+  for name in grpo_recipe_s0 grpo_recipe_s1 grpo_throughput grpo_throughput_shared grpo_throughput_static packed_prompt ppo_throughput rollout_backends; do
     [ -n "${RC[$name]:-}" ] || continue
     echo
     echo "-- $name (exit ${RC[$name]})"
@@ -142,7 +144,7 @@ fi
       grpo_recipe_*) grep -E '^\| grpo' "$OUT/$name.txt" ;;
       ppo_throughput) sed -n '/^side /,/^$/p; /^MFU per phase/,$p; /^ratios/,/^$/p' "$OUT/$name.txt" ;;
       packed_prompt) grep -E '^(plain|shared|packed) |^largest|^packed_prompt:' "$OUT/$name.txt" ;;
-      grpo_throughput*) grep -E '^\| |^per phase|^  (rlhflab|trl):|^grpo_throughput:' "$OUT/$name.txt" ;;
+      grpo_throughput*) grep -E '^\| |^per phase|^  (rlhflab|trl):|^step seconds|^grpo_throughput:' "$OUT/$name.txt" ;;
       rollout_backends) grep -E '^matmul peak|^smollm2|^[a-z0-9.-]+ +[0-9.]+M|^targets:|^rollout_backends:' "$OUT/$name.txt" ;;
     esac
     [ "${RC[$name]}" = 0 ] || tail -8 "$OUT/$name.err"

@@ -92,7 +92,7 @@ def test_bad_options_are_refused_in_one_line(bench, bad, says, tmp_path, capsys)
 def _args(tmp_path, generation: str, **kw) -> argparse.Namespace:
     base = dict(model=tmp_path / "model", data=tmp_path / "data", out=tmp_path, steps=4, beta=0.04, lr=1e-5,
                 device="cpu", mixed_precision="no", threads=2, group_size=4, completions=32, max_new_tokens=32,
-                no_share_prompt=False, prime=True, generation=generation, chat_prompts=False, cpu_matmul="torch",
+                share_prompt="auto", prime=True, generation=generation, chat_prompts=False, cpu_matmul="torch",
                 hf_cache="dynamic")
     return argparse.Namespace(**{**base, **kw})
 

@@ -310,7 +310,7 @@ exit 0
 def test_gpu_script_runs_its_stages_in_order_with_the_two_seeds_side_by_side(tmp_path):
     """bench/real_model_gpu.sh (the GPU session's one prepared script), with a stand-in for
     python: grpo_throughput first, then the recipe's seeds 0 and 1 at the same time, then
-    grpo_throughput without the shared prompt, packed_prompt, rollout_backends and
+    grpo_throughput with the shared prompt, packed_prompt, rollout_backends and
     ppo_throughput; every stage's exit code (a failing one's too, with
     its stderr) reaches the summary, and both seeds' rows are in paste.txt."""
     import os
@@ -333,7 +333,7 @@ def test_gpu_script_runs_its_stages_in_order_with_the_two_seeds_side_by_side(tmp
     assert starts[0] == ("grpo_throughput", "none") and starts[-2:] == [("rollout_backends", "none"),
                                                                         ("ppo_throughput", "none")]
     assert sorted(starts[1:3]) == [("real_model_recipes", "0"), ("real_model_recipes", "1")]
-    assert starts[3] == ("grpo_throughput", "none") and starts[4] == ("packed_prompt", "none")  # no shared prompt
+    assert starts[3] == ("grpo_throughput", "none") and starts[4] == ("packed_prompt", "none")  # shared prompt
     assert len(starts) == 7
     s0, s1 = ("real_model_recipes", "0"), ("real_model_recipes", "1")
     assert t[("start",) + s1] < t[("end",) + s0] and t[("start",) + s0] < t[("end",) + s1]  # side by side
@@ -343,7 +343,7 @@ def test_gpu_script_runs_its_stages_in_order_with_the_two_seeds_side_by_side(tmp
     assert "| grpo | 0 | 50 |" in paste and "| grpo | 1 | 50 |" in paste
     assert "-- grpo_recipe_s0 (exit 0)" in paste and "-- grpo_recipe_s1 (exit 0)" in paste
     assert "-- rollout_backends (exit 3)" in paste and "boom" in paste
-    assert "-- grpo_throughput_noshare (exit 0)" in paste and paste.count("grpo_throughput: rlhflab 1") == 2
+    assert "-- grpo_throughput_shared (exit 0)" in paste and paste.count("grpo_throughput: rlhflab 1") == 2
     assert "-- grpo_throughput (exit 0)" in paste and "-- ppo_throughput (exit 0)" in paste
     assert "-- packed_prompt (exit 0)" in paste
 
@@ -360,17 +360,18 @@ def test_gpu_script_runs_the_stages_named_in_stages_in_that_order(tmp_path):
     fake.chmod(0o755)
     log, out, argv = tmp_path / "stages.log", tmp_path / "out", tmp_path / "argv"
     env = {**os.environ, "PY": str(fake), "OUT": str(out), "SMOL": "unused", "BUDGET": "120",
-           "FAKE_LOG": str(log), "FAKE_ARGV": str(argv), "GRPO_REPEATS": "1", "NOSHARE_SIDES": "rlhflab",
-           "STAGES": "grpo_throughput_static grpo_throughput_noshare grpo_throughput"}
+           "FAKE_LOG": str(log), "FAKE_ARGV": str(argv), "GRPO_REPEATS": "1", "SHARED_SIDES": "rlhflab",
+           "STAGES": "grpo_throughput_static grpo_throughput_shared grpo_throughput"}
     res = subprocess.run(["bash", str(BENCH / "real_model_gpu.sh")], env=env, capture_output=True, text=True,
                          timeout=60)
     assert res.returncode == 0, res.stderr
     calls = argv.read_text().splitlines()
     assert len(calls) == 3 and all(c.startswith("bench/grpo_throughput.py") for c in calls)
-    static, noshare, plain = calls
-    assert "--hf-cache static" in static and "--no-prime" in static and "--sides rlhflab,trl" in static
-    assert "--no-share-prompt" in noshare and "--sides rlhflab " in noshare and "--hf-cache" not in noshare
-    assert "--repeats 1" in plain and "--hf-cache" not in plain and "--no-prime" not in plain
+    static, shared, plain = calls
+    assert "--hf-cache static" in static and "--no-prime" in static and "--sides rlhflab " in static
+    assert "--share-prompt true" in shared and "--sides rlhflab " in shared and "--hf-cache" not in shared
+    assert "--repeats 1" in plain and "--sides rlhflab,trl " in plain
+    assert not any(flag in plain for flag in ("--hf-cache", "--no-prime", "--share-prompt"))  # the defaults
     paste = (out / "paste.txt").read_text()
     assert "-- grpo_throughput_static (exit 0)" in paste and paste.count("grpo_throughput: rlhflab 1") == 3
     res = subprocess.run(["bash", str(BENCH / "real_model_gpu.sh")], capture_output=True, text=True, timeout=60,
