@@ -419,3 +419,19 @@ def test_static_cache_decodes_what_the_dynamic_cache_does(tiny_model_dir):
     assert not HFBackend(model, tok, GenerationConfig(), max_prompt_length=32, batch_size=8).static_cache
     errs = GenerationConfig(hf_cache="static", backend="vllm").check()
     assert any(e.startswith("hf_cache: static applies only to backend=hf") for e in errs)
+
+
+def test_static_cache_on_a_transformers_without_max_cache_len_is_refused_when_the_backend_is_built(
+        tiny_model_dir, monkeypatch):
+    import transformers
+
+    from rlhflab.config.schema import GenerationConfig
+    from rlhflab.errors import UserError
+    from rlhflab.rollout import HFBackend
+
+    model, tok = load_model(str(tiny_model_dir))
+    monkeypatch.setattr(transformers, "GenerationConfig", lambda: SimpleNamespace(max_length=20))  # an old one
+    with pytest.raises(UserError, match=r"hf_cache: static needs transformers 5.16 or newer .* "
+                                        r"generation.hf_cache: dynamic"):
+        HFBackend(model, tok, GenerationConfig(hf_cache="static"), max_prompt_length=32, batch_size=8)
+    assert not HFBackend(model, tok, GenerationConfig(), max_prompt_length=32, batch_size=8).static_cache

@@ -206,6 +206,18 @@ def generate(model, tokenizer, prompts: Sequence[str], *, n: int = 1, max_new_to
     return roll
 
 
+def check_static_cache() -> None:
+    """`generation.hf_cache: static` sizes the cache with generate's `max_cache_len`, which
+    older transformers do not have (they would refuse the argument at the first rollout)."""
+    import transformers
+
+    if not hasattr(transformers.GenerationConfig(), "max_cache_len"):
+        from rlhflab.errors import UserError
+        raise UserError(f"generation.hf_cache: static needs transformers 5.16 or newer (generate's "
+                        f"max_cache_len); this is {transformers.__version__}: upgrade transformers, or set "
+                        f"generation.hf_cache: dynamic")
+
+
 class HFBackend:
     """`generation.backend: hf`: sampling from the training model itself, so there is
     nothing to synchronise after an optimizer step."""
@@ -220,6 +232,8 @@ class HFBackend:
         # generation.old_logprobs: sampler: the draw records its log-probs (rollout.sample_logprobs)
         self.sample_logprobs = getattr(gen_cfg, "old_logprobs", "recompute") == "sampler"
         self.static_cache = getattr(gen_cfg, "hf_cache", "dynamic") == "static"
+        if self.static_cache:
+            check_static_cache()
 
     def generate(self, prompts: Sequence[str], *, n: int = 1, examples: Sequence[dict] | None = None,
                  greedy: bool = False, max_new_tokens: int | None = None, batch_size: int | None = None,
