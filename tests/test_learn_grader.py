@@ -219,6 +219,18 @@ def test_packaged_run_config_is_the_repos_debug_config():
         cfg.reward.plugin_dir = cfg.eval.plugin_dir = cfg.env.plugin_dir = None
     assert dataclasses.asdict(packaged) == dataclasses.asdict(repo), \
         "configs/ppo_debug.yaml changed: refresh the copy with `python -m rlhflab.learn.runner`"
+    assert "plugin_dir: null" in packaged_config().read_text()  # no checkout's absolute path in the package
+
+
+def test_refreshing_the_packaged_config_writes_no_absolute_plugin_folder(tmp_path):
+    from rlhflab.config import load_config
+    from rlhflab.learn.runner import write_packaged_config
+    from rlhflab.trainers.ppo import PPORunConfig
+
+    text = write_packaged_config(tmp_path / "copy.yaml").read_text()
+    assert str(REPO) not in text and text.count("plugin_dir: null") == 3
+    cfg, _ = load_config(tmp_path / "copy.yaml", PPORunConfig)
+    assert cfg.reward.plugin_dir == str(tmp_path)  # filled at load time with the copy's own folder
 
 
 def test_exercise_registry_is_consistent():

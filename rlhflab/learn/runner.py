@@ -76,6 +76,9 @@ def write_packaged_config(dest: Path | None = None) -> Path:
     if src is None:
         raise UserError("configs/ppo_debug.yaml not found: refresh the packaged config from a source checkout")
     cfg, _ = load_config(src, PPORunConfig)
+    # the loader fills each plug-in folder with the config file's own: left null here, the
+    # packaged copy's are its own folder, not this checkout's absolute path
+    cfg.reward.plugin_dir = cfg.eval.plugin_dir = cfg.env.plugin_dir = None
     dest = dest or packaged_config()
     header = ("# Generated from configs/ppo_debug.yaml (with its defaults resolved) for `rlhflab learn run`\n"
               "# from an installed package. Refresh: python -m rlhflab.learn.runner\n")
