@@ -73,6 +73,9 @@ together() {  # together NAME1 NAME2: the two stages started since the last call
 
 # BACKEND=vllm where vLLM is installed on the GPU machine (the CPU recipe generates with vLLM's CPU build)
 GPU=("training.device=$DEVICE" "training.mixed_precision=$MP" "model.name_or_path=$SMOL" "generation.backend=${BACKEND:-hf}")
+# RECIPE_EXTRA: more overrides for the recipe's runs, e.g. "generation.hf_cache=static"
+read -r -a extra <<< "${RECIPE_EXTRA:-}"
+GPU+=("${extra[@]}")
 if [ "$QUICK" = 1 ]; then
   for seed in 0 1; do
     run grpo_recipe_s$seed 300 scripts/real_model_recipes.py --recipe grpo --seed $seed --threads 2 \

@@ -377,6 +377,14 @@ def test_gpu_script_runs_the_stages_named_in_stages_in_that_order(tmp_path):
     res = subprocess.run(["bash", str(BENCH / "real_model_gpu.sh")], capture_output=True, text=True, timeout=60,
                          env={**env, "OUT": str(tmp_path / "out2"), "STAGES": "grpo_throughput grpo_thruput"})
     assert res.returncode == 2 and "unknown stage grpo_thruput" in res.stderr
+    argv.unlink()
+    res = subprocess.run(["bash", str(BENCH / "real_model_gpu.sh")], capture_output=True, text=True, timeout=60,
+                         env={**env, "OUT": str(tmp_path / "out3"), "STAGES": "grpo_recipe",
+                              "RECIPE_EXTRA": "generation.hf_cache=static training.total_steps=60"})
+    recipes = argv.read_text().splitlines()
+    assert res.returncode == 0 and len(recipes) == 2  # the two seeds, each with the extra overrides last
+    assert all(c.endswith("generation.hf_cache=static training.total_steps=60 training.eval_interval=25")
+               for c in recipes)
 
 
 def test_op_counts_sees_the_shared_prompts_extra_pass(tiny_model_dir, arith_dir, tmp_path, capsys):
@@ -437,3 +445,96 @@ def test_packed_prompt_pass_equals_the_plain_pass_with_one_pass(tiny_model_dir):
         assert (g1[n] - g0[n]).abs().max() <= 1e-4 * g0[n].abs().max() + 1e-7, n
     ops = {name: packed_prompt.count_ops(fn) for name, fn in fns.items()}
     assert ops["packed"] < 0.7 * ops["shared"] and ops["packed"] < 1.3 * ops["plain"]
+
+
+LEASE_PY = r'''#!/usr/bin/env bash
+# Stands in for python on the GPU machine in bench/gpu_lease.sh: logs each call; the import
+# writes a config.json and keeps a copy of the GGUF it was given; benches print a summary line.
+echo "$*" >> "$FAKE_LOG"
+case "$1 $2" in
+  "-m pip") exit 0;;
+  "-m rlhflab") out=$(for a in "$@"; do [ "$prev" = --out ] && echo "$a"; prev=$a; done)
+               mkdir -p "$out" && echo '{}' > "$out/config.json" && cp "$4" "$FAKE_GGUF_COPY"; exit 0;;
+  "-c "*) echo "torch fake | transformers fake | cuda None"; exit 0;;
+esac
+case $(basename "$1" .py) in
+  grpo_throughput) echo "grpo_throughput: rlhflab 1 completions/s, trl 1 completions/s, speed ratio 1.00, memory ratio 1.00";;
+esac
+exit 0
+'''
+
+
+def _lease_tree(tmp_path, gguf: bytes, sha: str):
+    """A repository stand-in holding the two scripts and what bench/gpu_carry.sh packs."""
+    import hashlib
+    import io
+    import shutil
+    import tarfile
+
+    repo = tmp_path / "repo"
+    (repo / "bench").mkdir(parents=True)
+    for name in ("gpu_lease.sh", "real_model_gpu.sh"):
+        shutil.copy(BENCH / name, repo / "bench" / name)
+    carry, b = tmp_path / "carry", repo / ".gpu" / "b"
+    (b / "whl").mkdir(parents=True)
+    carry.mkdir()
+    (carry / "part00").write_bytes(gguf[:7])
+    (b / "part01").write_bytes(gguf[7:])
+    (b / "gguf.sha256").write_text((sha or hashlib.sha256(gguf).hexdigest()) + "\n")
+    (b / "whl" / "transformers-5.19.0-py3-none-any.whl").write_bytes(b"wheel")
+    with tarfile.open(b / "trl.tgz", "w:gz") as tar:
+        data = b"# trl\n"
+        info = tarfile.TarInfo("trl/trl/__init__.py")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    fake = tmp_path / "py"
+    fake.write_text(LEASE_PY)
+    fake.chmod(0o755)
+    return repo, carry, fake
+
+
+@pytest.mark.parametrize("sha, part00", [(None, True), ("0" * 64, True), (None, False)])
+def test_gpu_lease_joins_checks_installs_imports_then_runs_the_stages(tmp_path, sha, part00):
+    """bench/gpu_lease.sh (the second call of a GPU lease): the GGUF joined from the first
+    call's part and the carried one, its SHA-256 checked before anything is installed or
+    imported, then the wheels, TRL, the import and real_model_gpu.sh with the caller's STAGES,
+    the reports packed into $OUT/reports.tgz; parts from another pack, or a missing first
+    part, stop it with a message that says what to do."""
+    import os
+    import subprocess
+    import tarfile
+
+    gguf = b"GGUF" + bytes(range(60))
+    repo, carry, fake = _lease_tree(tmp_path, gguf, sha)
+    if not part00:
+        (carry / "part00").unlink()
+    log, out, copy = tmp_path / "calls.log", tmp_path / "out", tmp_path / "gguf.copy"
+    out.mkdir()
+    env = {**os.environ, "PY": str(fake), "FAKE_LOG": str(log), "FAKE_GGUF_COPY": str(copy), "OUT": str(out),
+           "CARRY": str(carry), "REPORTS": str(tmp_path / "reports"), "STAGES": "grpo_throughput_static",
+           "BUDGET": "60"}
+    res = subprocess.run(["bash", str(repo / "bench" / "gpu_lease.sh")], env=env, capture_output=True, text=True,
+                         timeout=60)
+    if sha is not None or not part00:
+        assert res.returncode == 3 and not log.exists()  # nothing installed, imported or run
+        assert ("different packs" if part00 else "the first call copies .gpu/a/part00") in res.stderr
+        return
+    assert res.returncode == 0, res.stderr
+    calls = log.read_text().splitlines()
+    assert calls[0].startswith("-m pip install") and calls[0].endswith("transformers-5.19.0-py3-none-any.whl")
+    assert calls[1].startswith("-m rlhflab import-gguf") and copy.read_bytes() == gguf  # the joined file
+    assert [c.split()[0] for c in calls[3:]] == ["bench/grpo_throughput.py"]  # after real_model_gpu.sh's -c
+    assert "--hf-cache static" in calls[3]
+    assert (repo / ".bench" / "trl" / "trl" / "__init__.py").is_file()
+    with tarfile.open(out / "reports.tgz") as tar:
+        names = tar.getnames()
+    assert "reports/paste.txt" in names and "reports/grpo_throughput_static.txt" in names
+
+
+def test_gpu_carry_without_the_gguf_says_how_to_get_it(tmp_path):
+    import os
+    import subprocess
+
+    res = subprocess.run(["bash", str(BENCH / "gpu_carry.sh")], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "GGUF": str(tmp_path / "missing.gguf")})
+    assert res.returncode == 2 and "run make models, or set GGUF=FILE" in res.stderr  # before touching .gpu/
