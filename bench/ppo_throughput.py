@@ -110,6 +110,7 @@ class BenchSettings:
     cpu_allocator: str | None = None  # rlhflab's model.cpu_allocator (--cpu-allocator; None: its default)
     trl_cpu_allocator: str | None = None  # the same glibc setting in TRL's process (--trl-cpu-allocator; None: glibc's)
     critic_overlap: bool = False  # rlhflab's model.critic_overlap (--critic-overlap)
+    hf_cache: str = "dynamic"  # rlhflab's generation.hf_cache (--hf-cache)
 
 
 # --------------------------------------------------------------------------------------
@@ -143,6 +144,7 @@ class RlhflabSide:
         g = cfg.generation
         g.max_new_tokens = g.min_new_tokens = s.response_length
         g.temperature, g.top_k, g.top_p = s.temperature, 0, 1.0
+        g.hf_cache = s.hf_cache
         g.old_logprobs = self.old_logprobs
         cfg.reward.missing_eos_penalty, cfg.reward.score_clip = None, None
         p = cfg.ppo
@@ -706,7 +708,9 @@ def format_report(result: dict, summary: dict[str, dict]) -> str:
         + (f"; TRL's process: the same glibc setting as cpu_allocator={s['trl_cpu_allocator']}"
            if s.get("trl_cpu_allocator") else "")
         + ("; rlhflab's model.critic_overlap=true (separate critic: its pass beside the policy's, one thread "
-           "each)" if s.get("critic_overlap") else ""),
+           "each)" if s.get("critic_overlap") else "")
+        + (f"; rlhflab's generation.hf_cache={s['hf_cache']} (TRL's generate keeps its default cache)"
+           if s.get("hf_cache", "dynamic") != "dynamic" else ""),
         f"medians of {result['repeats']} steps per side after {result['warmup']} warm-up steps, sides "
         + ("run one after the other (--sequential)" if result.get("sequential") else "interleaved step by step"),
         "",
@@ -797,6 +801,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--critic-overlap", action="store_true",
                     help="rlhflab's model.critic_overlap=true on its separate-critic sides: the critic's pass "
                          "in a second thread beside the policy's (default: off, the config's default)")
+    ap.add_argument("--hf-cache", choices=["dynamic", "static"], default="dynamic",
+                    help="rlhflab's generation.hf_cache on every rlhflab side: static compiles the decoding step "
+                         "on a CUDA GPU (its first, warm-up step pays the compile); TRL's side is not changed")
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="the peak FLOP/s (in TFLOP/s) the MFU divides by; default: measured here (on CUDA: "
                          "square matmuls of --peak-sizes in bfloat16 under --mixed-precision bf16, else float32)")
@@ -823,7 +830,8 @@ def main(argv: list[str] | None = None) -> int:
                              episodes=args.episodes, response_length=args.response_length,
                              epochs=args.epochs, threads=args.threads, device=args.device,
                              mixed_precision=args.mixed_precision, cpu_allocator=args.cpu_allocator,
-                             trl_cpu_allocator=args.trl_cpu_allocator, critic_overlap=args.critic_overlap)
+                             trl_cpu_allocator=args.trl_cpu_allocator, critic_overlap=args.critic_overlap,
+                             hf_cache=args.hf_cache)
     if args.device == "cuda":
         import torch
         if not torch.cuda.is_available():

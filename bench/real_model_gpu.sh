@@ -129,7 +129,7 @@ else
       ppo_throughput)  # PPO: 32 episodes x 16 tokens, 4 epochs of one 32-episode minibatch, as on the CPU.
         run ppo_throughput 150 bench/ppo_throughput.py --device "$DEVICE" --mixed-precision "$MP" --model-dir "$SMOL" \
           --sides rlhflab,rlhflab-critic,trl --repeats 3 --warmup 1 --peak-sizes 8192 \
-          --json "$OUT/ppo_throughput.json" ;;
+          --json "$OUT/ppo_throughput.json" ${PPO_EXTRA:-} ;;  # PPO_EXTRA, e.g. "--hf-cache static"
       *) note "unknown stage $stage: pick from grpo_throughput grpo_recipe grpo_throughput_shared grpo_throughput_static packed_prompt rollout_backends ppo_throughput"
          exit 2 ;;
     esac

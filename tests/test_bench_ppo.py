@@ -141,6 +141,18 @@ def test_critic_overlap_flag_switches_the_separate_critics_worker_thread_on(benc
         side.release()
 
 
+def test_hf_cache_flag_reaches_every_rlhflab_side_and_the_header(bench, tiny_model):
+    for cache in ("dynamic", "static"):
+        s = bench.BenchSettings(model_dir=str(tiny_model), hf_cache=cache)
+        for name in ("rlhflab", "rlhflab-critic", "rlhflab-critic-samplerlp"):
+            assert bench.make_side(name, s).config().generation.hf_cache == cache
+    for cache, said in (("static", True), ("dynamic", False)):
+        result = {"settings": bench.asdict(bench.BenchSettings(model_dir=str(tiny_model), hf_cache=cache)),
+                  "repeats": 1, "warmup": 0, "info": {}}
+        header = bench.format_report(result, {}).splitlines()[0]
+        assert ("rlhflab's generation.hf_cache=static" in header) is said
+
+
 def test_a_worker_killed_for_memory_is_named_with_the_way_out(bench):
     """A worker the kernel kills (SIGKILL) is reported as killed, with the flag that skips
     the profiled tensor count when it died there, after its timed steps."""

@@ -385,6 +385,12 @@ def test_gpu_script_runs_the_stages_named_in_stages_in_that_order(tmp_path):
     assert res.returncode == 0 and len(recipes) == 2  # the two seeds, each with the extra overrides last
     assert all(c.endswith("generation.hf_cache=static training.total_steps=60 training.eval_interval=25")
                for c in recipes)
+    argv.unlink()
+    res = subprocess.run(["bash", str(BENCH / "real_model_gpu.sh")], capture_output=True, text=True, timeout=60,
+                         env={**env, "OUT": str(tmp_path / "out4"), "STAGES": "ppo_throughput",
+                              "PPO_EXTRA": "--hf-cache static"})
+    (ppo,) = argv.read_text().splitlines()
+    assert res.returncode == 0 and ppo.startswith("bench/ppo_throughput.py") and ppo.endswith("--hf-cache static")
 
 
 def test_op_counts_sees_the_shared_prompts_extra_pass(tiny_model_dir, arith_dir, tmp_path, capsys):
