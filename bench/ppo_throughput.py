@@ -111,6 +111,7 @@ class BenchSettings:
     trl_cpu_allocator: str | None = None  # the same glibc setting in TRL's process (--trl-cpu-allocator; None: glibc's)
     critic_overlap: bool = False  # rlhflab's model.critic_overlap (--critic-overlap)
     hf_cache: str = "dynamic"  # rlhflab's generation.hf_cache (--hf-cache)
+    attn: str | None = None  # the attention of every side's models (--attn-implementation; None: transformers')
 
 
 # --------------------------------------------------------------------------------------
@@ -135,7 +136,7 @@ class RlhflabSide:
         cfg.model.name_or_path = s.model_dir
         cfg.model.torch_dtype = "bfloat16" if self.precision == "bf16-weights" else "float32"
         cfg.model.gradient_checkpointing, cfg.model.critic, cfg.model.reference = False, self.critic, "copy"
-        cfg.model.cpu_matmul, cfg.model.attn_implementation = self.cpu_matmul, self.attn
+        cfg.model.cpu_matmul, cfg.model.attn_implementation = self.cpu_matmul, self.attn or s.attn
         if s.cpu_allocator:
             cfg.model.cpu_allocator = s.cpu_allocator
         cfg.model.critic_overlap = s.critic_overlap
@@ -309,6 +310,19 @@ def set_trl_allocator(s: BenchSettings) -> bool:
     return cpu.set_allocator(s.trl_cpu_allocator, torch.device(s.device))
 
 
+def load_trl_models(s: BenchSettings):
+    """TRL's side's policy and value model, float32, with --attn-implementation's attention
+    (as rlhflab's sides) when given."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    attn = {"attn_implementation": s.attn} if s.attn else {}
+    policy = AutoModelForCausalLM.from_pretrained(s.model_dir, dtype=torch.float32, **attn)
+    value_model = AutoModelForSequenceClassification.from_pretrained(s.model_dir, num_labels=1,
+                                                                     dtype=torch.float32, **attn)
+    return policy, value_model
+
+
 class TrlSide:
     """One call of `PPOTrainer.train()` per step (total_episodes = one batch).
 
@@ -354,18 +368,14 @@ class TrlSide:
         trl_ppo.batch_generation, trl_ppo.get_reward, trl_ppo.forward = batch_generation, get_reward, forward
 
     def build(self) -> dict:
-        import torch
         from datasets import Dataset
-        from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
-                                  PrinterCallback, ProgressCallback, TrainerCallback)
+        from transformers import AutoTokenizer, PrinterCallback, ProgressCallback, TrainerCallback
 
         s, trl_ppo = self.s, self.trl_ppo
         self.release()
         tok = AutoTokenizer.from_pretrained(s.model_dir)
         tok.padding_side = "left"
-        policy = AutoModelForCausalLM.from_pretrained(s.model_dir, dtype=torch.float32)
-        value_model = AutoModelForSequenceClassification.from_pretrained(s.model_dir, num_labels=1,
-                                                                         dtype=torch.float32)
+        policy, value_model = load_trl_models(s)
         value_model.config.pad_token_id = tok.pad_token_id
         rows = _common.bench_rows(s.episodes, s.seed)
         prompts = [_common.format_bench_prompt(r["question"]) for r in rows]
@@ -710,7 +720,9 @@ def format_report(result: dict, summary: dict[str, dict]) -> str:
         + ("; rlhflab's model.critic_overlap=true (separate critic: its pass beside the policy's, one thread "
            "each)" if s.get("critic_overlap") else "")
         + (f"; rlhflab's generation.hf_cache={s['hf_cache']} (TRL's generate keeps its default cache)"
-           if s.get("hf_cache", "dynamic") != "dynamic" else ""),
+           if s.get("hf_cache", "dynamic") != "dynamic" else "")
+        + (f"; attention {s['attn']} on every side (rlhflab's model.attn_implementation, TRL's "
+           f"from_pretrained(attn_implementation=))" if s.get("attn") else ""),
         f"medians of {result['repeats']} steps per side after {result['warmup']} warm-up steps, sides "
         + ("run one after the other (--sequential)" if result.get("sequential") else "interleaved step by step"),
         "",
@@ -804,6 +816,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-cache", choices=["dynamic", "static"], default="dynamic",
                     help="rlhflab's generation.hf_cache on every rlhflab side: static compiles the decoding step "
                          "on a CUDA GPU (its first, warm-up step pays the compile); TRL's side is not changed")
+    ap.add_argument("--attn-implementation", choices=["sdpa", "eager"], default=None,
+                    help="the attention of every side's models: rlhflab's model.attn_implementation, TRL's "
+                         "from_pretrained(attn_implementation=) (default: transformers' choice, sdpa); eager ran "
+                         "faster on a CPU at short sequences (docs/cpu_matmul.md)"),
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="the peak FLOP/s (in TFLOP/s) the MFU divides by; default: measured here (on CUDA: "
                          "square matmuls of --peak-sizes in bfloat16 under --mixed-precision bf16, else float32)")
@@ -831,7 +847,7 @@ def main(argv: list[str] | None = None) -> int:
                              epochs=args.epochs, threads=args.threads, device=args.device,
                              mixed_precision=args.mixed_precision, cpu_allocator=args.cpu_allocator,
                              trl_cpu_allocator=args.trl_cpu_allocator, critic_overlap=args.critic_overlap,
-                             hf_cache=args.hf_cache)
+                             hf_cache=args.hf_cache, attn=args.attn_implementation)
     if args.device == "cuda":
         import torch
         if not torch.cuda.is_available():

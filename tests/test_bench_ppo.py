@@ -141,6 +141,22 @@ def test_critic_overlap_flag_switches_the_separate_critics_worker_thread_on(benc
         side.release()
 
 
+def test_attn_implementation_flag_reaches_every_side_and_the_header(bench, tiny_model):
+    for attn in (None, "eager", "sdpa"):
+        s = bench.BenchSettings(model_dir=str(tiny_model), attn=attn)
+        for name in ("rlhflab", "rlhflab-critic-samplerlp"):
+            assert bench.make_side(name, s).config().model.attn_implementation == attn
+        result = {"settings": bench.asdict(s), "repeats": 1, "warmup": 0, "info": {}}
+        header = bench.format_report(result, {}).splitlines()[0]
+        assert (f"attention {attn} on every side" in header) is (attn is not None)
+    for attn in (None, "eager"):  # TRL's side loads its policy and value model with the same attention
+        policy, value = bench.load_trl_models(bench.BenchSettings(model_dir=str(tiny_model), attn=attn))
+        assert policy.config._attn_implementation == value.config._attn_implementation == (attn or "sdpa")
+    # a side named for eager attention keeps it
+    assert bench.make_side("rlhflab-bf16-eager", bench.BenchSettings(model_dir=str(tiny_model), attn="sdpa")
+                           ).config().model.attn_implementation == "eager"
+
+
 def test_hf_cache_flag_reaches_every_rlhflab_side_and_the_header(bench, tiny_model):
     for cache in ("dynamic", "static"):
         s = bench.BenchSettings(model_dir=str(tiny_model), hf_cache=cache)
