@@ -35,6 +35,10 @@ STAGES=${STAGES:-grpo_throughput grpo_recipe grpo_throughput_shared packed_promp
 GRPO_REPEATS=${GRPO_REPEATS:-2}          # grpo_throughput's alternating runs
 SHARED_SIDES=${SHARED_SIDES:-rlhflab,trl}  # rlhflab alone when TRL ran in grpo_throughput on the same machine
 STATIC_SIDES=${STATIC_SIDES:-rlhflab}
+KNOWN="grpo_throughput grpo_recipe grpo_throughput_shared grpo_throughput_static packed_prompt rollout_backends ppo_throughput"
+for stage in $STAGES; do  # every name checked before anything runs (a lease's minutes are few)
+  case " $KNOWN " in *" $stage "*) ;; *) echo "real_model_gpu: unknown stage $stage: pick from $KNOWN" >&2; exit 2;; esac
+done
 OUT=${OUT:-outputs/bench-gpu/$(date -u +%Y%m%dT%H%M%SZ)$([ "$QUICK" = 1 ] && echo -quick)}
 mkdir -p "$OUT"
 declare -A RC
@@ -130,8 +134,6 @@ else
         run ppo_throughput 150 bench/ppo_throughput.py --device "$DEVICE" --mixed-precision "$MP" --model-dir "$SMOL" \
           --sides rlhflab,rlhflab-critic,trl --repeats 3 --warmup 1 --peak-sizes 8192 \
           --json "$OUT/ppo_throughput.json" ${PPO_EXTRA:-} ;;  # PPO_EXTRA, e.g. "--hf-cache static"
-      *) note "unknown stage $stage: pick from grpo_throughput grpo_recipe grpo_throughput_shared grpo_throughput_static packed_prompt rollout_backends ppo_throughput"
-         exit 2 ;;
     esac
   done
 fi

@@ -351,7 +351,8 @@ def test_gpu_script_runs_its_stages_in_order_with_the_two_seeds_side_by_side(tmp
 def test_gpu_script_runs_the_stages_named_in_stages_in_that_order(tmp_path):
     """STAGES names the stages of bench/real_model_gpu.sh to run (a lease too short for all):
     those alone, in the order given, grpo_throughput_static with the static KV cache and
-    without the priming run, the rest as in the full run; an unknown name stops the script."""
+    without the priming run, the rest as in the full run; an unknown name stops the script
+    before any stage runs."""
     import os
     import subprocess
 
@@ -374,9 +375,11 @@ def test_gpu_script_runs_the_stages_named_in_stages_in_that_order(tmp_path):
     assert not any(flag in plain for flag in ("--hf-cache", "--no-prime", "--share-prompt"))  # the defaults
     paste = (out / "paste.txt").read_text()
     assert "-- grpo_throughput_static (exit 0)" in paste and paste.count("grpo_throughput: rlhflab 1") == 3
+    argv.unlink()
     res = subprocess.run(["bash", str(BENCH / "real_model_gpu.sh")], capture_output=True, text=True, timeout=60,
                          env={**env, "OUT": str(tmp_path / "out2"), "STAGES": "grpo_throughput grpo_thruput"})
     assert res.returncode == 2 and "unknown stage grpo_thruput" in res.stderr
+    assert not argv.exists()  # refused before the first stage ran
     argv.unlink()
     res = subprocess.run(["bash", str(BENCH / "real_model_gpu.sh")], capture_output=True, text=True, timeout=60,
                          env={**env, "OUT": str(tmp_path / "out3"), "STAGES": "grpo_recipe",
