@@ -198,7 +198,7 @@ class GenerationConfig:
                    "dataset.max_prompt_length + max_new_tokens positions, so on a CUDA GPU transformers "
                    "compiles the decoding step (torch.compile with CUDA graphs: fewer kernel launches a "
                    "token, a compile in the first steps) and each sample prefills its own prompt. Not "
-                   "compiled on a CPU, where it is slower. Single-turn rollouts only (multi-turn episodes "
+                   "compiled on a CPU (nothing to gain there). Single-turn rollouts only (multi-turn episodes "
                    "keep the dynamic cache); docs/rollout_backends.md")
     backend: Literal["hf", "vllm"] = f(
         "hf", "hf: Hugging Face generate on the policy; vllm: a vLLM engine in this process "
