@@ -46,5 +46,6 @@ cat <<EOF
 gpu_carry: packed ($versions). The two calls of the device tool, one right after the other:
   1. carry [".gpu/a"], timeout 60:   mkdir -p /tmp/gpu-carry && cp .gpu/a/part00 /tmp/gpu-carry/
   2. carry [".gpu/b"], timeout T:    STAGES="..." BUDGET=S bash bench/gpu_lease.sh
-     (BUDGET: seconds after which no stage starts, about T - 60; the reports come back as reports.tgz)
+     (T: at most 600, the device tool's limit for one call; BUDGET: seconds after which no stage
+     starts, about T - 90 (setup, and the last stage may run to it); the reports come back as reports.tgz)
 EOF

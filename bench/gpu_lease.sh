@@ -4,7 +4,8 @@
 # SHA-256, installs the carried wheels into /tmp/site, unpacks TRL into .bench, imports the
 # model with `rlhflab import-gguf`, then runs bench/real_model_gpu.sh with the caller's STAGES,
 # BUDGET and other settings, its reports in /tmp/gpu-reports and, packed, in $OUT/reports.tgz
-# (the device tool brings back at most 8 files; the benches' scratch folders stay behind).
+# (the device tool brings back at most 8 files; the benches' scratch folders and the recipes'
+# trained models stay behind: 1.6 GB a recipe, which a call's 600 s ran out gzipping once).
 #
 #   STAGES="grpo_throughput grpo_throughput_static" BUDGET=400 bash bench/gpu_lease.sh
 set -uo pipefail
@@ -35,6 +36,6 @@ rm -rf "$REPORTS"
 PY=$PY OUT=$REPORTS SMOL=$SMOL bash bench/real_model_gpu.sh
 rc=$?
 if [ -n "${OUT:-}" ]; then
-  tar czf "$OUT/reports.tgz" --exclude='*-scratch' -C "$(dirname "$REPORTS")" "$(basename "$REPORTS")"
+  tar czf "$OUT/reports.tgz" --exclude='*-scratch' --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' -C "$(dirname "$REPORTS")" "$(basename "$REPORTS")"
 fi
 exit $rc

@@ -121,7 +121,7 @@ else
         # transformers compiles the decoding step; no priming run, so a side compiles once, in its
         # first (untimed) step.
         run grpo_throughput_static 240 bench/grpo_throughput.py --device "$DEVICE" --mixed-precision "$MP" \
-          --model-dir "$SMOL" --sides "$STATIC_SIDES" --hf-cache static --no-prime --steps 5 --repeats 1 \
+          --model-dir "$SMOL" --sides "$STATIC_SIDES" --hf-cache static --no-prime --steps 5 --repeats "$GRPO_REPEATS" \
           --completions 32 --group-size 4 --max-new-tokens 32 --beta 0.04 --peak-sizes 8192 \
           --out "$OUT/grpo-static-scratch" ;;
       packed_prompt)  # the shared prompt's two passes against one packed pass per group
@@ -131,7 +131,7 @@ else
         run rollout_backends 150 bench/rollout_backends.py --device "$DEVICE" --mixed-precision "$MP" \
           --model-dir "$SMOL" --lengths 64 256 --batches 32 128 --repeats 2 --peak-sizes 8192 ;;
       ppo_throughput)  # PPO: 32 episodes x 16 tokens, 4 epochs of one 32-episode minibatch, as on the CPU.
-        run ppo_throughput 150 bench/ppo_throughput.py --device "$DEVICE" --mixed-precision "$MP" --model-dir "$SMOL" \
+        run ppo_throughput 240 bench/ppo_throughput.py --device "$DEVICE" --mixed-precision "$MP" --model-dir "$SMOL" \
           --sides rlhflab,rlhflab-critic,trl --repeats 3 --warmup 1 --peak-sizes 8192 \
           --json "$OUT/ppo_throughput.json" ${PPO_EXTRA:-} ;;  # PPO_EXTRA, e.g. "--hf-cache static"
     esac

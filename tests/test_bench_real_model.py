@@ -457,7 +457,8 @@ def test_packed_prompt_pass_equals_the_plain_pass_with_one_pass(tiny_model_dir):
 
 LEASE_PY = r'''#!/usr/bin/env bash
 # Stands in for python on the GPU machine in bench/gpu_lease.sh: logs each call; the import
-# writes a config.json and keeps a copy of the GGUF it was given; benches print a summary line.
+# writes a config.json and keeps a copy of the GGUF it was given; benches print a summary line;
+# a recipe writes a results file and a trained model, as the real one does under its --out.
 echo "$*" >> "$FAKE_LOG"
 case "$1 $2" in
   "-m pip") exit 0;;
@@ -467,6 +468,9 @@ case "$1 $2" in
 esac
 case $(basename "$1" .py) in
   grpo_throughput) echo "grpo_throughput: rlhflab 1 completions/s, trl 1 completions/s, speed ratio 1.00, memory ratio 1.00";;
+  real_model_recipes) out=$(for a in "$@"; do [ "$prev" = --out ] && echo "$a"; prev=$a; done)
+                      mkdir -p "$out/grpo/final" && echo '{}' > "$out/results.json"
+                      for f in model.safetensors trainer_state.pt; do echo weights > "$out/grpo/final/$f"; done;;
 esac
 exit 0
 '''
@@ -519,7 +523,7 @@ def test_gpu_lease_joins_checks_installs_imports_then_runs_the_stages(tmp_path, 
     log, out, copy = tmp_path / "calls.log", tmp_path / "out", tmp_path / "gguf.copy"
     out.mkdir()
     env = {**os.environ, "PY": str(fake), "FAKE_LOG": str(log), "FAKE_GGUF_COPY": str(copy), "OUT": str(out),
-           "CARRY": str(carry), "REPORTS": str(tmp_path / "reports"), "STAGES": "grpo_throughput_static",
+           "CARRY": str(carry), "REPORTS": str(tmp_path / "reports"), "STAGES": "grpo_throughput_static grpo_recipe",
            "BUDGET": "60"}
     res = subprocess.run(["bash", str(repo / "bench" / "gpu_lease.sh")], env=env, capture_output=True, text=True,
                          timeout=60)
@@ -531,12 +535,14 @@ def test_gpu_lease_joins_checks_installs_imports_then_runs_the_stages(tmp_path, 
     calls = log.read_text().splitlines()
     assert calls[0].startswith("-m pip install") and calls[0].endswith("transformers-5.19.0-py3-none-any.whl")
     assert calls[1].startswith("-m rlhflab import-gguf") and copy.read_bytes() == gguf  # the joined file
-    assert [c.split()[0] for c in calls[3:]] == ["bench/grpo_throughput.py"]  # after real_model_gpu.sh's -c
-    assert "--hf-cache static" in calls[3]
+    assert [c.split()[0] for c in calls[3:]] == ["bench/grpo_throughput.py"] + ["scripts/real_model_recipes.py"] * 2
+    assert "--hf-cache static" in calls[3]  # (calls[2] is real_model_gpu.sh's -c)
     assert (repo / ".bench" / "trl" / "trl" / "__init__.py").is_file()
     with tarfile.open(out / "reports.tgz") as tar:
         names = tar.getnames()
     assert "reports/paste.txt" in names and "reports/grpo_throughput_static.txt" in names
+    assert "reports/recipes_s0/results.json" in names  # the trained models stay behind (1.6 GB a recipe on
+    assert not [n for n in names if n.endswith((".safetensors", ".pt"))]  # the GPU: the call ran out packing them)
 
 
 def test_gpu_carry_without_the_gguf_says_how_to_get_it(tmp_path):
