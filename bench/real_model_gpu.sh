@@ -77,7 +77,7 @@ together() {  # together NAME1 NAME2: the two stages started since the last call
 
 # BACKEND=vllm where vLLM is installed on the GPU machine (the CPU recipe generates with vLLM's CPU build)
 GPU=("training.device=$DEVICE" "training.mixed_precision=$MP" "model.name_or_path=$SMOL" "generation.backend=${BACKEND:-hf}")
-# RECIPE_EXTRA: more overrides for the recipe's runs, e.g. "generation.hf_cache=static"
+# RECIPE_EXTRA: more overrides for the recipe's runs, e.g. "generation.hf_cache=dynamic"
 read -r -a extra <<< "${RECIPE_EXTRA:-}"
 GPU+=("${extra[@]}")
 if [ "$QUICK" = 1 ]; then

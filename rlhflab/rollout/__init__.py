@@ -198,12 +198,12 @@ from rlhflab.rollout.hf import HFBackend, generate  # noqa: E402  (it builds on 
 
 
 def make_backend(gen_cfg, policy: torch.nn.Module, tokenizer, *, max_prompt_length: int | None,
-                 batch_size: int, seed: int = 0, rank: int = 0) -> RolloutBackend:
+                 batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1) -> RolloutBackend:
     """The configured backend, built once per run: `hf` (the default) or `vllm`."""
     backend = getattr(gen_cfg, "backend", "hf")
     if backend == "hf":
         return HFBackend(policy, tokenizer, gen_cfg, max_prompt_length=max_prompt_length, batch_size=batch_size,
-                         seed=seed, rank=rank)
+                         seed=seed, rank=rank, world_size=world_size)
     if backend == "vllm":
         from rlhflab.rollout.vllm import VLLMBackend
         return VLLMBackend(policy, tokenizer, gen_cfg, max_prompt_length=max_prompt_length,

@@ -207,7 +207,7 @@ def build_run(cfg, method: PolicyMethod, *, resume_dir: Path | None = None, math
         prompt_room = episode_budget(cfg) - cfg.generation.max_new_tokens
     backend = make_backend(cfg.generation, models.policy, models.tokenizer,
                            max_prompt_length=prompt_room, batch_size=sec.batch_size,
-                           seed=train_cfg.seed, rank=dist.rank)
+                           seed=train_cfg.seed, rank=dist.rank, world_size=dist.world_size)
     if context is not None:  # the backend stops with the run (vllm: its engine)
         context.on_close(backend.close)
     if env_active(cfg):  # multi-turn episodes through the same backend (rlhflab.envs.rollout)
