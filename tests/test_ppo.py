@@ -131,6 +131,35 @@ def test_ratio_is_one_before_the_first_update(ppo_cfg):
     assert (torch.exp(lp - old)[mask.bool()] - 1).abs().max() > 1e-4
 
 
+@pytest.mark.parametrize("critic", ["value_head", "separate"])
+def test_compiled_layers_keep_the_ratio_at_one_before_the_first_update(ppo_cfg, critic):
+    """`model.compile_layers`: the rollout's scoring pass and the update's pass both run the
+    compiled layers (the policy's, a separate critic's, the reference's), so the first
+    minibatch's ratio is 1 as in eager runs; the layers were compiled, not skipped."""
+    from rlhflab.models.actor_critic import decoder_and_head
+    from rlhflab.models.compiled import _COMPILED
+
+    torch._dynamo.reset()
+    cfg = ppo_cfg("model.compile_layers=true", "model.cpu_matmul=torch", f"model.critic={critic}", "ppo.kl_coeff=0.1",
+                  "ppo.epochs=2")
+    models, roll, optimizer, scheduler = _setup(cfg)
+    seen = []
+
+    def spy_policy_loss(logprobs, old_logprobs, advantages, mask, *args, **kwargs):
+        seen.append((logprobs.detach().clone(), old_logprobs.clone(), mask.clone()))
+        return ops.ppo_policy_loss(logprobs, old_logprobs, advantages, mask, *args, **kwargs)
+
+    ppo_update(models, optimizer, scheduler, roll, cfg, 1, PPOMath(policy_loss=spy_policy_loss))
+    lp, old, mask = seen[0]
+    ratio = torch.exp(lp - old)[mask.bool()]
+    torch.testing.assert_close(ratio, torch.ones_like(ratio), rtol=0, atol=1e-5)
+    lp, old, mask = seen[-1]
+    assert (torch.exp(lp - old)[mask.bool()] - 1).abs().max() > 1e-4  # and the update moved the policy
+    wrapped = [models.actor.policy, models.reference.model] + ([models.actor.critic.base] if critic == "separate" else [])
+    assert all(decoder_and_head(m)[0] in _COMPILED for m in wrapped)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
+
+
 def test_reference_never_changes_across_a_ppo_step(ppo_cfg):
     cfg = ppo_cfg("ppo.kl_coeff=0.1")
     models, roll, optimizer, scheduler = _setup(cfg)

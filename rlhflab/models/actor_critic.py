@@ -44,6 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhflab import ops
+from rlhflab.models.compiled import compiled_layers
 from rlhflab.models.head import linear_lm_head
 from rlhflab.models.precision import autocast, float32_region
 
@@ -197,7 +198,7 @@ def response_hidden(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, r
         # The last token predicts nothing we use, and attention is causal: leave it out.
         ids, am = ids[:, :-1], am[:, :-1]
         start = prompt_ids.shape[1] - 1  # position P-1+t holds the state that predicts response token t
-        with last_layer_rows(model, decoder, start):
+        with last_layer_rows(model, decoder, start), compiled_layers(decoder):
             hidden = _last_hidden(decoder(input_ids=ids, attention_mask=am, position_ids=position_ids_from(am),
                                           use_cache=False))                             # (B, P+T-1, H)
         return hidden[:, start:]                                                       # (B, T, H)
@@ -237,7 +238,7 @@ def lm_loss(model: nn.Module, batch: dict[str, Tensor], mixed_precision: str = "
     ids, am = batch["input_ids"], batch["attention_mask"]
     if lin is not None:
         decoder, _ = decoder_and_head(model)
-        with autocast(mixed_precision, ids.device):
+        with autocast(mixed_precision, ids.device), compiled_layers(decoder):
             hidden = _last_hidden(decoder(input_ids=ids, attention_mask=am, use_cache=False))[:, :-1]  # (b, L-1, H)
         return ops.chunked_cross_entropy(hidden, lin.weight, lin.bias, labels, onednn=lin.onednn) / n
     with autocast(mixed_precision, ids.device):

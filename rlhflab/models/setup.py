@@ -55,6 +55,32 @@ class PolicyModels:
         return self.actor.policy
 
 
+def _compile_layers(actor, reference, model_cfg, dev: torch.device) -> None:
+    """`model.compile_layers`: the policy's, a separate critic's and a frozen reference's
+    decoder layers prepared for the teacher-forced passes (rlhflab/models/compiled.py)."""
+    from rlhflab.engine.dist import launched_world_size
+    from rlhflab.errors import UserError
+    from rlhflab.models.compiled import compile_layers
+    from rlhflab.models.cpu_matmul import resolve
+
+    if dev.type == "cpu" and resolve(model_cfg.cpu_matmul) == "onednn":
+        raise UserError(f"model.compile_layers: the oneDNN linear layers that model.cpu_matmul: "
+                        f"{model_cfg.cpu_matmul} puts on this CPU do not compile; set model.cpu_matmul: torch, "
+                        f"or model.compile_layers: false (on a CPU it measured little faster)")
+
+    if launched_world_size() > 1:
+        raise UserError(f"model.compile_layers: not measured with several processes ({launched_world_size()} "
+                        f"launched; DDP, FSDP and ZeRO wrap the layers themselves); set model.compile_layers: "
+                        f"false, or run one process")
+    models = [actor.policy]
+    if getattr(actor, "critic", None) is not None:
+        models.append(actor.critic.base)
+    if reference is not None and reference.model is not None:  # lora_disabled runs the policy's own layers
+        models.append(reference.model)
+    for model in models:
+        compile_layers(model)
+
+
 def build_models(model_cfg, lora_cfg, device: str, *, need_reference: bool,
                  critic: CriticKind | None = None, resume_dir: Path | None = None,
                  mixed_precision: str = "no") -> PolicyModels:
@@ -108,6 +134,8 @@ def build_models(model_cfg, lora_cfg, device: str, *, need_reference: bool,
     actor.mixed_precision = mixed_precision
     if reference is not None:
         reference.mixed_precision = mixed_precision
+    if getattr(model_cfg, "compile_layers", False):
+        _compile_layers(actor, reference, model_cfg, dev)
     actor.train()
     return PolicyModels(actor, reference, tok, dev)
 

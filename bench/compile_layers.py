@@ -1,0 +1,129 @@
+"""A probe: the policy's update step with its decoder layers compiled (torch.compile, one
+layer at a time) against eager, where kernel launches set the pace (a small model on a GPU).
+
+    python bench/compile_layers.py --model-dir outputs/models/smollm2-135m-instruct
+    python bench/compile_layers.py --model-dir DIR --random-init --device cuda --mixed-precision bf16
+    python bench/compile_layers.py                  # the tiny model
+
+One step is what rlhflab's update does for one minibatch: the response positions' hidden
+states (`models.actor_critic.response_hidden`, prompts and responses in one pass), the
+chunked log-probs through the LM head, a masked mean as the loss, backward, one AdamW step
+(fused on a GPU). "compiled" wraps every decoder layer but the last in `torch.compile`
+(`--dynamic`: shapes marked dynamic, as a run's changing response lengths would need; the
+last layer keeps the eager MLP hook `last_layer_rows` sets) and swaps them in for the same
+weights, so the two ways alternate on one model. `--random-init` builds the folder's
+architecture (config.json alone) with random weights: the speed is the same, and a GPU
+machine needs no checkpoint. Before timing, the log-probs of both ways are compared on one
+batch. The last line:
+
+    compile_layers: step ms eager X / compiled Y (Z x), first compiled step S s, gap G
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+from op_counts import count_ops  # noqa: E402
+from packed_prompt import batch  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-dir", default=None, help="default: the tiny model, built in .bench/tiny-model")
+    ap.add_argument("--random-init", action="store_true", help="the folder's architecture with random weights")
+    ap.add_argument("--rows", type=int, default=32, help="episodes in the minibatch")
+    ap.add_argument("--prompt-len", type=int, default=56)
+    ap.add_argument("--response-len", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dynamic", action=argparse.BooleanOptionalAction, default=True,
+                    help="compile with dynamic shapes (default) or for this batch's shape only")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--mixed-precision", choices=["no", "bf16"], default="no",
+                    help="bf16: the passes under bfloat16 autocast (float32 weights), as training.mixed_precision")
+    a = ap.parse_args(argv)
+    from rlhflab.openmp import apply_default_wait
+
+    apply_default_wait()
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlhflab.models.actor_critic import decoder_and_head, response_hidden
+    from rlhflab.ops.chunked import chunked_logprobs
+
+    torch.set_num_threads(a.threads)
+    folder = a.model_dir or str(_common.ensure_tiny_model(_common.BENCH_DIR / "tiny-model"))
+    if a.random_init:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32,
+                                                 attn_implementation="sdpa")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+    model.to(a.device).train()
+    decoder, head = decoder_and_head(model)
+    prompt_ids, prompt_mask, response_ids, response_mask = (
+        x.to(a.device) for x in batch(a.rows, 1, a.prompt_len, a.response_len, model.config.vocab_size))
+    eager = decoder.layers
+    compiled = torch.nn.ModuleList([torch.compile(layer, dynamic=a.dynamic) for layer in eager[:-1]] + [eager[-1]])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-7, fused=a.device == "cuda")
+    sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+    mask = response_mask.float()
+
+    def logprobs():
+        with torch.autocast(a.device, dtype=torch.bfloat16, enabled=a.mixed_precision == "bf16"):
+            hidden = response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask)
+        return chunked_logprobs(hidden, head.weight, None, response_ids).logprobs
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        (-(logprobs() * mask).sum() / mask.sum()).backward()
+        opt.step()
+
+    def timed(layers) -> float:
+        decoder.layers = layers
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        return time.perf_counter() - t0
+
+    with torch.no_grad():
+        decoder.layers = eager
+        ref = logprobs()
+        decoder.layers = compiled
+        t0 = time.perf_counter()
+        got = logprobs()
+        sync()
+        compile_fwd = time.perf_counter() - t0
+    gap = ((got - ref).abs() * mask).max().item()
+    first = {"eager": timed(eager), "compiled": timed(compiled)}  # the compiled one builds its backward here
+    times = {"eager": [], "compiled": []}
+    for _ in range(a.repeats):  # interleaved: the machine's load falls on both alike
+        for name, layers in (("eager", eager), ("compiled", compiled)):
+            times[name].append(timed(layers))
+    decoder.layers = eager
+    ops = count_ops(step)
+    med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+    print(f"compile_layers: {folder}{' (random weights)' if a.random_init else ''}, {a.rows} rows of prompt "
+          f"{a.prompt_len} + response {a.response_len} tokens, forward + backward + AdamW on {a.device} (mixed "
+          f"precision {a.mixed_precision}), {a.threads} thread(s), {len(eager) - 1} of {len(eager)} layers compiled "
+          f"({'dynamic' if a.dynamic else 'static'} shapes), {a.repeats} interleaved runs; eager step {ops} aten ops")
+    print(f"{'way':<9} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'first s':>8}")
+    for name, ts in times.items():
+        print(f"{name:<9} {med[name]:>10.1f} {min(ts) * 1e3:>8.1f} {max(ts) * 1e3:>8.1f} {first[name]:>8.2f}")
+    print(f"largest log-prob gap, compiled against eager, on the response tokens: {gap:.1e} nats "
+          f"(the compiled forward's first call {compile_fwd:.1f} s)")
+    print(f"compile_layers: step ms eager {med['eager']:.1f} / compiled {med['compiled']:.1f} "
+          f"({med['eager'] / med['compiled']:.2f}x), first compiled step {compile_fwd + first['compiled']:.1f} s, "
+          f"gap {gap:.1e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
