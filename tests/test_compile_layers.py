@@ -86,8 +86,9 @@ def test_compile_layers_refuses_what_it_cannot_serve(tiny_model_dir, ppo_cfg, mo
 
 
 def test_the_bench_times_both_ways_and_checks_they_agree(capsys):
-    """bench/compile_layers.py on the tiny model: both ways timed, their log-probs compared,
-    the last line in the form the bench tables quote."""
+    """bench/compile_layers.py on the tiny model: the ways timed (with --onednn, a third:
+    eager on oneDNN's linears), their log-probs compared, the last line in the form the bench
+    tables quote."""
     import re
     import sys
     from pathlib import Path
@@ -95,11 +96,11 @@ def test_the_bench_times_both_ways_and_checks_they_agree(capsys):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import compile_layers as bench
 
-    assert bench.main(["--repeats", "1", "--threads", "1", "--rows", "4"]) == 0
+    assert bench.main(["--repeats", "1", "--threads", "1", "--rows", "4", "--onednn"]) == 0
     out = capsys.readouterr().out
     last = out.strip().splitlines()[-1]
     m = re.fullmatch(r"compile_layers: step ms eager ([\d.]+) / compiled ([\d.]+) \(([\d.]+)x\), first compiled "
-                     r"step ([\d.]+) s, gap ([\d.e+-]+)", last)
+                     r"step ([\d.]+) s, gap ([\d.e+-]+), eager with oneDNN linears ([\d.]+)", last)
     assert m, last
     assert float(m.group(5)) < 1e-5  # float32 on a CPU: the compiled layers give the eager log-probs
     assert "3 of 4 layers compiled (dynamic shapes)" in out
