@@ -111,6 +111,7 @@ class BenchSettings:
     trl_cpu_allocator: str | None = None  # the same glibc setting in TRL's process (--trl-cpu-allocator; None: glibc's)
     critic_overlap: bool = False  # rlhflab's model.critic_overlap (--critic-overlap)
     hf_cache: str = "dynamic"  # rlhflab's generation.hf_cache (--hf-cache)
+    compile_layers: bool = False  # rlhflab's model.compile_layers (--compile-layers)
     attn: str | None = None  # the attention of every side's models (--attn-implementation; None: transformers')
 
 
@@ -140,6 +141,7 @@ class RlhflabSide:
         if s.cpu_allocator:
             cfg.model.cpu_allocator = s.cpu_allocator
         cfg.model.critic_overlap = s.critic_overlap
+        cfg.model.compile_layers = s.compile_layers
         cfg.lora.enabled = False
         cfg.dataset.max_prompt_length = 128
         g = cfg.generation
@@ -721,6 +723,9 @@ def format_report(result: dict, summary: dict[str, dict]) -> str:
            "each)" if s.get("critic_overlap") else "")
         + (f"; rlhflab's generation.hf_cache={s['hf_cache']} (TRL's generate keeps its default cache)"
            if s.get("hf_cache", "dynamic") != "dynamic" else "")
+        + ("; rlhflab's model.compile_layers=true (its decoder layers compiled for the teacher-forced passes; "
+           "TRL 1.12's PPOTrainer has no such switch: it builds its own Accelerator, which its torch_compile "
+           "setting does not reach)" if s.get("compile_layers") else "")
         + (f"; attention {s['attn']} on every side (rlhflab's model.attn_implementation, TRL's "
            f"from_pretrained(attn_implementation=))" if s.get("attn") else ""),
         f"medians of {result['repeats']} steps per side after {result['warmup']} warm-up steps, sides "
@@ -816,6 +821,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-cache", choices=["dynamic", "static"], default="dynamic",
                     help="rlhflab's generation.hf_cache on every rlhflab side: static compiles the decoding step "
                          "on a CUDA GPU (its first, warm-up step pays the compile); TRL's side is not changed")
+    ap.add_argument("--compile-layers", action="store_true",
+                    help="rlhflab's model.compile_layers=true on every rlhflab side (on a CPU only the torch-matmul "
+                         "sides take it: oneDNN's linears do not compile); its warm-up step pays the compile")
     ap.add_argument("--attn-implementation", choices=["sdpa", "eager"], default=None,
                     help="the attention of every side's models: rlhflab's model.attn_implementation, TRL's "
                          "from_pretrained(attn_implementation=) (default: transformers' choice, sdpa); eager ran "
@@ -847,7 +855,8 @@ def main(argv: list[str] | None = None) -> int:
                              epochs=args.epochs, threads=args.threads, device=args.device,
                              mixed_precision=args.mixed_precision, cpu_allocator=args.cpu_allocator,
                              trl_cpu_allocator=args.trl_cpu_allocator, critic_overlap=args.critic_overlap,
-                             hf_cache=args.hf_cache, attn=args.attn_implementation)
+                             hf_cache=args.hf_cache, attn=args.attn_implementation,
+                             compile_layers=args.compile_layers)
     if args.device == "cuda":
         import torch
         if not torch.cuda.is_available():

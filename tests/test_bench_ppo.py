@@ -169,6 +169,16 @@ def test_hf_cache_flag_reaches_every_rlhflab_side_and_the_header(bench, tiny_mod
         assert ("rlhflab's generation.hf_cache=static" in header) is said
 
 
+def test_compile_layers_flag_reaches_every_rlhflab_side_and_the_header(bench, tiny_model):
+    for on in (False, True):
+        s = bench.BenchSettings(model_dir=str(tiny_model), compile_layers=on)
+        for name in ("rlhflab", "rlhflab-critic", "rlhflab-critic-torchmm-samplerlp"):
+            assert bench.make_side(name, s).config().model.compile_layers is on
+        result = {"settings": bench.asdict(s), "repeats": 1, "warmup": 0, "info": {}}
+        header = bench.format_report(result, {}).splitlines()[0]
+        assert ("rlhflab's model.compile_layers=true" in header) is on
+
+
 def test_a_worker_killed_for_memory_is_named_with_the_way_out(bench):
     """A worker the kernel kills (SIGKILL) is reported as killed, with the flag that skips
     the profiled tensor count when it died there, after its timed steps."""

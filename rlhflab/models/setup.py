@@ -58,7 +58,6 @@ class PolicyModels:
 def _compile_layers(actor, reference, model_cfg, dev: torch.device) -> None:
     """`model.compile_layers`: the policy's, a separate critic's and a frozen reference's
     decoder layers prepared for the teacher-forced passes (rlhflab/models/compiled.py)."""
-    from rlhflab.engine.dist import launched_world_size
     from rlhflab.errors import UserError
     from rlhflab.models.compiled import compile_layers
     from rlhflab.models.cpu_matmul import resolve
@@ -69,10 +68,6 @@ def _compile_layers(actor, reference, model_cfg, dev: torch.device) -> None:
                         f"or model.compile_layers: false (oneDNN's eager linears were faster than the compiled layers on "
                         f"torch's, docs/howto_gpu.md)")
 
-    if launched_world_size() > 1:
-        raise UserError(f"model.compile_layers: not measured with several processes ({launched_world_size()} "
-                        f"launched; DDP, FSDP and ZeRO wrap the layers themselves); set model.compile_layers: "
-                        f"false, or run one process")
     models = [actor.policy]
     if getattr(actor, "critic", None) is not None:
         models.append(actor.critic.base)

@@ -19,8 +19,9 @@ import torch
 
 from rlhflab import cpu, ops
 from rlhflab.data.prompts import load_prompts, step_prompts
-from rlhflab.engine.dist import Dist, explained_variance, group_advantages, whiten  # noqa: F401 (re-exported)
+from rlhflab.engine.dist import Dist, explained_variance, group_advantages, launched_world_size, whiten  # noqa: F401 (re-exported)
 from rlhflab.engine.update import PPOMath, policy_update
+from rlhflab.errors import UserError
 from rlhflab.evaluate import EvalChecks, EvalResult, build_eval_checks, evaluate_policy, save_samples
 from rlhflab.models.load import resolve_device
 from rlhflab.models.setup import CriticKind, PolicyModels, build_models
@@ -192,6 +193,11 @@ def build_run(cfg, method: PolicyMethod, *, resume_dir: Path | None = None, math
     train_cfg, sec, dist = cfg.training, getattr(cfg, method.name), dist or Dist()
     if context is None:  # a run built outside the run context (tests, benches): its CPU settings
         cpu.setup_process(resolve_device(train_cfg.device), cfg.model)
+    processes = max(dist.world_size, launched_world_size())
+    if cfg.model.compile_layers and processes > 1:
+        raise UserError(f"model.compile_layers: not measured with several processes ({processes} launched; DDP, "
+                        f"FSDP and ZeRO wrap the layers themselves); set model.compile_layers: false, or run one "
+                        f"process")
     models = build_models(cfg.model, cfg.lora, train_cfg.device, need_reference=method.need_reference(cfg),
                           critic=method.critic, resume_dir=resume_dir, mixed_precision=train_cfg.mixed_precision)
     # The CPU-only speed tricks (rlhflab.cpu), on a CPU: through the run context when there is one.
