@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dynamic", action=argparse.BooleanOptionalAction, default=True,
                     help="compile with dynamic shapes (default) or for this batch's shape only")
+    ap.add_argument("--lean-mlp", action="store_true",
+                    help="rlhflab's lean MLP (model.lean_mlp, a training run's default) in both ways' layers")
     ap.add_argument("--onednn", action="store_true", help="a CPU: also eager with oneDNN's linear layers (a copy)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--mixed-precision", choices=["no", "bf16"], default="no",
@@ -71,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
     model.to(a.device).train()
+    if a.lean_mlp:  # what a run's model.lean_mlp: true does (rlhflab/models/lean.py)
+        from rlhflab.models.lean import lean_mlp
+
+        lean_mlp(model)
     decoder, head = decoder_and_head(model)
     prompt_ids, prompt_mask, response_ids, response_mask = (
         x.to(a.device) for x in batch(a.rows, 1, a.prompt_len, a.response_len, model.config.vocab_size))
@@ -131,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"compile_layers: {folder}{' (random weights)' if a.random_init else ''}, {a.rows} rows of prompt "
           f"{a.prompt_len} + response {a.response_len} tokens, forward + backward + AdamW on {a.device} (mixed "
           f"precision {a.mixed_precision}), {a.threads} thread(s), {len(eager) - 1} of {len(eager)} layers compiled "
+          f"{'(lean MLPs) ' if a.lean_mlp else ''}"
           f"({'dynamic' if a.dynamic else 'static'} shapes), {a.repeats} interleaved runs; eager step {ops} aten ops")
     print(f"{'way':<12} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'first s':>8}")
     for name, ts in times.items():

@@ -77,8 +77,8 @@ def test_compile_layers_refuses_what_it_cannot_serve(tiny_model_dir, ppo_cfg, mo
     from rlhflab.ops.matmul import onednn_available
 
     if onednn_available():  # a torch without oneDNN's linear op cannot be asked for it at all
-        with pytest.raises(UserError, match=r"compile_layers: the oneDNN linear layers that model.cpu_matmul: onednn .* "
-                                            r"set model.cpu_matmul: torch"):
+        with pytest.raises(UserError, match=r"compile_layers: the oneDNN linear layers that model.cpu_matmul: "
+                                            r"onednn .* set model.cpu_matmul: torch"):
             build_run(ppo_cfg("model.compile_layers=true", "model.cpu_matmul=onednn"), ppo.method(ppo_cfg()))
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(UserError, match=r"compile_layers: not measured with several processes \(2 launched"):

@@ -138,6 +138,7 @@ def test_compiled_layers_keep_the_ratio_at_one_before_the_first_update(ppo_cfg, 
     minibatch's ratio is 1 as in eager runs; the layers were compiled, not skipped."""
     from rlhflab.models.actor_critic import decoder_and_head
     from rlhflab.models.compiled import _COMPILED
+    from rlhflab.models.lean import read_past_forward
 
     torch._dynamo.reset()
     cfg = ppo_cfg("model.compile_layers=true", "model.cpu_matmul=torch", f"model.critic={critic}", "ppo.kl_coeff=0.1",
@@ -155,8 +156,10 @@ def test_compiled_layers_keep_the_ratio_at_one_before_the_first_update(ppo_cfg, 
     torch.testing.assert_close(ratio, torch.ones_like(ratio), rtol=0, atol=1e-5)
     lp, old, mask = seen[-1]
     assert (torch.exp(lp - old)[mask.bool()] - 1).abs().max() > 1e-4  # and the update moved the policy
-    wrapped = [models.actor.policy, models.reference.model] + ([models.actor.critic.base] if critic == "separate" else [])
+    wrapped = [models.actor.policy, models.reference.model]
+    wrapped += [models.actor.critic.base] if critic == "separate" else []
     assert all(decoder_and_head(m)[0] in _COMPILED for m in wrapped)
+    assert not any(read_past_forward(m) for m in wrapped)  # no lean MLP: dynamo would recompile per layer
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
 
 

@@ -70,7 +70,8 @@ class ModelConfig:
     trust_remote_code: bool = f(False, "allow model code from the hub (only for models you trust)")
     gradient_checkpointing: bool = f(False, "recompute activations in backward to save memory")
     lean_mlp: bool = f(True, "gated MLPs (Llama, Qwen2, Mistral, Gemma) keep 2 of their 4 intermediate tensors for "
-                             "backward and recompute the rest: the same function, less memory (rlhflab/models/lean.py)")
+                             "backward and recompute the rest: the same function, less memory (rlhflab/models/lean.py); "
+                             "not with compile_layers, whose compiler plans the recomputation itself")
     lean_norm: bool = f(False, "on a CPU, RMSNorms keep one (N, H) tensor for backward instead of two and run a "
                                "hand-written backward: the same output; opt-in: it did not earn its place on a real "
                                "model (docs/cpu_matmul.md; rlhflab/models/lean.py)")

@@ -239,11 +239,14 @@ def _plain_tensor(t: Tensor) -> bool:
 
 
 def make_lean(model: nn.Module, model_cfg) -> None:
-    """The lean MLP a model section asks for (`model.lean_mlp`, any device) on a model
-    about to be trained. Call after LoRA is attached: an adapted projection keeps the
+    """The lean MLP a model section asks for (`model.lean_mlp`, any device, unless
+    `model.compile_layers`) on a model about to be trained. Call after LoRA is attached: an adapted projection keeps the
     model's own MLP. The lean RMSNorm (`model.lean_norm`) is a CPU-only trick, applied by
     `rlhflab.cpu.apply`."""
-    if model_cfg.lean_mlp:
+    if model_cfg.lean_mlp and not getattr(model_cfg, "compile_layers", False):
+        # compiled layers: inductor plans the MLP's recomputation itself, and each lean MLP's own
+        # forward (a functools.partial per module) would make torch.compile recompile per layer
+        # until its recompile limit, then run the layers eager (bench/NOTES.md)
         lean_mlp(model)
 
 

@@ -65,9 +65,8 @@ def _compile_layers(actor, reference, model_cfg, dev: torch.device) -> None:
     if dev.type == "cpu" and resolve(model_cfg.cpu_matmul) == "onednn":
         raise UserError(f"model.compile_layers: the oneDNN linear layers that model.cpu_matmul: "
                         f"{model_cfg.cpu_matmul} puts on this CPU do not compile; set model.cpu_matmul: torch, "
-                        f"or model.compile_layers: false (oneDNN's eager linears were faster than the compiled layers on "
-                        f"torch's, docs/howto_gpu.md)")
-
+                        f"or model.compile_layers: false (oneDNN's eager linears were faster than the compiled "
+                        f"layers on torch's, docs/howto_gpu.md)")
     models = [actor.policy]
     if getattr(actor, "critic", None) is not None:
         models.append(actor.critic.base)

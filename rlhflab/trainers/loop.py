@@ -19,7 +19,8 @@ import torch
 
 from rlhflab import cpu, ops
 from rlhflab.data.prompts import load_prompts, step_prompts
-from rlhflab.engine.dist import Dist, explained_variance, group_advantages, launched_world_size, whiten  # noqa: F401 (re-exported)
+from rlhflab.engine.dist import (Dist, explained_variance, group_advantages,  # noqa: F401 (re-exported)
+                                 launched_world_size, whiten)
 from rlhflab.engine.update import PPOMath, policy_update
 from rlhflab.errors import UserError
 from rlhflab.evaluate import EvalChecks, EvalResult, build_eval_checks, evaluate_policy, save_samples
