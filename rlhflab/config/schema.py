@@ -103,8 +103,8 @@ class ModelConfig:
                                     "keeps the eager layers. On one H200, SmolLM2-135M in bf16, an update step took "
                                     "79 ms against 120 ms eager (bench/compile_layers.py); the first passes compile "
                                     "(about 20 s there). Rounding differs from eager (fused kernels). Opt-in: not "
-                                    "yet timed in whole runs; one process, no gradient_checkpointing "
-                                    "(rlhflab/models/compiled.py)")
+                                    "yet timed in whole runs on a GPU (on a CPU it gained nothing over the lean MLP it "
+                                    "replaces); one process, no gradient_checkpointing (rlhflab/models/compiled.py)")
     reference: Literal["copy", "lora_disabled", "none"] = f(
         "copy", "frozen copy, the same weights with the LoRA adapter off, or none (no KL)")
     load_in_4bit: bool = f(False, "QLoRA: load the base weights in 4 bits (bitsandbytes NF4, double quantisation, "

@@ -6,8 +6,10 @@ inductor fuses each layer's elementwise work (norms, rotary embedding, the gated
 activation, residual adds) into a few kernels. `bench/compile_layers.py` measured the update
 step of SmolLM2-135M (forward, backward, AdamW; bf16 autocast) on one H200 at 119.8 ms eager
 against 78.6 ms compiled. On a CPU it needs torch's own linear layers (inductor does not
-lower oneDNN's): on a 2-core AMD EPYC, 8.9-9.0 s compiled against 10.3-11.4 s eager, and
-6.5 s eager on oneDNN's linears, which `model.cpu_matmul: auto` picks there.
+lower oneDNN's): on a 2-core AMD EPYC, 8.9-9.0 s compiled against 10.3-11.4 s eager, 8.9 s
+eager with rlhflab's lean MLP and 6.5 s eager on oneDNN's linears, which `model.cpu_matmul:
+auto` picks there. It replaces the lean MLP (`models.lean.make_lean` leaves it out): each
+lean MLP's own forward made dynamo recompile per layer and fall back to eager.
 
 The compiled layers are used only inside `compiled_layers(decoder)`, which the teacher-forced
 passes (scoring, update, the reference's pass) enter around their one full decoder call:
