@@ -242,7 +242,7 @@ def rlhflab_overrides(a: argparse.Namespace, steps: int, out: str) -> list[str]:
         f"training.total_steps={steps}", "training.eval_interval=0", "training.save_interval=0",
         f"training.output_dir={a.out}/{out}", f"training.device={a.device}", f"training.num_threads={a.threads}",
         f"training.mixed_precision={a.mixed_precision}", f"generation.backend={a.generation}",
-        f"model.cpu_matmul={a.cpu_matmul}",
+        f"model.cpu_matmul={a.cpu_matmul}", f"model.compile_layers={str(a.compile_layers).lower()}",
         "logging.progress_bar=false", "logging.plots=false", "logging.doctor=false"]
 
 
@@ -395,6 +395,7 @@ def _worker(side: str, a: argparse.Namespace, round_: int) -> dict:
            "--completions", str(a.completions), "--max-new-tokens", str(a.max_new_tokens),
            "--generation", generation, "--cpu-matmul", a.cpu_matmul] \
         + (["--chat-prompts"] if a.chat_prompts else []) \
+        + (["--compile-layers"] if a.compile_layers else []) \
         + ["--share-prompt", a.share_prompt, "--hf-cache", a.hf_cache] \
         + ([] if a.prime else ["--no-prime"])
     env = worker_env(a, side)
@@ -602,6 +603,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="generate's KV cache on both sides with --generation hf: rlhflab's generation.hf_cache and "
                         "TRL's cache_implementation ('static': preallocated, so transformers compiles the "
                         "decoding step on a CUDA GPU; the first, untimed step pays the compile)")
+    p.add_argument("--compile-layers", action="store_true",
+                   help="rlhflab's model.compile_layers=true (its decoder layers compiled for the scoring and "
+                        "update passes; on a CPU it needs --cpu-matmul torch); TRL's side is not changed")
     p.add_argument("--no-prime", dest="prime", action="store_false",
                    help="take the memory baseline right after the imports, without the priming run (what the "
                         "libraries import lazily during the run then counts)")
@@ -678,6 +682,7 @@ def main(argv: list[str] | None = None) -> int:
           f"completions/step, <= {a.max_new_tokens} new tokens, beta {a.beta}; {a.steps} steps (first untimed); "
           f"median of {a.repeats} alternating runs; trl {trl_version}; rlhflab share_prompt "
           f"{a.share_prompt} ({_share_here(a)} here); KV cache {a.hf_cache}; rlhflab cpu_matmul {a.cpu_matmul} ({_matmul_here(a)} here); "
+          f"{'rlhflab compile_layers on; ' if a.compile_layers else ''}"
           f"memory baseline {'after a priming run' if a.prime else 'after the imports'}; "
           f"sides {', '.join(f'{s} ({SIDES[s][1]})' for s in sides)}; load average {os.getloadavg()[0]:.1f}")
     print(f"| trainer | completions/s (wall) | completions per CPU-s | {mem_name} | process ru_maxrss MiB "

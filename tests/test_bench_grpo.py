@@ -93,7 +93,7 @@ def _args(tmp_path, generation: str, **kw) -> argparse.Namespace:
     base = dict(model=tmp_path / "model", data=tmp_path / "data", out=tmp_path, steps=4, beta=0.04, lr=1e-5,
                 device="cpu", mixed_precision="no", threads=2, group_size=4, completions=32, max_new_tokens=32,
                 share_prompt="auto", prime=True, generation=generation, chat_prompts=False, cpu_matmul="torch",
-                hf_cache="dynamic")
+                hf_cache="dynamic", compile_layers=False)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -146,6 +146,21 @@ def test_trl_vllm_side_asks_grpoconfig_for_a_colocated_engine(bench, tmp_path):
         fields = {node.target.id for node in ast.walk(ast.parse(grpo_config.read_text()))
                   if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
         assert set(extra) <= fields, set(extra) - fields
+
+
+def test_compile_layers_reaches_rlhflab_config_and_its_worker(bench, tmp_path, monkeypatch):
+    from rlhflab.config import load_config
+    from rlhflab.trainers.grpo import GRPORunConfig
+
+    for on in (False, True):
+        cfg, _ = load_config(bench.ROOT / "configs" / "grpo_debug.yaml", GRPORunConfig,
+                             bench.rlhflab_overrides(_args(tmp_path, "hf", compile_layers=on), 4, "run"))
+        assert cfg.model.compile_layers is on
+        seen = {}
+        monkeypatch.setattr(bench.subprocess, "run", lambda cmd, **kw: seen.update(cmd=cmd)
+                            or subprocess.CompletedProcess(cmd, 0, stdout="{}\n", stderr=""))
+        bench._worker("rlhflab", _args(tmp_path, "hf", compile_layers=on), 0)
+        assert ("--compile-layers" in seen["cmd"]) is on
 
 
 def test_hf_cache_static_reaches_both_sides_and_the_worker(bench, tmp_path, monkeypatch):
