@@ -10,6 +10,8 @@
 #   6. ppo_throughput.py: rlhflab (value head, separate critic) and TRL 1.12's PPO, each alone.
 # Not run unless named in STAGES: grpo_throughput_static, grpo_throughput with generate's static
 # KV cache (transformers compiles the decoding step on a GPU), rlhflab's side (STATIC_SIDES).
+# compile_layers, bench/compile_layers.py (model.compile_layers' update step against eager: once
+# with transformers' MLP, once with rlhflab's lean MLP, the eager layers a run has by default).
 # Reports go to $OUT/<name>.txt (stderr to <name>.err, JSON where a bench writes one); the
 # lines to paste are printed at the end and kept in $OUT/paste.txt.
 #
@@ -35,7 +37,7 @@ STAGES=${STAGES:-grpo_throughput grpo_recipe grpo_throughput_shared packed_promp
 GRPO_REPEATS=${GRPO_REPEATS:-2}          # grpo_throughput's alternating runs
 SHARED_SIDES=${SHARED_SIDES:-rlhflab,trl}  # rlhflab alone when TRL ran in grpo_throughput on the same machine
 STATIC_SIDES=${STATIC_SIDES:-rlhflab}
-KNOWN="grpo_throughput grpo_recipe grpo_throughput_shared grpo_throughput_static packed_prompt rollout_backends ppo_throughput"
+KNOWN="grpo_throughput grpo_recipe grpo_throughput_shared grpo_throughput_static packed_prompt rollout_backends ppo_throughput compile_layers"
 for stage in $STAGES; do  # every name checked before anything runs (a lease's minutes are few)
   case " $KNOWN " in *" $stage "*) ;; *) echo "real_model_gpu: unknown stage $stage: pick from $KNOWN" >&2; exit 2;; esac
 done
@@ -130,6 +132,12 @@ else
       rollout_backends)
         run rollout_backends 150 bench/rollout_backends.py --device "$DEVICE" --mixed-precision "$MP" \
           --model-dir "$SMOL" --lengths 64 256 --batches 32 128 --repeats 2 --peak-sizes 8192 ;;
+      compile_layers)  # model.compile_layers' update step against eager: transformers' MLP, then rlhflab's
+        # lean MLP (the eager layers a run has by default; compile_layers turns it off)
+        run compile_layers 90 bench/compile_layers.py --device "$DEVICE" --mixed-precision "$MP" --model-dir "$SMOL" \
+          --repeats 10 --threads 4
+        run compile_layers_lean 90 bench/compile_layers.py --device "$DEVICE" --mixed-precision "$MP" \
+          --model-dir "$SMOL" --repeats 10 --threads 4 --lean-mlp ;;
       ppo_throughput)  # PPO: 32 episodes x 16 tokens, 4 epochs of one 32-episode minibatch, as on the CPU.
         run ppo_throughput 240 bench/ppo_throughput.py --device "$DEVICE" --mixed-precision "$MP" --model-dir "$SMOL" \
           --sides rlhflab,rlhflab-critic,trl --repeats 3 --warmup 1 --peak-sizes 8192 \
@@ -141,7 +149,8 @@ fi
 {
   echo "== real-model runs on $(sed -n 's/^gpu: //p' "$OUT/machine.txt"), $(sed -n 's/^date: //p' "$OUT/machine.txt")"
   echo "model: $SMOL; outputs: $OUT; $(grep '^torch' "$OUT/machine.txt")"
-  for name in grpo_recipe_s0 grpo_recipe_s1 grpo_throughput grpo_throughput_shared grpo_throughput_static packed_prompt ppo_throughput rollout_backends; do
+  for name in grpo_recipe_s0 grpo_recipe_s1 grpo_throughput grpo_throughput_shared grpo_throughput_static \
+      packed_prompt ppo_throughput rollout_backends compile_layers compile_layers_lean; do
     [ -n "${RC[$name]:-}" ] || continue
     echo
     echo "-- $name (exit ${RC[$name]})"
@@ -149,6 +158,7 @@ fi
       grpo_recipe_*) grep -E '^\| grpo' "$OUT/$name.txt" ;;
       ppo_throughput) sed -n '/^side /,/^$/p; /^MFU per phase/,$p; /^ratios/,/^$/p' "$OUT/$name.txt" ;;
       packed_prompt) grep -E '^(plain|shared|packed) |^largest|^packed_prompt:' "$OUT/$name.txt" ;;
+      compile_layers*) grep -E '^(eager|compiled) |^largest|^compile_layers:' "$OUT/$name.txt" ;;
       grpo_throughput*) grep -E '^\| |^per phase|^  (rlhflab|trl):|^step seconds|^grpo_throughput:' "$OUT/$name.txt" ;;
       rollout_backends) grep -E '^matmul peak|^smollm2|^[a-z0-9.-]+ +[0-9.]+M|^targets:|^rollout_backends:' "$OUT/$name.txt" ;;
     esac

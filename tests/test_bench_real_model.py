@@ -393,6 +393,14 @@ def test_gpu_script_runs_the_stages_named_in_stages_in_that_order(tmp_path):
                               "PPO_EXTRA": "--hf-cache static"})
     (ppo,) = argv.read_text().splitlines()
     assert res.returncode == 0 and ppo.startswith("bench/ppo_throughput.py") and ppo.endswith("--hf-cache static")
+    argv.unlink()
+    res = subprocess.run(["bash", str(BENCH / "real_model_gpu.sh")], capture_output=True, text=True, timeout=60,
+                         env={**env, "OUT": str(tmp_path / "out5"), "STAGES": "compile_layers"})
+    plain, lean = argv.read_text().splitlines()  # both eager baselines: transformers' MLP, rlhflab's lean one
+    assert res.returncode == 0 and plain.startswith("bench/compile_layers.py") and "--lean-mlp" not in plain
+    assert lean.startswith("bench/compile_layers.py") and lean.endswith("--lean-mlp")
+    paste = (tmp_path / "out5" / "paste.txt").read_text()
+    assert "-- compile_layers (exit 0)" in paste and "-- compile_layers_lean (exit 0)" in paste
 
 
 def test_op_counts_sees_the_shared_prompts_extra_pass(tiny_model_dir, arith_dir, tmp_path, capsys):
