@@ -80,6 +80,11 @@ def test_compile_layers_refuses_what_it_cannot_serve(tiny_model_dir, ppo_cfg, mo
         with pytest.raises(UserError, match=r"compile_layers: the oneDNN linear layers that model.cpu_matmul: "
                                             r"onednn .* set model.cpu_matmul: torch"):
             build_run(ppo_cfg("model.compile_layers=true", "model.cpu_matmul=onednn"), ppo.method(ppo_cfg()))
+    from rlhflab.models.setup import build_models
+
+    cfg = ppo_cfg("model.compile_layers=true", "model.cpu_matmul=torch")  # DPO builds its models the same way
+    with pytest.raises(UserError, match=r"compile_layers: not measured with several processes \(2 launched"):
+        build_models(cfg.model, cfg.lora, "cpu", need_reference=True, world_size=2)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(UserError, match=r"compile_layers: not measured with several processes \(2 launched"):
         build_run(ppo_cfg("model.compile_layers=true", "model.cpu_matmul=torch"), ppo.method(ppo_cfg()))

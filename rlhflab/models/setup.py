@@ -55,13 +55,17 @@ class PolicyModels:
         return self.actor.policy
 
 
-def _compile_layers(actor, reference, model_cfg, dev: torch.device) -> None:
+def _compile_layers(actor, reference, model_cfg, dev: torch.device, world_size: int) -> None:
     """`model.compile_layers`: the policy's, a separate critic's and a frozen reference's
     decoder layers prepared for the teacher-forced passes (rlhflab/models/compiled.py)."""
     from rlhflab.errors import UserError
     from rlhflab.models.compiled import compile_layers
     from rlhflab.models.cpu_matmul import resolve
 
+    if world_size > 1:
+        raise UserError(f"model.compile_layers: not measured with several processes ({world_size} launched; DDP, "
+                        f"FSDP and ZeRO wrap the layers themselves); set model.compile_layers: false, or run one "
+                        f"process")
     if dev.type == "cpu" and resolve(model_cfg.cpu_matmul) == "onednn":
         raise UserError(f"model.compile_layers: the oneDNN linear layers that model.cpu_matmul: "
                         f"{model_cfg.cpu_matmul} puts on this CPU do not compile; set model.cpu_matmul: torch, "
@@ -78,10 +82,11 @@ def _compile_layers(actor, reference, model_cfg, dev: torch.device) -> None:
 
 def build_models(model_cfg, lora_cfg, device: str, *, need_reference: bool,
                  critic: CriticKind | None = None, resume_dir: Path | None = None,
-                 mixed_precision: str = "no") -> PolicyModels:
+                 mixed_precision: str = "no", world_size: int = 1) -> PolicyModels:
     """Policy (+LoRA), the critic (`critic`: value_head, separate or None) and, when
     `need_reference`, the frozen reference; weights from `resume_dir` when resuming.
-    `mixed_precision`: the autocast of every decoder pass ("no" or "bf16")."""
+    `mixed_precision`: the autocast of every decoder pass ("no" or "bf16"); `world_size`:
+    the run's processes (`model.compile_layers` serves one)."""
     dev = resolve_device(device)
     check_mixed_precision(mixed_precision, dev)
     load_kw = dict(torch_dtype=model_cfg.torch_dtype, device=str(dev),
@@ -130,7 +135,7 @@ def build_models(model_cfg, lora_cfg, device: str, *, need_reference: bool,
     if reference is not None:
         reference.mixed_precision = mixed_precision
     if getattr(model_cfg, "compile_layers", False):
-        _compile_layers(actor, reference, model_cfg, dev)
+        _compile_layers(actor, reference, model_cfg, dev, world_size)
     actor.train()
     return PolicyModels(actor, reference, tok, dev)
 

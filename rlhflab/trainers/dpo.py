@@ -399,7 +399,7 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
                     local={"dpo.batch_size": sec.batch_size})
     dist, say = run.dist, run.print
     models = build_models(cfg.model, cfg.lora, t.device, need_reference=True, resume_dir=run.resume_dir,
-                          mixed_precision=t.mixed_precision)
+                          mixed_precision=t.mixed_precision, world_size=dist.world_size)
     run.adopt_models(models)  # the CPU-only speed tricks, on a CPU
     tok, pad = models.tokenizer, models.tokenizer.pad_token_id
 

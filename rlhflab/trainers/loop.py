@@ -22,7 +22,6 @@ from rlhflab.data.prompts import load_prompts, step_prompts
 from rlhflab.engine.dist import (Dist, explained_variance, group_advantages,  # noqa: F401 (re-exported)
                                  launched_world_size, whiten)
 from rlhflab.engine.update import PPOMath, policy_update
-from rlhflab.errors import UserError
 from rlhflab.evaluate import EvalChecks, EvalResult, build_eval_checks, evaluate_policy, save_samples
 from rlhflab.models.load import resolve_device
 from rlhflab.models.setup import CriticKind, PolicyModels, build_models
@@ -194,13 +193,10 @@ def build_run(cfg, method: PolicyMethod, *, resume_dir: Path | None = None, math
     train_cfg, sec, dist = cfg.training, getattr(cfg, method.name), dist or Dist()
     if context is None:  # a run built outside the run context (tests, benches): its CPU settings
         cpu.setup_process(resolve_device(train_cfg.device), cfg.model)
-    processes = max(dist.world_size, launched_world_size())
-    if cfg.model.compile_layers and processes > 1:
-        raise UserError(f"model.compile_layers: not measured with several processes ({processes} launched; DDP, "
-                        f"FSDP and ZeRO wrap the layers themselves); set model.compile_layers: false, or run one "
-                        f"process")
+    processes = max(dist.world_size, launched_world_size())  # also a run built outside its launcher's context
     models = build_models(cfg.model, cfg.lora, train_cfg.device, need_reference=method.need_reference(cfg),
-                          critic=method.critic, resume_dir=resume_dir, mixed_precision=train_cfg.mixed_precision)
+                          critic=method.critic, resume_dir=resume_dir, mixed_precision=train_cfg.mixed_precision,
+                          world_size=processes)
     # The CPU-only speed tricks (rlhflab.cpu), on a CPU: through the run context when there is one.
     context.adopt_models(models) if context is not None else cpu.apply_to_models(models, cfg.model)
     scorer = build_reward(cfg.reward, models.device)
@@ -214,7 +210,7 @@ def build_run(cfg, method: PolicyMethod, *, resume_dir: Path | None = None, math
         prompt_room = episode_budget(cfg) - cfg.generation.max_new_tokens
     backend = make_backend(cfg.generation, models.policy, models.tokenizer,
                            max_prompt_length=prompt_room, batch_size=sec.batch_size,
-                           seed=train_cfg.seed, rank=dist.rank, world_size=dist.world_size)
+                           seed=train_cfg.seed, rank=dist.rank, world_size=processes)
     if context is not None:  # the backend stops with the run (vllm: its engine)
         context.on_close(backend.close)
     if env_active(cfg):  # multi-turn episodes through the same backend (rlhflab.envs.rollout)
