@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from rlhflab.models.actor_critic import decoder_and_head, response_hidden
+    from rlhflab.models.compiled import compiled_list
     from rlhflab.ops.chunked import chunked_logprobs
 
     torch.set_num_threads(a.threads)
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     prompt_ids, prompt_mask, response_ids, response_mask = (
         x.to(a.device) for x in batch(a.rows, 1, a.prompt_len, a.response_len, model.config.vocab_size))
     eager = decoder.layers
-    compiled = torch.nn.ModuleList([torch.compile(layer, dynamic=a.dynamic) for layer in eager[:-1]] + [eager[-1]])
+    compiled = compiled_list(eager, dynamic=a.dynamic)  # what model.compile_layers swaps in
     opt = torch.optim.AdamW(model.parameters(), lr=1e-7, fused=a.device == "cuda")
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     mask = response_mask.float()

@@ -46,9 +46,15 @@ def compile_layers(model: nn.Module) -> int:
         raise UserError(f"model.compile_layers: {type(decoder).__name__} keeps no list of decoder layers under "
                         f"`.layers` (Llama, Qwen, Mistral and Gemma decoders do); set model.compile_layers: false")
     if decoder not in _COMPILED:
-        wrapped = [torch.compile(layer, dynamic=True) for layer in layers[:-1]]
-        _COMPILED[decoder] = (layers, nn.ModuleList([*wrapped, layers[-1]]))
+        _COMPILED[decoder] = (layers, compiled_list(layers))
     return len(layers) - 1
+
+
+def compiled_list(layers: nn.ModuleList, dynamic: bool = True) -> nn.ModuleList:
+    """`layers` with every one but the last wrapped in `torch.compile` (the same modules and
+    weights; compiled at the first call); `dynamic`: shapes marked dynamic, as a run's
+    changing lengths need (bench/compile_layers.py also times static ones)."""
+    return nn.ModuleList([*(torch.compile(layer, dynamic=dynamic) for layer in layers[:-1]), layers[-1]])
 
 
 @contextmanager
