@@ -15,6 +15,13 @@ shapes rlhflab's trainers run, all float32:
     lm_head   (128, 896) x (896 -> 151936)   one chunk of its LM head (ops.chunked)
     square    (2048, 2048) x (2048 -> 2048)  a large square product: near each library's peak
 
+`--shapes smollm2` (not in the default run) times the linear layers of one update pass of
+`bench/ppo_throughput.py` on SmolLM2-135M-Instruct instead: 32 episodes of 43 tokens (1376
+rows) through a decoder layer's q/o (576 -> 576), k/v (576 -> 192), gate/up (576 -> 1536)
+and down (1536 -> 576) projections, and the LM head over the 512 response rows (576 ->
+49,152). A last line weighs them as an update pass has them (30 layers, one head), the rate
+at which a whole update's linear layers can run with each library.
+
 Each shape is timed forward (`F.linear` against `ops.matmul.linear` with oneDNN) and
 forward + backward (the input and the weight gradients); medians over `--repeats` runs
 after a warm-up, in GFLOP/s (2 FLOPs per multiply-add; the backward is two more products
@@ -43,6 +50,17 @@ SHAPES = {  # name: (rows, in_features, out_features)
     "square": (2048, 2048, 2048),
 }
 HEADLINE = "25M"
+DEFAULT_SHAPES = list(SHAPES)
+# bench/ppo_throughput.py's update on SmolLM2-135M-Instruct: (rows, in, out) and how many such
+# products one update pass runs (30 decoder layers; the LM head on the response rows only)
+SMOLLM2 = {
+    "smol-qo": ((1376, 576, 576), 60),
+    "smol-kv": ((1376, 576, 192), 60),
+    "smol-up": ((1376, 576, 1536), 60),
+    "smol-down": ((1376, 1536, 576), 30),
+    "smol-head": ((512, 576, 49_152), 1),
+}
+SHAPES.update({name: shape for name, (shape, _) in SMOLLM2.items()})
 
 
 def _time(fn, repeats: int) -> float:
@@ -85,12 +103,25 @@ def measure(name: str, repeats: int) -> dict[str, float]:
     return out
 
 
+def smollm2_line(results: dict[str, dict[str, float]]) -> str:
+    """Each library's forward+backward rate over one SmolLM2 update pass's linear layers:
+    total FLOPs over total time, each product counted as often as the pass runs it."""
+    flops = {name: 6 * n * i * o * count for name, ((n, i, o), count) in SMOLLM2.items()}
+    total = sum(flops.values())
+    rate = {mode: total / sum(f / results[name][f"{mode} fwd+bwd"] for name, f in flops.items())
+            for mode in ("torch", "onednn")}
+    return (f"smollm2 update pass ({total / 1e9:.0f} GFLOP of linear layers): torch {rate['torch']:.1f}, "
+            f"onednn {rate['onednn']:.1f} GFLOP/s forward+backward, ratio {rate['onednn'] / rate['torch']:.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per case (default: 5)")
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, choices=list(SHAPES) + ["smollm2"],
+                    help="shapes to time (default: the first six; smollm2: SmolLM2's update, see above)")
     args = ap.parse_args(argv)
+    args.shapes = [x for name in args.shapes for x in (SMOLLM2 if name == "smollm2" else [name])]
     if args.threads < 1 or args.repeats < 1:
         ap.error("--threads and --repeats must be at least 1")
     from rlhflab.openmp import apply_default_wait
@@ -117,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<9}{f'{n} x {i} -> {o}':>24}{r['torch fwd']:>11.1f}{r['onednn fwd']:>12.1f}"
               f"{r['onednn fwd'] / r['torch fwd']:>7.2f}{r['torch fwd+bwd']:>11.1f}{r['onednn fwd+bwd']:>12.1f}"
               f"{r['onednn fwd+bwd'] / r['torch fwd+bwd']:>7.2f}", flush=True)
+    if all(name in results for name in SMOLLM2):
+        print(smollm2_line(results))
     if HEADLINE in results:
         r = results[HEADLINE]
         print(f"cpu_matmul: onednn/torch {r['onednn fwd'] / r['torch fwd']:.2f} forward, "
