@@ -138,3 +138,15 @@ def test_rows_from_another_machine_are_labelled_and_summarised_apart():
     assert text.startswith("On a 2-core Intel (d; `s`)") and "+21.0 (seed 0), +20.5 (seed 1)" in text
     assert text.endswith("The same configs on a 2-core AMD: PPO with a value head, 44 steps, 12.0 minutes of "
                          "training on both cores: held-out greedy accuracy 31.5% → 50.0%, +18.5 (seed 0) points.")
+
+
+def test_summary_names_the_lora_recipe_and_leaves_out_its_noted_rows():
+    base = {"recipe": "lora_grpo", "seed": 0, "steps": 44, "before": 0.315, "after": 0.56, "n_eval": 200,
+            "train_minutes": 8.7, "s_per_step": 11.9, "threads": 2, "load": 1.9, "overrides": []}
+    rec = {"machine": "2-core AMD", "date": "d", "script": "s", "command": "c", "runs": [
+        {**base, "after": 0.355, "steps": 22, "note": "earlier settings: learning rate 2e-5"},
+        base, {**base, "seed": 1, "after": 0.485, "train_minutes": 9.1}]}
+    text = FIG.recipes_summary(rec)
+    assert text == ("On a 2-core AMD (d; `s`), SmolLM2-135M-Instruct on the easy word problems: GRPO with a "
+                    "LoRA adapter, 44 steps, 8.7-9.1 minutes of training on both cores: held-out greedy accuracy "
+                    "31.5% → 48.5-56.0%, +24.5 (seed 0), +17.0 (seed 1) points.")
