@@ -268,10 +268,11 @@ def shipped_runs(rec: dict, recipe: str, machine: str | None = None) -> list[dic
 
 
 def recipes_summary(rec: dict) -> str:
-    """README.md: what the shipped GRPO, PPO and LoRA GRPO recipes did to SmolLM2 on this CPU. The
-    training minutes come from the runs that had both cores (threads 2); runs made two at a
-    time on one thread each count for their accuracy only."""
-    names = {"grpo": "GRPO", "ppo": "PPO with a value head", "lora_grpo": "GRPO with a LoRA adapter"}
+    """README.md: what the shipped GRPO, PPO (value head, separate critic) and LoRA GRPO recipes
+    did to SmolLM2 on this CPU. The training minutes come from the runs that had both cores
+    (threads 2); runs made two at a time on one thread each count for their accuracy only."""
+    names = {"grpo": "GRPO", "ppo": "PPO with a value head", "ppo_critic": "PPO with a separate critic",
+             "lora_grpo": "GRPO with a LoRA adapter"}
 
     def parts(machine: str) -> list[str]:
         out = []
