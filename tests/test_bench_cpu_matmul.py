@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,12 +13,11 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import cpu_matmul
-        yield cpu_matmul
-    finally:
-        sys.path.remove(str(BENCH))
+    # loaded from its file (the bench folder is not a package; the script finds its own _common)
+    spec = importlib.util.spec_from_file_location("bench_cpu_matmul", BENCH / "cpu_matmul.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_smollm2_group_is_one_update_pass_of_the_ppo_bench(bench):
