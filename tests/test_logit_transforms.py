@@ -176,3 +176,19 @@ def test_a_transform_rlhflab_cannot_map_is_refused_in_one_line():
     inkling.config.unpadded_vocab_size = V - 4
     with pytest.raises(UserError, match="unpadded_vocab_size=60"):
         logit_transform(inkling)
+
+
+def test_build_models_refuses_it_before_any_step(monkeypatch):
+    from pathlib import Path
+
+    from rlhflab.config import load_config
+    from rlhflab.models import setup
+    from rlhflab.trainers import ppo
+
+    config = transformers.LlamaConfig(**SMALL)
+    config.logit_scale = 0.5
+    monkeypatch.setattr(setup, "load_model", lambda *a, **k: (RemoteCodeLM(config), None))
+    root = Path(__file__).resolve().parents[1]
+    cfg, _ = load_config(root / "configs" / "ppo_debug.yaml", ppo.PPORunConfig, ["training.device=cpu"])
+    with pytest.raises(UserError, match="RemoteCodeLM may change its logits by config logit_scale=0.5"):
+        ppo.build_models(cfg)

@@ -22,6 +22,7 @@ that only have hidden states apply the head and `logit_transform` themselves
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from typing import NamedTuple, Optional
@@ -92,8 +93,10 @@ def _is_set(key: str, value, text) -> bool:
     return True
 
 
-def _reads(cls: type, keys: list[str]) -> bool:
-    """Whether `cls.forward`'s source names one of `keys` (True when the source is unreadable)."""
+@functools.lru_cache(maxsize=64)
+def _reads(cls: type, keys: tuple[str, ...]) -> bool:
+    """Whether `cls.forward`'s source names one of `keys` (True when the source is unreadable);
+    cached, as every teacher-forced pass asks."""
     try:
         source = inspect.getsource(cls.forward)
     except (OSError, TypeError):
@@ -119,7 +122,7 @@ def logit_transform(model: nn.Module) -> LogitTransform:
     rule = _RULES.get(cls.__name__) if native else None
     if rule is None:
         found = [k for k in TRANSFORM_KEYS if _is_set(k, getattr(text, k, None), text)]
-        if not found or (native and not _reads(cls, found)):
+        if not found or (native and not _reads(cls, tuple(found))):
             return IDENTITY  # no key set, or a transformers class that ignores them (MPT, PaliGemma, ...)
         shown = ", ".join(f"{k}={getattr(text, k)!r}" for k in found)
         raise _refuse(base, cfg, f"{cls.__name__} may change its logits by config {shown}")
