@@ -140,6 +140,71 @@ def test_gradcheck_float64_logprobs_and_entropy():
     assert torch.autograd.gradcheck(fn, (hidden, weight, bias))
 
 
+# --------------------------------------------------------------------------------------
+# The model's logit transform (scale, soft cap)
+# --------------------------------------------------------------------------------------
+def test_hand_worked_soft_cap_and_scale():
+    # h = [1, 0], W rows [0, 0] and [2, 0]: a = [0, 2].
+    # Soft cap c = 2: f(a) = 2 tanh(a / 2) = [0, 2 tanh 1] = [0, 1.5231883];
+    # log p(token 1) = -ln(1 + e^-1.5231883) = -ln(1.2180157) = -0.1972230.
+    hidden = torch.tensor([[[1.0, 0.0]]])
+    weight = torch.tensor([[0.0, 0.0], [2.0, 0.0]])
+    capped = chunked_logprobs(hidden, weight, None, torch.tensor([[1]]), transform=ops.LogitTransform(softcap=2.0))
+    assert capped.logprobs.item() == pytest.approx(-0.1972230392, abs=1e-7)
+    # Scale 1/2 (Granite's logits_scaling 2): f(a) = [0, 1]; log p(1) = -ln(1 + e^-1) = -0.3132617.
+    scaled = chunked_logprobs(hidden, weight, None, torch.tensor([[1]]), transform=ops.LogitTransform(scale=0.5))
+    assert scaled.logprobs.item() == pytest.approx(-0.3132616875, abs=1e-7)
+
+
+TRANSFORMS = [ops.LogitTransform(scale=0.0625), ops.LogitTransform(softcap=3.0),
+              ops.LogitTransform(scale=1.7, softcap=2.5)]  # the last: scale then cap, as MuseGlimmer's
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("with_entropy_grad", [False, True])  # the two backward paths
+def test_transformed_logits_equal_the_unchunked_path(transform, with_entropy_grad):
+    # The full-logits reference: transform_logits(h W^T + b) / T, then the plain ops. Logits
+    # here are of size ~5, so a cap of 2.5-3 bends them well into tanh's curve.
+    hidden, weight, bias, targets = _inputs(seed=5)
+    g = torch.Generator().manual_seed(6)
+    a = torch.randn(targets.shape, generator=g)
+    c = torch.randn(targets.shape, generator=g)
+    out = chunked_logprobs(hidden, weight, bias, targets, 0.7, 5, with_entropy=True, transform=transform)
+    logits = ops.transform_logits(hidden @ weight.t() + bias, transform) / 0.7
+    ref_lp, ref_h = logprobs_from_logits(logits, targets), entropy_from_logits(logits)
+    # float32, one rounding apart in the transform (s/c as one product): 1e-6 as the parity test above
+    torch.testing.assert_close(out.logprobs, ref_lp, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.entropy, ref_h, rtol=1e-6, atol=1e-6)
+    loss_of = (lambda lp, h: (a * lp).sum() + (c * h).sum()) if with_entropy_grad else (lambda lp, h: (a * lp).sum())
+    got = _grads(loss_of(out.logprobs, out.entropy), (hidden, weight, bias))
+    want = _grads(loss_of(ref_lp, ref_h), (hidden, weight, bias))
+    for x, y in zip(got, want):  # sums over rows in another order: as the parity test above
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_gradcheck_float64_under_a_soft_cap():
+    hidden, weight, bias, targets = _inputs(b=2, t=3, h=4, v=7, dtype=torch.float64)
+    tf = ops.LogitTransform(scale=0.8, softcap=2.0)
+
+    def both(h, w, b):
+        out = chunked_logprobs(h, w, b, targets, temperature=0.8, chunk_size=4, with_entropy=True, transform=tf)
+        return out.logprobs, out.entropy
+
+    def alone(h, w, b):
+        return chunked_logprobs(h, w, b, targets, temperature=0.8, chunk_size=4, transform=tf).logprobs
+
+    assert torch.autograd.gradcheck(both, (hidden, weight, bias))
+    assert torch.autograd.gradcheck(alone, (hidden, weight, bias))
+
+
+@pytest.mark.parametrize("bad", [ops.LogitTransform(scale=0.0), ops.LogitTransform(scale=float("inf")),
+                                 ops.LogitTransform(softcap=0.0), ops.LogitTransform(softcap=-1.0)])
+def test_a_transform_that_is_no_function_is_refused(bad):
+    hidden, weight, bias, targets = _inputs()
+    with pytest.raises(ValueError, match="logit transform"):
+        chunked_logprobs(hidden, weight, bias, targets, transform=bad)
+
+
 def test_entropy_alone_and_logprobs_alone_backpropagate():
     hidden, weight, bias, targets = _inputs()
     for name in ("entropy", "logprobs"):  # the other output takes no part in the loss

@@ -265,8 +265,10 @@ FLOAT64_CALLS = {
     "explained_variance": lambda: ops.explained_variance(_f64(B, T), _f64(B, T, seed=1), M),
     "logprobs_from_logits": lambda: ops.logprobs_from_logits(_f64(B, T, V), TOK),
     "entropy_from_logits": lambda: ops.entropy_from_logits(_f64(B, T, V)),
-    "chunked_logprobs": lambda: ops.chunked_logprobs(_f64(B, T, H), _f64(V, H, seed=1), None, TOK,
-                                                     with_entropy=True),
+    "chunked_logprobs": lambda: [ops.chunked_logprobs(_f64(B, T, H), _f64(V, H, seed=1), None, TOK,
+                                                      with_entropy=True, transform=tf)
+                                 for tf in (None, ops.LogitTransform(scale=0.5, softcap=3.0))],
+    "transform_logits": lambda: ops.transform_logits(_f64(B, T, V), ops.LogitTransform(scale=0.5, softcap=3.0)),
     "chunked_cross_entropy": lambda: ops.chunked_cross_entropy(_f64(B, T, H), _f64(V, H, seed=1), None, TOK),
     "kl_estimate": lambda: [ops.kl_estimate(_f64(B, T), _f64(B, T, seed=1), k) for k in ops.KL_KINDS],
     "kl_shaped_rewards": lambda: ops.kl_shaped_rewards(_f64(B), _f64(B, T), _f64(B, T, seed=1), M, 0.1),

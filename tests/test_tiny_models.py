@@ -193,21 +193,24 @@ def test_saved_config_names_the_architecture(tiny_arch_dirs):
 
 
 def test_linear_lm_head_only_when_logits_are_hidden_times_weight(tiny_arch_dirs):
-    # The chunked log-prob path needs logits = hidden @ W^T + b exactly: true for the four
-    # architectures, false for Gemma 2's soft-capped logits and for a LoRA-adapted head.
+    # The chunked log-prob path needs logits = f(hidden @ W^T + b) with a plain linear head:
+    # true for the four architectures (f the identity) and for Gemma 2's soft-capped logits
+    # (f = 30 tanh(. / 30), carried as the head's transform), false for a LoRA-adapted head.
     from peft import LoraConfig, get_peft_model
     from transformers import Gemma2Config
 
     from rlhflab.models.head import linear_lm_head
+    from rlhflab.ops import LogitTransform
 
     for arch, folder in tiny_arch_dirs.items():
         model = AutoModelForCausalLM.from_pretrained(folder)
         head = linear_lm_head(model)
         assert head is not None and head.weight is model.get_output_embeddings().weight, arch
+        assert head.transform == LogitTransform(), arch
     capped = AutoModelForCausalLM.from_config(Gemma2Config(
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, head_dim=8, final_logit_softcapping=30.0))
-    assert linear_lm_head(capped) is None
+    assert linear_lm_head(capped).transform == LogitTransform(softcap=30.0)
     llama = AutoModelForCausalLM.from_pretrained(tiny_arch_dirs["llama"])
     adapted = get_peft_model(llama, LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))
     assert linear_lm_head(adapted) is None

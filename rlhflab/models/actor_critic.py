@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from rlhflab import ops
 from rlhflab.models.compiled import compiled_layers
-from rlhflab.models.head import linear_lm_head
+from rlhflab.models.head import linear_lm_head, logit_transform
 from rlhflab.models.precision import autocast, float32_region
 
 
@@ -114,7 +114,16 @@ def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
 
 
 def hidden_size_of(model: nn.Module) -> int:
-    cfg = unwrap(model).config
+    """The width of the decoder's last hidden state (what `response_hidden` returns and the
+    value head reads): the LM head's input features, since the head reads that state. For
+    OPT-350m that is word_embed_proj_dim (512, after the decoder's project_out), not
+    hidden_size (1024). The config's hidden_size (or n_embd) where the head shows no width."""
+    base = unwrap(model)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    width = getattr(head, "in_features", None)  # nn.Linear, FastLinear, peft's LoRA layer, bitsandbytes'
+    if isinstance(width, int) and width > 0:
+        return width
+    cfg = base.config
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     return int(getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd"))
 
@@ -240,7 +249,8 @@ def lm_loss(model: nn.Module, batch: dict[str, Tensor], mixed_precision: str = "
         decoder, _ = decoder_and_head(model)
         with autocast(mixed_precision, ids.device), compiled_layers(decoder):
             hidden = _last_hidden(decoder(input_ids=ids, attention_mask=am, use_cache=False))[:, :-1]  # (b, L-1, H)
-        return ops.chunked_cross_entropy(hidden, lin.weight, lin.bias, labels, onednn=lin.onednn) / n
+        return ops.chunked_cross_entropy(hidden, lin.weight, lin.bias, labels, onednn=lin.onednn,
+                                         transform=lin.transform) / n
     with autocast(mixed_precision, ids.device):
         logits = model(input_ids=ids, attention_mask=am, use_cache=False).logits[:, :-1]  # (b, L-1, V)
     keep = labels != -100
@@ -253,20 +263,23 @@ def token_stats(hidden: Tensor, head: nn.Module, response_ids: Tensor, temperatu
                 model: nn.Module | None = None) -> tuple[Tensor, Tensor | None]:
     """Log-probs (B, T) of `response_ids` and, when asked, the entropy (B, T) from hidden (B, T, H).
 
-    When `model`'s head is a plain linear map (`models.head.linear_lm_head`), the chunked
-    op computes them without ever holding more than one chunk of (B, T, V) logits, in the
-    forward pass and in backward; otherwise (soft-capped or scaled logits, LoRA on the
-    head) from the head's full logits. `entropy_grad=False` computes the entropy for
-    logging only, with no autograd graph. Both ways compute in float32 (or the head's
-    own dtype), also inside an autocast region.
+    Both ways apply the model's own logit transform (`models.head.logit_transform`: Gemma 2's
+    soft cap, Cohere's, Granite's, MiniCPM3's and Falcon-H1's scales) before the temperature,
+    as the model's forward and so the sampler do. When `model`'s head is a plain linear map
+    (`models.head.linear_lm_head`), the chunked op computes them without ever holding more
+    than one chunk of (B, T, V) logits, in the forward pass and in backward; otherwise (LoRA
+    on the head) from the head's full logits. `entropy_grad=False` computes the entropy for
+    logging only, with no autograd graph. Both ways compute in float32 (or the head's own
+    dtype), also inside an autocast region. A model whose transform rlhflab cannot map
+    raises `UserError`.
     """
     lin = linear_lm_head(model) if model is not None else None
     if lin is not None:
         out = ops.chunked_logprobs(hidden, lin.weight, lin.bias, response_ids, temperature=temperature,
-                                   with_entropy=with_entropy, onednn=lin.onednn)
+                                   with_entropy=with_entropy, onednn=lin.onednn, transform=lin.transform)
         entropy = out.entropy if (out.entropy is None or entropy_grad) else out.entropy.detach()
         return out.logprobs, entropy
-    logits = head_logits(head, hidden)                                                 # (B, T, V)
+    logits = head_logits(head, hidden, logit_transform(model) if model is not None else None)  # (B, T, V)
     if temperature != 1.0:
         logits = logits / temperature
     logprobs = ops.logprobs_from_logits(logits, response_ids)
@@ -280,12 +293,14 @@ def token_stats(hidden: Tensor, head: nn.Module, response_ids: Tensor, temperatu
     return logprobs, entropy
 
 
-def head_logits(head: nn.Module, hidden: Tensor) -> Tensor:
-    """head(hidden) (B, T, V) in the head's own dtype (float32 master weights: float32),
-    not in autocast's bfloat16: log-probs and their differences need the precision."""
+def head_logits(head: nn.Module, hidden: Tensor, transform: ops.LogitTransform | None = None) -> Tensor:
+    """f(head(hidden)) (B, T, V): the logits the model's forward returns, with its transform f
+    (`models.head.logit_transform`; None: the identity), in the head's own dtype (float32
+    master weights: float32), not in autocast's bfloat16: log-probs and their differences
+    need the precision."""
     dtype = next(head.parameters()).dtype
     with float32_region(hidden.device):
-        return head(hidden.to(dtype))
+        return ops.transform_logits(head(hidden.to(dtype)), transform)
 
 
 class ResponseOutput(NamedTuple):
@@ -364,7 +379,7 @@ class PolicyOnly(nn.Module):
             hidden = response_hidden(self.policy, pi, pm, ri, rm)
         _, head = decoder_and_head(self.policy)
         values = self._values(hidden, pi, pm, ri, rm, 1) if with_values else None
-        return ResponseOutput(head_logits(head, hidden), values)
+        return ResponseOutput(head_logits(head, hidden, logit_transform(self.policy)), values)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
@@ -473,7 +488,7 @@ class Reference:
             with autocast(self.mixed_precision, input_ids.device):
                 hidden = response_hidden(model, *_split(input_ids, attention_mask, prompt_len))
             _, head = decoder_and_head(model)
-            return head_logits(head, hidden)
+            return head_logits(head, hidden, logit_transform(model))
 
 
 def save_value_head(head: nn.Module, folder: str | Path, name: str = "value_head.safetensors") -> Path:

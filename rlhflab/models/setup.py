@@ -12,6 +12,11 @@ its models here, so a resume, LoRA and the reference follow one rule:
 - `model.load_in_4bit` / `load_in_8bit` load the policy's base quantised (QLoRA, CUDA
   only: `models.quant`); the adapter trains on it and the reference is the same base
   with the adapter off.
+- The policy's logits are those of its own forward: `models.head.logit_transform` (a soft
+  cap, a scale) is applied wherever log-probs come from hidden states, and a model whose
+  transform rlhflab cannot map is refused here, before any step.
+- The value head (and a separate critic's) is as wide as the decoder's output really is
+  (`hidden_size_of`: the LM head's input, OPT's word_embed_proj_dim).
 - Dropout is switched off everywhere, so before the first update the ratio π/π_old is
   exactly 1. The one exception is the value head's own `model.value_head_dropout` (0 by
   default), which touches no log-prob and runs only in passes with gradients.
@@ -35,6 +40,7 @@ from torch import nn
 
 from rlhflab.models.actor_critic import (ActorCritic, Critic, PolicyOnly, Reference, ValueHead, hidden_size_of,
                                          load_value_head)
+from rlhflab.models.head import logit_transform
 from rlhflab.models.lean import make_lean
 from rlhflab.models.load import add_lora, disable_dropout, load_adapter, load_model, resolve_device
 from rlhflab.models.precision import check_mixed_precision
@@ -95,6 +101,7 @@ def build_models(model_cfg, lora_cfg, device: str, *, need_reference: bool,
     quant = quantization_kwargs(model_cfg, lora_cfg, dev)  # {} unless model.load_in_4bit/8bit (QLoRA)
     full_resume = resume_dir is not None and not lora_cfg.enabled
     policy, tok = load_model(str(resume_dir) if full_resume else model_cfg.name_or_path, **load_kw, **quant)
+    logit_transform(policy)  # a family whose logit transform rlhflab cannot map: refused before anything runs
     reference = None
     if need_reference and not lora_cfg.enabled:
         # The reference is always the starting policy, also when resuming.

@@ -5,7 +5,7 @@ response token. See each module's docstring for where it departs from common pra
 """
 
 from rlhflab.ops.advantages import GAEOutput, batch_std_of, discounted_returns, gae, group_advantages, rloo_advantages
-from rlhflab.ops.chunked import TokenLogprobs, chunked_cross_entropy, chunked_logprobs
+from rlhflab.ops.chunked import LogitTransform, TokenLogprobs, chunked_cross_entropy, chunked_logprobs, transform_logits
 from rlhflab.ops.importance import logprob_gap, truncated_is_weights
 from rlhflab.ops.kl import KL_KINDS, kl_estimate, kl_shaped_rewards, last_token_index
 from rlhflab.ops.logprobs import entropy_from_logits, logprobs_from_logits
@@ -36,7 +36,7 @@ from rlhflab.ops.stats import explained_variance, masked_mean, masked_pivot, mas
 __all__ = [
     "masked_sum", "masked_mean", "masked_var", "masked_whiten", "masked_pivot", "explained_variance",
     "logprobs_from_logits", "entropy_from_logits",
-    "chunked_logprobs", "chunked_cross_entropy", "TokenLogprobs",
+    "chunked_logprobs", "chunked_cross_entropy", "TokenLogprobs", "LogitTransform", "transform_logits",
     "KL_KINDS", "kl_estimate", "kl_shaped_rewards", "last_token_index",
     "GAEOutput", "gae", "group_advantages", "batch_std_of", "rloo_advantages", "discounted_returns",
     "gae_over_actions", "discounted_returns_over_actions", "place_turn_rewards", "episode_returns",

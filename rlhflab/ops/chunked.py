@@ -6,14 +6,20 @@ backward keep several copies. `chunked_logprobs` takes the decoder's hidden stat
 the LM head's weight instead of the logits and never holds more than one chunk of
 rows of the (N, V) logits (N = B*T rows), in the forward pass or in the backward pass:
 
-    forward   per chunk of rows:  z = (h W^T + b) / temperature            (c, V)
+    forward   per chunk of rows:  a = h W^T + b,  z = f(a) / temperature    (c, V)
               logZ = logsumexp(z);  log p = z - logZ;  H = -sum_v p_v log p_v
               keeps logZ (N,) and H (N,) only
     backward  per chunk again: recompute z, then log p = z - logZ and
               dlogp(y)/dz = onehot(y) - p
               dH/dz       = -p (z - E_p[z]) = -p (log p + H)
-              g_z = g_logp * dlogp/dz + g_H * dH/dz;  dL/dlogits = g_z / temperature
-              grad_h = g_logits W,  grad_W += g_logits^T h,  grad_b += sum_rows g_logits
+              g_z = g_logp * dlogp/dz + g_H * dH/dz;  dL/da = g_z f'(a) / temperature
+              grad_h = g_a W,  grad_W += g_a^T h,  grad_b += sum_rows g_a
+
+f is the model's own logit transform (`LogitTransform`), identity by default:
+    f(a) = s a                          scale s only (Cohere's logit_scale, Granite's 1/logits_scaling)
+    f(a) = c tanh(s a / c)              with a soft cap c (Gemma 2's final_logit_softcapping),
+                                        f'(a) = s (1 - tanh^2(s a / c))
+so the log-probs are those of the logits the model itself samples from.
 
 The autograd graph saves only the hidden states, the weight (which exist anyway), the
 targets and two numbers per row. A tied embedding shares the weight tensor with the
@@ -25,13 +31,16 @@ bfloat16 weight is upcast once per call (a transient V x H float32 copy, not sav
 Inside an autocast region (mixed precision) autocast is switched off for the op's
 forward and backward, so its matmuls stay float32 there too.
 
-Departures from the unchunked path (`logprobs_from_logits`, `entropy_from_logits`):
-none in value; the logits are recomputed in backward, which costs one more (N, H) x
-(H, V) matmul per step: memory traded for compute, as in activation checkpointing.
+Departures from the unchunked path (`logprobs_from_logits`, `entropy_from_logits` of
+`transform_logits(h W^T + b)`): none in value (the scale and the cap's 1/c are one product
+here, two in the model's forward: a rounding apart); the logits are recomputed in backward,
+which costs one more (N, H) x (H, V) matmul per step: memory traded for compute, as in
+activation checkpointing.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -41,6 +50,41 @@ from rlhflab.ops.matmul import linear, mm
 
 # One float32 chunk of logits is about this many bytes (64 MiB): 110 rows at V = 151,936.
 CHUNK_BYTES = 64 * 2**20
+
+
+class LogitTransform(NamedTuple):
+    """What a model does to its head's output a = h W^T + b before the softmax:
+    f(a) = softcap * tanh(scale * a / softcap) when `softcap` is set, else scale * a.
+    The identity (scale 1, no cap) is the plain linear head."""
+
+    scale: float = 1.0              # multiplies a (a divisor d is given as 1 / d)
+    softcap: Optional[float] = None  # c > 0 of c tanh(. / c), applied after the scale; None: no cap
+
+    @property
+    def is_identity(self) -> bool:
+        return self.scale == 1.0 and self.softcap is None
+
+    def check(self) -> "LogitTransform":
+        """Itself, or ValueError for a scale that is not finite and non-zero or a cap that is not > 0."""
+        if not (math.isfinite(self.scale) and self.scale != 0.0):
+            raise ValueError(f"logit transform scale must be finite and non-zero, got {self.scale}")
+        if self.softcap is not None and not (math.isfinite(self.softcap) and self.softcap > 0.0):
+            raise ValueError(f"logit transform softcap must be finite and > 0, got {self.softcap}")
+        return self
+
+
+IDENTITY = LogitTransform()
+
+
+def transform_logits(logits: Tensor, transform: LogitTransform | None) -> Tensor:
+    """f(logits) (a new tensor, or `logits` itself for the identity): the full-logits form
+    of what `chunked_logprobs` computes per chunk, in the model's order (scale, then cap)."""
+    if transform is None or transform.is_identity:
+        return logits
+    out = logits * transform.scale if transform.scale != 1.0 else logits
+    if transform.softcap is not None:
+        out = torch.tanh(out / transform.softcap) * transform.softcap
+    return out
 
 
 class TokenLogprobs(NamedTuple):
@@ -62,10 +106,17 @@ def _compute_dtype(*tensors: Tensor | None) -> torch.dtype:
     return dtype
 
 
-def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, onednn: bool) -> Tensor:
-    """(c, H) x (V, H) -> (c, V) logits divided by the temperature, in weight's dtype."""
+def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, onednn: bool,
+                  tf: LogitTransform = IDENTITY, keep_tanh: bool = False) -> tuple[Tensor, Tensor | None]:
+    """(c, H) x (V, H) -> (c, V) logits f(h W^T + b) / temperature in weight's dtype, and with
+    `keep_tanh` and a soft cap the (c, V) tanh(s a / c) too (f' needs it in backward), else None."""
     z = linear(h, weight, bias, onednn=onednn)
-    return z.div_(temperature) if temperature != 1.0 else z
+    if tf.softcap is None:
+        factor = tf.scale / temperature
+        return (z.mul_(factor) if factor != 1.0 else z), None
+    t = z.mul_(tf.scale / tf.softcap).tanh_()                               # (c, V) tanh(s a / c), in z's storage
+    post = tf.softcap / temperature
+    return (t * post if keep_tanh else t.mul_(post)), (t if keep_tanh else None)
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -73,7 +124,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
-                temperature: float, chunk_size: int, with_entropy: bool, onednn: bool):
+                temperature: float, chunk_size: int, with_entropy: bool, onednn: bool, tf: LogitTransform):
         dtype = _compute_dtype(hidden, weight, bias)
         w = weight.to(dtype)
         b = bias.to(dtype) if bias is not None else None
@@ -83,7 +134,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         entropy = hidden.new_empty(n if with_entropy else 0, dtype=dtype)    # (N,) or (0,)
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
-            z = _chunk_logits(hidden[s:e].to(dtype), w, b, temperature, onednn)  # (c, V)
+            z, _ = _chunk_logits(hidden[s:e].to(dtype), w, b, temperature, onednn, tf)  # (c, V)
             m = z.amax(-1)                                                   # (c,)
             d = z.sub_(m[:, None])                                           # (c, V) z - m <= 0, in z's storage
             picked = d.gather(-1, targets[s:e, None]).squeeze(-1)            # (c,) z_y - m
@@ -105,7 +156,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             del z, d  # before the next chunk's logits exist: one chunk alive between chunks
         ctx.save_for_backward(hidden, weight, bias, targets, log_z, entropy)
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
-        ctx.onednn = onednn
+        ctx.onednn, ctx.tf = onednn, tf
         ctx.set_materialize_grads(False)  # a None gradient (e.g. entropy unused) skips its work
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -122,12 +173,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
         if not ctx.with_entropy:
             g_entropy = None
         if g_logprobs is None and g_entropy is None:
-            return None, None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None, None
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         dtype = log_z.dtype
         w = weight.to(dtype)
         b = bias.to(dtype) if bias is not None else None
-        tau = ctx.temperature
+        tau, tf = ctx.temperature, ctx.tf
+        capped = tf.softcap is not None
+        da = tf.scale / tau  # dL/da = g_z * da (* (1 - tanh^2) under a soft cap)
         n = hidden.shape[0]
         grad_h = torch.empty_like(hidden) if need_h else None               # (N, H)
         grad_w = torch.zeros_like(w) if need_w else None                    # (V, H)
@@ -135,14 +188,22 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for s in range(0, n, ctx.chunk_size):
             e = min(s + ctx.chunk_size, n)
             h = hidden[s:e].to(dtype)                                        # (c, H)
-            logp = _chunk_logits(h, w, b, tau, ctx.onednn).sub_(log_z[s:e, None])  # (c, V) log p
+            z, t = _chunk_logits(h, w, b, tau, ctx.onednn, tf, keep_tanh=capped)
+            logp = z.sub_(log_z[s:e, None])                                  # (c, V) log p
+            if capped:
+                slope = t.square_().neg_().add_(1.0)                         # (c, V) 1 - tanh^2, in t's storage
+            del t
             if g_entropy is None:
-                # g_z = g (onehot(y) - p) / tau: the row scale -g / tau goes on the (c, H) side of
-                # each product, so the (c, V) work is the softmax in place and one entry a row.
+                # g_a = g (onehot(y) - p) s / tau (times 1 - tanh^2 under a cap): the row scale
+                # -g s / tau goes on the (c, H) side of each product, so the (c, V) work is the
+                # softmax in place and one entry a row.
                 q = logp.exp_()                                              # (c, V) p, in logp's storage
                 rows = torch.arange(e - s, device=q.device)
                 q[rows, targets[s:e]] -= 1                                   # p - onehot(y)
-                scale = g_logprobs[s:e, None].mul(-1.0 / tau)                # (c, 1)
+                if capped:
+                    q.mul_(slope)                                            # times f'(a) / s
+                    del slope
+                scale = g_logprobs[s:e, None].mul(-da)                       # (c, 1)
                 if need_h:
                     grad_h[s:e] = mm(q, w, onednn=ctx.onednn).mul_(scale).to(hidden.dtype)
                 if need_w:
@@ -158,8 +219,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 g_z.sub_(p.mul_(g_logprobs[s:e, None]))                      # - g p
                 rows = torch.arange(e - s, device=g_z.device)
                 g_z[rows, targets[s:e]] += g_logprobs[s:e]                   # + g onehot(y)
-            if tau != 1.0:
-                g_z.div_(tau)                                                # d/dlogits
+            if capped:
+                g_z.mul_(slope)                                              # times f'(a) / s
+                del slope
+            if da != 1.0:
+                g_z.mul_(da)                                                 # d/da, a = h W^T + b
             if need_h:
                 grad_h[s:e] = mm(g_z, w, onednn=ctx.onednn).to(hidden.dtype)
             if need_w:
@@ -167,15 +231,17 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 grad_w.addmm_(g_z.t(), h)
             if need_b:
                 grad_b += g_z.sum(0)
-            del logp, p, g_z  # before the next chunk's logits exist: two chunks alive at most, not three
+            # before the next chunk's logits exist: two chunks alive at most (three under a soft cap)
+            del logp, p, g_z
         return (grad_h, grad_w.to(weight.dtype) if need_w else None,
-                grad_b.to(bias.dtype) if need_b else None, None, None, None, None, None)
+                grad_b.to(bias.dtype) if need_b else None, None, None, None, None, None, None)
 
 
 def chunked_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
                      temperature: float = 1.0, chunk_size: int | None = None,
-                     with_entropy: bool = False, onednn: bool = False) -> TokenLogprobs:
-    """log p(targets) (and the entropy) under softmax((hidden W^T + b) / temperature).
+                     with_entropy: bool = False, onednn: bool = False,
+                     transform: LogitTransform | None = None) -> TokenLogprobs:
+    """log p(targets) (and the entropy) under softmax(f(hidden W^T + b) / temperature).
 
     hidden: (B, T, H) (any leading shape, or (N, H)); weight: (V, H), the LM head's;
     bias: (V,) or None; targets: (B, T) int in [0, V). Returns float32 (B, T) tensors
@@ -184,7 +250,9 @@ def chunked_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, target
     `chunk_size` rows of logits exist at once (default: about 64 MiB of them).
     Padding positions are computed like any other; mask them afterwards (or leave
     them out first: `hidden[mask]`, `targets[mask]`). `onednn`: the products through
-    oneDNN (`ops.matmul`; the caller's head is a `FastLinear`).
+    oneDNN (`ops.matmul`; the caller's head is a `FastLinear`). `transform`: the model's
+    logit transform f (`LogitTransform`: scale, soft cap), applied before the temperature as
+    the model's own forward does; None is the identity.
     """
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} does not match targets {tuple(targets.shape)}")
@@ -194,27 +262,32 @@ def chunked_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, target
         raise ValueError(f"bias {tuple(bias.shape)} must be (V,) = ({weight.shape[0]},)")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    tf = (transform or IDENTITY).check()
+    tf = LogitTransform(float(tf.scale), None if tf.softcap is None else float(tf.softcap))
     chunk = chunk_size or default_chunk_size(weight.shape[0])
     lead = targets.shape
     flat_h = hidden.reshape(-1, hidden.shape[-1])                            # (N, H)
     flat_t = targets.reshape(-1)                                             # (N,)
     with torch.autocast(hidden.device.type, enabled=False):  # float32 chunks also under autocast
         logprobs, entropy = _ChunkedLogprobs.apply(flat_h, weight, bias, flat_t, float(temperature),
-                                                   int(chunk), bool(with_entropy), bool(onednn))
+                                                   int(chunk), bool(with_entropy), bool(onednn), tf)
     return TokenLogprobs(logprobs.view(lead), entropy.view(lead) if with_entropy else None)
 
 
 def chunked_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
-                          ignore_index: int = -100, chunk_size: int | None = None, onednn: bool = False) -> Tensor:
+                          ignore_index: int = -100, chunk_size: int | None = None, onednn: bool = False,
+                          transform: LogitTransform | None = None) -> Tensor:
     """Summed token cross-entropy -sum log p(label) over positions whose label is not
     `ignore_index`; the ignored rows are left out before any logit is computed.
 
     hidden: (B, L, H) states that predict `labels` (B, L) (already shifted: row i
     predicts labels[:, i]); weight (V, H); bias (V,) or None. Returns a float32 scalar,
-    equal to `F.cross_entropy(logits, labels, ignore_index=..., reduction="sum")`.
+    equal to `F.cross_entropy(logits, labels, ignore_index=..., reduction="sum")` of the
+    logits f(hidden W^T + b) (`transform`, as in `chunked_logprobs`).
     """
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} does not match labels {tuple(labels.shape)}")
     keep = labels != ignore_index                                            # (B, L)
-    out = chunked_logprobs(hidden[keep], weight, bias, labels[keep], chunk_size=chunk_size, onednn=onednn)
+    out = chunked_logprobs(hidden[keep], weight, bias, labels[keep], chunk_size=chunk_size, onednn=onednn,
+                           transform=transform)
     return -out.logprobs.sum()

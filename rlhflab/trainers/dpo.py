@@ -246,7 +246,7 @@ def policy_sequence_logprobs(actor: PolicyOnly, batch: ResponseBatch) -> Tensor:
     real = batch.response_mask.bool()                                                            # (B, T)
     logprobs = torch.zeros(real.shape, dtype=torch.float32, device=hidden.device)                # (B, T)
     logprobs[real] = ops.chunked_logprobs(hidden[real], head.weight, head.bias, batch.response_ids[real],
-                                          onednn=head.onednn).logprobs.float()
+                                          onednn=head.onednn, transform=head.transform).logprobs.float()
     return logprobs.sum(-1)
 
 

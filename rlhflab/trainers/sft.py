@@ -190,7 +190,8 @@ def batch_nll(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, labe
     hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state    # (B, L, H)
     target = labels[:, 1:]                                                  # (B, L-1)
     total = ops.chunked_cross_entropy(hidden[:, :-1], head.weight, head.bias, target,
-                                      ignore_index=sftdata.IGNORE_INDEX, onednn=head.onednn)
+                                      ignore_index=sftdata.IGNORE_INDEX, onednn=head.onednn,
+                                      transform=head.transform)
     return ResponseNLL(total, int((target != sftdata.IGNORE_INDEX).sum()))
 
 
