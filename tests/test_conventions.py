@@ -251,3 +251,180 @@ def test_value_clip_example():
 def test_page_is_linked_from_the_guide():
     readme = (PAGE.parent / "README.md").read_text(encoding="utf-8")
     assert "(conventions.md)" in readme
+
+
+# ---------------------------------------------------------------- 12-20. TRL 1.16
+# TRL's side is its convention written out in a line or two (what TRL 1.16's GRPO, RLOO and
+# DPO trainers compute, read from their source and checked on these inputs); rlhflab's side
+# is rlhflab's own functions.
+
+
+def test_trl_bias_corrected_kl_gradient():
+    from rlhflab.trainers.grpo import GRPOSection
+    assert GRPOSection().kl_estimator == "k3"
+    quoted("TRL 1.16's default `use_bias_correction_kl=True`", 1.16)
+    values, ours, trl = [], [], []
+    for d in (0.5, -0.5):
+        lp = t([d]).requires_grad_(True)          # log π; log π_ref = 0, log π_old = log π (on-policy)
+        ref = torch.zeros(1, 1, dtype=F64)
+        k3 = ops.kl_estimate(lp, ref, "k3")
+        (g_ours,) = torch.autograd.grad(k3.sum(), lp)
+        # TRL: k3 · r with r = exp(log π − log π_old), differentiable, 1 in value
+        k3_trl = ops.kl_estimate(lp, ref, "k3") * torch.exp(lp - lp.detach())
+        (g_trl,) = torch.autograd.grad(k3_trl.sum(), lp)
+        assert k3_trl.item() == k3.item()          # the same value on-policy
+        values.append(k3.item()), ours.append(g_ours.item()), trl.append(g_trl.item())
+        assert g_trl.item() == pytest.approx(d, abs=1e-12)   # (1 - e^-d) + k3 = d
+    quoted("d = 0.5: k3 = 0.1065 in both. The gradient of the KL term with respect to log π is 0.3935 in "
+           "rlhflab and 0.5 in TRL.", 0.5, values[0], ours[0], trl[0])
+    quoted("d = -0.5: k3 = 0.1487 in both; the gradient is -0.6487 in rlhflab and -0.5 in TRL.",
+           -0.5, values[1], ours[1], trl[1])
+
+
+def test_trl_entropy_bonus_is_a_token_mean():
+    from rlhflab.engine.update import group_normalizer, loss_terms
+    from rlhflab.trainers.grpo import GRPOSection
+    ent = t([1.0, 1.0, 1.0, 0.0], [2.0, 2.0, 0.0, 0.0])
+    trl = (ent * MASK).sum() / MASK.sum()          # TRL: the micro-batch token mean, any loss_type
+    lp = torch.zeros(2, 4, dtype=F64)
+
+    def ours(agg):
+        sec = GRPOSection(loss_aggregation=agg, kl_coeff=0.0, entropy_coeff=0.01)
+        norm = group_normalizer(MASK, agg, 8)
+        return loss_terms(lp, lp, torch.zeros_like(lp), MASK, sec, normalizer=norm, entropy=ent).entropy
+
+    quoted("TRL, any `loss_type`: (1 + 1 + 1 + 2 + 2) / 5 = 1.4.", 1, 1, 1, 2, 2, MASK.sum(), trl)
+    quoted("rlhflab `token_mean`: 1.4 as well; `seq_mean`: (1 + 2) / 2 = 1.5; `token_sum` (Dr. GRPO) with "
+           "`max_new_tokens` 8: 7 / (2 × 8) = 0.4375, so the same bonus needs an `entropy_coeff` 3.2 times",
+           ours("token_mean"), 1, 2, 2, ours("seq_mean"), 8, (ent * MASK).sum(), 2, 8, ours("token_sum"),
+           trl / ours("token_sum"))
+
+
+def test_trl_counts_masked_truncated_responses():
+    from rlhflab.engine.minibatch import loss_mask_of
+    from rlhflab.engine.update import group_normalizer
+    from rlhflab.rollout import Rollout
+    losses = t([1.0, 1.0, 1.0, 0.0], [2.0, 2.0, 0.0, 0.0], [3.0, 3.0, 3.0, 3.0])
+    response_mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    roll = Rollout(torch.ones(3, 1, dtype=torch.long), torch.ones(3, 1, dtype=torch.long),
+                   torch.ones(3, 4, dtype=torch.long), response_mask, torch.tensor([False, False, True]))
+    mask = loss_mask_of(roll, mask_truncated=True)                        # the third row is all 0
+    max_new = 4
+
+    def ours(agg):
+        return ops.aggregate(losses, mask, agg, normalizer=group_normalizer(mask, agg, max_new))
+
+    m = mask.to(F64)
+    trl_grpo = ((losses * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()       # TRL grpo: mean over all B
+    trl_dr = (losses * m).sum() / (losses.shape[0] * max_new)               # TRL dr_grpo: B × max length
+    trl_tok = (losses * m).sum() / m.sum()                                  # TRL dapo / bnpo
+    quoted("a third response truncated at `max_new_tokens` 4, masked.", max_new)
+    quoted("`seq_mean`: rlhflab (1 + 2) / 2 = 1.5; TRL's `grpo` (1 + 2 + 0) / 3 = 1.",
+           1, 2, 2, ours("seq_mean"), 1, 2, 0, 3, trl_grpo)
+    quoted("`token_sum`: rlhflab 7 / (2 × 4) = 0.875; TRL's `dr_grpo` 7 / (3 × 4) = 0.5833.",
+           (losses * m).sum(), 2, 4, ours("token_sum"), (losses * m).sum(), 3, 4, trl_dr)
+    quoted("token mean: 7 / 5 = 1.4 in both", (losses * m).sum(), m.sum(), ours("token_mean"))
+    assert ours("token_mean") == trl_tok
+
+
+def test_trl_bnpo_averages_micro_batch_means():
+    from rlhflab.engine.update import group_normalizer
+    mbs = [(t([1.0, 1.0, 1.0], [2.0, 2.0, 0.0]), torch.tensor([[1, 1, 1], [1, 1, 0]])),
+           (t([3.0, 0.0, 0.0], [4.0, 4.0, 4.0]), torch.tensor([[1, 0, 0], [1, 1, 1]]))]
+    group = group_normalizer(torch.cat([m for _, m in mbs]), "token_mean", 3)   # 9 tokens
+    ours = sum(ops.aggregate(x, m, "token_mean", normalizer=group) for x, m in mbs)   # what the engine sums
+    means = [ops.aggregate(x, m, "token_mean") for x, m in mbs]                 # each micro-batch's own mean
+    bnpo = sum(means) / len(mbs)                                                # TRL bnpo: / accumulation steps
+    quoted("(token mean 7 / 5 = 1.4), the second [3] and [4, 4, 4] (15 / 4 = 3.75).", 7, 5, means[0], 3, 4, 4, 4,
+           15, 4, means[1])
+    quoted("rlhflab `token_mean` and TRL `dapo`: (7 + 15) / 9 = 2.4444.", 7, 15, group, ours)
+    quoted("TRL `bnpo`: (1.4 + 3.75) / 2 = 2.575.", means[0], means[1], 2, bnpo)
+
+
+def test_trl_sequence_mask_versus_tis():
+    from rlhflab.config.schema import PolicySection
+    assert PolicySection().tis_cap is None and PolicySection().sequence_mask_cap is None
+    delta = t([0.5, 0.5, 0.2], [0.1, -0.3, 0.0])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    old, sample = delta, torch.zeros_like(delta)                  # Δ = old − sample
+    seq = ops.sequence_mask_weights(old, sample, mask, cap=3.0)
+    tis = ops.truncated_is_weights(old, sample, mask, cap=3.0)
+    # TRL's sequence_mask written out: ρ = exp(Σ Δ), kept if ρ <= 3
+    rho = torch.exp((delta * mask).sum(-1))
+    trl = torch.where(rho > 3, torch.zeros_like(rho), rho).unsqueeze(1) * mask
+    torch.testing.assert_close(seq.weights, trl)
+    quoted("(`vllm_importance_sampling_mode: sequence_mask`, C = 3)", 3)
+    quoted("response A has Δ = [0.5, 0.5, 0.2], response B Δ = [0.1, -0.3].", delta[0], delta[1, :2])
+    quoted("ρ_A = e^1.2 = 3.3201 > 3, so A is masked; ρ_B = e^-0.2 = 0.8187 weighs both of B's tokens.",
+           1.2, seq.ratio[0], 3, -0.2, seq.ratio[1])
+    assert seq.masked.tolist() == [True, False] and torch.equal(seq.weights[0], torch.zeros(3, dtype=F64))
+    assert seq.weights[1, 0] == seq.weights[1, 1] == seq.ratio[1]
+    quoted("`tis_cap=3`: A's tokens get [1.6487, 1.6487, 1.2214] and B's [1.1052, 0.7408].", 3, tis[0],
+           tis[1, :2])
+    long = ops.sequence_mask_weights(torch.full((1, 300), 0.004, dtype=F64), torch.zeros(1, 300, dtype=F64),
+                                     torch.ones(1, 300), cap=3.0)
+    quoted("a 300-token response whose tokens are each 0.004 nats off has ρ = e^1.2", 300, 0.004, 300 * 0.004)
+    assert long.masked.item()
+
+
+def test_trl_rloo_sequence_ratio_and_normalisation():
+    from rlhflab.engine.dist import Dist, whiten
+    lp = t([0.1, 0.1]).requires_grad_(True)          # log π; log π_old = 0: token log-ratios 0.1
+    old, adv, m = torch.zeros(1, 2, dtype=F64), torch.ones(1, 2, dtype=F64), torch.ones(1, 2)
+    out = ops.ppo_policy_loss(lp, old, adv, m, clip_eps=0.2)
+    (g_ours,) = torch.autograd.grad(out.loss, lp)
+    # TRL: one ratio per response, exp(Σ log π − Σ log π_old), clipped, mean over responses
+    lp2 = lp.detach().clone().requires_grad_(True)
+    ratio = torch.exp(lp2.sum(-1) - old.sum(-1))
+    trl = -torch.minimum(ratio * 1.0, ratio.clamp(0.8, 1.2) * 1.0).mean()
+    (g_trl,) = torch.autograd.grad(trl, lp2)
+    quoted("each token's ratio is e^0.1 = 1.1052, inside the clip: the loss is -1.1052 and each token's log-prob "
+           "gets the gradient -0.5526.", 0.1, math.exp(0.1), out.loss, g_ours[0, 0])
+    assert g_ours[0, 0] == g_ours[0, 1]
+    quoted("the response's ratio is e^0.2 = 1.2214, above 1.2: the loss is -1.2 and the gradient 0.",
+           0.2, ratio, 1.2, trl, g_trl.abs().max())
+    a = torch.tensor([1.0, 0.0, 0.0, -1.0], dtype=F64)
+    ours = whiten(a, torch.ones_like(a), Dist())                         # what rloo.normalize_advantages runs
+    trl_norm = (a - a.mean()) / (a.std(unbiased=True) + 1e-4)            # TRL: std with n − 1, plus 1e-4
+    quoted("Normalising advantages [1, 0, 0, -1]: rlhflab gives [1.4142, 0, 0, -1.4142], TRL [1.2246, 0, 0, -1.2246].",
+           a, ours, trl_norm)
+
+
+def test_trl_ipo_divides_by_length():
+    beta = 0.1
+    # chosen: log-ratio 2 over 4 tokens; rejected: -1 over 2 tokens (policy sums, reference 0)
+    pc, pr, zero = t(2.0), t(-1.0), torch.zeros(1, dtype=F64)
+    ours = ops.dpo_loss(pc, pr, zero, zero, beta, "ipo").loss
+    h_trl = pc / 4 - pr / 2                                               # TRL: per-token means
+    trl = (h_trl - 1 / (2 * beta)).square().mean()
+    quoted("β = 0.1 (1/(2β) = 5)", beta, 1, 2, 1 / (2 * beta))
+    quoted("rlhflab: h = 2 - (-1) = 3, loss (3 - 5)² = 4.", pc, pr, pc - pr, pc - pr, 5, ours)
+    quoted("TRL: h = 2/4 - (-1/2) = 1, loss (1 - 5)² = 16.", 2, 4, -1, 2, h_trl, h_trl, 5, trl)
+
+
+def test_trl_sigmoid_ignores_label_smoothing():
+    import torch.nn.functional as F
+    beta, eps = 0.1, 0.1
+    pc, zero = t(2.0), torch.zeros(1, dtype=F64)                      # h = 2
+    ours = ops.dpo_loss(pc, zero, zero, zero, beta, "sigmoid", label_smoothing=eps).loss
+    trl = -F.logsigmoid(beta * pc).mean()                                 # TRL sigmoid: ε unused
+    robust = ((-(1 - eps) * F.logsigmoid(beta * pc) + eps * F.logsigmoid(-beta * pc)) / (1 - 2 * eps)).mean()
+    assert trl == ops.dpo_loss(pc, zero, zero, zero, beta, "sigmoid").loss
+    quoted("β = 0.1, h = 2, ε = 0.1: rlhflab's loss is 0.6181, TRL's sigmoid 0.5981 (plain DPO).",
+           beta, pc, eps, ours, trl)
+    quoted("TRL's `robust` loss with the same ε is a third value, 0.5731.", robust)
+
+
+def test_rpo_nll_term_and_its_trl_name(monkeypatch):
+    from rlhflab.trainers import dpo
+    help_ = dpo.DPOSection.__dataclass_fields__["sft_coeff"].metadata.get("help", "")
+    assert "rpo_alpha" not in help_ and "loss_weights [1, sft_coeff]" in help_ and len(help_) <= 200
+    # two pairs: chosen token log-probs [-1, -2, -3] and [-2] (sums -6, -2); rejected sums -5, -4
+    seq = t(-6.0, -2.0, -5.0, -4.0)
+    monkeypatch.setattr(dpo, "policy_sequence_logprobs", lambda actor, batch: seq)
+    pairs = [dpo.TokenizedPair([1], [5, 6, 7], [8, 9]), dpo.TokenizedPair([1], [5], [8, 9, 10])]
+    ref = torch.zeros(2, dtype=F64)
+    plain, st = dpo.dpo_micro_batch_loss(object(), pairs, ref, ref, dpo.DPOSection(sft_coeff=0.0), 0, "cpu")
+    rpo, _ = dpo.dpo_micro_batch_loss(object(), pairs, ref, ref, dpo.DPOSection(sft_coeff=0.5), 0, "cpu")
+    quoted("chosen token log-probs [-1, -2, -3] and [-2] give a mean NLL of 8 / 4 = 2; with α = 0.5 the loss is "
+           "the DPO loss + 1.", -1, -2, -3, -2, 8, 4, st.nll, 0.5, rpo - plain)

@@ -288,6 +288,7 @@ FLOAT64_CALLS = {
     "reward_model_loss": lambda: ops.reward_model_loss(_f64(B), _f64(B, seed=1), center_coeff=0.1),
     "truncated_is_weights": lambda: ops.truncated_is_weights(_f64(B, T), _f64(B, T, seed=1), M, 2.0),
     "logprob_gap": lambda: ops.logprob_gap(_f64(B, T), _f64(B, T, seed=1), M),
+    "sequence_mask_weights": lambda: ops.sequence_mask_weights(_f64(B, T), _f64(B, T, seed=1), M, 3.0),
     "gspo_policy_loss": lambda: ops.gspo_policy_loss(_f64(B, T), _f64(B, T, seed=1), _f64(B, T, seed=2), M),
     "place_turn_rewards": lambda: ops.place_turn_rewards(_f64(B, 2), torch.tensor([[0, 1], [1, 2]]),
                                                          torch.ones(B, 2), T),

@@ -398,6 +398,9 @@ class PolicySection(OptimizerFields):
     tis_cap: Optional[float] = f(None, "truncated importance sampling: weigh each token's loss by "
                                        "min(pi_trainer/pi_sampler, tis_cap) when another engine sampled (vLLM); "
                                        "null disables", gt=0)
+    sequence_mask_cap: Optional[float] = f(None, "masked importance sampling per response (TRL's sequence_mask, C=3): "
+                                                 "weigh its token losses by r = prod_t pi_trainer/pi_sampler, or 0 "
+                                                 "if r > cap (vLLM); null disables", gt=0)
     ptx_coeff: float = f(0.0, "weight of a language-modelling loss on ptx_data rows mixed into each "
                               "minibatch (PPO-ptx, InstructGPT); 0 disables", ge=0)
     ptx_data: Optional[str] = f(None, "jsonl of SFT/pretraining rows (text, or prompt/response fields) for ptx_coeff")
@@ -424,6 +427,8 @@ class PolicySection(OptimizerFields):
         if self.mini_batch_size > self.rollout_size:
             errs.append(f"mini_batch_size: {self.mini_batch_size} is larger than a step's responses "
                         f"({self.rollout_size}); lower it")
+        if self.tis_cap is not None and self.sequence_mask_cap is not None:
+            errs.append("tis_cap and sequence_mask_cap: two corrections of the same sampler mismatch; set one to null")
         if self.ptx_coeff > 0 and not self.ptx_data:
             errs.append("ptx_coeff: set ptx_data to a jsonl of rows to mix in, or ptx_coeff=0")
         return errs

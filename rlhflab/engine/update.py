@@ -2,7 +2,8 @@
 accumulation, each minibatch's loss built from the same parts.
 
     loss = policy                      clipped surrogate (symmetric, clip-higher, dual clip),
-                                       per-token importance weights when another engine sampled
+                                       importance weights when another engine sampled (per token,
+                                       tis_cap; per response, sequence_mask_cap)
          + vf_coeff · value            clipped value loss (only with a critic: PPO)
          − entropy_coeff · entropy
          + kl_loss_coeff · KL(π‖π_ref)  when the method puts its KL in the loss (GRPO; PPO kl_in: loss)
@@ -81,6 +82,10 @@ class MinibatchStats:
     # when nothing recomputed the old log-probs (MiniBatch.measure_gap): rollout/logprob_gap
     gap_sum: float = 0.0
     gap_tokens: float = 0.0
+    # responses that sequence_mask_cap left out of the policy loss, and the responses it judged
+    # (those with a loss token): rollout/is_masked_frac
+    seq_masked: float = 0.0
+    seq_judged: float = 0.0
 
 
 LOSS_KEYS = ("policy", "value", "entropy", "total", "kl", "ptx")
@@ -126,6 +131,7 @@ class LossTerms(NamedTuple):
     clip_frac_high: Tensor
     value_clip_frac: Tensor
     kl_seq_sum: Tensor        # Σ over rows of Σ_t KL_t (0 when the KL is not in the loss)
+    seq_masked: Tensor | None = None  # (B,) bool: rows sequence_mask_cap masked (None when it is off)
 
 
 def loss_terms(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor, sec, *,
@@ -136,7 +142,7 @@ def loss_terms(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_
     """The minibatch loss from tensors (all (B, T)), as the module docstring composes it.
 
     `sec` gives the settings (a method section: clip_eps, clip_eps_high, dual_clip,
-    loss_aggregation, entropy_coeff, kl_loss_coeff, kl_estimator, tis_cap and, with
+    loss_aggregation, entropy_coeff, kl_loss_coeff, kl_estimator, tis_cap, sequence_mask_cap and, with
     values, vf_coeff and value_clip). Pure: no model, so it can be checked by hand.
     """
     math_ = math_ or PPOMath()
@@ -146,6 +152,10 @@ def loss_terms(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_
         extra["clip_eps_high"] = sec.clip_eps_high
     if getattr(sec, "tis_cap", None) is not None and sample_logprobs is not None:
         extra["token_weights"] = ops.truncated_is_weights(old_logprobs, sample_logprobs, loss_mask, sec.tis_cap)
+    seq_masked = None
+    if getattr(sec, "sequence_mask_cap", None) is not None and sample_logprobs is not None:
+        smw = ops.sequence_mask_weights(old_logprobs, sample_logprobs, loss_mask, sec.sequence_mask_cap)
+        extra["token_weights"], seq_masked = smw.weights, smw.masked
     pg = math_.policy_loss(logprobs, old_logprobs, advantages, loss_mask, sec.clip_eps,
                            dual_clip=sec.dual_clip, **extra, **agg)
     zero = logprobs.new_zeros(())
@@ -173,7 +183,7 @@ def loss_terms(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_
     low = pg.clip_frac_low if getattr(pg, "clip_frac_low", None) is not None else zero
     high = pg.clip_frac_high if getattr(pg, "clip_frac_high", None) is not None else zero
     return LossTerms(total, pg.loss.detach(), value, mean_entropy, kl, torch.as_tensor(pg.clip_frac),
-                     torch.as_tensor(pg.approx_kl), low, high, value_clip, kl_seq_sum)
+                     torch.as_tensor(pg.approx_kl), low, high, value_clip, kl_seq_sum, seq_masked)
 
 
 def inner(module):
@@ -267,10 +277,15 @@ def minibatch_loss(actor, mb: MiniBatch, sec, temperature: float, math_: PPOMath
         real = mb.response_mask.to(old.dtype)
         gap_sum = float(((out.logprobs.detach() - mb.sample_logprobs).abs() * real).sum())
         gap_tokens = float(real.sum())
+    seq_masked = seq_judged = 0.0
+    if t.seq_masked is not None:
+        seq_masked = float(t.seq_masked.sum())
+        seq_judged = float((mb.loss_mask.sum(-1) > 0).sum())
     stats = MinibatchStats(float(t.policy), float(t.value), float(t.entropy), float(total.detach()),
                            float(t.clip_frac), float(t.value_clip_frac), float(t.approx_kl),
                            float(t.clip_frac_low), float(t.clip_frac_high), float(t.kl), ptx=ptx,
-                           kl_seq_sum=float(t.kl_seq_sum), gap_sum=gap_sum, gap_tokens=gap_tokens)
+                           kl_seq_sum=float(t.kl_seq_sum), gap_sum=gap_sum, gap_tokens=gap_tokens,
+                           seq_masked=seq_masked, seq_judged=seq_judged)
     return total, stats
 
 
@@ -365,6 +380,7 @@ def policy_update(actor, optimizer, scheduler, roll: Rollout, sec, *, temperatur
     # sampling weights) when nothing else measures it: no old log-probs (one optimizer step), or
     # old log-probs that are the sampler's own (generation.old_logprobs: sampler)
     gap = [0.0, 0.0]
+    seq_mask = [0.0, 0.0]  # responses masked, responses judged (first epoch: the same old log-probs after)
     gap_here = (getattr(roll, "sample_logprobs", None) is not None
                 and (roll.logprobs is None or getattr(roll, "old_from_sampler", False)))
     for epoch in range(sec.epochs):
@@ -395,6 +411,8 @@ def policy_update(actor, optimizer, scheduler, roll: Rollout, sec, *, temperatur
                     kl_seq_first_epoch += st.kl_seq_sum
                     gap[0] += st.gap_sum
                     gap[1] += st.gap_tokens
+                    seq_mask[0] += st.seq_masked
+                    seq_mask[1] += st.seq_judged
                 n_mb += 1
     n_opt = len(grad_norms)
     # Each rank's loss parts are its share of the global loss: summed over ranks. The
@@ -422,6 +440,10 @@ def policy_update(actor, optimizer, scheduler, roll: Rollout, sec, *, temperatur
         tokens = dist.sum(gap[1])
         if tokens > 0:  # (learner mode's own minibatch step does not measure it)
             metrics["rollout/logprob_gap"] = dist.sum(gap[0]) / tokens
+    if getattr(sec, "sequence_mask_cap", None) is not None:
+        judged = dist.sum(seq_mask[1])
+        if judged > 0:  # (no sampler log-probs, or learner mode's own step: nothing judged)
+            metrics["rollout/is_masked_frac"] = dist.sum(seq_mask[0]) / judged
     metrics["params/grad_norm"] = sum(grad_norms) / n_opt
     metrics["lr"] = optimizer.param_groups[0]["lr"]
     return metrics

@@ -6,7 +6,7 @@ response token. See each module's docstring for where it departs from common pra
 
 from rlhflab.ops.advantages import GAEOutput, batch_std_of, discounted_returns, gae, group_advantages, rloo_advantages
 from rlhflab.ops.chunked import LogitTransform, TokenLogprobs, chunked_cross_entropy, chunked_logprobs, transform_logits
-from rlhflab.ops.importance import logprob_gap, truncated_is_weights
+from rlhflab.ops.importance import SequenceMaskWeights, logprob_gap, sequence_mask_weights, truncated_is_weights
 from rlhflab.ops.kl import KL_KINDS, kl_estimate, kl_shaped_rewards, last_token_index
 from rlhflab.ops.logprobs import entropy_from_logits, logprobs_from_logits
 from rlhflab.ops.multiturn import (
@@ -43,5 +43,5 @@ __all__ = [
     "aggregate", "ppo_policy_loss", "gspo_policy_loss", "PolicyLossOutput", "value_loss", "ValueLossOutput",
     "entropy_loss", "EntropyLossOutput", "dpo_loss", "DPOLossOutput",
     "reward_model_loss", "RewardModelLossOutput",
-    "truncated_is_weights", "logprob_gap", "categorical_kl", "conjugate_gradient", "CGResult", "row_keys", "counter_uniform", "inverse_cdf_draw",
+    "truncated_is_weights", "sequence_mask_weights", "SequenceMaskWeights", "logprob_gap", "categorical_kl", "conjugate_gradient", "CGResult", "row_keys", "counter_uniform", "inverse_cdf_draw",
 ]

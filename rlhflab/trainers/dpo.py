@@ -85,7 +85,8 @@ class DPOSection(OptimizerFields):
     append_eos: bool = f(True, "end every response with the EOS token (the export holds text without it)")
     precompute_ref_logprobs: bool = f(True, "compute every pair's reference log-probs before training; false: on first use (cached either way)")
     eval_fraction: float = f(0.1, "held-out fraction of the pairs when dataset.eval_path is null", ge=0, lt=1)
-    sft_coeff: float = f(0.0, "weight of an NLL term on the chosen responses (RPO, Pang et al. 2024; TRL's rpo_alpha); 0 is plain DPO", ge=0)
+    sft_coeff: float = f(0.0, "weight of an NLL term on the chosen responses (RPO, Pang et al. 2024; in TRL 1.x "
+                                  "loss_type [sigmoid, sft] with loss_weights [1, sft_coeff]); 0 is plain DPO", ge=0)
     task_eval_path: Optional[str] = f(None, "GSM8K-format file (question/answer) for greedy held-out accuracy; null skips it")
     task_reward: str = f("gsm8k", "rule reward used to score the greedy task answers")
 

@@ -13,7 +13,7 @@ Where it departs from GRPO's defaults, as in the paper:
   little, so the clip range is two orders of magnitude below PPO's 0.2.
 - `loss_aggregation: seq_mean`: the mean over responses of each response's loss.
 - `kl_coeff: 0`: no KL term (and no reference loaded); set kl_coeff > 0 to add GRPO's k3 term.
-- Token-level options (`dual_clip`, `tis_cap`) are refused.
+- Token-level options (`dual_clip`, `tis_cap`) are refused, and so is `sequence_mask_cap`.
 With one optimizer step per rollout the ratio is exactly 1 and GSPO's update equals
 GRPO's with seq_mean; the clip acts once a rollout feeds several minibatch steps.
 """
@@ -45,6 +45,9 @@ class GSPOSection(GRPOSection):
         for key in ("dual_clip", "tis_cap"):
             if getattr(self, key) is not None:
                 errs.append(f"{key}: a token-level option; GSPO clips the sequence ratio, set {key}=null")
+        if self.sequence_mask_cap is not None:
+            errs.append("sequence_mask_cap: GSPO's sequence-level loss takes no importance weights yet; "
+                        "set sequence_mask_cap=null")
         return errs
 
 

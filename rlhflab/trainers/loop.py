@@ -420,9 +420,10 @@ def sampler_rules(gen, sec, section: str) -> list[str]:
     if not getattr(sec, "SAMPLER_OLD_LOGPROBS", True):
         return [f"generation.old_logprobs: sampler is not available to {section} (its update recomputes the old "
                 f"policy's whole distribution); set generation.old_logprobs: recompute"]
-    if getattr(sec, "tis_cap", None) is not None:
-        return [f"{section}.tis_cap: weighs by pi_old / pi_sampler, which is 1 when pi_old is the sampler's "
-                f"(generation.old_logprobs: sampler); set {section}.tis_cap: null or old_logprobs: recompute"]
+    for key in ("tis_cap", "sequence_mask_cap"):
+        if getattr(sec, key, None) is not None:
+            return [f"{section}.{key}: weighs by pi_old / pi_sampler, which is 1 when pi_old is the sampler's "
+                    f"(generation.old_logprobs: sampler); set {section}.{key}: null or old_logprobs: recompute"]
     return []
 
 
