@@ -276,6 +276,13 @@ def test_a_row_missing_the_field_a_reward_reads_fails_before_any_model(tmp_path,
     assert err.startswith(f"error: preflight of reward.sources[0]: {data}: row 3 lacks field(s) ['nums'] that "
                           "'maxrew:score' reads")
     assert not (tmp_path / "out").exists()
+    # The same for a reward written TRL's way, whose columns come as named parameters.
+    (tmp_path / "trlrew.py").write_text("def score(prompts, completions, nums, **kwargs):\n"
+                                        "    return [float(c.strip() == str(max(n))) for c, n in zip(completions, nums)]\n")
+    code = cli.main(["grpo", "--config", str(CONFIGS / "grpo_debug.yaml"), f"dataset.path={data}",
+                     f"dataset.eval_path={data}", "reward.sources=[{type: rule, name: trlrew:score}]",
+                     f"model.name_or_path={tmp_path / 'no-model'}", f"training.output_dir={tmp_path / 'out'}"])
+    assert code == 2 and "row 3 lacks field(s) ['nums'] that 'trlrew:score' reads" in capsys.readouterr().err
 
 
 def test_held_out_file_from_elsewhere_and_few_pairs_warn(tmp_path, plain_tok):

@@ -69,9 +69,25 @@ def _check_fields(rows: Rows, fields: list[str], key: str, spec: str) -> None:
         missing = [f for f in fields if f not in example.row]
         if missing:
             named = [rows.answer_field if f == "answer" else f for f in missing]
+            fix = "add them to the row" + (", or set dataset.answer_field to the field that holds the answer"
+                                           if "answer" in missing else "")
             raise UserError(f"preflight of {key}: {rows.source}: row {i} lacks field(s) {named} that {spec!r} "
-                            f"reads (row 0 has them; row {i} has {sorted(example.row)}); add them to the row, "
-                            "or set dataset.answer_field to the field that holds the answer")
+                            f"reads (row 0 has them; row {i} has {sorted(example.row)}); {fix}")
+
+
+def _named_columns(fn) -> list[str]:
+    """The columns a TRL-form function names as parameters without a default: each row
+    must have them (TRL hands a row's missing column on as None)."""
+    import inspect
+
+    from rlhflab.rewards.plugins import is_trl_form
+
+    if not is_trl_form(fn):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [n for n, p in inspect.signature(fn).parameters.items() if p.kind in kinds
+            and p.default is inspect.Parameter.empty and n not in ("prompts", "completions", "completion_ids",
+                                                                     "trainer_state")]
 
 
 def _call_once(fn, key: str, spec: str, rows: Rows, what: str) -> PreflightCall:
@@ -84,7 +100,7 @@ def _call_once(fn, key: str, spec: str, rows: Rows, what: str) -> PreflightCall:
         (value,) = call_plugin(fn, spec, [example.prompt], [response], [row], what=what)
     except UserError as exc:
         raise UserError(f"preflight of {key} on {rows.first}: {exc}") from None
-    _check_fields(rows, row.read, key, spec)
+    _check_fields(rows, row.read + _named_columns(fn), key, spec)
     return PreflightCall(key, spec, rows.first, response, value)
 
 
