@@ -15,9 +15,9 @@ configs/*_smollm2_pipeline.yaml and the sizes of the flags as dotted overrides:
    rows did not show) sampled from the SFT model at `--temperature`, each labelled by the
    task's checker; a right answer paired with a wrong one to the same prompt
    (`rlhflab.data.preferences.pairs_from_samples`); prompts whose samples were all right or
-   all wrong give no pair. Written in the labelling app's export format (the prompt as the
-   model saw it, chat template included), split by prompt into pairs/train.jsonl and a
-   held-out pairs/test.jsonl.
+   all wrong give no pair. Written in the labelling app's export format (the raw question:
+   the rm and dpo stages apply `--template` and the chat template, as the sampler did), split
+   by prompt into pairs/train.jsonl and a held-out pairs/test.jsonl.
 3. rm: a Bradley-Terry reward model from the SFT model on those pairs (`rlhflab rm`); its
    held-out pair accuracy before and after.
 4. ppo: PPO from the SFT model rewarded by that reward model only (`rlhflab ppo`); at every
@@ -285,7 +285,8 @@ class Pipeline:
         k = s.samples
         samples = [roll.responses[i * k: (i + 1) * k] for i in range(len(rows))]
         labels = [[bool(correct(p, r, row)) for r in group] for p, group, row in zip(prompts, samples, rows)]
-        pair_set = build_pairs(prompts, samples, labels, s.pairs_per_prompt)
+        # Raw prompts in the pair file (docs/reference/data_formats.md): rm and dpo render them again.
+        pair_set = build_pairs([r["question"] for r in rows], samples, labels, s.pairs_per_prompt)
         train, test = split_by_prompt(pair_set.pairs, s.pair_test_fraction, a.seed)
         return pair_set, train, test
 
@@ -294,6 +295,7 @@ class Pipeline:
         folder = self.out / "rm"
         _, minutes = timed(rlhflab, "rm", "--config", str(CONFIGS / "rm_smollm2_pipeline.yaml"),
                            f"model.name_or_path={policy}", f"data.path={train}", f"data.eval_path={test}",
+                           f"data.prompt_template={json.dumps(a.template)}",
                            f"training.output_dir={folder}", *self.common, *a.rm)
         result = json.loads((folder / "train_result.json").read_text())
         before = (result.get("eval_before") or {}).get("eval/accuracy")
@@ -339,8 +341,8 @@ class Pipeline:
         folder = self.out / "dpo"
         _, minutes = timed(rlhflab, "dpo", "--config", str(CONFIGS / "dpo_smollm2_pipeline.yaml"),
                            f"model.name_or_path={policy}", f"dataset.path={train}", f"dataset.eval_path={test}",
-                           f"dpo.epochs={s.dpo_epochs}", f"training.output_dir={folder}", *self.common, *MODEL_ONLY,
-                           *a.dpo)
+                           f"dataset.prompt_template={json.dumps(a.template)}", f"dpo.epochs={s.dpo_epochs}",
+                           f"training.output_dir={folder}", *self.common, *MODEL_ONLY, *a.dpo)
         result = json.loads((folder / "train_result.json").read_text())
         from rlhflab.metrics import read_metrics
 

@@ -33,7 +33,8 @@ def _labelled_db(path):
     conn = labeldb.connect(path, create=True)
     with labeldb.transaction(conn):
         for i in range(16):
-            labeldb.add_candidates(conn, f"Question: {i} + 1?\nAnswer:",
+            # Raw prompts, as `label generate` stores them: dpo_debug's template is applied by the run.
+            labeldb.add_candidates(conn, f"{i} + 1?",
                                    [f" The answer is {i + 1}.", " I do not know, sorry."])
     for pid in range(1, 17):
         # a_level 1 (A much better) on even pairs, 2 (A slightly better) on odd ones

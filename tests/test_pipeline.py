@@ -114,7 +114,10 @@ def test_saved_reward_model_is_a_reward_source(task, reward_model):
 
     scorer = build_source(RewardSource(type="model", path=str(reward_model.final_dir)))
     rows = [json.loads(line) for line in task["prefs_test"].read_text().splitlines()][:64]
-    prompts = [r["prompt"] for r in rows]
+    # The file holds raw questions; PPO hands the reward model its rendered prompts (rm_debug's template).
+    from rlhflab.data.preferences import ARITH_TEMPLATE
+
+    prompts = [ARITH_TEMPLATE.replace("{prompt}", r["prompt"]) for r in rows]
     chosen = scorer.score(prompts, [r["chosen"] for r in rows], [{}] * 64)
     rejected = scorer.score(prompts, [r["rejected"] for r in rows], [{}] * 64)
     assert chosen.dtype == torch.float32 and chosen.shape == (64,)

@@ -82,8 +82,9 @@ def test_quick_pipeline_on_smollm2(smollm2_dir, tmp_path, capsys):
     test = [json.loads(x) for x in (out / "pairs" / "test.jsonl").read_text().splitlines()]
     assert train and test and not {p["prompt"] for p in train} & {p["prompt"] for p in test}
     from rlhflab.data.wordproblems import extract_answer
-    for p in train + test:  # the prompt as the model saw it (ChatML), right answer chosen over a wrong one
-        assert p["prompt"].startswith("<|im_start|>") and p["prompt"].endswith("<|im_start|>assistant\n")
+    questions = {r["question"] for r in map(json.loads, (data / "train.jsonl").read_text().splitlines())}
+    for p in train + test:  # the raw question (rm and dpo apply the template), right answer chosen over a wrong one
+        assert p["prompt"] in questions and "<|im_start|>" not in p["prompt"]
         assert p["chosen"] != p["rejected"] and extract_answer(p["chosen"]) != extract_answer(p["rejected"])
     record = json.loads((out / "results.jsonl").read_text().splitlines()[-1])
     assert record["quick"] and len(record["rows"]) == 9

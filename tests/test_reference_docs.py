@@ -157,7 +157,8 @@ def test_sft_examples_load_one_layout_each(tmp_path, byte_tokenizer):
     rows = EXAMPLES["sft"]
     # the page shows every layout, Dolly's and Alpaca's instruction forms both
     assert [sftdata.detect_layout(r) for r in rows] == [
-        "messages", "instruction", "instruction", "prompt_completion", "input_output", "question_answer"]
+        "messages", "instruction", "instruction", "prompt_completion", "prompt_completion", "input_output",
+        "question_answer"]
     warnings = []
     examples = sftdata.parse_rows(rows, "data_formats.md", warn=warnings.append)
     assert not warnings and len(examples) == len(rows)
@@ -194,8 +195,10 @@ def test_preference_examples_load_as_pairs():
 
     warnings = []
     report = parse_pairs(EXAMPLES["preferences"], "data_formats.md", warn=warnings.append)
-    assert not warnings and report.bad == 0 and len(report.pairs) == 3
-    first, second, conv = report.pairs
+    assert not warnings and report.bad == 0 and len(report.pairs) == 4
+    first, second, implicit, conv = report.pairs
+    # TRL's implicit prompt: the shared text up to its last space ("What is 5 + 5?")
+    assert (implicit.prompt, implicit.chosen, implicit.rejected) == ("What is 5 + 5?", " 10", " 11")
     assert first.margin == 1.0 and first.pair_id == 0 and second.margin == 0.5
     # conversational: the shared leading user turn is the prompt, the rest the completions
     assert conv.prompt == [{"role": "user", "content": "Say hi."}]
@@ -228,7 +231,7 @@ def test_label_import_examples_make_pairs(tmp_path):
 
     conn = connect(tmp_path / "pairs.db", create=True)
     import_jsonl(conn, _write(tmp_path, "label-import"))
-    assert count(conn, "pairs") == 1 + 3                        # one given pair, then 3 from 3 responses
+    assert count(conn, "pairs") == 1 + 3 + 1                    # one given pair, 3 from 3 responses, a chosen/rejected row
     assert isinstance(conn, sqlite3.Connection)
 
 

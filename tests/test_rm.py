@@ -70,7 +70,7 @@ def test_bad_rows_are_reported_and_a_mostly_bad_file_stops():
     assert len(rep.pairs) == 2 and rep.bad == 1 and rep.identical == 1
     assert any("row 2 lacks chosen/rejected (it has ['chosen', 'prompt'])" in s for s in seen)
     with pytest.raises(UserError, match=r"f.jsonl: 2 of 3 rows are not preference pairs \(row 0 has string "
-                                        r"chosen/rejected but no string prompt"):
+                                        r"chosen/rejected, no prompt, and no shared leading text"):
         prefdata.parse_pairs([{"chosen": "a", "rejected": "b"}] * 2 + [good], "f.jsonl", warn=lambda m: None)
     with pytest.raises(UserError, match="non-numeric margin"):
         prefdata.parse_pairs([{**good, "margin": "much"}], "f.jsonl", warn=lambda m: None)
@@ -84,7 +84,7 @@ def test_arith_pairs_prefer_the_correct_answer():
     rows = prefdata.arith_pairs(problems, seed=0)
     assert set(rows[0]) == {"prompt", "chosen", "rejected", "margin", "pair_id", "n_labels"}
     for row, prob in zip(rows, problems):
-        assert row["prompt"] == f"Question: {prob['question']}\nAnswer:"
+        assert row["prompt"] == prob["question"]  # raw: the run applies the template (data_formats.md)
         assert is_correct(row["chosen"], prob["answer"]) and row["chosen"].startswith(" ")
         assert not is_correct(row["rejected"], prob["answer"])
     # No "smaller is better" shortcut: wrong results above and below the right one, about equally.
@@ -285,6 +285,6 @@ def test_policy_pairs_label_the_policys_own_samples(tiny):
     pairs = policy_pairs(model, tok, rows, n=3, max_new_tokens=6, labeller=lambda r, row: len(r))
     assert pairs and all(len(p["chosen"]) > len(p["rejected"]) for p in pairs)
     assert set(pairs[0]) == {"prompt", "chosen", "rejected", "margin", "pair_id", "n_labels"}
-    assert all(p["prompt"] == f"Question: {rows[p['pair_id']]['question']}\nAnswer:" for p in pairs)
+    assert all(p["prompt"] == rows[p["pair_id"]]["question"] for p in pairs)  # raw prompts in the file
     # The default labeller is the GSM8K checker: an untrained model is never right, so no pairs.
     assert policy_pairs(model, tok, rows, n=2, max_new_tokens=4) == []

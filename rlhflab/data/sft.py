@@ -3,14 +3,19 @@
 Layouts recognised (the first that fits a row wins):
 
     messages            {"messages": [{"role": "user", "content": ...}, ..., {"role": "assistant", ...}]}
+                        (TRL's conversational language-modelling form)
     instruction         {"instruction", "response"} (Dolly; optional "context")
                         or {"instruction", "output"} (Alpaca; optional "input" as the context)
-    prompt_completion   {"prompt", "completion"}
+    prompt_completion   {"prompt", "completion"}, plain text or TRL's conversational form
+                        (the prompt a list of messages, the completion the assistant's
+                        message(s), or a string)
     input_output        {"input", "output"}
     question_answer     {"question", "answer"} (GSM8K and the arithmetic task)
 
 A row that fits none is reported with its index and the fields it has and skipped; a
-file where more than `max_bad_fraction` of the rows are bad stops with a `UserError`.
+file where more than `max_bad_fraction` of the rows are bad stops with a `UserError`. A
+layout's fields present with a value of the wrong type (an object where text belongs, a
+message whose content is not text) stop at once, naming the file, the row and the field.
 
 Formatting: with `use_chat_template` (resolved by `rlhflab.data.chat`: auto uses the
 tokenizer's template when it has one) the conversation is rendered by the template: the
@@ -71,6 +76,30 @@ def _text(v: Any) -> bool:
     return isinstance(v, str) or (isinstance(v, (int, float)) and not isinstance(v, bool))
 
 
+def _messages(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(
+        isinstance(m, dict) and _text(m.get("role")) and _text(m.get("content")) for m in v)
+
+
+_LAYOUT_FIELDS = (("messages",), ("instruction", "response"), ("instruction", "output"), ("prompt", "completion"),
+                  ("input", "output"), ("question", "answer"))
+
+
+def type_problem(row: dict) -> tuple[str, Any] | None:
+    """(field, value) of the first layout field present with a value of the wrong type
+    (every field of that layout present), else None."""
+    for fields in _LAYOUT_FIELDS:
+        if not all(f in row for f in fields):
+            continue
+        for f in fields:
+            v = row[f]
+            ok = _messages(v) if f == "messages" else (
+                _text(v) or (f in ("prompt", "completion") and _messages(v)))
+            if not ok:
+                return f, v
+    return None
+
+
 def detect_layout(row: dict) -> str | None:
     """The name of the layout `row` fits, or None."""
     msgs = row.get("messages")
@@ -80,6 +109,8 @@ def detect_layout(row: dict) -> str | None:
     if _text(row.get("instruction")) and (_text(row.get("response")) or _text(row.get("output"))):
         return "instruction"
     if _text(row.get("prompt")) and _text(row.get("completion")):
+        return "prompt_completion"
+    if _messages(row.get("prompt")) and (_messages(row.get("completion")) or _text(row.get("completion"))):
         return "prompt_completion"
     if _text(row.get("input")) and _text(row.get("output")):
         return "input_output"
@@ -105,6 +136,14 @@ def row_to_example(row: dict, index: int, layout: str | None = None) -> SFTExamp
         response = row["response"] if _text(row.get("response")) else row["output"]
     elif layout == "prompt_completion":
         prompt, response = row["prompt"], row["completion"]
+        if isinstance(prompt, list):  # TRL's conversational prompt-completion
+            done = row["completion"] if isinstance(row["completion"], list) else [
+                {"role": "assistant", "content": row["completion"]}]
+            msgs = [{"role": m["role"], "content": str(m["content"])} for m in [*prompt, *done]]
+            last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
+            if last is None or last < len(prompt):
+                return None
+            return SFTExample(msgs[: last + 1], index)
     elif layout == "input_output":
         prompt, response = row["input"], row["output"]
     elif layout == "question_answer":
@@ -123,6 +162,14 @@ def parse_rows(rows: Sequence[dict], source: str, max_bad_fraction: float = 0.5,
     examples, bad = [], []
     for i, row in enumerate(rows):
         ex = row_to_example(row, i) if isinstance(row, dict) else None
+        problem = type_problem(row) if ex is None and isinstance(row, dict) else None
+        if problem is not None:
+            from rlhflab.data.prompts import check_text_field
+
+            field, value = problem
+            check_text_field(value, source, i, field, messages=field in ("messages", "prompt", "completion"))
+            raise UserError(f"{source}: row {i} field {field!r} is {type(value).__name__} {value!r:.60}, which "
+                            "fits no SFT layout; fix the row")
         if ex is None:
             bad.append(i)
             if len(bad) <= 5:

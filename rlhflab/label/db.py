@@ -245,35 +245,20 @@ def add_candidates(conn: sqlite3.Connection, prompt: str, responses: list[str],
 
 
 def _import_row(conn: sqlite3.Connection, row: Any, where: str, result: AddResult) -> None:
-    if not isinstance(row, dict):
-        raise UserError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    prompt = row.get("prompt")
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise UserError(f"{where}: needs a non-empty string 'prompt'")
-    source = row.get("source", "import")
-    if not isinstance(source, str):
-        raise UserError(f"{where}: 'source' must be a string")
-    if "responses" in row:
-        responses = row["responses"]
-        if (not isinstance(responses, list) or len(responses) < 2
-                or not all(isinstance(r, str) for r in responses)):
-            raise UserError(f"{where}: 'responses' must be a list of at least 2 strings")
-        add_candidates(conn, prompt, responses, source, result=result)
+    # The row's form is read by the shared reader (the trainers' preference layouts too).
+    from rlhflab.data.preferences import import_row
+
+    r = import_row(row, where)
+    if not r.is_pair:
+        add_candidates(conn, r.prompt, r.responses, r.source, result=result)
         return
-    a, b = row.get("response_a"), row.get("response_b")
-    if not isinstance(a, str) or not isinstance(b, str):
-        raise UserError(f"{where}: needs string fields 'response_a' and 'response_b' "
-                        "(or a list 'responses')")
-    ext_id = row.get("id")
-    if ext_id is not None and (not isinstance(ext_id, (str, int)) or isinstance(ext_id, bool)):
-        raise UserError(f"{where}: 'id' must be a string or an integer")
-    pid = add_prompt(conn, prompt)
-    ra, rb = add_response(conn, pid, a, source), add_response(conn, pid, b, source)
+    pid = add_prompt(conn, r.prompt)
+    ra, rb = add_response(conn, pid, r.responses[0], r.source), add_response(conn, pid, r.responses[1], r.source)
     if ra == rb:
         result.identical_skipped += 1
         return
     # Stored JSON-encoded so the export gives back 7 as 7 and "7" as "7".
-    _, new = add_pair(conn, pid, ra, rb, None if ext_id is None else json.dumps(ext_id))
+    _, new = add_pair(conn, pid, ra, rb, None if r.ext_id is None else json.dumps(r.ext_id))
     result.pairs_added += new
     result.pairs_existing += not new
 
@@ -283,7 +268,9 @@ def import_jsonl(conn: sqlite3.Connection, path: str | Path) -> AddResult:
 
     Each row is {"prompt", "response_a", "response_b"} with an optional "id" (kept as the
     export's pair_id) and "source", or {"prompt", "responses": [...]} which adds every
-    pair of distinct responses. Rows already present are counted, not duplicated.
+    pair of distinct responses, or a preference row as `rlhflab rm` and `dpo` read it
+    (chosen/rejected, plain or one-turn conversational, explicit or implicit prompt;
+    `rlhflab.data.preferences.import_row`). Rows already present are counted, not duplicated.
     """
     path = Path(path)
     if not path.is_file():

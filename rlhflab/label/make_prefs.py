@@ -3,7 +3,10 @@
 Synthetic pairs (`rlhflab.data.preferences.write_arith_pairs`: the right worked answer
 against three kinds of wrong one), or, with `--policy`, the policy's own samples labelled
 by a rule (`policy_pairs`): the offline stand-in for `rlhflab label generate` + labelling
-+ `label export`. Either way the rows are in the labelling app's export format.
++ `label export`. Either way the rows are in the labelling app's export format, with raw
+prompts (the bare question): the run that reads them applies its template
+(configs/rm_debug.yaml and configs/dpo_debug.yaml: "Question: {prompt}\nAnswer:";
+docs/reference/data_formats.md, "Raw prompts, one template").
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ def policy_pairs(model, tokenizer, rows: Sequence[dict], n: int = 4, seed: int =
     distinct response is paired with the worst when their scores differ
     (`data.preferences.pairs_from_samples`). The reward
     model then learns on the distribution PPO starts from (the SFT policy's mistakes).
+    The policy is sampled on `template` around each question; the rows hold the bare
+    question (raw prompts: the reward model's run applies the same template).
     """
     import torch
 
@@ -37,9 +42,9 @@ def policy_pairs(model, tokenizer, rows: Sequence[dict], n: int = 4, seed: int =
     roll = generate(model, tokenizer, [p for p in prompts for _ in range(n)], max_new_tokens=max_new_tokens,
                     temperature=temperature, batch_size=batch_size)
     out = []
-    for i, (row, prompt) in enumerate(zip(rows, prompts)):
+    for i, row in enumerate(rows):
         samples = list(dict.fromkeys(roll.responses[i * n : (i + 1) * n]))  # distinct, in order
-        for pair in pairs_from_samples(prompt, samples, [labeller(r, row) for r in samples]):
+        for pair in pairs_from_samples(row["question"], samples, [labeller(r, row) for r in samples]):
             out.append({**pair, "pair_id": i})
     return out
 

@@ -22,9 +22,17 @@ The call forms (docs/rewards.md has the whole contract):
     per example  fn(prompt: str, response: str, example: dict) -> float   (or bool for a check)
     batched      fn(prompts: list[str], responses: list[str], examples: list[dict]) -> list[float]
 
+    TRL's form   fn(prompts, completions, **columns) -> list[float]
+
 A batched function says so with the `batched` decorator (it sets ``fn.batched = True``,
-which a file that does not import rlhflab may also set by hand). Every error here is a
-`UserError` of one line that names the spec and the fix.
+which a file that does not import rlhflab may also set by hand). A function with a
+parameter named ``completions`` (and not marked batched) is written TRL's way and is
+called as TRL's GRPOTrainer calls its reward functions: keyword arguments ``prompts``,
+``completions`` and one list per other column of the rows (``answer`` among them); when
+the rows' ``prompt`` column holds messages, ``prompts`` are those message lists and each
+completion is ``[{"role": "assistant", "content": text}]``. A column the function does
+not name is left out unless it takes ``**kwargs``. Every error here is a `UserError` of
+one line that names the spec and the fix.
 """
 
 from __future__ import annotations
@@ -56,6 +64,39 @@ def batched(fn: Callable) -> Callable:
 
 def is_batched(fn: Callable) -> bool:
     return bool(getattr(fn, "batched", False))
+
+
+def _parameters(fn: Callable):
+    try:
+        return inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins and some C functions
+        return None
+
+
+def is_trl_form(fn: Callable) -> bool:
+    """True for a reward written TRL's way, ``fn(prompts, completions, **columns)``: a
+    parameter named ``completions``, and not marked batched."""
+    params = _parameters(fn)
+    return not is_batched(fn) and params is not None and "completions" in params
+
+
+def _trl_call(fn: Callable, prompts: Sequence[str], responses: Sequence[str], examples: Sequence[dict]):
+    """`fn` called as TRL's GRPOTrainer calls a reward function (see the module docstring)."""
+    from rlhflab.data.prompts import is_messages
+
+    params = _parameters(fn) or {}
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    chat = bool(examples) and all(is_messages(e.get("prompt")) for e in examples)
+    kwargs: dict[str, Any] = {
+        "prompts": [e["prompt"] for e in examples] if chat else list(prompts),
+        "completions": [[{"role": "assistant", "content": r}] for r in responses] if chat else list(responses)}
+    columns = list(dict.fromkeys(k for e in examples for k in e if k not in ("prompt", "completion", "completion_ids")))
+    for k in columns:
+        if k not in kwargs and (takes_all or k in params):
+            kwargs[k] = [e.get(k) for e in examples]
+    if "prompts" not in params and not takes_all:
+        del kwargs["prompts"]
+    return fn(**kwargs)
 
 
 def search_dirs(plugin_dir: str | os.PathLike | None = None) -> list[Path]:
@@ -142,12 +183,14 @@ def _check_callable(spec: str, fn: Any) -> None:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # builtins and some C functions: nothing to check
         return
+    if is_trl_form(fn):
+        return  # keyword arguments, the columns known only when it is called
     try:
         sig.bind(None, None, None)
     except TypeError:
         form = "(prompts, responses, examples)" if is_batched(fn) else "(prompt, response, example)"
         raise UserError(f"plug-in {spec!r} takes {sig} but is called as fn{form}; give it those three "
-                        "parameters") from None
+                        "parameters (or TRL's: prompts, completions, **kwargs)") from None
 
 
 def load_function(spec: str, plugin_dir: str | os.PathLike | None = None) -> Callable:
@@ -203,16 +246,19 @@ def call_plugin(fn: Callable, spec: str, prompts: Sequence[str], responses: Sequ
     a wrong return type or length, or a NaN becomes a one-line `UserError` naming `spec`
     and the prompt it failed on.
     """
-    if is_batched(fn):
+    trl = is_trl_form(fn)
+    if trl or is_batched(fn):
         try:
-            out = fn(list(prompts), list(responses), list(examples))
+            out = _trl_call(fn, prompts, responses, examples) if trl else fn(list(prompts), list(responses),
+                                                                                 list(examples))
         except Exception as exc:
             raise _call_failure(spec, exc, f"a batch of {len(prompts)} starting with {_describe_row(prompts[0])}"
                                 if prompts else "an empty batch", fn) from None
         if hasattr(out, "tolist") and getattr(out, "ndim", 1) == 1:
             out = out.tolist()
         if not isinstance(out, (list, tuple)):
-            raise UserError(f"plug-in {spec!r} is batched but returned a {type(out).__name__}; return a list "
+            form = "written TRL's way" if trl else "batched"
+            raise UserError(f"plug-in {spec!r} is {form} but returned a {type(out).__name__}; return a list "
                             f"with one {what} per response")
         if len(out) != len(prompts):
             raise UserError(f"plug-in {spec!r} returned {len(out)} values for {len(prompts)} responses; "

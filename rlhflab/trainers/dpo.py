@@ -50,8 +50,8 @@ from rlhflab.config.schema import (DatasetConfig, GenerationConfig, LoggingConfi
                                    OptimizerFields, TrainingConfig, check_reference, f)
 from rlhflab.data.chat import resolve_use_chat_template, response_end_id
 from rlhflab.data.loading import read_rows
-from rlhflab.data.preferences import PairText, pair_texts, parse_pairs, write_off_by_one_pairs
-from rlhflab.data.prompts import format_prompt, load_prompts
+from rlhflab.data.preferences import PairText, check_sources, parse_pairs, render_pairs, write_off_by_one_pairs
+from rlhflab.data.prompts import load_prompts
 from rlhflab.data.tokens import leading_ids
 from rlhflab.errors import UserError
 from rlhflab.engine.dist import Forward, even_share
@@ -128,12 +128,14 @@ class DPORunConfig:
 # --------------------------------------------------------------------------------------
 def read_preference_pairs(source: str, dataset_cfg: DatasetConfig, tokenizer=None,
                           limit: int | None = None, warn=print) -> list[PairText]:
-    """The export's rows as text pairs (`rlhflab.data.preferences` parses them: the
-    standard and the conversational forms); ties carry no preference and are left out.
+    """The export's rows as text pairs (`rlhflab.data.preferences` parses them: TRL's
+    standard and conversational forms, explicit or implicit prompt); ties carry no
+    preference and are left out.
 
-    A plain string prompt goes through `dataset.prompt_template` (keep "{prompt}" for the
-    app's export, whose prompts are already what the policy saw); conversational rows are
-    rendered with the chat template by `pair_texts`.
+    Prompts are raw (docs/reference/data_formats.md): a plain prompt goes through
+    `dataset.prompt_template` and the chat template by the one rule, as the policy's run
+    renders its prompts, and one that already holds that template is refused;
+    conversational rows are rendered with the chat template by `pair_texts`.
     """
     d = dataset_cfg
     rows = read_rows(source, d.split, d.subset)
@@ -142,14 +144,8 @@ def read_preference_pairs(source: str, dataset_cfg: DatasetConfig, tokenizer=Non
                 for r in rows]
     use_chat = resolve_use_chat_template(d.use_chat_template, tokenizer) if tokenizer is not None else False
     report = parse_pairs(rows, source, warn=warn)
-    pairs = []
-    for p in report.pairs:
-        if p.tie:
-            continue
-        text = pair_texts(p, tokenizer, use_chat)
-        if not p.conversational:
-            text = text._replace(prompt=format_prompt(text.prompt, d.prompt_template, tokenizer, use_chat))
-        pairs.append(text)
+    kept = [p for p in report.pairs if not p.tie]
+    pairs = render_pairs(kept, tokenizer, d.prompt_template, use_chat, str(source), "dataset.prompt_template")
     if report.ties:
         warn(f"{source}: {report.ties} tie rows left out (no preference to learn)")
     if not pairs:
@@ -413,6 +409,7 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     else:
         train_pairs, eval_pairs = _split(train_pairs, sec.eval_fraction, t.seed)
         eval_pairs = eval_pairs[: d.num_eval_samples] if d.num_eval_samples else eval_pairs
+    check_sources(d.path, d.eval_path, len(train_pairs), ("dataset.path", "dataset.eval_path"), say)
     probe = make_probe_batch(tok, [p.prompt + p.chosen for p in train_pairs[:4]], models.device)
     tok_args = (tok, d.max_prompt_length, sec.max_response_length, sec.append_eos,
                 response_end_id(tok, resolve_use_chat_template(d.use_chat_template, tok)))

@@ -72,9 +72,10 @@ class PreferenceDataConfig:
     eval_fraction: float = f(0.1, "share of the pairs held out when there is no eval file or split", ge=0, lt=1)
     num_samples: Optional[int] = f(None, "use only the first N training pairs; null uses all", gt=0)
     num_eval_samples: Optional[int] = f(500, "held-out pairs evaluated; null uses all", gt=0)
+    prompt_template: str = f("{prompt}", "how a plain row's raw prompt is shown, as the policy's run shows it; {prompt} is replaced")
     max_length: int = f(512, "longest prompt+response in tokens; longer texts are cut from the left", gt=1)
     append_eos: bool = f(True, "end every text with EOS, the token whose state is scored")
-    use_chat_template: ChatTemplateUse = f("auto", CHAT_TEMPLATE_HELP + " (conversational rows; plain rows are read as they are)")
+    use_chat_template: ChatTemplateUse = f("auto", CHAT_TEMPLATE_HELP + " (around plain rows' templated prompts too)")
     ties: Literal["drop", "soft"] = f("drop", "rows marked as ties: drop them, or train them toward equal scores")
     max_bad_fraction: float = f(0.5, "stop when more than this share of rows are not preference pairs", ge=0, le=1)
 
@@ -190,13 +191,14 @@ def _load_pairs(source: str, split: str, subset: str | None, d: PreferenceDataCo
     return pairs
 
 
-def to_texts(pairs: Sequence[prefdata.PreferencePair], tokenizer, d: PreferenceDataConfig) -> list[JoinedPair]:
+def to_texts(pairs: Sequence[prefdata.PreferencePair], tokenizer, d: PreferenceDataConfig,
+             source: str = "data.path") -> list[JoinedPair]:
+    """Each pair's two texts, prompt + response, the prompt rendered as the policy's run
+    renders it (`data.prompt_template`, then the chat template by the one rule)."""
     use_chat = resolve_use_chat_template(d.use_chat_template, tokenizer, "data.use_chat_template")
-    out = []
-    for p in pairs:
-        text = prefdata.pair_texts(p, tokenizer, use_chat)
-        out.append(JoinedPair(text.prompt + text.chosen, text.prompt + text.rejected, p.margin or 0.0, p.tie))
-    return out
+    texts = prefdata.render_pairs(pairs, tokenizer, d.prompt_template, use_chat, source, "data.prompt_template")
+    return [JoinedPair(t.prompt + t.chosen, t.prompt + t.rejected, p.margin or 0.0, p.tie)
+            for p, t in zip(pairs, texts)]
 
 
 @dataclass
@@ -208,7 +210,9 @@ class RMData:
 def load_rm_data(d: PreferenceDataConfig, tokenizer, seed: int = 0, warn=print) -> RMData:
     train, held = train_and_held_out(d, lambda src, split, subset: _load_pairs(src, split, subset, d, warn),
                                      seed, unit="pairs")
-    return RMData(to_texts(train, tokenizer, d), to_texts(held, tokenizer, d))
+    prefdata.check_sources(d.path, d.eval_path, len(train), ("data.path", "data.eval_path"), warn)
+    source = str(d.path or d.name)
+    return RMData(to_texts(train, tokenizer, d, source), to_texts(held, tokenizer, d, str(d.eval_path or source)))
 
 
 def count_truncated(tokenizer, texts: Sequence[JoinedPair], meta: RMMeta) -> int:
