@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 
 from torch import Tensor, nn
 
-from rlhflab.models.cpu_matmul import is_fast, is_linear
+from rlhflab.cpu.matmul import is_fast, is_linear
 
 # Config fields that change the logits after the linear head when set (to anything but 1).
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_logit_scale")
