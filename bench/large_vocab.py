@@ -10,23 +10,7 @@ ever made, at any vocabulary. Each method runs in a fresh process (spawn) on the
 arithmetic task (configs/<method>_debug.yaml with the model and sizes set here, full
 fine-tuning, float32, a frozen reference copy, PPO with its value head):
 
-- `--steps` steps, the last of them under a recorder (a TorchDispatchMode) that sees the
-  output of every operator, backward included, and keeps the largest logits-shaped tensor:
-  last dimension V, leading dimensions not the hidden size (the head's weight, V x H, and
-  its transpose and gradient are weights, not logits). The recorder slows that step, so
-  its time is not reported.
-- `step s`: wall seconds of the last step before the recorded one (the first step, when
-  it is the only other one, also loads what the libraries import lazily), with its
-  phases (generate, forward = the no-grad log-probs/values, update).
-- `peak MiB`: the process's peak resident set during the steps, above its resident set
-  once the run's models and optimizer are built (VmHWM reset at the start of the first
-  step): activations, gradients, Adam's state as it is first made, caches; and beside it
-  `ru_maxrss`, imports and weights included.
-- Beside them: the size of one float32 (B, T, V) copy of the response logits, and of one
-  chunk (`default_chunk_size(V)` rows x V x 4 bytes, about 64 MiB).
-
-The last line reads `large_vocab: V X grpo peak_mib A step_s B max_logits_mib C, ppo peak_mib D
-step_s E max_logits_mib F, full_logits_mib G chunk_mib H` (a method not run reads nan).
+What it measures, its options and its latest figures: bench/README.md; its history: bench/NOTES.md and git.
 """
 
 from __future__ import annotations
@@ -238,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     from rlhflab.openmp import apply_default_wait
     apply_default_wait()
 
-    from _mfu import cpu_name
+    from _common import cpu_name
 
     a = {**vars(args), "model_dir": str(Path(args.model_dir).resolve())}
     results = {}

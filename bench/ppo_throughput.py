@@ -13,31 +13,10 @@ speed ratio Z2, critic memory ratio W2` (ratios are rlhflab / TRL in float32: Z,
 rlhflab's value head, Z2, W2 with its separate critic, like for like; a side that did not
 run reads nan). The bfloat16-autocast pair (TRL's PPOConfig default) is in the table, and
 above the last line one line per side gives seconds, model FLOPs and MFU of generate,
-forward (no-grad scoring) and update against the float32 peak measured here (bench/_mfu.py;
+forward (no-grad scoring) and update against the float32 peak measured here (bench/_common.py;
 on CUDA the GPU's matmul peak in the run's precision, or --peak-tflops).
 
-How it measures (bench/README.md says why):
-- Each side runs in a worker process of its own (spawned, so it shares no memory with
-  the others). The parent steps the workers in turn, one PPO step at a time, rotating
-  the order each round: the noise of a shared machine falls on every side alike. Only
-  one worker computes at a time. Times are medians over the measured steps, after
-  warm-up steps.
-- A PPO step is the same work on every side: generate 16 tokens for 32 prompts, score
-  them with the GSM8K rule, the no-grad forwards (old logprobs, values, reference
-  logprobs), KL-shaped rewards and GAE, then 4 epochs of one 32-episode minibatch.
-- Every side has the same `--threads` (2). rlhflab's separate-critic sides run the
-  critic's pass and then the policy's, each on both threads (TRL runs the two models in
-  one pass, on both); with `--critic-overlap` they divide them instead: the critic's pass
-  in a second thread beside the policy's (`model.critic_overlap`, opt-in;
-  docs/actor_critic.md).
-- Peak memory is the peak resident set of the worker (VmHWM) minus its resident set
-  with its libraries loaded and no models (taken after a priming build and step that
-  are thrown away): models, optimizer state and every activation count, the import
-  footprint of each library does not. Beside it: an exact count of tensor bytes (held
-  state plus the peak of one profiled step) and the whole-process ru_maxrss.
-
-TRL is never a project dependency: it lives in .bench/trl, installed with the command
-in `TRL_INSTALL`, and only the TRL worker puts that folder on sys.path.
+What it measures, its options and its latest figures: bench/README.md; its history: bench/NOTES.md and git.
 """
 
 from __future__ import annotations
@@ -56,7 +35,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402  (the bench folder is not a package)
-import _mfu  # noqa: E402
 
 TRL_VERSION = "1.12.0"
 TRL_DIR = _common.BENCH_DIR / "trl"
@@ -68,7 +46,7 @@ TRL_INSTALL = (f"{_common.REPO / '.venv/bin/pip'} install --no-deps --target {TR
 SIDES = {
     "rlhflab": ("rlhflab (value head)", "fp32"),
     "rlhflab-critic": ("rlhflab (separate critic)", "fp32"),
-    # the same with model.cpu_matmul=torch: PyTorch's own float32 matmul (MKL), as TRL runs
+    # the same with cpu.matmul=torch: PyTorch's own float32 matmul (MKL), as TRL runs
     "rlhflab-critic-torchmm": ("rlhflab (separate critic), torch mm", "fp32"),
     # generation.old_logprobs=sampler: the old log-probs from the draw, no policy pass in scoring (as TRL)
     "rlhflab-critic-samplerlp": ("rlhflab critic, sampler lp", "fp32"),
@@ -107,9 +85,6 @@ class BenchSettings:
     seed: int = 0
     device: str = "cpu"         # cpu or cuda (--device)
     mixed_precision: str = "no"  # bf16: every float32 side in bfloat16 autocast (--mixed-precision)
-    cpu_allocator: str | None = None  # rlhflab's model.cpu_allocator (--cpu-allocator; None: its default)
-    trl_cpu_allocator: str | None = None  # the same glibc setting in TRL's process (--trl-cpu-allocator; None: glibc's)
-    critic_overlap: bool = False  # rlhflab's model.critic_overlap (--critic-overlap)
     hf_cache: str = "dynamic"  # rlhflab's generation.hf_cache (--hf-cache)
     compile_layers: bool = False  # rlhflab's model.compile_layers (--compile-layers)
     attn: str | None = None  # the attention of every side's models (--attn-implementation; None: transformers')
@@ -137,10 +112,7 @@ class RlhflabSide:
         cfg.model.name_or_path = s.model_dir
         cfg.model.torch_dtype = "bfloat16" if self.precision == "bf16-weights" else "float32"
         cfg.model.gradient_checkpointing, cfg.model.critic, cfg.model.reference = False, self.critic, "copy"
-        cfg.model.cpu_matmul, cfg.model.attn_implementation = self.cpu_matmul, self.attn or s.attn
-        if s.cpu_allocator:
-            cfg.model.cpu_allocator = s.cpu_allocator
-        cfg.model.critic_overlap = s.critic_overlap
+        cfg.cpu.matmul, cfg.model.attn_implementation = self.cpu_matmul, self.attn or s.attn
         cfg.model.compile_layers = s.compile_layers
         cfg.lora.enabled = False
         cfg.dataset.max_prompt_length = 128
@@ -213,17 +185,8 @@ class RlhflabSide:
                 "tokens": int(roll.response_mask.sum()), "response_width": roll.response_ids.shape[1]}
 
     def counted_step(self) -> dict:
-        """The step whose tensors the profiler counts. The profiler sees only this thread,
-        so a separate critic's pass, which runs in a second thread beside the policy's
-        (`model.critic_overlap`), is counted with the two passes one after the other: the
-        count is an upper bound of the side-by-side step's (tests/test_critic_overlap.py)."""
-        actor = self.models.actor
-        overlap = getattr(actor, "critic_overlap", False)
-        actor.critic_overlap = False
-        try:
-            return self.step()
-        finally:
-            actor.critic_overlap = overlap
+        """The step whose tensors the profiler counts."""
+        return self.step()
 
 
 # --------------------------------------------------------------------------------------
@@ -299,19 +262,6 @@ def make_rule_reward_module(tokenizer, answers: dict[str, str], separator: str =
     return RuleRewardModel()
 
 
-def set_trl_allocator(s: BenchSettings) -> bool:
-    """Give TRL's process the glibc setting `model.cpu_allocator` gives rlhflab's
-    (--trl-cpu-allocator): a process-wide `mallopt` any program can make (or set with
-    glibc's MALLOC_* variables before it starts), so that a like-for-like pair can
-    differ in the trainers alone. True when set; nothing on CUDA or without glibc."""
-    if not s.trl_cpu_allocator:
-        return False
-    import torch
-
-    from rlhflab import cpu
-    return cpu.set_allocator(s.trl_cpu_allocator, torch.device(s.device))
-
-
 def load_trl_models(s: BenchSettings):
     """TRL's side's policy and value model, float32, with --attn-implementation's attention
     (as rlhflab's sides) when given."""
@@ -340,7 +290,6 @@ class TrlSide:
         from rlhflab.rewards import resolve_rule  # noqa: F401
         self.trl_ppo = trl_ppo = _import_trl()
         import datasets  # noqa: F401
-        set_trl_allocator(s)
         self.s, self.trainer, self.reward, self.precision = s, None, None, precision
         self.marks: dict = {}
         marks, wrapper_type = self.marks, trl_ppo.PolicyAndValueWrapper
@@ -522,7 +471,7 @@ def worker(name: str, settings: dict, conn, tensor_memory: bool = True) -> None:
                 r1 = resource.getrusage(resource.RUSAGE_SELF)
                 out["cpu"] = time.process_time() - c0
                 # the kernel's share: system CPU time and minor page faults (fresh pages of freed and
-                # re-allocated buffers; model.cpu_allocator, docs/cpu_matmul.md)
+                # re-allocated buffers)
                 out["sys"], out["faults"] = r1.ru_stime - r0.ru_stime, r1.ru_minflt - r0.ru_minflt
                 conn.send(("step", out))
             elif cmd == "finish":
@@ -669,10 +618,10 @@ PAIRS = (("rlhflab", "trl", "value head vs TRL"), ("rlhflab-critic", "trl", "lik
          ("rlhflab-bf16", "trl-bf16", "value head vs TRL, bf16 autocast"))
 
 
-def phase_flops(name: str, n: "_mfu.LinearParams", prompt_tokens: float, response_tokens: float,
+def phase_flops(name: str, n: "_common.LinearParams", prompt_tokens: float, response_tokens: float,
                 epochs: int) -> dict[str, float]:
     """Model FLOPs of one PPO step's phases on side `name`: the passes that side runs
-    (bench/_mfu.py says how a pass is counted). generate: one policy forward over prompt +
+    (bench/_common.py says how a pass is counted). generate: one policy forward over prompt +
     response tokens. forward: rlhflab's policy pass (old log-probs; with the value head, the
     values too) and the reference's, plus the critic's where there is one; TRL takes the
     old log-probs from the sampling logits, so it runs the reference's and its critic's
@@ -680,27 +629,27 @@ def phase_flops(name: str, n: "_mfu.LinearParams", prompt_tokens: float, respons
     update: `epochs` x forward + backward of the policy, and of the critic where there is
     one (TRL always has one)."""
     seq = prompt_tokens + response_tokens
-    policy = _mfu.pass_flops(n, seq, response_tokens)
-    critic = _mfu.pass_flops(_mfu.LinearParams(n.body, 0), seq, 0) \
+    policy = _common.pass_flops(n, seq, response_tokens)
+    critic = _common.pass_flops(_common.LinearParams(n.body, 0), seq, 0) \
         if name.startswith(("trl", "rlhflab-critic")) else 0.0
     scoring = (1 if name.startswith("trl") or name.endswith("-samplerlp") else 2) * policy + critic
     return {"generate": policy, "forward": scoring, "update": epochs * 3 * (policy + critic)}
 
 
-def mfu_lines(summary: dict[str, dict], n: "_mfu.LinearParams", prompt_tokens: float, epochs: int,
+def mfu_lines(summary: dict[str, dict], n: "_common.LinearParams", prompt_tokens: float, epochs: int,
               peak: float, peak_what: str | None = None) -> list[str]:
     """Per side: seconds, model FLOPs and MFU of generate, forward (no-grad scoring) and update;
     the MFU goes into the summary too."""
-    peak_what = peak_what or f"the float32 matmul peak measured here ({_mfu.cpu_name()})"
+    peak_what = peak_what or f"the float32 matmul peak measured here ({_common.cpu_name()})"
     lines = [f"MFU per phase: model FLOPs / phase seconds / {peak_what}, "
              f"{peak / 1e9:.1f} GFLOP/s; N = {n.body / 1e6:.1f}M decoder + "
              f"{n.head / 1e6:.1f}M LM-head linear weights, {prompt_tokens:.0f} prompt tokens a step; "
-             f"2N per token forward, 6N forward+backward (bench/_mfu.py)"]
+             f"2N per token forward, 6N forward+backward (bench/_common.py)"]
     for name, m in summary.items():
         flops = phase_flops(name, n, prompt_tokens, m["tokens"], epochs)
         seconds = {k: m["phases_s"][k] for k in flops}
-        m["mfu"] = _mfu.mfu_cells(flops, seconds, peak)
-        lines.append(_mfu.format_mfu(f"  {LABELS[name]}", flops, seconds, peak))
+        m["mfu"] = _common.mfu_cells(flops, seconds, peak)
+        lines.append(_common.format_mfu(f"  {LABELS[name]}", flops, seconds, peak))
     return lines
 
 
@@ -716,11 +665,6 @@ def format_report(result: dict, summary: dict[str, dict]) -> str:
         f"one {s['episodes']}-episode minibatch, KL {s['kl_coeff']} in the reward (k1, frozen-copy reference), "
         f"lr {s['learning_rate']:g}, no grad clipping, float32 weights (bf16 rows: bfloat16 autocast), "
         f"{where}; model {s['model_dir']}"
-        + (f"; rlhflab's model.cpu_allocator={s['cpu_allocator']}" if s.get("cpu_allocator") else "")
-        + (f"; TRL's process: the same glibc setting as cpu_allocator={s['trl_cpu_allocator']}"
-           if s.get("trl_cpu_allocator") else "")
-        + ("; rlhflab's model.critic_overlap=true (separate critic: its pass beside the policy's, one thread "
-           "each)" if s.get("critic_overlap") else "")
         + (f"; rlhflab's generation.hf_cache={s['hf_cache']} (TRL's generate keeps its default cache)"
            if s.get("hf_cache", "dynamic") != "dynamic" else "")
         + ("; rlhflab's model.compile_layers=true (its decoder layers compiled for the teacher-forced passes; "
@@ -810,14 +754,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mixed-precision", choices=["no", "bf16"], default="no",
                     help="bf16: every float32 side in bfloat16 autocast with float32 weights "
                          "(rlhflab's training.mixed_precision=bf16, TRL's bf16=True)")
-    ap.add_argument("--cpu-allocator", choices=["reuse", "release"], default=None,
-                    help="rlhflab's model.cpu_allocator on every rlhflab side (default: the config's default)")
-    ap.add_argument("--trl-cpu-allocator", choices=["reuse", "release"], default=None,
-                    help="the same glibc malloc setting made in TRL's process, for a pair that differs in "
-                         "the trainers alone (default: glibc's own, what a TRL run gets)")
-    ap.add_argument("--critic-overlap", action="store_true",
-                    help="rlhflab's model.critic_overlap=true on its separate-critic sides: the critic's pass "
-                         "in a second thread beside the policy's (default: off, the config's default)")
     ap.add_argument("--hf-cache", choices=["dynamic", "static"], default="dynamic",
                     help="rlhflab's generation.hf_cache on every rlhflab side: static compiles the decoding step "
                          "on a CUDA GPU (its first, warm-up step pays the compile); TRL's side is not changed")
@@ -853,9 +789,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = BenchSettings(model_dir=str(_common.ensure_tiny_model(args.model_dir)),
                              episodes=args.episodes, response_length=args.response_length,
                              epochs=args.epochs, threads=args.threads, device=args.device,
-                             mixed_precision=args.mixed_precision, cpu_allocator=args.cpu_allocator,
-                             trl_cpu_allocator=args.trl_cpu_allocator, critic_overlap=args.critic_overlap,
-                             hf_cache=args.hf_cache, attn=args.attn_implementation,
+                             mixed_precision=args.mixed_precision, hf_cache=args.hf_cache, attn=args.attn_implementation,
                              compile_layers=args.compile_layers)
     if args.device == "cuda":
         import torch
@@ -865,7 +799,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, (label, precision) in SIDES.items():
             if precision == "fp32":
                 LABELS[name] = f"{label} bf16"
-    n = _mfu.linear_params(settings.model_dir)
+    n = _common.linear_params(settings.model_dir)
     if args.interleaved and (args.sequential or args.device == "cuda"):
         ap.error("--interleaved: not with --sequential or --device cuda (the sides would share the GPU)")
     sequential = args.sequential or (n.total > SEQUENTIAL_ABOVE and not args.interleaved) or args.device == "cuda"
@@ -876,7 +810,7 @@ def main(argv: list[str] | None = None) -> int:
     apply_default_wait()  # as the CLI: idle OpenMP threads poll briefly, then sleep
     # before any worker computes; on CUDA in this process, which then holds a CUDA context
     # while the workers run (a few hundred MiB of GPU memory, not in any worker's peak)
-    peak, peak_what = _mfu.device_peak(args.device, args.threads, tuple(args.peak_sizes),
+    peak, peak_what = _common.device_peak(args.device, args.threads, tuple(args.peak_sizes),
                                        "bfloat16" if args.mixed_precision == "bf16" else "float32", args.peak_tflops)
     result = (run_sequential if sequential else run)(
         sides, settings, args.repeats, args.warmup,

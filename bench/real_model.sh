@@ -12,6 +12,7 @@
 #   bash bench/real_model.sh                 # the measurements (about an hour on 2 cores)
 #   QUICK=1 bash bench/real_model.sh         # the smallest settings: checks the script end to end
 #   OUT=DIR SMOL=DIR GEMMA=DIR PY=python bash bench/real_model.sh
+#   DEVICE=cuda bash bench/real_model.sh     # on one CUDA GPU: every bench with --device cuda --mixed-precision bf16
 #
 # A bench that fails does not stop the others; its exit status is in the summary.
 set -uo pipefail
@@ -20,6 +21,8 @@ PY=${PY:-.venv/bin/python}
 QUICK=${QUICK:-0}
 SMOL=${SMOL:-outputs/models/smollm2-135m-instruct}
 GEMMA=${GEMMA:-outputs/models/gemma3-270m}
+DEVICE=${DEVICE:-cpu}
+DEV=(); [ "$DEVICE" = cuda ] && DEV=(--device cuda --mixed-precision bf16)
 OUT=${OUT:-outputs/bench-real/$(date -u +%Y%m%dT%H%M%SZ)$([ "$QUICK" = 1 ] && echo -quick)}
 mkdir -p "$OUT"
 declare -A RC
@@ -33,7 +36,7 @@ note() { echo "[real_model $(date -u +%H:%M:%S)] $*" | tee -a "$OUT/machine.txt"
   echo "flags: $(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E '^(avx512f|avx512_bf16|amx_bf16|amx_tile)$' | tr '\n' ' ')"
   echo "memory: $(free -g | awk '/^Mem:/ {print $2 " GiB total, " $7 " GiB available"}')"
   echo "load average at the start: $(cut -d' ' -f1-3 /proc/loadavg)"
-  echo "quick: $QUICK"
+  echo "quick: $QUICK, device: $DEVICE"
 } > "$OUT/machine.txt"
 cat "$OUT/machine.txt" >&2
 
@@ -68,7 +71,7 @@ run() {  # run NAME ARGS...: one bench, its report in $OUT/NAME.txt
   local name=$1; shift
   note "$name: $* (load average $(cut -d' ' -f1 /proc/loadavg))"
   local t0=$SECONDS
-  "$PY" "$@" > "$OUT/$name.txt" 2> "$OUT/$name.err"
+  "$PY" "$@" "${DEV[@]}" > "$OUT/$name.txt" 2> "$OUT/$name.err"
   RC[$name]=$?
   note "$name: exit ${RC[$name]} after $((SECONDS - t0)) s (load average $(cut -d' ' -f1 /proc/loadavg))"
 }

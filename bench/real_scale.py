@@ -13,30 +13,7 @@ exactly 128 sampled tokens (min = max), the GSM8K rule as the reward, a value he
 penalty (0.05, k1) to the reference, one epoch of one 8-episode minibatch, float32
 weights and AdamW (fused).
 
-    full   every weight trains; the reference is a frozen copy (`model.reference: copy`)
-    lora   a LoRA adapter (r 8, q/v projections) trains; the reference is the policy with
-           its adapter off (`model.reference: lora_disabled`), no second copy
-
-After the step, a second optimizer step on the same rollout (`update_2`: a second
-PPO epoch) measures what every later step of a run holds: Adam's moments exist from the
-start of its backward pass, where the first step makes them only after it. The peak is
-the most over all phases, `update_2` included (`--no-second-update` leaves it out).
-
-Each variant runs in a fresh process. Memory is the peak resident set (VmHWM) above the
-resident set once the libraries are imported and warmed up (a priming step on a small
-model of the same architecture, thrown away), as bench/ppo_throughput.py measures it;
-the peak is also taken per phase (the kernel's mark is reset as each phase starts).
-`logits` is the largest number of bytes held at one time by tensors whose last
-dimension is the vocabulary (parameters excluded), counted exactly by a
-TorchDispatchMode over the step (not over `update_2`: under a Python dispatch mode
-autograd sums a tied weight's two gradients out of place, a (V, H) copy the run without
-it never makes): the chunked log-prob op's chunks and generation's last-token logits.
-
-Full fine-tuning holds about 9.9 GB of weights, gradients, Adam moments and the reference
-copy in float32 before any activation, so it needs about 12 GiB free: the script refuses
-to start below `--min-free-gib` (default 13) of MemAvailable. The last line:
-
-    real_scale: qwen2-0.5b-shaped full peak_gib X step_s Y, lora peak_gib Z
+What it measures, its options and its latest figures: bench/README.md; its history: bench/NOTES.md and git.
 """
 
 from __future__ import annotations
@@ -110,8 +87,6 @@ def config(model_dir: Path, variant: str, a) -> object:
     m = cfg.model
     m.name_or_path, m.torch_dtype, m.critic = str(model_dir), "float32", "value_head"
     m.gradient_checkpointing = a.gradient_checkpointing
-    if a.cpu_allocator:
-        m.cpu_allocator = a.cpu_allocator
     m.reference = "lora_disabled" if variant == "lora" else "copy"
     cfg.lora.enabled = variant == "lora"
     cfg.dataset.max_prompt_length = a.prompt_len
@@ -300,7 +275,6 @@ def run_worker(variant: str, a) -> dict:
     cmd = [sys.executable, __file__, "--worker", variant, "--model-dir", str(a.model_dir), "--threads", str(a.threads),
            "--episodes", str(a.episodes), "--prompt-len", str(a.prompt_len), "--response-len", str(a.response_len),
            "--epochs", str(a.epochs), "--mixed-precision", a.mixed_precision]
-    cmd += ["--cpu-allocator", a.cpu_allocator] if a.cpu_allocator else []
     cmd += [] if a.second_update else ["--no-second-update"]
     cmd += [] if a.gradient_checkpointing else ["--no-gradient-checkpointing"]
     cmd += [] if a.logits_meter else ["--no-logits-meter"]
@@ -366,8 +340,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip the second optimizer step on the same rollout (default: taken, and in the peak)")
     ap.add_argument("--no-logits-meter", dest="logits_meter", action="store_false",
                     help="skip the exact count of vocabulary-sized tensors (it adds a Python call per op)")
-    ap.add_argument("--cpu-allocator", choices=["reuse", "release"], default=None,
-                    help="model.cpu_allocator (default: the config's default)")
     ap.add_argument("--model-dir", default=str(MODEL_DIR), help="built there when missing")
     ap.add_argument("--min-free-gib", type=float, default=13.0,
                     help="refuse to start with less MemAvailable than this (full fine-tuning needs ~12 GiB)")

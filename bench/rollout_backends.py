@@ -10,38 +10,7 @@ Prints a table (seconds, generated tokens/s and generate-phase MFU per model, re
 length, batch and backend; the vllm/hf ratio per cell) and, last, the line
 `rollout_backends: hf X tok/s, vllm Y tok/s, ratio Z (25M, response 64, batch 128)`.
 
-How it measures (bench/README.md says why):
-- Two models from `rlhflab.models.tiny.make_tiny_model`, float32, built once in .bench/:
-  `tiny` (its defaults: 192 hidden, 4 layers, 6 heads, 2.5M parameters) and `25M`
-  (512 hidden, 6 layers, 8 heads, 25.4M parameters); both with 512 positions, so a
-  256-token response fits after the prompt.
-- Prompts are arithmetic questions with the PPO template. Every response is exactly L
-  tokens (min_new_tokens = max_new_tokens: EOS is banned until then), sampled at
-  temperature 1, so both backends do the same work.
-- Per cell, each backend makes one `generate` call per round (the order alternates
-  between rounds), after one warm-up round; times are medians. tok/s counts generated
-  tokens: B x L / wall seconds. Beside the wall time, the process's CPU seconds (all
-  threads): on a machine shared with other jobs they are much steadier, and tok/cpu-s
-  and the ratio on CPU seconds say what the wall numbers would be on a quiet machine.
-- MFU = model FLOPs / seconds / peak. Model FLOPs = 2 x parameters x (prompt tokens +
-  generated tokens) plus attention, 4 x layers x hidden x context for every token
-  (QK^T and AV, 2 FLOPs per multiply-add), counting real tokens only (the hf backend
-  also computes on left padding; that is its waste, not work). The peak is measured
-  here with float32 matmuls (the best of several, 2048 and 4096 square, through both
-  PyTorch's own matmul and oneDNN: on a non-Intel CPU MKL runs half-width kernels and
-  oneDNN is the machine's real peak, bench/cpu_matmul.py): `MFU` is over
-  wall seconds and the peak of `--threads` threads in wall time; `MFU/cpu` is over CPU
-  seconds and the peak per CPU-second of one thread, which other jobs cannot lower.
-- The vllm engine (rlhflab.rollout.vllm.VLLMEngine) lives in this process, as in
-  training, built as a run builds it (compiled unless --enforce-eager; KV blocks of 64
-  tokens on CPU); its start-up is printed, not counted.
-- `--device cuda`: the hf backend's model on the GPU, clocks read after
-  torch.cuda.synchronize(), the MFU against `--peak-tflops` or the GPU's matmul peak
-  in `--dtype` measured here (CPU seconds and MFU/cpu then mean little). Without an
-  importable vllm (any device) its rows are skipped, with a line saying so.
-- Like for like, the vllm side asks for tokens only: the hf backend computes no sampler
-  log-probs. At the headline cell a third row, `vllm+lp`, also asks for them, as the
-  trainers do (rollout/logprob_gap, TIS).
+What it measures, its options and its latest figures: bench/README.md; its history: bench/NOTES.md and git.
 """
 
 from __future__ import annotations
@@ -55,7 +24,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402  (the bench folder is not a package)
-import _mfu  # noqa: E402
 
 MODELS = {  # name -> make_tiny_model arguments
     "tiny": dict(hidden_size=192, num_layers=4, num_heads=6, max_positions=512),
@@ -403,13 +371,13 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             ap.error("--device cuda: torch sees no CUDA device")
         peak_dtype = "bfloat16" if args.mixed_precision == "bf16" else args.dtype
-        peak_flops, peak_what = _mfu.device_peak("cuda", args.threads, tuple(args.peak_sizes), peak_dtype,
+        peak_flops, peak_what = _common.device_peak("cuda", args.threads, tuple(args.peak_sizes), peak_dtype,
                                                  args.peak_tflops)
         peak = Peak(peak_flops, float("nan"))  # no per-CPU-second peak on a GPU
-        print(f"machine: {_mfu.device_name('cuda')} (CUDA)")
+        print(f"machine: {_common.device_name('cuda')} (CUDA)")
     else:
         peak, peak_what = matmul_peak(args.threads, tuple(args.peak_sizes)), None
-        print(f"machine: {_mfu.cpu_name()}, {args.threads} threads")
+        print(f"machine: {_common.cpu_name()}, {args.threads} threads")
     cells, info = measure(models, args.lengths, args.batches, args.repeats, args.threads,
                           args.dtype, args.engine_dtype, args.enforce_eager,
                           device=args.device, mixed_precision=args.mixed_precision)

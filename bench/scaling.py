@@ -22,23 +22,7 @@ processes cannot be faster than one using both cores for its matmuls: the ratio
 measures the cost of the distribution itself (communication and the duplicated Python
 work), which on a GPU node is what stays small next to the per-rank compute.
 
-Part 2 (arithmetic, not measured): bytes per parameter for weights, gradients, Adam state
-(fp32, two moments), the frozen reference and a separate critic, under DDP, FSDP /
-ZeRO-3 (everything trained sharded over N ranks), ZeRO-2 (gradients and Adam sharded)
-and LoRA (only the adapter trains), for the model sizes given.
-
-Part 3 (`--memory-model HxL`, measured): what each strategy holds per rank for the model's
-own state. Every side runs 2 PPO steps (value head, reference copy) on the tiny model and
-on a larger one (hidden H, L layers); the larger run's peak RSS (rank 0) minus the tiny
-run's is the memory the extra parameters cost on that side, the imported libraries (which
-differ between sides: DeepSpeed imports more) cancelling out. Last line of that mode:
-`scaling memory: MiB per rank for N extra parameters: 1 process A, DDP B, FSDP2 C[, ZeRO-2 D, ZeRO-3 E]`.
-
-Last line: `scaling: 1 process X eps/s, 2 processes Y eps/s, ratio Z (tiny model, 64 episodes/step);
-FSDP2 2 processes W eps/s, ratio V`. `--sides` runs some of the sides only (a figure of a side
-not run reads nan). Every run trains in a folder of its own (`run<side>_<N>` in a fresh
-temporary folder, emptied first where a side reuses a name), so no round meets another
-round's finished run.
+What it measures, its options and its latest figures: bench/README.md; its history: bench/NOTES.md and git.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Between two parallel regions an idle thread either polls for the next one or sle
   that has its cores to itself.
 - ``GOMP_SPINCOUNT=1000`` (rlhflab's default) polls about 10 microseconds, long enough to
   catch the next operator of the same step, then sleeps: close to the default's speed on
-  a quiet machine and to PASSIVE's beside a competing process. `bench/omp_wait_policy.py`
+  a quiet machine and to PASSIVE's beside a competing process. A probe since removed from bench/
   measures the three; docs/quickstart.md has its figures.
 
 When several ranks share the host (``LOCAL_WORLD_SIZE`` > 1, set by ``accelerate launch``

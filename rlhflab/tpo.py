@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple, Optional, Sequence
 
 from rlhflab.config import load_config
-from rlhflab.config.schema import DatasetConfig, EvalConfig, GenerationConfig, ModelConfig, RewardConfig, f
+from rlhflab.config.schema import CpuConfig, DatasetConfig, EvalConfig, GenerationConfig, ModelConfig, RewardConfig, f
 
 TEMPLATE_FIELDS = ("prompt", "best", "worst", "best_score", "worst_score", "critique")
 
@@ -103,6 +103,7 @@ class TPORunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     tpo: TPOSection = field(default_factory=TPOSection)
     run: TPORunSection = field(default_factory=TPORunSection)
+    cpu: CpuConfig = field(default_factory=CpuConfig)
 
 
 # --------------------------------------------------------------------------------------
@@ -269,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
     cfg, effective = load_config(args.config, TPORunConfig, args.overrides)
     refuse_quantization(cfg.model, "rlhflab tpo")
     set_threads(cfg.run.num_threads)
-    cpu.setup_process(resolve_device(cfg.run.device), cfg.model)
+    cpu.setup_process(resolve_device(cfg.run.device), cfg.cpu)
     preflight(_as_eval_run(cfg))  # the plug-ins, on the held-out rows, before the model loads
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -6,13 +6,11 @@ loaded here from its file (the bench folder is not a package).
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
-_spec = importlib.util.spec_from_file_location(
-    "rlhflab_bench_common", Path(__file__).resolve().parents[1] / "bench" / "_common.py")
-_common = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_common)
+from file_modules import load_file
+
+_common = load_file("rlhflab_bench_common", Path(__file__).resolve().parents[1] / "bench" / "_common.py")
 
 tensor_bytes = _common.profiled_tensor_bytes  # (peak, still held at the end) in bytes while fn() runs
 

@@ -119,7 +119,7 @@ def test_cpu_matmul_reaches_rlhflabs_config_and_the_worker(bench, tmp_path, monk
         a = _args(tmp_path, "hf", cpu_matmul=mode)
         cfg, _ = load_config(bench.ROOT / "configs" / "grpo_debug.yaml", GRPORunConfig,
                              bench.rlhflab_overrides(a, steps=4, out="run"))
-        assert cfg.model.cpu_matmul == mode
+        assert cfg.cpu.matmul == mode
     assert bench._matmul_here(_args(tmp_path, "hf", cpu_matmul="auto", device="cuda")) == "torch"
     seen = {}
 
@@ -304,10 +304,10 @@ def test_prompts_that_differ_stop_the_bench_and_rlhflab_alone_needs_no_trl(bench
 
 
 def test_each_sides_mfu_counts_its_own_prompt_tokens(bench, tmp_path):
-    import _mfu
+    import _common
 
     a = _args(tmp_path, "hf", completions=8, group_size=4)
-    n = _mfu.LinearParams(body=10, head=3)
+    n = _common.LinearParams(body=10, head=3)
     run = {"phases_s": {"generate": 1.0, "score": 0.0, "forward": 1.0, "update": 1.0}, "mean_response_length": 3}
     lines = bench.mfu_lines({"rlhflab": [run], "trl": [run]}, a, n, {"rlhflab": 5, "trl": 9}, peak=1e3, peak_what="x")
     # 2 prompts x 5 tokens + 8 x 3 response tokens = 34: 2 x (10 x 34 + 3 x 24) = 824 FLOPs;

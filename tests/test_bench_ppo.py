@@ -92,10 +92,10 @@ def test_rlhflab_side_step_updates_the_policy(bench, tiny_model):
 
 
 def test_torchmm_side_runs_torchs_own_matmul(bench, tiny_model, monkeypatch):
-    """The like-for-like-kernels row: rlhflab's critic with model.cpu_matmul=torch has no
+    """The like-for-like-kernels row: rlhflab's critic with cpu.matmul=torch has no
     oneDNN Linear layer; the default critic row follows `auto` (oneDNN where it picks it)."""
     from rlhflab import cpu
-    from rlhflab.models import cpu_matmul as matmul
+    from rlhflab.cpu import matmul
     from rlhflab.ops import matmul as ops_matmul
 
     if not ops_matmul.onednn_available():
@@ -111,33 +111,6 @@ def test_torchmm_side_runs_torchs_own_matmul(bench, tiny_model, monkeypatch):
         assert side.cfg.generation.old_logprobs == ("sampler" if name.endswith("-samplerlp") else "recompute")
         fast = [type(m) is matmul.FastLinear for m in side.models.actor.modules()]
         assert any(fast) == want, name
-        side.release()
-
-
-def test_cpu_allocator_flag_reaches_every_rlhflab_side(bench, tiny_model):
-    default = bench.make_side("rlhflab-critic", bench.BenchSettings(model_dir=str(tiny_model))).config()
-    for allocator in ("reuse", "release"):
-        s = bench.BenchSettings(model_dir=str(tiny_model), cpu_allocator=allocator)
-        for name in ("rlhflab", "rlhflab-critic-samplerlp"):
-            assert bench.make_side(name, s).config().model.cpu_allocator == allocator
-    from rlhflab.config.schema import ModelConfig
-    assert default.model.cpu_allocator == ModelConfig().cpu_allocator  # no flag: the config's default
-
-
-def test_critic_overlap_flag_switches_the_separate_critics_worker_thread_on(bench, tiny_model, monkeypatch):
-    import torch
-
-    from rlhflab.engine import overlap
-    from rlhflab.engine.minibatch import MiniBatch
-    ids = torch.zeros(8, 4, dtype=torch.long)  # 8 one-row groups: two halves to run side by side
-    mb = MiniBatch(prompt_ids=ids, prompt_mask=ids, response_ids=ids, response_mask=ids, loss_mask=ids)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # what the engine asks is the threads' count
-    for flag in (False, True):
-        side = bench.make_side("rlhflab-critic-samplerlp",
-                               bench.BenchSettings(model_dir=str(tiny_model), critic_overlap=flag))
-        side.build()
-        assert side.cfg.model.critic_overlap is flag
-        assert overlap.applies(side.models.actor, mb) is flag  # the engine's question before each minibatch
         side.release()
 
 
@@ -218,17 +191,6 @@ def test_a_worker_killed_for_memory_is_named_with_the_way_out(bench):
     assert str(died.value) == plain
 
 
-def test_trl_cpu_allocator_flag_makes_the_same_glibc_setting_in_trls_process(bench, tiny_model, monkeypatch):
-    from rlhflab import cpu
-    calls = []
-    monkeypatch.setattr(cpu, "reuse_freed_blocks", lambda device: calls.append(("reuse", device.type)) or True)
-    monkeypatch.setattr(cpu, "map_large_allocations", lambda device: calls.append(("release", device.type)) or True)
-    assert not bench.set_trl_allocator(bench.BenchSettings(model_dir=str(tiny_model)))   # no flag: glibc's own
-    for allocator in ("reuse", "release"):
-        assert bench.set_trl_allocator(bench.BenchSettings(model_dir=str(tiny_model), trl_cpu_allocator=allocator))
-    assert calls == [("reuse", "cpu"), ("release", "cpu")]
-
-
 def test_rule_reward_module_answers_trls_reward_protocol(bench, tiny_model):
     """Called the way a reward model is read (backbone by prefix, `score`, value at the
     last real token), the wrapper returns the GSM8K rule's score of each response."""
@@ -268,9 +230,9 @@ def test_phase_flops_count_the_passes_each_side_runs(bench):
     A policy pass 2 x (100 x 25 + 10 x 5) = 5,100; a critic pass (no head) 2 x 100 x 25 = 5,000.
     Scoring: rlhflab's critic side runs policy + reference + critic (15,200); with the sampler's
     old log-probs, reference + critic (10,100), TRL's passes; update 4 x 3 x (5,100 + 5,000)."""
-    import _mfu
+    import _common
 
-    n = _mfu.LinearParams(100, 10)
+    n = _common.LinearParams(100, 10)
     recompute = bench.phase_flops("rlhflab-critic", n, 20, 5, 4)
     sampler = bench.phase_flops("rlhflab-critic-samplerlp", n, 20, 5, 4)
     trl = bench.phase_flops("trl", n, 20, 5, 4)

@@ -38,8 +38,8 @@ def test_ppo_debug_config_run_resume_and_refusals(tiny_model_dir, arith_dir, tmp
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2, 3]
     result = json.loads((out / "train_result.json").read_text())
     assert set(result["eval_after"]) == {"eval/reward_mean", "eval/accuracy"}
-    # model.cpu_matmul's default, auto: oneDNN on a non-Intel CPU with AVX-512, torch's MKL elsewhere
-    from rlhflab.models.cpu_matmul import resolve
+    # cpu.matmul's default, auto: oneDNN on a non-Intel CPU with AVX-512, torch's MKL elsewhere
+    from rlhflab.cpu.matmul import resolve
     assert result["cpu_matmul"] == resolve("auto")
 
     # A second run into the same folder is refused, with the way out.

@@ -1,6 +1,7 @@
-"""The CPU-only speed seam (`rlhflab.cpu`): on a CUDA-typed device nothing is swapped and no
-thread is started; on a CPU the tricks apply as model.* asks. No GPU is needed: the seam
-decides from the device it is given, and the models stay on the CPU."""
+"""The CPU-only settings (`rlhflab.cpu`, the `cpu:` section): on a CUDA-typed device nothing is
+swapped and a CPU setting other than the default is refused; on a CPU they apply as `cpu.*`
+asks. No GPU is needed: the seam decides from the device it is given, and the models stay on
+the CPU."""
 
 from __future__ import annotations
 
@@ -11,17 +12,17 @@ import torch
 from torch import nn
 
 from rlhflab import cpu
-from rlhflab.engine import overlap
-from rlhflab.models import cpu_matmul as cm
+from rlhflab.config.loader import load_config
+from rlhflab.cpu import matmul as cm
+from rlhflab.errors import UserError
 from rlhflab.models.actor_critic import ActorCritic, Critic, ValueHead, hidden_size_of
 
 CUDA = torch.device("cuda")
 CPU = torch.device("cpu")
 
 
-def model_cfg(**kw):
-    base = dict(cpu_matmul="onednn", lean_norm=True, lean_mlp=False, critic_overlap=True)
-    return types.SimpleNamespace(**{**base, **kw})
+def cpu_cfg(**kw):
+    return types.SimpleNamespace(**{"matmul": "onednn", **kw})
 
 
 @pytest.fixture(autouse=True)
@@ -37,10 +38,8 @@ def tiny():
 
 
 def kinds(module: nn.Module) -> dict[str, int]:
-    linear = sum(type(m) is nn.Linear for m in module.modules())
-    fast = sum(type(m) is cm.FastLinear for m in module.modules())
-    lean = sum("forward" in vars(m) for m in module.modules())  # the lean norm is an instance forward
-    return {"linear": linear, "fast": fast, "lean": lean}
+    return {"linear": sum(type(m) is nn.Linear for m in module.modules()),
+            "fast": sum(type(m) is cm.FastLinear for m in module.modules())}
 
 
 @pytest.fixture(autouse=True)
@@ -55,62 +54,54 @@ def actor_critic():
     return ActorCritic(policy, critic=Critic(base, ValueHead(hidden_size_of(base))))
 
 
-def test_a_cuda_device_swaps_no_module_and_starts_no_thread(monkeypatch):
-    monkeypatch.setattr(overlap, "_worker", None)
-    assert cpu.setup_process(CUDA, model_cfg()) == "torch"       # the plain library path
+def test_a_cuda_device_swaps_no_module_and_refuses_a_cpu_setting(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu, "map_large_allocations", lambda device: calls.append(device.type))
+    assert cpu.setup_process(CUDA, cpu_cfg(matmul="auto")) == "torch"       # the plain library path
+    with pytest.raises(UserError, match=r"^cpu\.matmul: onednn is a CPU setting and this run trains on cuda; "
+                                        r"remove cpu\.matmul"):
+        cpu.setup_process(CUDA, cpu_cfg())
+    assert calls == []                                                       # glibc left as it is
     model = tiny()
     before = kinds(model)
-    assert cpu.apply(model, model_cfg(), CUDA) == cpu.NOTHING
-    assert kinds(model) == before and before["fast"] == 0 and before["lean"] == 0
-    actor = actor_critic()
-    assert cpu.apply(actor, model_cfg(), CUDA) == cpu.NOTHING
-    assert actor.critic_overlap is False                         # the critic's pass stays in this thread
-    assert overlap._worker is None                               # no worker thread was made
-    assert not cpu.map_large_allocations(CUDA)
-    assert not cpu.reuse_freed_blocks(CUDA)
+    assert cpu.apply(model, None, CUDA) == cpu.NOTHING
+    assert kinds(model) == before and before["fast"] == 0
 
 
-@pytest.mark.parametrize("allocator", ["release", "reuse"])
-def test_the_allocator_setting_is_made_on_a_cpu_run_only(monkeypatch, allocator):
+def test_a_gpu_run_leaves_glibc_alone_and_a_cpu_run_releases_large_blocks(monkeypatch):
+    assert not cpu.map_large_allocations(CUDA)            # a device other than the CPU: nothing
     calls = []
-    monkeypatch.setattr(cpu, "map_large_allocations", lambda device: calls.append(("release", device.type)))
-    monkeypatch.setattr(cpu, "reuse_freed_blocks", lambda device: calls.append(("reuse", device.type)))
-    cpu.setup_process(CUDA, model_cfg(cpu_allocator=allocator))
-    assert calls == []                                           # a GPU run leaves glibc as it is
-    cpu.setup_process(CPU, model_cfg(cpu_allocator=allocator))
-    assert calls == [(allocator, "cpu")]
+    monkeypatch.setattr(cpu, "map_large_allocations", lambda device: calls.append(device.type))
+    cpu.setup_process(CPU, cpu_cfg(matmul="torch"))
+    assert calls == ["cpu"]
 
 
-def test_an_unknown_allocator_name_is_refused_by_name():
-    with pytest.raises(ValueError, match="cpu_allocator 'keep': choose reuse or release"):
-        cpu.set_allocator("keep", CPU)
-
-
-def test_a_cpu_device_applies_the_tricks_as_configured():
+def test_a_cpu_device_switches_the_linears_where_onednn_was_chosen():
     if not cm.ops_matmul.onednn_available():
         pytest.skip("this torch build has no oneDNN linear op")
-    assert cpu.setup_process(CPU, model_cfg()) == "onednn"
+    assert cpu.setup_process(CPU, cpu_cfg()) == "onednn"
     model = tiny()
     n_linear = kinds(model)["linear"]
-    applied = cpu.apply(model, model_cfg(), CPU)
+    applied = cpu.apply(model, None, CPU)
     after = kinds(model)
     assert applied.linears == n_linear == after["fast"] and after["linear"] == 0
-    # A llama tiny model: two RMSNorms per layer and the final one.
-    n_layers = model.config.num_hidden_layers
-    assert applied.norms == after["lean"] == 2 * n_layers + 1
-    # A separate critic: its pass goes to the worker thread; value heads keep nn.Linear.
-    actor = actor_critic()
-    got = cpu.apply(actor, model_cfg(), CPU)
-    assert got.critic_overlap and actor.critic_overlap
+    actor = actor_critic()                                  # value heads keep nn.Linear
+    cpu.apply(actor, None, CPU)
     assert all(type(m) is nn.Linear for m in actor.critic.value_head.modules() if isinstance(m, nn.Linear))
 
 
-def test_each_trick_follows_its_knob():
-    cpu.setup_process(CPU, model_cfg(cpu_matmul="torch"))
+def test_torch_matmul_switches_nothing():
+    cpu.setup_process(CPU, cpu_cfg(matmul="torch"))
     model = tiny()
-    applied = cpu.apply(model, model_cfg(cpu_matmul="torch", lean_norm=False), CPU)
-    assert applied == cpu.NOTHING and kinds(model)["fast"] == 0 and kinds(model)["lean"] == 0
-    actor = actor_critic()
-    assert not cpu.apply(actor, model_cfg(critic_overlap=False), CPU).critic_overlap
-    frozen = tiny()
-    assert cpu.apply(frozen, model_cfg(), CPU, trained=False).norms == 0   # a reference: linears only
+    assert cpu.apply(model, None, CPU) == cpu.NOTHING and kinds(model)["fast"] == 0
+
+
+def test_the_old_key_is_read_as_cpu_matmul_and_the_removed_ones_are_named(capsys):
+    from rlhflab.trainers.ppo import PPORunConfig
+
+    cfg, _ = load_config(None, PPORunConfig, ["model.cpu_matmul=torch"])
+    assert cfg.cpu.matmul == "torch"
+    assert "model.cpu_matmul is read as cpu.matmul" in capsys.readouterr().err
+    for key in ("model.lean_norm", "model.cpu_allocator", "model.critic_overlap", "generation.fast_draw"):
+        with pytest.raises(UserError, match=rf"{key}: removed \(it saved under 10% of a step"):
+            load_config(None, PPORunConfig, [f"{key}=true"])

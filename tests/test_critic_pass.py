@@ -17,10 +17,9 @@ from rlhflab.trainers.common import make_optimizer
 @pytest.fixture
 def critic_setup(ppo_cfg):
     """A separate-critic PPO run, its rollout (advantages, returns, old values) and one
-    16-row minibatch of it. The passes run one after the other (test_critic_overlap.py
-    has them side by side)."""
+    16-row minibatch of it. The passes run one after the other."""
     return separate_critic_minibatch(ppo_cfg("model.critic=separate", "ppo.mini_batch_size=16", "ppo.vf_coeff=0.5",
-                                             "ppo.kl_coeff=0.1", "model.critic_overlap=false"))
+                                             "ppo.kl_coeff=0.1"))
 
 
 def _one_step(actor, mb, cfg, normalizer, math_):

@@ -55,10 +55,10 @@ def test_results_file_says_where_it_comes_from(name):
 
 
 def test_a_hand_edited_figure_is_caught(filled):
-    page, text = next((p, t) for p, t in filled.items() if "figure:quickstart-summary" in t)
+    page, text = next((p, t) for p, t in filled.items() if "figure:quickstart-table" in t)
     quoted = FIG.pct_span([r["accuracy_sft"] for r in FIG.load_results("quickstart")["runs"]])
-    edited = text.replace(f"**{quoted} →", "**12.5% →")
-    assert edited != text                                   # the README quotes the results file's figure
+    edited = text.replace(f"| {quoted} |", "| 12.5% |")
+    assert edited != text                                   # the page quotes the results file's figure
     assert FIG.fill(edited) == text                         # the script writes it back
 
 
@@ -88,8 +88,10 @@ def test_runs_that_differ_are_quoted_as_a_range():
     rec["runs"] = [dict(rec["runs"][0]), dict(rec["runs"][1])]
     rec["runs"][0]["accuracy_sft"] = rec["runs"][1]["accuracy_sft"] = 0.215
     rec["runs"][0]["accuracy_ppo"], rec["runs"][1]["accuracy_ppo"] = 0.895, 0.905
-    text = FIG.quickstart_summary(rec)
-    assert "**21.5% → 89.5-90.5%**" in text and "over two runs" in text
+    rec["name"] = "quickstart"
+    row = FIG.quickstart_table(rec).splitlines()[2]
+    # 89.5 - 21.5 = 68.0 and 90.5 - 21.5 = 69.0 points
+    assert "| 2 | 21.5% |" in row and "| 89.5-90.5% (+68.0-69.0 points) |" in row
 
 
 def test_measure_readme_writes_what_the_views_read(tmp_path, monkeypatch):
@@ -103,9 +105,9 @@ def test_measure_readme_writes_what_the_views_read(tmp_path, monkeypatch):
     assert rec["conditions"] == "on a quiet machine"          # load 0.9 on 2 cores
     (tmp_path / "quickstart.json").write_text(json.dumps(rec))
     monkeypatch.setattr(FIG, "RESULT_DIRS", (tmp_path,))
-    assert "**20.0% → 80.0%** (mean reward 0.280 → 0.820) in each of two runs" in FIG.render("quickstart-summary")
-    assert "76-80 episodes/s" in FIG.render("quickstart-summary")
-    assert "| 35.0% |" in FIG.render("quickstart-table")
+    table = FIG.render("quickstart-table")
+    assert "| 2 | 20.0% | 70.0% | 80.0% (+60.0 points) | 0.280 | 0.820 |" in table
+    assert "| 76.0-80.0 | 35.0% |" in table
     assert "wall time 70 s, PPO 76.00 episodes/s" in FIG.render("quickstart-output")   # the second run's table
 
 
@@ -119,34 +121,19 @@ def test_recipe_rows_show_wall_minutes_and_phases_where_recorded():
     # 31.5% -> 49.0% is +17.5; the phases' medians at one decimal; a row without them shows '-'
     assert "| 31.5% → 49.0% (200 rows) | +17.5 | - | 16.9 | 17.8 | 20 | 5.2 / 4.4 / 9.9 | 2 | 2.3 | - |" in new
     assert "| 16.9 | - | 20 | - | 2 |" in old and old.endswith("| earlier settings |")
-    # only the noteless rows are the shipped recipe
-    assert [r["seed"] for r in FIG.shipped_runs(rec, "grpo")] == [0]
 
 
-def test_rows_from_another_machine_are_labelled_and_summarised_apart():
+def test_summary_is_one_range_over_the_shipped_runs_of_every_machine():
     base = {"recipe": "ppo", "seed": 0, "steps": 44, "before": 0.315, "after": 0.525, "n_eval": 200,
             "train_minutes": 18.6, "s_per_step": 25.4, "threads": 2, "load": 1.9, "overrides": []}
     rec = {"machine": "2-core Intel", "date": "d", "script": "s", "command": "c", "runs": [
         base, {**base, "seed": 1, "after": 0.52},
-        {**base, "after": 0.5, "train_minutes": 12.0, "machine": "2-core AMD"}]}
+        {**base, "recipe": "grpo", "after": 0.5, "machine": "2-core AMD"},
+        {**base, "after": 0.9, "note": "earlier settings"},             # not the config as it is now
+        {**base, "after": 0.1, "n_eval": 100}]}                          # not the 200 held-out rows
     rows = FIG.recipes_table(rec).splitlines()
     assert rows[4].endswith("| on a 2-core AMD |") and rows[2].endswith("| - |")
-    assert [r["seed"] for r in FIG.shipped_runs(rec, "ppo")] == [0, 1]
-    assert [r["after"] for r in FIG.shipped_runs(rec, "ppo", "2-core AMD")] == [0.5]
-    text = FIG.recipes_summary(rec)
-    # the file's machine first, with its two seeds (+21.0, +20.5); the other machine's row apart
-    assert text.startswith("On a 2-core Intel (d; `s`)") and "+21.0 (seed 0), +20.5 (seed 1)" in text
-    assert text.endswith("The same configs on a 2-core AMD: PPO with a value head, 44 steps, 12.0 minutes of "
-                         "training on both cores: held-out greedy accuracy 31.5% → 50.0%, +18.5 (seed 0) points.")
-
-
-def test_summary_names_the_lora_recipe_and_leaves_out_its_noted_rows():
-    base = {"recipe": "lora_grpo", "seed": 0, "steps": 44, "before": 0.315, "after": 0.56, "n_eval": 200,
-            "train_minutes": 8.7, "s_per_step": 11.9, "threads": 2, "load": 1.9, "overrides": []}
-    rec = {"machine": "2-core AMD", "date": "d", "script": "s", "command": "c", "runs": [
-        {**base, "after": 0.355, "steps": 22, "note": "earlier settings: learning rate 2e-5"},
-        base, {**base, "seed": 1, "after": 0.485, "train_minutes": 9.1}]}
-    text = FIG.recipes_summary(rec)
-    assert text == ("On a 2-core AMD (d; `s`), SmolLM2-135M-Instruct on the easy word problems: GRPO with a "
-                    "LoRA adapter, 44 steps, 8.7-9.1 minutes of training on both cores: held-out greedy accuracy "
-                    "31.5% → 48.5-56.0%, +24.5 (seed 0), +17.0 (seed 1) points.")
+    # gains 52.5 - 31.5 = +21.0, 52.0 - 31.5 = +20.5, 50.0 - 31.5 = +18.5: the range +18.5 to +21.0
+    assert FIG.recipes_summary(rec) == (
+        "On SmolLM2-135M-Instruct, 3 runs of the 2 shipped recipes (seeds, two 2-core CPUs) raised held-out greedy "
+        "accuracy on easy word problems from 31.5% by **+18.5 to +21.0 points**.")

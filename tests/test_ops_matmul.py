@@ -1,5 +1,5 @@
 """Float32 linear layers through oneDNN (`ops.matmul`, pure: the caller passes `onednn`;
-the library chosen behind the CPU seam, `rlhflab.cpu`, from `model.cpu_matmul`): the same
+the library chosen behind the CPU seam, `rlhflab.cpu`, from `cpu.matmul`): the same
 function and gradients as `F.linear` to float32 rounding, double-differentiable, the rule
 that picks the library, the fallbacks, and a PPO model's gradients under each mode.
 
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from rlhflab.config import load_config
 from rlhflab.errors import UserError
-from rlhflab.models import cpu_matmul as cm
+from rlhflab.cpu import matmul as cm
 from rlhflab.ops import matmul
 from rlhflab import cpu
 
@@ -69,34 +69,34 @@ def test_resolve_rule(mode, cpuinfo, want):
 
 @needs_onednn
 def test_the_default_picks_onednn_only_where_it_paid():
-    """model.cpu_matmul's default follows bench/cpu_tricks.py on SmolLM2: oneDNN on an AMD EPYC
+    """cpu.matmul's default follows the measurements on SmolLM2: oneDNN on an AMD EPYC
     with AVX-512 (a third off a step), MKL on an Intel Xeon (where oneDNN was slower)."""
     from dataclasses import fields
 
-    from rlhflab.config.schema import ModelConfig
+    from rlhflab.config.schema import CpuConfig
 
-    default = next(f.default for f in fields(ModelConfig) if f.name == "cpu_matmul")
+    default = next(f.default for f in fields(CpuConfig) if f.name == "matmul")
     assert (cm.resolve(default, AMD), cm.resolve(default, INTEL)) == ("onednn", "torch")
 
 
 def test_bad_mode_names_the_key():
-    with pytest.raises(ValueError, match=r"model\.cpu_matmul: 'fast' is not one of auto, onednn, torch"):
+    with pytest.raises(ValueError, match=r"cpu\.matmul: 'fast' is not one of auto, onednn, torch"):
         cm.resolve("fast")
 
 
 def test_onednn_asked_for_without_the_op_is_a_user_error(monkeypatch):
     monkeypatch.setattr(matmul, "onednn_available", lambda: False)
     monkeypatch.setattr(cpu, "_matmul", None)
-    with pytest.raises(UserError, match=r"model\.cpu_matmul: onednn .* set model\.cpu_matmul=torch"):
-        cpu.setup_process(torch.device("cpu"), types.SimpleNamespace(cpu_matmul="onednn"))
+    with pytest.raises(UserError, match=r"cpu\.matmul: onednn .* set cpu\.matmul=torch"):
+        cpu.setup_process(torch.device("cpu"), types.SimpleNamespace(matmul="onednn"))
     assert cm.resolve("auto", AMD) == "torch"   # auto falls back quietly
 
 
 def test_config_rejects_an_unknown_mode(tmp_path):
     from rlhflab.trainers.ppo import PPORunConfig
 
-    with pytest.raises(UserError, match=r"model\.cpu_matmul"):
-        load_config(None, PPORunConfig, ["model.cpu_matmul=mkl"])
+    with pytest.raises(UserError, match=r"cpu\.matmul"):
+        load_config(None, PPORunConfig, ["cpu.matmul=mkl"])
 
 
 # --------------------------------------------------------------------------------------
@@ -231,8 +231,7 @@ def test_no_switch_under_torch_mode(torchmm, tiny_model_dir):
     from rlhflab.models.load import load_model
 
     model, _ = load_model(str(tiny_model_dir))
-    no_tricks = types.SimpleNamespace(lean_norm=False, critic_overlap=False)
-    assert cpu.apply(model, no_tricks, torch.device("cpu")).linears == 0
+    assert cpu.apply(model, None, torch.device("cpu")).linears == 0
     assert not any(type(m) is cm.FastLinear for m in model.modules())
 
 
@@ -286,8 +285,8 @@ def test_a_run_says_when_its_linears_run_on_onednn(ppo_cfg, mode, monkeypatch, c
     from rlhflab.trainers.ppo import train
 
     monkeypatch.setattr(cpu, "_matmul", None)  # the run chooses (restored after the test)
-    res = train(ppo_cfg(f"model.cpu_matmul={mode}", "training.total_steps=1"))
+    res = train(ppo_cfg(f"cpu.matmul={mode}", "training.total_steps=1"))
     assert res.history and cpu.matmul_library() == mode
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("float32 linear layers")]
-    assert said == ([f"float32 linear layers: oneDNN (model.cpu_matmul: onednn; model.cpu_matmul=torch for "
+    assert said == ([f"float32 linear layers: oneDNN (cpu.matmul: onednn; cpu.matmul=torch for "
                      "torch's own; docs/cpu_matmul.md)"] if mode == "onednn" else [])

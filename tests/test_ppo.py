@@ -141,7 +141,7 @@ def test_compiled_layers_keep_the_ratio_at_one_before_the_first_update(ppo_cfg, 
     from rlhflab.models.lean import read_past_forward
 
     torch._dynamo.reset()
-    cfg = ppo_cfg("model.compile_layers=true", "model.cpu_matmul=torch", f"model.critic={critic}", "ppo.kl_coeff=0.1",
+    cfg = ppo_cfg("model.compile_layers=true", "cpu.matmul=torch", f"model.critic={critic}", "ppo.kl_coeff=0.1",
                   "ppo.epochs=2")
     models, roll, optimizer, scheduler = _setup(cfg)
     seen = []

@@ -57,6 +57,15 @@ def test_config_page_lists_every_key_of_every_command(generated):
     assert re.search(r"\| `training.output_dir` \| str \| `\"outputs/run\"` \(.*sft: `\"outputs/sft\"`", text)
 
 
+def test_every_config_help_is_one_line_of_at_most_200_characters():
+    # A help string says what a key does; the reason and the figure go to the page it names.
+    from rlhflab.config.cli import SCHEMAS, schema_for, schema_rows
+
+    long = {f"{cmd}: {row[0]} ({len(row[-1])})" for cmd in SCHEMAS for row in schema_rows(schema_for(cmd))
+            if len(row[-1]) > 200 or "\n" in row[-1]}
+    assert not long, sorted(long)
+
+
 def test_config_show_prints_the_defaults_a_command_starts_from(capsys):
     # `rlhflab sft` builds its training section with its own output folder and intervals;
     # `config show sft` once printed the section class's (outputs/run, 50, 25) instead.

@@ -316,17 +316,17 @@ def test_evaluate_policy_accuracy_and_reward(tok):
 
 
 # --------------------------------------------------------------------------------------
-# fast_draw: the inverse-CDF draw in place of generate's multinomial (CPU)
+# the inverse-CDF draw in place of generate's multinomial (the sampler's log-probs, seeded sampling)
 # --------------------------------------------------------------------------------------
 def _first_token_counts(model, tok, prompt, n, **kw):
     roll = generate(model, tok, [prompt], n=n, max_new_tokens=1, batch_size=n, **kw)
     return torch.bincount(roll.response_ids[:, 0], minlength=model.config.vocab_size)
 
 
-@pytest.mark.parametrize("draw", [dict(fast_draw=True), dict(seed=11, step=3)])
+@pytest.mark.parametrize("draw", [dict(sample_logprobs=True), dict(seed=11, step=3)])
 def test_our_draw_samples_the_models_own_distribution(tiny_model_dir, draw):
     """20,000 first tokens of one prompt, drawn by `InverseCDFDraw` inside `generate`
-    (fast_draw: torch's random numbers; seeded: one counter-based number per row key):
+    (recording the sampler's log-probs: torch's random numbers; seeded: one counter-based number per row key):
     each token's count within 4.5 standard deviations of 20,000 x softmax(logits / T),
     worked from the model's own forward pass; with top-k 3 only the 3 likeliest tokens
     appear, in their renormalised shares. The same counts every run."""
@@ -349,7 +349,7 @@ def test_our_draw_samples_the_models_own_distribution(tiny_model_dir, draw):
             assert set(counts.nonzero().squeeze(1).tolist()) <= set(keep.tolist())
 
 
-def test_fast_draw_keeps_generates_own_rules_and_the_seed(tiny_model_dir):
+def test_our_draw_keeps_generates_own_rules_and_the_seed(tiny_model_dir):
     model, tok = load_model(str(tiny_model_dir))
 
     def more_eos(module, args, logits):  # EOS likely at every position (p about 0.9)
@@ -358,7 +358,7 @@ def test_fast_draw_keeps_generates_own_rules_and_the_seed(tiny_model_dir):
 
     hook = model.lm_head.register_forward_hook(more_eos)
     prompts = [f"Question: {a} + 5?\nAnswer:" for a in range(8)]
-    kw = dict(n=2, max_new_tokens=6, batch_size=16, fast_draw=True)
+    kw = dict(n=2, max_new_tokens=6, batch_size=16, sample_logprobs=True)
     free = generate(model, tok, prompts, **kw)
     held = generate(model, tok, prompts, min_new_tokens=4, **kw)  # generate's own processor, before the draw
     assert int(free.response_mask.sum(1).min()) < 4 and int(held.response_mask.sum(1).min()) >= 4
@@ -373,25 +373,16 @@ def test_fast_draw_keeps_generates_own_rules_and_the_seed(tiny_model_dir):
     assert torch.equal(top1.response_ids, greedy.response_ids)  # one token left: the draw is the argmax
 
 
-def test_fast_draw_is_opt_in_and_for_the_cpu_only(tiny_model_dir):
-    from rlhflab import cpu
-    from rlhflab.config.schema import GenerationConfig
-    from rlhflab.rollout import HFBackend
+def test_draw_kwargs_hand_generate_our_draw_only_when_asked():
     from rlhflab.rollout.hf import draw_kwargs
 
-    on, off = GenerationConfig(fast_draw=True), GenerationConfig()
-    assert not off.fast_draw and cpu.fast_draw(torch.device("cpu"), on)
-    assert not cpu.fast_draw(torch.device("cpu"), off) and not cpu.fast_draw(torch.device("cuda"), on)
-    model, tok = load_model(str(tiny_model_dir))
-    assert HFBackend(model, tok, on, max_prompt_length=None, batch_size=8).fast_draw
-    assert not HFBackend(model, tok, off, max_prompt_length=None, batch_size=8).fast_draw
     # what generate is handed: greedy over (temperature, top-k, top-p, the draw); nothing when greedy
-    kw = draw_kwargs(greedy=False, temperature=0.7, top_k=5, top_p=0.9, fast_draw=True)
+    kw = draw_kwargs(greedy=False, temperature=0.7, top_k=5, top_p=0.9, record=True)
     assert kw["do_sample"] is False and kw["temperature"] is None
     assert [type(p).__name__ for p in kw["logits_processor"]] == [
         "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "InverseCDFDraw"]
-    assert draw_kwargs(greedy=True, temperature=0.7, top_k=0, top_p=1.0, fast_draw=True) == {}
-    assert draw_kwargs(greedy=False, temperature=0.7, top_k=0, top_p=1.0, fast_draw=False) == {}
+    assert draw_kwargs(greedy=True, temperature=0.7, top_k=0, top_p=1.0, record=True) == {}
+    assert draw_kwargs(greedy=False, temperature=0.7, top_k=0, top_p=1.0) == {}   # generate's own draw
 
 
 def test_static_cache_decodes_what_the_dynamic_cache_does(tiny_model_dir):

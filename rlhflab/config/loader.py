@@ -38,6 +38,8 @@ ALIASES: dict[str, str] = {
     "training.total_ppo_steps": "training.total_steps",
     # the KL weight has one name, kl_coeff, in every method; GRPO's family called it beta
     "grpo.beta": "grpo.kl_coeff", "dr_grpo.beta": "dr_grpo.kl_coeff", "gspo.beta": "gspo.kl_coeff",
+    # the CPU-only settings live in one `cpu:` section (issue 51)
+    "model.cpu_matmul": "cpu.matmul",
 }
 
 
@@ -67,6 +69,11 @@ FOREIGN_KEYS: dict[str, str] = {
     "save_only_model": "training.save_only_model",
     "eval_steps": "training.eval_interval",
 }
+
+
+# CPU-only settings removed because they saved under 10% of a shipped SmolLM2 recipe's step
+# (issue 51; bench/NOTES.md): a config that still sets one is told so, not offered a near name.
+REMOVED_KEYS = ("model.lean_norm", "model.cpu_allocator", "model.critic_overlap", "generation.fast_draw")
 
 
 def _foreign_hint(prefix: str, name: str, fields: dict) -> str | None:
@@ -346,6 +353,9 @@ def _build(cls: type[T], data: dict, prefix: str, errors: list[str]) -> T:
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else str(name)
+        if name not in fields and key in REMOVED_KEYS:
+            errors.append(f"{key}: removed (it saved under 10% of a step; bench/NOTES.md); delete it")
+            continue
         if name not in fields:
             foreign = _foreign_hint(prefix, str(name), fields)
             near = difflib.get_close_matches(str(name), list(fields), n=1, cutoff=0.6)

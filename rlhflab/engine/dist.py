@@ -628,7 +628,7 @@ def leave(rc: int) -> None:
     stderr, and ends with `os._exit(rc)`,
     skipping the interpreter's teardown. After DDP on gloo a rank can abort in that
     teardown with its work done, the group destroyed first or not (SIGABRT, "terminate
-    called without an active exception"; bench/exit_teardown.py counts how often), and the
+    called without an active exception"; a probe since removed from bench/ counted how often), and the
     launcher then fails the whole launch.
     Threads still running are not waited for; rlhflab leaves none that write."""
     if launched_world_size() <= 1:

@@ -21,10 +21,7 @@ processes the count is the global one (`engine.dist`), so N processes equal one.
 Memory: with a separate critic (`model.critic: separate`) a minibatch takes two passes
 (`critic_and_policy`): the critic's forward and backward (`critic_pass`), then the
 policy's. The two models share no parameter, so the gradients are those of the summed
-loss, and only one model's activations are alive at a time. On a CPU the same two passes
-may run side by side instead, in two threads over two row halves of the minibatch
-(`engine.overlap`, the opt-in `model.critic_overlap`): the same gradients, no more memory.
-Under a data-parallel wrapper (one forward and one backward per wrapped module) and in
+loss, and only one model's activations are alive at a time. Under a data-parallel wrapper (one forward and one backward per wrapped module) and in
 learner mode the two run in one pass.
 
 `PPOMath` is the plug-in learner mode uses to run the learner's own functions.
@@ -41,7 +38,6 @@ import torch
 from torch import Tensor
 
 from rlhflab import ops
-from rlhflab.engine import overlap
 from rlhflab.engine.dist import Dist
 from rlhflab.engine.minibatch import MiniBatch, loss_mask_of, select
 from rlhflab.engine.scoring import shared_group_size
@@ -90,22 +86,6 @@ class MinibatchStats:
 
 LOSS_KEYS = ("policy", "value", "entropy", "total", "kl", "ptx")
 FRACTION_KEYS = ("policy_clip_frac", "value_clip_frac", "approx_kl", "clip_frac_low", "clip_frac_high")
-
-
-def merge_stats(parts: list[tuple[MinibatchStats, float]]) -> MinibatchStats:
-    """The stats of a minibatch from those of its row blocks, each with its count of
-    response tokens (its loss mask's sum): shares add, fractions are the token-weighted
-    mean (each block's fraction is a mean over its tokens), so the merge equals the stats
-    of the whole minibatch."""
-    tokens = sum(n for _, n in parts)
-    merged = {}
-    for f in dataclasses.fields(MinibatchStats):
-        values = [(getattr(st, f.name), n) for st, n in parts]
-        if f.name in FRACTION_KEYS:  # means over response tokens; the rest are shares
-            merged[f.name] = sum(v * n for v, n in values) / tokens if tokens > 0 else 0.0
-        else:
-            merged[f.name] = sum(v for v, _ in values)
-    return MinibatchStats(**merged)
 
 
 def group_normalizer(loss_mask: Tensor, aggregation: str, max_new_tokens: int) -> float:
@@ -222,30 +202,14 @@ def with_value(st: MinibatchStats, value, vf_coeff: float) -> MinibatchStats:
 
 def critic_and_policy(actor, mb: MiniBatch, sec, temperature: float, math_: PPOMath,
                       normalizer: float, dist: Dist) -> MinibatchStats:
-    """A minibatch with a separate critic: the critic's pass (`critic_pass`) and the
-    policy's, each with its own backward; the minibatch's stats. Where `engine.overlap`
-    applies (a CPU, `model.critic_overlap`), the two run side by side in two threads over
-    each row half in turn; otherwise the critic's runs first on the whole minibatch, so its
-    activations are freed before the policy's pass. The same gradients either way."""
-    together = overlap.applies(actor, mb)
-    parts = []
-    for part in (overlap.split_rows(mb) if together else [mb]):
-        def policy_side(part=part) -> MinibatchStats:
-            loss, st = minibatch_loss(actor, part, sec, temperature, math_, normalizer, critic_elsewhere=True)
-            _check_finite(loss, st, dist)
-            dist.backward(loss * dist.scale)
-            return st
-
-        def critic_side(part=part):
-            return critic_pass(actor, part, sec, math_, normalizer)
-
-        if together:
-            st, value = overlap.side_by_side(policy_side, critic_side)
-        else:
-            value = critic_side()
-            st = policy_side()
-        parts.append((with_value(st, value, sec.vf_coeff), float(part.loss_mask.sum())))
-    return parts[0][0] if len(parts) == 1 else merge_stats(parts)
+    """A minibatch with a separate critic: the critic's pass (`critic_pass`) on the whole
+    minibatch first, with its own backward, so its activations are freed before the
+    policy's pass; then the policy's; the minibatch's stats."""
+    value = critic_pass(actor, mb, sec, math_, normalizer)
+    loss, st = minibatch_loss(actor, mb, sec, temperature, math_, normalizer, critic_elsewhere=True)
+    _check_finite(loss, st, dist)
+    dist.backward(loss * dist.scale)
+    return with_value(st, value, sec.vf_coeff)
 
 
 def minibatch_loss(actor, mb: MiniBatch, sec, temperature: float, math_: PPOMath,

@@ -59,10 +59,10 @@ def episodes_to_rollout(batch: EpisodeBatch, tokenizer, group_size: int = 1, dev
 def hf_generate_ids(model, tokenizer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                     stop_ids: Sequence[int], temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                     greedy: bool = False, batch_size: int = 64, keys: torch.Tensor | None = None,
-                    fast_draw: bool = False, sample_logprobs: bool = False) -> list[Generated]:
+                    sample_logprobs: bool = False) -> list[Generated]:
     """`model.generate` on token-id prompts (left-padded in batches); the ids after each
     prompt, uncut (the episode runner cuts at the first stop id). `keys` (one per prompt):
-    seeded sampling as `rlhflab.rollout.hf`'s; `fast_draw`: its inverse-CDF draw;
+    seeded sampling as `rlhflab.rollout.hf`'s;
     `sample_logprobs`: each id's log-probability under that draw, too."""
     from rlhflab.rollout.hf import decode_kwargs, draw_kwargs, drawn_logprobs, lockstep_of
 
@@ -87,7 +87,7 @@ def hf_generate_ids(model, tokenizer, prompts: Sequence[Sequence[int]], *, max_n
         call_kw = dict(kwargs)
         call_kw.update(draw_kwargs(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
                                    keys=None if keys is None else keys[s : s + batch_size], prompt_len=width,
-                                   fast_draw=fast_draw, record=sample_logprobs))
+                                   record=sample_logprobs))
         seqs = model.generate(input_ids=ids, attention_mask=am, **call_kw)[:, width:]
         drawn = drawn_logprobs(call_kw)
         if drawn is None:
@@ -160,7 +160,7 @@ class EpisodeBackend:
             return vllm_generate_ids(b.engine, prompts, keys=keys, **kw)
         keys = None if b.seed is None else _keys(b.seed, step, turn, row_offset, rows)
         return hf_generate_ids(b.policy, self.tokenizer, prompts, batch_size=b.batch_size, keys=keys,
-                               fast_draw=b.fast_draw, sample_logprobs=b.sample_logprobs, **kw)
+                               sample_logprobs=b.sample_logprobs, **kw)
 
     def generate(self, prompts: Sequence[str], *, n: int = 1, examples: Sequence[dict] | None = None,
                  greedy: bool = False, max_new_tokens: int | None = None, step: int = 0, rank: int | None = None,

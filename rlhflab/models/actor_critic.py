@@ -395,7 +395,6 @@ class ActorCritic(PolicyOnly):
             raise ValueError("give a value_head (shared base) or a critic (separate model)")
         self.value_head = value_head
         self.critic = critic  # a Critic: base decoder + its own ValueHead
-        self.critic_overlap = False  # its pass beside the policy's on a CPU (engine.overlap; model.critic_overlap)
 
     @property
     def separate_critic(self) -> bool:

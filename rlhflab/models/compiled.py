@@ -3,11 +3,11 @@
 
 At a small model's size a GPU spends a training pass launching kernels, not computing:
 inductor fuses each layer's elementwise work (norms, rotary embedding, the gated MLP's
-activation, residual adds) into a few kernels. `bench/compile_layers.py` measured the update
+activation, residual adds) into a few kernels. A probe (since removed from bench/; in git history) measured the update
 step of SmolLM2-135M (forward, backward, AdamW; bf16 autocast) on one H200 at 119.8 ms eager
 against 78.6 ms compiled. On a CPU it needs torch's own linear layers (inductor does not
 lower oneDNN's): on a 2-core AMD EPYC, 8.9-9.0 s compiled against 10.3-11.4 s eager, 8.9 s
-eager with rlhflab's lean MLP and 6.5 s eager on oneDNN's linears, which `model.cpu_matmul:
+eager with rlhflab's lean MLP and 6.5 s eager on oneDNN's linears, which `cpu.matmul:
 auto` picks there. It replaces the lean MLP (`models.lean.make_lean` leaves it out): each
 lean MLP's own forward made dynamo recompile per layer and fall back to eager.
 
@@ -53,7 +53,7 @@ def compile_layers(model: nn.Module) -> int:
 def compiled_list(layers: nn.ModuleList, dynamic: bool = True) -> nn.ModuleList:
     """`layers` with every one but the last wrapped in `torch.compile` (the same modules and
     weights; compiled at the first call); `dynamic`: shapes marked dynamic, as a run's
-    changing lengths need (bench/compile_layers.py also times static ones)."""
+    changing lengths need (the probe also timed static ones)."""
     return nn.ModuleList([*(torch.compile(layer, dynamic=dynamic) for layer in layers[:-1]), layers[-1]])
 
 

@@ -30,7 +30,7 @@ from typing import NamedTuple, Optional
 from torch import Tensor, nn
 
 from rlhflab.errors import UserError
-from rlhflab.models.cpu_matmul import is_fast, is_linear
+from rlhflab.cpu.matmul import is_fast, is_linear
 from rlhflab.ops.chunked import IDENTITY, LogitTransform
 
 # Config keys that change a model's logits after (or its hidden state before) the head,

@@ -1,6 +1,6 @@
-"""Memory-lean layers: the same functions, fewer saved activations and fewer operators.
-RMSNorm is at the end of this file; first the gated MLP, which keeps about half of its
-saved activations.
+"""Memory-lean layers: the same functions, fewer saved activations and fewer operators: the
+gated MLP, which keeps about half of its saved activations. (A lean RMSNorm was here too; it
+gained 1.6-5% of a SmolLM2 step and was removed under the 10% rule, issue 51.)
 
 The MLP of Llama, Qwen2, Mistral and Gemma is y = down(act(gate(x)) ⊙ up(x)), with act
 SiLU (Gemma: GELU, tanh form) and I, the intermediate size, 4-5x the hidden size H.
@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rlhflab.models.cpu_matmul import is_fast, is_linear
+from rlhflab.cpu.matmul import is_fast, is_linear
 from rlhflab.ops.matmul import linear, mm, weight_grad
 
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -159,104 +159,12 @@ def read_past_forward(model: nn.Module) -> list[tuple[nn.Module, nn.Parameter]]:
             for n in ("gate_proj", "up_proj", "down_proj")]
 
 
-# --------------------------------------------------------------------------------------
-# RMSNorm
-# --------------------------------------------------------------------------------------
-# y = x · r · w with r = (mean(x²) + ε)^(-1/2) per row (Gemma: · (1 + w)). Autograd keeps
-# x and x·r (two (N, H) tensors) and runs about a dozen operators backward, one of them a
-# sum over the rows in a slow layout; on the bench's model that backward took 10x the
-# forward (bench/profile_step.py). `RMSNormFn` keeps x and r ((N, H) and (N, 1)) and
-# computes the gradients with five operators. With g the incoming gradient, gy = g ⊙ w
-# (or g ⊙ (1 + w)) and H the row width:
-#
-#     ∂r/∂x_j = −r³ x_j / H, so  dx = r ⊙ (gy − (x r) · mean(gy ⊙ x r))
-#     dw = Σ_rows g ⊙ x r
-#
-# The forward is the model's own operators in the same order (the same numbers, bit for
-# bit); the gradients equal autograd's up to float rounding. A differentiated backward
-# (TRPO's Fisher-vector products) recomputes r from x, so the second derivative is exact.
-NORM_FORMS = ("weight", "one_plus_weight")
-
-
-class RMSNormFn(torch.autograd.Function):
-    """(x (..., H), w (H,), eps, form) -> (..., H), float32; see the comment above."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, eps: float, form: str) -> Tensor:
-        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        ctx.save_for_backward(x, w, r)
-        ctx.eps, ctx.form = eps, form
-        xr = x * r
-        return w * xr if form == "weight" else xr * (1.0 + w)
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        x, w, r = ctx.saved_tensors
-        if torch.is_grad_enabled():  # differentiated again: r's dependence on x is recorded
-            r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ctx.eps)
-        scale = w if ctx.form == "weight" else 1.0 + w
-        xr = x * r
-        gy = g * scale
-        d = torch.linalg.vecdot(gy, xr).unsqueeze(-1) / x.shape[-1]              # mean(gy ⊙ x r), (..., 1)
-        grad_x = (gy - xr * d) * r if ctx.needs_input_grad[0] else None
-        grad_w = (g * xr).reshape(-1, x.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None, None
-
-
-def _norm_eps(module: nn.Module) -> float | None:
-    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-    return float(eps) if isinstance(eps, (int, float)) else None
-
-
-def norm_form(module: nn.Module) -> str | None:
-    """Which of NORM_FORMS an RMSNorm module computes, found by running it: "weight" or
-    "one_plus_weight" when `RMSNormFn` gives its output bit for bit on a probe input in
-    float32, else None (not an RMSNorm, or another formula or rounding)."""
-    w = getattr(module, "weight", None)
-    eps = _norm_eps(module)
-    if (not type(module).__name__.endswith("RMSNorm") or not isinstance(w, nn.Parameter) or w.dim() != 1
-            or eps is None or w.dtype != torch.float32 or w.device.type == "meta"):
-        return None
-    gen = torch.Generator().manual_seed(0)
-    probe = torch.randn(3, w.shape[0], generator=gen).to(w.device)
-    with torch.no_grad():
-        want = type(module).forward(module, probe)
-        for form in NORM_FORMS:
-            if torch.equal(RMSNormFn.apply(probe, w, eps, form), want):
-                return form
-    return None
-
-
-def _lean_norm_forward(norm: nn.Module, form: str, x: Tensor) -> Tensor:
-    w = norm.weight
-    if x.dtype != torch.float32 or w.dtype != torch.float32 or not (_plain_tensor(x) and _plain_tensor(w)):
-        return type(norm).forward(norm, x)  # another dtype or a sharded weight: the model's own
-    return RMSNormFn.apply(x, w, _norm_eps(norm), form)
-
-
-def _plain_tensor(t: Tensor) -> bool:
-    return type(t) in (Tensor, nn.Parameter)
-
-
 def make_lean(model: nn.Module, model_cfg) -> None:
     """The lean MLP a model section asks for (`model.lean_mlp`, any device, unless
     `model.compile_layers`) on a model about to be trained. Call after LoRA is attached: an adapted projection keeps the
-    model's own MLP. The lean RMSNorm (`model.lean_norm`) is a CPU-only trick, applied by
-    `rlhflab.cpu.apply`."""
+    model's own MLP."""
     if model_cfg.lean_mlp and not getattr(model_cfg, "compile_layers", False):
         # compiled layers: inductor plans the MLP's recomputation itself, and each lean MLP's own
         # forward (a functools.partial per module) would make torch.compile recompile per layer
         # until its recompile limit, then run the layers eager (bench/NOTES.md)
         lean_mlp(model)
-
-
-def lean_norms(model: nn.Module) -> int:
-    """Switch every RMSNorm of `model` that `norm_form` recognises to `RMSNormFn` (an
-    instance `forward`; parameters and names stay); returns how many were switched."""
-    n = 0
-    for module in model.modules():
-        form = norm_form(module)
-        if form is not None:
-            module.forward = functools.partial(_lean_norm_forward, module, form)
-            n += 1
-    return n

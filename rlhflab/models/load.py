@@ -390,7 +390,7 @@ def add_lora(model: torch.nn.Module, r: int = 8, alpha: float = 16.0, dropout: f
 
 def load_adapter(model: torch.nn.Module, adapter_dir: str | Path, trainable: bool = False):
     """Wrap `model` with the LoRA adapter saved in `adapter_dir` (peft), its layers switched
-    like `add_lora`'s (models/cpu_matmul.py)."""
+    like `add_lora`'s (rlhflab/cpu/matmul.py)."""
     from peft import PeftModel
 
     return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=trainable)

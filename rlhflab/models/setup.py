@@ -66,17 +66,16 @@ def _compile_layers(actor, reference, model_cfg, dev: torch.device, world_size: 
     decoder layers prepared for the teacher-forced passes (rlhflab/models/compiled.py)."""
     from rlhflab.errors import UserError
     from rlhflab.models.compiled import compile_layers
-    from rlhflab.models.cpu_matmul import resolve
+    from rlhflab.cpu import matmul_library
 
     if world_size > 1:
         raise UserError(f"model.compile_layers: not measured with several processes ({world_size} launched; DDP, "
                         f"FSDP and ZeRO wrap the layers themselves); set model.compile_layers: false, or run one "
                         f"process")
-    if dev.type == "cpu" and resolve(model_cfg.cpu_matmul) == "onednn":
-        raise UserError(f"model.compile_layers: the oneDNN linear layers that model.cpu_matmul: "
-                        f"{model_cfg.cpu_matmul} puts on this CPU do not compile; set model.cpu_matmul: torch, "
-                        f"or model.compile_layers: false (oneDNN's eager linears were faster than the compiled "
-                        f"layers on torch's, docs/howto_gpu.md)")
+    if dev.type == "cpu" and matmul_library() == "onednn":
+        raise UserError("model.compile_layers: the oneDNN linear layers that cpu.matmul puts on this CPU do not "
+                        "compile; set cpu.matmul: torch, or model.compile_layers: false (oneDNN's eager linears "
+                        "were faster than the compiled layers on torch's, docs/howto_gpu.md)")
     models = [actor.policy]
     if getattr(actor, "critic", None) is not None:
         models.append(actor.critic.base)

@@ -6,14 +6,14 @@ it runs its AVX2 kernels, half as wide. PyTorch also ships oneDNN, which uses AV
 any CPU that has it (`torch.ops.mkldnn._linear_pointwise`, for ordinary strided tensors).
 Same float32 arithmetic on both: no reduced precision, only another order of the sums
 (results differ by float32 rounding, about 1e-6 relative). docs/cpu_matmul.md has the
-measurements (bench/cpu_matmul.py).
+measurements.
 
 Pure functions, no process-global switch: `linear(x, w, b, onednn=True)` runs on oneDNN
 when the tensors are float32, on the CPU, plain (not a DTensor or another subclass), not
 empty, and outside an autocast region; otherwise, and always with `onednn=False` (the
 default), it is `F.linear`. Who asks for oneDNN is decided behind the CPU seam
-(`rlhflab.cpu`, from `model.cpu_matmul`): it switches a model's linear layers to
-`models.cpu_matmul.FastLinear`, whose forward passes `onednn=True`, and the chunked
+(`rlhflab.cpu`, from `cpu.matmul`): it switches a model's linear layers to
+`cpu.matmul.FastLinear`, whose forward passes `onednn=True`, and the chunked
 log-prob op and the lean MLP pass `onednn` when the layers they read are FastLinear. The backward pass is two
 more products (grad_x = g W, grad_W = gᵀ x) written with `linear` itself, so it is
 differentiable again when autograd records it (TRPO's Fisher-vector products). `mm`

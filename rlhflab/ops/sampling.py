@@ -3,8 +3,7 @@ row, and that number keyed so the draw does not depend on how a batch is split.
 
 `inverse_cdf_draw` takes the first token whose cumulative probability passes u × total.
 `torch.multinomial` (what `generate` calls) instead draws a random number for every
-vocabulary entry, which on a CPU costs far more than one cumulative sum at a real model's
-vocabulary (bench/cpu_tricks.py, `fast_draw`). Both draw from the same distribution; for
+vocabulary entry. Both draw from the same distribution; for
 a given seed they draw different tokens.
 
 Seeded sampling: multinomial draws from one random stream for the whole batch, so the

@@ -1,18 +1,15 @@
 """The Hugging Face backend: `model.generate` with the KV cache, in batches.
 
 How a sampled token is drawn. By default `generate` draws it (torch.multinomial, from one
-random stream for the whole batch). Two settings replace that draw with rlhflab's own,
+random stream for the whole batch). Seeded sampling replaces that draw with rlhflab's own,
 `InverseCDFDraw`: the first token whose cumulative probability passes u × total, from the
 processed logits (temperature, top-k, top-p) and one uniform number u per row
-(`ops.inverse_cdf_draw`); `generate` is then run greedy and takes that token.
-- Seeded sampling (`generation.seeded_sampling`): u is keyed by (seed, step, the row's index
+(`ops.inverse_cdf_draw`); `generate` is then run greedy and takes that token. With
+`generation.seeded_sampling` u is keyed by (seed, step, the row's index
   in the whole step, the response position) (`ops.counter_uniform`), so a row samples the
   same tokens whatever the batch size, the number of processes, or the other prompts'
   lengths (which set the batch's left padding).
-- `generation.fast_draw` (opt-in, on a CPU only: `rlhflab.cpu.fast_draw`): u from torch's
-  global generator. multinomial draws a random number for every vocabulary entry, which on
-  a CPU costs more than the cumulative sum (bench/cpu_tricks.py).
-Both keep the sampling distribution; they draw other tokens than `generate` for a given seed.
+It keeps the sampling distribution; it draws other tokens than `generate` for a given seed.
 The sampler's log-probs (`generation.old_logprobs: sampler`) are taken by the same draw:
 `InverseCDFDraw` records log softmax(scores) of the token it draws, so asking for them also
 switches a plain sampled run to this draw. They are the policy's log-probs at the sampling
@@ -32,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from rlhflab import cpu, ops
+from rlhflab import ops
 from rlhflab.models.actor_critic import decoder_and_head, is_checkpointing, position_ids_from
 from rlhflab.rollout import Rollout, collate, encode_prompts, eos_ids_of, finish_rollout
 
@@ -77,15 +74,15 @@ class InverseCDFDraw:
 
 
 def draw_kwargs(*, greedy: bool, temperature: float, top_k: int, top_p: float, keys: torch.Tensor | None = None,
-                prompt_len: int = 0, fast_draw: bool = False, record: bool = False,
+                prompt_len: int = 0, record: bool = False,
                 ban: tuple[list[int], int] | None = None) -> dict:
     """`model.generate` arguments that replace its own multinomial draw with `InverseCDFDraw`:
-    seeded when `keys` are given (`generation.seeded_sampling`), else with `fast_draw` or
+    seeded when `keys` are given (`generation.seeded_sampling`), else with
     `record` (the sampler's log-probs; `drawn_logprobs` reads them after the call; `ban`,
     the end tokens and min_new_tokens, when generate is not to apply that itself).
     `generate` then runs greedy over our processors (temperature, top-k, top-p, then the
     draw), after its own (min_new_tokens). {} when greedy or none applies."""
-    if greedy or (keys is None and not fast_draw and not record):
+    if greedy or (keys is None and not record):
         return {}
     from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
                                                         TopKLogitsWarper, TopPLogitsWarper)
@@ -140,15 +137,14 @@ def generate(model, tokenizer, prompts: Sequence[str], *, n: int = 1, max_new_to
              min_new_tokens: int = 0, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              greedy: bool = False, max_prompt_length: int | None = None, batch_size: int = 64,
              examples: Sequence[dict] | None = None, share_prompt: bool = True,
-             seed: int | None = None, step: int = 0, row_offset: int = 0, fast_draw: bool = False,
+             seed: int | None = None, step: int = 0, row_offset: int = 0,
              sample_logprobs: bool = False, static_cache: bool = False) -> Rollout:
     """Sample (or greedily decode) `n` responses per prompt, `batch_size` responses at a time.
 
     Rows [i·n, (i+1)·n) of the result answer prompt i. With `share_prompt` (and n > 1,
     no gradient checkpointing) each prompt is prefilled once for its n rows. With `seed`,
-    sampling is seeded per row (row r of this call is row `row_offset + r` of the step);
-    else with `fast_draw` each token is drawn by `InverseCDFDraw` instead of `generate`'s
-    multinomial (the same distribution). `sample_logprobs` (sampled, not greedy): the
+    sampling is seeded per row (row r of this call is row `row_offset + r` of the step).
+    `sample_logprobs` (sampled, not greedy): the
     rollout's `sample_logprobs` (B, T) hold the log-probability the draw gave each token
     (0 on padding), taken by rlhflab's draw. `static_cache` (`generation.hf_cache: static`):
     generate's KV cache is a `StaticCache` of max_prompt_length + max_new_tokens positions, the
@@ -189,7 +185,7 @@ def generate(model, tokenizer, prompts: Sequence[str], *, n: int = 1, max_new_to
         if seed is not None and not greedy:
             keys = ops.row_keys(seed, step, row_offset + start * n + torch.arange(ids_n.shape[0]))
         call_kw.update(draw_kwargs(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, keys=keys,
-                                   prompt_len=ids_n.shape[1], fast_draw=fast_draw, record=sample_logprobs,
+                                   prompt_len=ids_n.shape[1], record=sample_logprobs,
                                    ban=ban))
         out = model.generate(input_ids=ids_n, attention_mask=am_n, **call_kw)
         rows = examples[start : start + per_call]
@@ -244,7 +240,6 @@ class HFBackend:
         self.max_prompt_length, self.batch_size = max_prompt_length, batch_size
         self.seed = seed if getattr(gen_cfg, "seeded_sampling", False) else None
         self.rank = rank
-        self.fast_draw = cpu.fast_draw(next(policy.parameters()).device, gen_cfg)
         # generation.old_logprobs: sampler: the draw records its log-probs (rollout.sample_logprobs)
         self.sample_logprobs = getattr(gen_cfg, "old_logprobs", "recompute") == "sampler"
         self.static_cache = static_cache_for(getattr(gen_cfg, "hf_cache", "dynamic"), policy, world_size)
@@ -260,7 +255,7 @@ class HFBackend:
                         temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, greedy=greedy,
                         max_prompt_length=self.max_prompt_length, batch_size=batch_size or self.batch_size,
                         examples=examples, share_prompt=share_prompt, seed=self.seed, step=step,
-                        row_offset=self.rank * len(prompts) * n, fast_draw=self.fast_draw,
+                        row_offset=self.rank * len(prompts) * n,
                         sample_logprobs=self.sample_logprobs, static_cache=self.static_cache)
 
     def sync(self, policy, updates: int = 1) -> None:

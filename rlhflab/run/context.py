@@ -368,7 +368,7 @@ def start_run(cfg, method: str, *, effective=None, resume: str | Path | None = N
         preflight(quiet or not dist.is_main)
     check_strategy(dist, lora, method, backend or "hf", rl=backend is not None)
     device = dist.device or resolve_device(t.device)
-    matmul = cpu.setup_process(device, cfg.model)  # the CPU-only speed settings; on CUDA the plain path
+    matmul = cpu.setup_process(device, cfg.cpu)  # the CPU-only speed settings; on CUDA the plain path
     resume_dir = None
     if resumable:
         resume_dir = check_resume_dir(resume, method=method, lora=lora, critic=critic, world_size=dist.world_size,
@@ -384,8 +384,8 @@ def start_run(cfg, method: str, *, effective=None, resume: str | Path | None = N
               threads_before=torch.get_num_threads())
     set_threads(t.num_threads or default_threads(dist, t.device))
     if matmul == "onednn":  # not torch's own float32 linears (other rounding): said once, as train_result.json records it
-        run.print(f"float32 linear layers: oneDNN (model.cpu_matmul: {cfg.model.cpu_matmul}; "
-                  "model.cpu_matmul=torch for torch's own; docs/cpu_matmul.md)")
+        run.print(f"float32 linear layers: oneDNN (cpu.matmul: {cfg.cpu.matmul}; "
+                  "cpu.matmul=torch for torch's own; docs/cpu_matmul.md)")
     entered = _entered.get()
     if entered is not None:
         entered.append(run)

@@ -69,7 +69,7 @@ def finish_run(logger, out_dir: Path, device: torch.device, plots: bool,
 def write_train_result(out_dir: Path, **fields) -> None:
     """train_result.json: the run's summary fields, in the order given, then the float32
     matmul library the run used on a CPU (`cpu_matmul`: "onednn" or "torch", what
-    `model.cpu_matmul` resolved to; the CPU seam, rlhflab/cpu/)."""
+    `cpu.matmul` resolved to; the CPU seam, rlhflab/cpu/)."""
     from rlhflab.cpu import matmul_library
 
     fields = {**fields, "cpu_matmul": matmul_library()}

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlhflab.config.schema import LoggingConfig, ModelConfig, TrainingConfig, f
+from rlhflab.config.schema import CpuConfig, LoggingConfig, ModelConfig, TrainingConfig, f
 from rlhflab.data.loading import read_rows, require_fields
 from rlhflab.errors import UserError
 from rlhflab.models.load import disable_dropout, load_tokenizer, resolve_dtype
@@ -92,6 +92,7 @@ class ClassifierRunConfig:
     classifier: ClassifierSection = field(default_factory=ClassifierSection)
     training: TrainingConfig = field(default_factory=_classifier_training)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    cpu: CpuConfig = field(default_factory=CpuConfig)
 
 
 # --------------------------------------------------------------------------------------

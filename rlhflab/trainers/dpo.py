@@ -46,7 +46,7 @@ from torch import Tensor
 
 from rlhflab import ops
 from rlhflab.config import load_config
-from rlhflab.config.schema import (DatasetConfig, GenerationConfig, LoggingConfig, LoRAConfig, ModelConfig,
+from rlhflab.config.schema import (CpuConfig, DatasetConfig, GenerationConfig, LoggingConfig, LoRAConfig, ModelConfig,
                                    OptimizerFields, TrainingConfig, check_reference, f)
 from rlhflab.data.chat import resolve_use_chat_template, response_end_id
 from rlhflab.data.loading import read_rows
@@ -115,6 +115,7 @@ class DPORunConfig:
     dpo: DPOSection = field(default_factory=DPOSection)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    cpu: CpuConfig = field(default_factory=CpuConfig)
 
     def check(self) -> list[str]:
         if self.model.reference == "none":

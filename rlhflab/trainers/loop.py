@@ -192,7 +192,7 @@ def build_run(cfg, method: PolicyMethod, *, resume_dir: Path | None = None, math
     under several processes the trained module is wrapped for the launcher's strategy."""
     train_cfg, sec, dist = cfg.training, getattr(cfg, method.name), dist or Dist()
     if context is None:  # a run built outside the run context (tests, benches): its CPU settings
-        cpu.setup_process(resolve_device(train_cfg.device), cfg.model)
+        cpu.setup_process(resolve_device(train_cfg.device), cfg.cpu)
     processes = max(dist.world_size, launched_world_size())  # also a run built outside its launcher's context
     models = build_models(cfg.model, cfg.lora, train_cfg.device, need_reference=method.need_reference(cfg),
                           critic=method.critic, resume_dir=resume_dir, mixed_precision=train_cfg.mixed_precision,
@@ -436,14 +436,14 @@ def policy_run_config(cls_name: str, section: str, section_cls: type, *, command
     method's module, where the class is found by name (`config show`, the registry)."""
     from dataclasses import field as dc_field, make_dataclass
 
-    from rlhflab.config.schema import (DatasetConfig, EvalConfig, GenerationConfig, LoggingConfig, LoRAConfig,
-                                       ModelConfig, RewardConfig, TrainingConfig, check_reference)
+    from rlhflab.config.schema import (CpuConfig, DatasetConfig, EvalConfig, GenerationConfig, LoggingConfig,
+                                       LoRAConfig, ModelConfig, RewardConfig, TrainingConfig, check_reference)
 
     from rlhflab.envs.base import EnvConfig
 
     sections = [("model", ModelConfig), ("lora", LoRAConfig), ("dataset", DatasetConfig),
                 ("generation", GenerationConfig), ("reward", RewardConfig), ("env", EnvConfig), ("eval", EvalConfig),
-                (section, section_cls), ("training", TrainingConfig), ("logging", LoggingConfig)]
+                (section, section_cls), ("training", TrainingConfig), ("logging", LoggingConfig), ("cpu", CpuConfig)]
 
     def check(self) -> list[str]:
         return (check_reference(self.model, self.lora, getattr(getattr(self, section), kl_weight),

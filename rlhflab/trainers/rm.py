@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlhflab import ops
-from rlhflab.config.schema import (CHAT_TEMPLATE_HELP, ChatTemplateUse, LoggingConfig, LoRAConfig, ModelConfig,
+from rlhflab.config.schema import (CpuConfig, CHAT_TEMPLATE_HELP, ChatTemplateUse, LoggingConfig, LoRAConfig, ModelConfig,
                                    TrainingConfig, f)
 from rlhflab.data import preferences as prefdata
 from rlhflab.data.chat import resolve_use_chat_template
@@ -133,6 +133,7 @@ class RMRunConfig:
     rm: RMSection = field(default_factory=RMSection)
     training: TrainingConfig = field(default_factory=_rm_training)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    cpu: CpuConfig = field(default_factory=CpuConfig)
 
 
 # --------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from rlhflab import ops
-from rlhflab.config.schema import (CHAT_TEMPLATE_HELP, ChatTemplateUse, LoggingConfig, LoRAConfig, ModelConfig,
+from rlhflab.config.schema import (CpuConfig, CHAT_TEMPLATE_HELP, ChatTemplateUse, LoggingConfig, LoRAConfig, ModelConfig,
                                    TrainingConfig, check_quantization, f)
 from rlhflab.data import sft as sftdata
 from rlhflab.data.chat import resolve_use_chat_template
@@ -144,6 +144,7 @@ class SFTRunConfig:
     sft: SFTSection = field(default_factory=SFTSection)
     training: TrainingConfig = field(default_factory=_sft_training)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    cpu: CpuConfig = field(default_factory=CpuConfig)
 
     def check(self) -> list[str]:
         return check_quantization(self.model, self.lora)

@@ -1,7 +1,7 @@
-"""Which library computes float32 linear layers on a CPU (`model.cpu_matmul`), and the
+"""Which library computes float32 linear layers on a CPU (`cpu.matmul`), and the
 layers that use it.
 
-`model.cpu_matmul` chooses, once per process:
+`cpu.matmul` chooses, once per process:
 
     auto     oneDNN on an x86 CPU that is not Intel's and has AVX-512 (where torch's MKL
              runs half-width kernels), else PyTorch's own (MKL)
@@ -55,13 +55,13 @@ def cpu_info(text: str | None = None) -> tuple[str, set[str]]:
 def resolve(mode: str, cpuinfo: str | None = None) -> str:
     """"onednn" or "torch" for `mode` (one of MODES) on this machine; see the module docstring."""
     if mode not in MODES:
-        raise ValueError(f"model.cpu_matmul: {mode!r} is not one of {', '.join(MODES)}")
+        raise ValueError(f"cpu.matmul: {mode!r} is not one of {', '.join(MODES)}")
     if mode == "torch":
         return "torch"
     if not ops_matmul.onednn_available():
         if mode == "onednn":
-            raise ValueError("model.cpu_matmul: onednn was asked for but this torch build has no oneDNN "
-                             "linear op; set model.cpu_matmul=torch (or auto)")
+            raise ValueError("cpu.matmul: onednn was asked for but this torch build has no oneDNN "
+                             "linear op; set cpu.matmul=torch (or auto)")
         return "torch"
     if mode == "onednn":
         return "onednn"
