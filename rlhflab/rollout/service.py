@@ -46,7 +46,8 @@ from rlhflab.errors import UserError
 from rlhflab.rollout import Rollout
 
 POLL_S = 0.2      # how often a wait on the producer checks that it is alive
-CLOSE_S = 10.0    # how long close() waits for the producer to end before terminating it
+CLOSE_S = 3.0     # how long close() waits for the producer to end before terminating it
+START_S = 120.0   # the producer's start (imports, the model built) may take this long whatever the timeout
 
 
 def version_for(step: int, staleness: int) -> int:
@@ -230,7 +231,7 @@ class ProducerService:
         self.proc = ctx.Process(target=PRODUCER_MAIN, args=(self.spec, self.inbox, self.outbox), daemon=True,
                                 name="rlhflab-rollout-producer")
         self.proc.start()
-        self._wait(lambda m: m[0] == "ready", "to start")
+        self._wait(lambda m: m[0] == "ready", "to start", at_least=START_S)
         self.policy = policy
         for step in range(start_step + 1, start_step + 2 + self.staleness):
             v = version_for(step, self.staleness)
@@ -364,10 +365,10 @@ class ProducerService:
         except queue.Empty:
             pass
 
-    def _wait(self, done: Callable, what: str) -> None:
+    def _wait(self, done: Callable, what: str, at_least: float = 0.0) -> None:
         """Read the producer's messages until `done(message)`; a UserError when it dies,
-        reports an error or takes longer than producer_timeout_s."""
-        deadline = time.monotonic() + self.timeout_s
+        reports an error or takes longer than producer_timeout_s (or `at_least`)."""
+        deadline = time.monotonic() + max(self.timeout_s, at_least)
         while True:
             try:
                 m = self.outbox.get(timeout=POLL_S)

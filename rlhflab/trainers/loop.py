@@ -55,7 +55,6 @@ class PolicyMethod:
     plot_groups: dict[str, list[str]] | None = None
     optimizer_params: Callable[[object], list] | None = None  # what the optimizer trains (default: every trainable)
     step_knob: str = "learning_rate"  # the section key a diverging run is told to lower
-    asynchronous: bool = True  # may sample ahead of its update (generation.max_staleness >= 1)
     stale_correction: bool = True  # tis_cap defaults to ASYNC_TIS_CAP at max_staleness >= 1 (GSPO: no token weights)
 
 
@@ -285,15 +284,12 @@ def producing(cfg) -> bool:
     return gen.max_staleness > 0 or gen.producer == "process"
 
 
-def async_refusal(cfg, method: PolicyMethod, world_size: int = 1, strategy: str | None = None) -> str | None:
-    """Why this run cannot sample in a producer process, in one line; None when it can."""
+def async_refusal(cfg, strategy: str | None = None) -> str | None:
+    """Why this run cannot sample in a producer process, in one line; None when it can
+    (a method whose section says ASYNCHRONOUS = False is refused at load: `sampler_rules`)."""
     gen = cfg.generation
     if not producing(cfg):
         return None
-    if gen.max_staleness and not method.asynchronous:
-        return (f"generation.max_staleness: {gen.max_staleness} is not available to {method.name}: its update is "
-                f"a line search over the very rollout's policy (a stale sampler breaks its trust region); set "
-                f"generation.max_staleness: 0")
     if strategy in ("fsdp", "zero3"):
         return (f"generation.max_staleness / generation.producer: process under {strategy}: the weights are "
                 f"sharded, and the producer takes whole weights from each rank; launch with "
@@ -467,7 +463,7 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
                      local=world_counts(sec, method.name),
                      preflight=lambda silent: (preflight(cfg, silent),  # every reward/check plug-in, called once
                                                env_preflight(cfg, silent)))  # and one canned episode
-    refusal = async_refusal(cfg, method, strategy="fsdp" if run_.dist.lockstep else None)
+    refusal = async_refusal(cfg, strategy="fsdp" if run_.dist.lockstep else None)
     if refusal is not None:
         raise UserError(refusal)
     run = build_run(cfg, method, resume_dir=run_.resume_dir, math_=math_, dist=run_.dist, context=run_)
@@ -582,7 +578,12 @@ def run_policy_command(args, schema, train) -> int:
 # A policy method's run config and entry points, written once
 # --------------------------------------------------------------------------------------
 def sampler_rules(gen, sec, section: str) -> list[str]:
-    """Cross-section rules of `generation.old_logprobs: sampler` for a method's section."""
+    """Cross-section rules of `generation.old_logprobs: sampler` and
+    `generation.max_staleness` for a method's section."""
+    if gen.max_staleness and not getattr(sec, "ASYNCHRONOUS", True):
+        return [f"generation.max_staleness: {gen.max_staleness} is not available to {section}: its update is a "
+                f"line search over the very policy that sampled (a stale sampler breaks its trust region); set "
+                f"generation.max_staleness: 0"]
     if gen.old_logprobs != "sampler":
         return []
     if not getattr(sec, "SAMPLER_OLD_LOGPROBS", True):

@@ -53,6 +53,7 @@ class TRPOSection(OptimizerFields):
     natural-gradient step)."""
 
     KL_KNOB = "max_kl"
+    ASYNCHRONOUS = False  # the line search needs the rollout's own policy (generation.max_staleness: 0)
     SAMPLER_OLD_LOGPROBS = False  # the update recomputes the old policy's whole distribution (generation.old_logprobs)
 
     rollout_samples: int = f(32, "episodes collected per step (one batch for the natural-gradient step)", gt=0)
@@ -270,7 +271,7 @@ def trpo_step(run: RLRun, examples, step: int, timer: Timer) -> dict[str, float]
 
 
 def method(cfg: TRPORunConfig) -> PolicyMethod:
-    return PolicyMethod("trpo", trpo_prepare, trpo_update, critic=cfg.model.critic, asynchronous=False,
+    return PolicyMethod("trpo", trpo_prepare, trpo_update, critic=cfg.model.critic,
                         need_reference=lambda c: c.trpo.kl_coeff > 0 and c.model.reference != "none",
                         optimizer_params=value_parameters, step_knob="max_kl",
                         plot_groups={"reward": ["rollout/reward_mean", "eval/reward_mean", "eval/accuracy"],
