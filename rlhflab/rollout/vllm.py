@@ -67,7 +67,7 @@ import torch
 from torch import Tensor
 
 from rlhflab.errors import UserError
-from rlhflab.rollout import Rollout, encode_prompts, eos_ids_of, finish_rollout
+from rlhflab.rollout import Generated, Rollout, encode_prompts, eos_ids_of, finish_rollout
 from rlhflab.rollout.canary import BASELINE_ROLLOUTS, SyncCanary  # noqa: F401 (re-exported)
 from rlhflab.rollout.weights import policy_weights  # noqa: F401 (tests patch it here)
 
@@ -501,6 +501,33 @@ def _kv_message(have: float, need: int, seqs: int, length: int, per_token: int, 
 # --------------------------------------------------------------------------------------
 # generation.backend: vllm, behind the trainers' RolloutBackend interface
 # --------------------------------------------------------------------------------------
+# The engine on token-id prompts (multi-turn episodes)
+# --------------------------------------------------------------------------------------
+def vllm_generate_ids(engine, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop_ids: Sequence[int],
+                      temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
+                      keys: torch.Tensor | None = None) -> list:
+    """The vLLM engine on token-id prompts, with the sampler's log-probs. vLLM's prefix
+    cache (on by default in its V1 engine) serves the earlier turns of each episode."""
+    from vllm import SamplingParams
+
+    room = [engine.max_model_len - len(p) for p in prompts]
+    params = []
+    for i, r in enumerate(room):
+        p = SamplingParams(n=1, max_tokens=max(1, min(max_new_tokens, r)), temperature=0.0 if greedy else temperature,
+                           top_k=0 if greedy else top_k, top_p=1.0 if greedy else top_p,
+                           stop_token_ids=list(stop_ids), logprobs=0, detokenize=False)
+        if keys is not None and not greedy:
+            p.seed = int(keys[i])
+        params.append(p)
+    outs = engine.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+    res = []
+    for o in outs:
+        c = o.outputs[0]
+        ids = list(c.token_ids)
+        res.append(Generated(ids, [step[t].logprob for step, t in zip(c.logprobs, ids)]))
+    return res
+
+
 # SyncCanary, BASELINE_ROLLOUTS: rlhflab.rollout.canary (re-exported here)
 
 
@@ -556,13 +583,7 @@ class VLLMBackend:
                  share_prompt: bool = True, step: int = 0) -> Rollout:
         """`n` responses per prompt from the engine; `batch_size`, `share_prompt` and `step`
         belong to the hf backend (vLLM schedules and shares prompts itself)."""
-        due = self.updates >= self.gen.sync_interval if self.counting else not self.fresh
-        self.on_pushed_weights = due or self.fresh
-        self.fresh = False
-        self.engine.wake_up()
-        if due:
-            self.engine.sync_weights(self.policy)
-            self.updates, self.pushes = 0, self.pushes + 1
+        self._push_if_due(judge_first=True)
         g = self.gen
         roll = self.engine.generate(prompts, n=n, max_new_tokens=max_new_tokens or g.max_new_tokens,
                                     min_new_tokens=g.min_new_tokens, temperature=g.temperature,
@@ -570,6 +591,36 @@ class VLLMBackend:
                                     max_prompt_length=self.max_prompt_length, examples=examples)
         self.engine.sleep()  # GPU: free the engine's memory for the update; a no-op on CPU
         return roll
+
+    def _push_if_due(self, judge_first: bool) -> None:
+        """The push rule (see the class docstring), before any sampling; the engine woken.
+        `judge_first`: the first rollout (weights pushed at start-up) is judged too."""
+        due = self.updates >= self.gen.sync_interval if self.counting else not self.fresh
+        self.on_pushed_weights = due or (self.fresh if judge_first else self.on_pushed_weights)
+        self.fresh = False
+        self.engine.wake_up()
+        if due:
+            self.engine.sync_weights(self.policy)
+            self.updates, self.pushes = 0, self.pushes + 1
+
+    seed = None  # vLLM draws from its own stream (generation.seeded_sampling is hf's)
+
+    @property
+    def context_limit(self) -> int:
+        return self.engine.max_model_len
+
+    def generate_ids(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop_ids: Sequence[int],
+                     greedy: bool = False, keys: Tensor | None = None) -> list:
+        """The engine's primitive on token-id prompts (multi-turn episodes): pending weights
+        pushed first, then `vllm_generate_ids`; `idle()` once the episodes are done."""
+        self._push_if_due(judge_first=False)
+        g = self.gen
+        return vllm_generate_ids(self.engine, prompts, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                                 temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, greedy=greedy, keys=keys)
+
+    def idle(self) -> None:
+        """GPU: free the engine's memory for the update; a no-op on CPU."""
+        self.engine.sleep()
 
     def close(self) -> None:
         """Stop the engine and free its memory: the run is over (its context calls this at
