@@ -238,9 +238,9 @@ class GenerationConfig:
                                        "gap is ~0.01-0.03 and moves by tens of percent, are judged by this", gt=1)
     sync_check_floor: float = f(1e-3, "vllm, sync_check: the smallest jump (nats per token) that can trip the "
                                       "canary; float32 runs, whose gap is ~3e-7, are judged by this", ge=0)
-    max_staleness: int = f(0, "asynchronous rollouts: step k samples from the weights after update k-1-s in a "
-                              "producer process while step k-1 updates; 0 is synchronous (docs/rollout_backends.md)",
-                           ge=0)
+    max_staleness: int = f(0, "asynchronous rollouts: step k samples from the weights after update k-1-s, in a "
+                              "producer process, while the earlier steps update; 0: synchronous "
+                              "(docs/rollout_backends.md)", ge=0)
     producer: Literal["auto", "process"] = f(
         "auto", "where rollouts are sampled: auto, in the trainer's process at max_staleness 0 and in a producer "
                 "process above; process, in a producer process always")
