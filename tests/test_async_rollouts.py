@@ -246,3 +246,27 @@ def test_grpo_at_s1_learns_within_5_points_of_s0(tmp_path_factory, tmp_path):
     (before, sync), (_, stale) = run(0), run(1)
     print(f"GRPO held-out accuracy {before:.2f} -> s=0 {sync:.2f}, s=1 {stale:.2f}")
     assert stale >= before + 0.05 and abs(stale - sync) <= 0.05, (before, sync, stale)
+
+
+@pytest.mark.slow
+def test_ppo_at_s1_learns_within_5_points_of_s0(tmp_path_factory, tmp_path):
+    # PPO with a value head on the same warm start and reward, two epochs a step (so the
+    # old log-probs are recomputed and the weights are pi_old / pi_sampler, capped at 2).
+    from test_grpo_helpers import debug_config, easy_task, warm_model
+
+    from rlhflab.trainers import ppo
+
+    def run(s: int):
+        cfg = debug_config(ppo.PPORunConfig, "ppo_debug.yaml", warm_model(tmp_path_factory),
+                           easy_task(tmp_path_factory), tmp_path / f"s{s}",
+                           "training.total_steps=12", "training.eval_interval=12", "training.save_interval=0",
+                           "dataset.num_eval_samples=100", "ppo.rollout_samples=32", "ppo.batch_size=32",
+                           "ppo.mini_batch_size=16", "ppo.epochs=2", "ppo.learning_rate=1e-4",
+                           "reward.sources=[{type: rule, name: gsm8k}]", "generation.seeded_sampling=true",
+                           f"generation.max_staleness={s}")
+        res = ppo.train(cfg, quiet=True)
+        return res.eval_before["eval/accuracy"], res.eval_after["eval/accuracy"]
+
+    (before, sync), (_, stale) = run(0), run(1)
+    print(f"PPO held-out accuracy {before:.2f} -> s=0 {sync:.2f}, s=1 {stale:.2f}")
+    assert stale >= before + 0.05 and abs(stale - sync) <= 0.05, (before, sync, stale)
