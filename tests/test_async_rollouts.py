@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import multiprocessing
 import time
+from pathlib import Path
 
 import pytest
 
@@ -270,3 +271,63 @@ def test_ppo_at_s1_learns_within_5_points_of_s0(tmp_path_factory, tmp_path):
     (before, sync), (_, stale) = run(0), run(1)
     print(f"PPO held-out accuracy {before:.2f} -> s=0 {sync:.2f}, s=1 {stale:.2f}")
     assert stale >= before + 0.05 and abs(stale - sync) <= 0.05, (before, sync, stale)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line)
+        except OSError:
+            continue
+        if fields.get("PPid", "").strip() == str(pid):
+            out.append(int(status.parent.name))
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="ignore")
+    except OSError:
+        return ""
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text().split("State:\t", 1)[1][0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"  # a zombie has exited (nobody reaped it yet)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads /proc")
+def test_a_trainer_killed_outright_takes_its_producer_with_it(tiny_model_dir, arith_dir, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    (tmp_path / "digits_reward.py").write_text(REWARD)
+    args = [sys.executable, "-m", "rlhflab", "grpo", "--config", str(ROOT / "configs" / "grpo_debug.yaml"),
+            f"model.name_or_path={tiny_model_dir}", f"dataset.path={arith_dir / 'train.jsonl'}",
+            f"training.output_dir={tmp_path / 'run'}", "training.total_steps=1000", "training.eval_interval=0",
+            "training.save_interval=0", "generation.max_staleness=1", "training.num_threads=1",
+            "logging.progress_bar=false", "logging.plots=false"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    trainer = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline, kids = time.monotonic() + 120, []
+        while not kids and time.monotonic() < deadline:  # the producer: a spawned child of the trainer
+            time.sleep(0.2)
+            kids = [p for p in _children(trainer.pid) if "spawn_main" in _cmdline(p)]
+        assert kids, "no producer process found"
+        time.sleep(3)  # well into its work
+    finally:
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+    deadline = time.monotonic() + 30
+    while any(_running(p) for p in kids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_running(p) for p in kids)  # it noticed its trainer was gone and ended

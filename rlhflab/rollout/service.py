@@ -34,6 +34,7 @@ then terminate and kill.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import queue
 import time
@@ -88,7 +89,7 @@ class InProcessService:
         self.backend = backend
 
     def start(self, start_step: int, examples_of: Callable[[int], list], n: int, policy=None,
-              saved: dict | None = None) -> None:
+              saved: dict | None = None, last: int | None = None) -> None:
         self.examples_of, self.n = examples_of, n
 
     def get(self, step: int) -> Rollout:
@@ -146,7 +147,8 @@ def producer_main(spec: ProducerSpec, inbox, outbox) -> None:
     """The producer process: build the engine, then serve the trainer's messages in order:
     ("weights", version, state) loads a version (answered with ("loaded", version, probe
     log-probs)); ("request", step, prompts, rows, n) samples a step (answered with
-    ("rollout", step, roll)); ("stop",) ends. Any failure is sent as ("error", one line)."""
+    ("rollout", step, roll)); ("stop",) ends, and so does the trainer's death (it is
+    polled between messages). Any failure is sent as ("error", one line)."""
     try:
         torch.set_num_threads(max(1, spec.threads))
         from transformers import AutoModelForCausalLM
@@ -160,8 +162,14 @@ def producer_main(spec: ProducerSpec, inbox, outbox) -> None:
         backend = None
         names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         outbox.put(("ready", os.getpid()))
+        parent = multiprocessing.parent_process()
         while True:
-            msg = inbox.get()
+            try:
+                msg = inbox.get(timeout=POLL_S * 5)
+            except queue.Empty:  # a trainer killed outright (SIGKILL) leaves no word: end with it
+                if parent is not None and not parent.is_alive():
+                    break
+                continue
             if msg[0] == "stop":
                 break
             if msg[0] == "weights":
@@ -219,13 +227,15 @@ class ProducerService:
 
     # ---------------------------------------------------------------- start and stop
     def start(self, start_step: int, examples_of: Callable[[int], list], n: int, policy=None,
-              saved: dict | None = None) -> None:
-        """Spawn the producer and send what steps start_step+1 ... start_step+1+s need:
+              saved: dict | None = None, last: int | None = None) -> None:
+        """Spawn the producer and send what steps start_step+1 ... start_step+1+s need (none
+        past `last`, the run's last step):
         the versions before `start_step` from `saved` (a resumed checkpoint's), the rest
         from `policy` (the weights now, version start_step)."""
         import torch.multiprocessing as mp
 
         self.examples_of, self.n, self.start_step = examples_of, n, start_step
+        self.last = last if last is not None else 1 << 62
         ctx = mp.get_context("spawn")
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(target=PRODUCER_MAIN, args=(self.spec, self.inbox, self.outbox), daemon=True,
@@ -233,7 +243,7 @@ class ProducerService:
         self.proc.start()
         self._wait(lambda m: m[0] == "ready", "to start", at_least=START_S)
         self.policy = policy
-        for step in range(start_step + 1, start_step + 2 + self.staleness):
+        for step in range(start_step + 1, min(start_step + 2 + self.staleness, self.last + 1)):
             v = version_for(step, self.staleness)
             if v > self.pushed:
                 if v < start_step:
@@ -277,8 +287,11 @@ class ProducerService:
         return roll
 
     def push(self, policy, version: int, updates: int = 1) -> None:
-        """The policy after update `version`: send it, then the request it is the first for."""
+        """The policy after update `version`: send it, then the request it is the first for
+        (nothing when that step is past the run's last)."""
         self.policy = policy
+        if version + 1 + self.staleness > self.last:
+            return
         self._send_weights(version, self._state(policy), probe=self._probe(policy))
         self._request(version + 1 + self.staleness)
 
@@ -391,16 +404,4 @@ class ProducerService:
                 return
 
 
-def make_service(backend, *, staleness: int, producer: str, spec: ProducerSpec | None, timeout_s: float,
-                 device, gen_cfg=None):
-    """The service a run's config asks for: in this process at s = 0 (unless
-    `generation.producer: process`), else a producer process built from `spec`."""
-    if staleness == 0 and producer != "process":
-        return InProcessService(backend)
-    g = gen_cfg
-    return ProducerService(spec, staleness=staleness, timeout_s=timeout_s, device=device,
-                           sync_check=bool(getattr(g, "sync_check", True)),
-                           factor=getattr(g, "sync_check_factor", 10.0), floor=getattr(g, "sync_check_floor", 1e-3))
-
-
-__all__ = ["InProcessService", "ProducerService", "ProducerSpec", "make_service", "version_for", "probe_logprobs"]
+__all__ = ["InProcessService", "ProducerService", "ProducerSpec", "version_for", "probe_logprobs"]

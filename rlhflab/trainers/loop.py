@@ -450,8 +450,9 @@ def format_eval(step: int, res: EvalResult, path: Path, n_show: int = 2) -> str:
 @entry_point
 def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None = None, effective=None,
                         quiet: bool = False, math_: PPOMath | None = None) -> TrainResult:
-    """Set up, then per step: fresh prompts, the method's phases 1-5, then 6. log,
-    evaluate, save. Returns where the outputs went and the metric history.
+    """Set up, then per step: 1. the step's episodes from the rollout service, 2-4. the
+    method's prepare, 5. its update, the weights pushed, then 6. log, evaluate, save.
+    Returns where the outputs went and the metric history.
 
     Under several processes (`accelerate launch`, `torchrun`) each rank samples its share
     of the step's prompts and the engine reduces what must be global; the run context
@@ -494,7 +495,8 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
 
     # The rollout service starts sampling: step start_step+1 on (and up to s steps ahead).
     run.service.start(start_step, examples_of, sec.samples_per_prompt, policy=models.policy,
-                      saved=load_sampler_weights(run_.resume_dir) if run_.resume_dir is not None else None)
+                      saved=load_sampler_weights(run_.resume_dir) if run_.resume_dir is not None else None,
+                      last=train_cfg.total_steps)
 
     bar = run_.progress(train_cfg.total_steps, initial=start_step)
     total_samples, total_seconds = 0, 0.0
@@ -526,7 +528,8 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
         metrics.update(timer.metrics())
         metrics["time/step"] = seconds
         metrics["perf/episodes_per_s"] = sec.rollout_size / seconds
-        if "time/generate" in metrics and "rollout/response_length" in metrics:
+        if "time/generate" in metrics and "rollout/response_length" in metrics and not cfg.generation.max_staleness:
+            # (at max_staleness >= 1 time/generate is the wait for the producer, not its sampling)
             metrics["perf/tokens_per_s"] = (metrics["rollout/response_length"] * sec.rollout_size
                                             / max(metrics["time/generate"], 1e-9))
         if producing(cfg):  # what the producer adds: how stale the episodes were, the pushes' probe gaps
