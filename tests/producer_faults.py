@@ -44,3 +44,20 @@ def stalls_at_first_push(spec, inbox, outbox):
             time.sleep(3600)
 
     producer_main(spec, _Inbox(inbox, on), outbox)
+
+
+def vllm_push_skips_a_tensor(spec, inbox, outbox):
+    """The vLLM engine in the producer: its start-up push whole, every later one without
+    one MLP matrix (which the engine then keeps from before: a stale tensor, no error)."""
+    from rlhflab.rollout import vllm as vllm_backend
+
+    real, pushes = vllm_backend.policy_weights, []
+
+    def broken(model):
+        pushes.append(1)
+        for name, tensor in real(model):
+            if len(pushes) == 1 or name != "model.layers.0.mlp.down_proj.weight":
+                yield name, tensor
+
+    vllm_backend.policy_weights = broken
+    producer_main(spec, inbox, outbox)

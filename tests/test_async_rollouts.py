@@ -331,3 +331,27 @@ def test_a_trainer_killed_outright_takes_its_producer_with_it(tiny_model_dir, ar
     while any(_running(p) for p in kids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_running(p) for p in kids)  # it noticed its trainer was gone and ended
+
+
+@pytest.mark.slow
+def test_a_broken_vllm_push_in_the_producer_is_caught(grpo_cfg, tmp_path, monkeypatch):
+    # vLLM in the producer at s = 1: each rollout's sampler log-probs against the producer's
+    # copy of the same version (rollout/engine_gap); steps 1 and 2 (version 0, pushed whole)
+    # set the baseline, step 3 samples from the first broken push and stops the run.
+    from test_vllm_backend import HAVE_VLLM
+
+    import producer_faults
+
+    if not HAVE_VLLM:
+        pytest.skip("vLLM is not installed")
+    monkeypatch.setattr(service, "PRODUCER_MAIN", producer_faults.vllm_push_skips_a_tensor)
+    cfg = grpo_cfg("generation.backend=vllm", "generation.enforce_eager=true", "generation.seeded_sampling=false",
+                   "generation.max_staleness=1", "training.total_steps=4", "training.save_interval=1", out="vllm")
+    with pytest.raises(UserError) as err:
+        grpo.train(cfg, quiet=True)
+    msg = str(err.value)
+    assert msg.startswith("step 3: generation.backend=vllm in the rollout producer: the weight sync looks broken")
+    rows = read_metrics(tmp_path / "vllm" / "metrics.jsonl")
+    assert all(r["rollout/engine_gap"] < 1e-3 for r in rows[:2]) and rows[2]["rollout/engine_gap"] > 1e-3
+    assert (tmp_path / "vllm" / "step_2").is_dir() and not (tmp_path / "vllm" / "step_3").exists()
+    assert _no_producer_left()

@@ -71,6 +71,21 @@ def probe_logprobs(model: torch.nn.Module, probe: dict[str, torch.Tensor]) -> to
     return (lp * mask).cpu()
 
 
+def engine_gap(model: torch.nn.Module, roll: Rollout, temperature: float) -> float:
+    """mean |log pi - log pi_engine| over the rollout's action tokens, with pi the
+    producer's copy of the weights that sampled it (teacher-forced at the sampling
+    temperature): the in-process vLLM canary's gap, taken where both hold the same version."""
+    ids = torch.cat([roll.prompt_ids, roll.response_ids], 1)                            # (B, P+T)
+    am = torch.cat([roll.prompt_mask, roll.attend_mask.to(roll.prompt_mask.dtype)], 1)
+    p = roll.prompt_ids.shape[1]
+    with torch.no_grad():
+        pos = (am.long().cumsum(-1) - 1).clamp(min=0)  # positions that skip the left padding
+        logits = model(input_ids=ids, attention_mask=am, position_ids=pos).logits[:, p - 1 : -1].float()
+    lp = (logits / temperature).log_softmax(-1).gather(-1, roll.response_ids.unsqueeze(-1)).squeeze(-1)  # (B, T)
+    mask = roll.response_mask.float()
+    return float(((lp - roll.sample_logprobs.float()).abs() * mask).sum() / mask.sum().clamp(min=1.0))
+
+
 def probe_gap(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
     """mean |a - b| over the probe's real tokens, in nats."""
     m = mask[:, 1:].float()
@@ -190,7 +205,10 @@ def producer_main(spec: ProducerSpec, inbox, outbox) -> None:
             elif msg[0] == "request":
                 _, step, prompts, rows, n = msg
                 roll = backend.generate(list(prompts), n=n, examples=list(rows), step=step)
-                outbox.put(("rollout", step, _tensors_to(roll, "cpu")))
+                gap = None  # vLLM: its log-probs against this copy of the same weights (the engine's push judged)
+                if spec.extra.get("engine_gap") and roll.sample_logprobs is not None:
+                    gap = engine_gap(model, roll, spec.extra["temperature"])
+                outbox.put(("rollout", step, _tensors_to(roll, "cpu"), gap))
         if backend is not None:
             backend.close()
     except BaseException as exc:  # noqa: BLE001 - whatever stopped it, said in one line
@@ -212,10 +230,13 @@ class ProducerService:
                  factor: float = 10.0, floor: float = 1e-3, weights_of: Callable | None = None):
         self.spec, self.staleness, self.timeout_s, self.device = spec, staleness, timeout_s, device
         self.weights_of = weights_of
-        self.canary = None
+        self.canary = self.engine_canary = None
         if sync_check:
             from rlhflab.rollout.canary import SyncCanary
             self.canary = SyncCanary(factor, floor, what="the rollout producer")
+            self.engine_canary = SyncCanary(factor, floor, what="generation.backend=vllm in the rollout producer")
+        self.engine_gaps: dict[int, float] = {}
+        self.engine_gap: tuple[int, float] | None = None  # (step, gap) of the last rollout, not yet judged
         self.proc = None
         self.inbox = self.outbox = None
         self.sent: dict[int, torch.Tensor] = {}    # version -> the trainer's probe log-probs, not yet judged
@@ -284,6 +305,8 @@ class ProducerService:
             self._wait(lambda m: m[0] == "rollout" and m[1] == step, f"to send the episodes of step {step}")
         roll = _tensors_to(self.rollouts.pop(step), self.device)
         roll.version = version_for(step, self.staleness)
+        gap = self.engine_gaps.pop(step, None)
+        self.engine_gap = None if gap is None else (step, gap)
         return roll
 
     def push(self, policy, version: int, updates: int = 1) -> None:
@@ -301,7 +324,10 @@ class ProducerService:
         self._drain()
         self.gaps = [(v, probe_gap(self.sent.pop(v), self.loaded.pop(v), self.spec.probe["attention_mask"]))
                      for v in sorted(set(self.sent) & set(self.loaded))]
-        return {"rollout/push_gap": max(g for _, g in self.gaps)} if self.gaps else {}
+        out = {"rollout/push_gap": max(g for _, g in self.gaps)} if self.gaps else {}
+        if self.engine_gap is not None:
+            out["rollout/engine_gap"] = self.engine_gap[1]
+        return out
 
     def judge(self, metrics: dict, step: int) -> None:
         """The canary on those gaps (the weights sent against the weights loaded); a
@@ -310,6 +336,9 @@ class ProducerService:
         for v, gap in gaps:
             if self.canary is not None:
                 self.canary.check(gap, step, version=v)
+        engine, self.engine_gap = self.engine_gap, None
+        if engine is not None and self.engine_canary is not None:
+            self.engine_canary.check(engine[1], step)
 
     def held_weights(self, step: int) -> dict[int, dict]:
         """The versions steps step+1 ... step+s sample from that are older than step: what a
@@ -365,6 +394,8 @@ class ProducerService:
     def _keep(self, m) -> None:
         if m[0] == "rollout":
             self.rollouts[m[1]] = m[2]
+            if len(m) > 3 and m[3] is not None:
+                self.engine_gaps[m[1]] = m[3]
         elif m[0] == "loaded":
             self.loaded[m[1]] = m[2]
 

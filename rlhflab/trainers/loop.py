@@ -340,7 +340,7 @@ def producer_spec(cfg, models: PolicyModels, sizes: dict) -> ProducerSpec:
     """What the producer process builds its copy of the policy and its sampler from."""
     from functools import partial
 
-    policy = models.policy
+    policy, gen = models.policy, cfg.generation
     base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
     threads = cfg.training.num_threads or max(1, (os.cpu_count() or 2) // 2)
     texts = ["The quick brown fox jumps over the lazy dog.", "1 + 2 = 3, and 4 + 5 = 9."]
@@ -348,7 +348,10 @@ def producer_spec(cfg, models: PolicyModels, sizes: dict) -> ProducerSpec:
     return ProducerSpec(build=partial(build_producer_backend, cfg, sizes), model_config=base.config,
                         generation_config=getattr(base, "generation_config", None),
                         dtype=next(base.parameters()).dtype, tokenizer=models.tokenizer, device=str(models.device),
-                        threads=threads, probe=probe, setup=partial(setup_producer_model, cfg.model, models.device))
+                        threads=threads, probe=probe, setup=partial(setup_producer_model, cfg.model, models.device),
+                        extra={"temperature": gen.temperature,  # vLLM: its gap on every rollout judged there
+                               "engine_gap": (gen.backend == "vllm" and gen.sync_check and gen.top_k == 0
+                                              and gen.top_p == 1.0 and gen.min_new_tokens == 0)})
 
 
 def sample_rollout(run: RLRun, examples, step: int, timer: Timer) -> Rollout:
