@@ -164,12 +164,12 @@ def _train_rlhflab(a: argparse.Namespace, steps: int, out: str) -> dict:
     cfg = _rlhflab_config(a, steps, out)
     marks: list[tuple[float, float]] = []
 
-    def timed_step(*args):  # grpo_step, with a mark at the end of each step (as TRL's on_step_end)
-        out = grpo.grpo_step(*args)
+    def timed_update(*args):  # grpo_update, with a mark at the end of each step (as TRL's on_step_end)
+        out = grpo.grpo_update(*args)
         marks.append((_common.clock(), time.process_time()))
         return out
 
-    method = PolicyMethod("grpo", timed_step, need_reference=lambda c: c.grpo.kl_coeff > 0)
+    method = PolicyMethod("grpo", grpo.grpo_prepare, timed_update, need_reference=lambda c: c.grpo.kl_coeff > 0)
     res = run_policy_training(cfg, method, quiet=True)
     if steps < 2:
         return {}

@@ -63,6 +63,8 @@ DPO_MARGIN = "rewards/margins"    # mean of beta * (log-ratio of chosen - log-ra
 DPO_CHOSEN = "logps/chosen"       # the policy's sequence log-probs, batch means
 DPO_REJECTED = "logps/rejected"
 LOGPROB_GAP = "rollout/logprob_gap"  # vLLM: mean |trainer - sampler| log-prob per response token
+VERSION_GAP = "rollout/version_gap"  # max_staleness >= 1: updates between the sampling weights and the trained ones
+IS_CAPPED = "rollout/is_capped_frac"  # share of response tokens whose importance weight reached tis_cap
 APPROX_KL = "params/approx_kl"       # how far an update moved the policy from the one that sampled
 MAX_TURNS_FRAC = "episode/hit_max_turns_frac"  # multi-turn: episodes stopped at env.max_turns
 TOOL_ERROR_RATE = "episode/tool_error_rate"    # failed tool calls / tool calls
@@ -153,6 +155,10 @@ class DoctorConfig:
     gap_factor: float = 10.0
     gap_floor: float = 1e-3
     gap_baseline_steps: int = 3
+    # stale_sampler (generation.max_staleness >= 1): the share of response tokens whose
+    # importance weight pi_old / pi_sampler reached tis_cap (rollout/is_capped_frac). Past
+    # it the sampler is so far behind that the capped weights bias the update.
+    capped_frac_limit: float = 0.2
     # kl_fading (the tutorial FAQ's "approx_kl decreasing, nothing is learning"): over the
     # last `fade_window` steps params/approx_kl (how far each update moved the policy)
     # has a negative slope and the median of its last `fade_avg_steps` values is below
@@ -585,6 +591,10 @@ def _rule_logprob_gap(history: History, latest: dict[str, float], cfg: DoctorCon
     pts = history.get(LOGPROB_GAP, [])
     if len(pts) < 2:
         return None
+    if history.get(VERSION_GAP) and history[VERSION_GAP][-1][1] > 0:
+        # asynchronous rollouts: the gap is mostly the policy's move over the version gap;
+        # every push is judged apart by the producer's probe canary (rollout/push_gap)
+        return ""
     # The latest gap against the median of the first ones before it (as the canary judges).
     base = gap_baseline([v for _, v in pts[:-1]], cfg.gap_baseline_steps)
     limit = sync_gap_limit(base, cfg.gap_factor, cfg.gap_floor)
@@ -605,6 +615,20 @@ def _rule_logprob_gap(history: History, latest: dict[str, float], cfg: DoctorCon
             f"sampler no longer draws from the policy being trained. With generation.backend=vllm suspect "
             f"the weight sync first (a tensor not pushed, an engine asleep); with generation.sync_interval "
             f"> 1 part of the gap is the weights' staleness")
+
+
+def _rule_stale_sampler(history: History, latest: dict[str, float], cfg: DoctorConfig) -> Optional[str]:
+    pts = history.get(IS_CAPPED, [])
+    if not pts:  # a synchronous run (or no tis_cap): nothing to judge
+        return None
+    step, capped = pts[-1]
+    if capped <= cfg.capped_frac_limit:
+        return ""
+    gaps = history.get(VERSION_GAP, [])
+    gap = f" (episodes {gaps[-1][1]:g} versions old)" if gaps else ""
+    return (f"{IS_CAPPED} is {capped:.2f} at step {step}{gap}, above {cfg.capped_frac_limit:g}: the sampler is so far "
+            f"from the policy being trained that many importance weights hit tis_cap and the update is biased; "
+            f"lower generation.max_staleness or the learning rate")
 
 
 def _median(xs: Sequence[float]) -> float:
@@ -879,6 +903,8 @@ RULES: tuple[Rule, ...] = (
          "held-out checks do not fall while the reward stays up", _rule_reward_hacking),
     Rule("logprob_gap", "warn", LOGPROB_GAP, "the sampler's log-probs stay as close to the trainer's as at the start",
          _rule_logprob_gap),
+    Rule("stale_sampler", "warn", f"{IS_CAPPED} against {VERSION_GAP}",
+         "few importance weights of a stale sampler reach tis_cap", _rule_stale_sampler),
     Rule("kl_fading", "warn", f"{APPROX_KL} against {REWARD_MEAN}",
          "the updates do not fade to nothing while the reward stands still", _rule_kl_fading),
     Rule("value_flat_early", "warn", f"{VALUE_LOSS} against {EXPLAINED_VAR} over the first rollouts",

@@ -33,7 +33,7 @@ import dataclasses
 import json
 import string
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional, Sequence
 
@@ -229,6 +229,32 @@ def hf_sampler(model, tokenizer, gen: GenerationConfig, max_prompt_length: int, 
     return sample
 
 
+def engine_sampler(folder, gen: GenerationConfig, max_prompt_length: int, batch_size: int, seed: int,
+                   dtype: str = "float32"):
+    """A `Sampler` on a model folder through `rlhflab.rollout.sampler.Sampler` with the
+    configured backend (`generation.backend`: vllm starts its engine on the folder). The
+    engine is sized for prompts of max_prompt_length tokens, as long as a refine prompt
+    may be. Returns (sample, the rollout Sampler, to close)."""
+    from rlhflab.rollout.sampler import EngineSettings, Sampler as FolderSampler, Sampling
+
+    engine = EngineSettings(kv_cache_gb=gen.kv_cache_gb, gpu_memory_utilization=gen.gpu_memory_utilization,
+                            enforce_eager=gen.enforce_eager)
+    folder_sampler = FolderSampler.from_folder(folder, backend=gen.backend, max_prompt_length=max_prompt_length,
+                                               engine=engine, dtype=dtype)
+    longest = " ".join(["0"] * (4 * max_prompt_length))  # cut to max_prompt_length tokens when the engine sizes
+    sampling = Sampling.from_config(gen)
+    calls = [0]
+
+    def sample(prompts: Sequence[str], n: int, max_new_tokens: int) -> list[list[str]]:
+        folder_sampler.start([longest], max_new_tokens=max_new_tokens, max_num_seqs=batch_size, seed=seed)
+        calls[0] += 1  # each round draws other noise: the seed moves on with the call
+        roll = folder_sampler.sample(list(prompts), replace(sampling, max_new_tokens=max_new_tokens), n=n,
+                                     batch_size=batch_size, seed=seed + 1_000_003 * calls[0])
+        return [roll.responses[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    return sample, folder_sampler
+
+
 def format_rounds(rounds: Sequence[RoundStats]) -> str:
     def pct(v):
         return "   n/a" if v is None else f"{100 * v:5.1f}%"
@@ -276,20 +302,31 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     save_effective_config(effective, out)
     seed_everything(cfg.run.seed)
-    model, tok = load_model(cfg.model.name_or_path, cfg.model.torch_dtype, cfg.run.device,
-                            cfg.model.trust_remote_code, cfg.model.tokenizer)
-    device = next(model.parameters()).device
-    cpu.apply(model, cfg.model, device, trained=False)  # oneDNN linears where chosen, on a CPU
+    closing = None
+    if cfg.generation.backend == "hf":
+        model, tok = load_model(cfg.model.name_or_path, cfg.model.torch_dtype, cfg.run.device,
+                                cfg.model.trust_remote_code, cfg.model.tokenizer)
+        device = next(model.parameters()).device
+        cpu.apply(model, cfg.model, device, trained=False)  # oneDNN linears where chosen, on a CPU
+    else:  # the engine reads the folder itself
+        sampler, closing = engine_sampler(cfg.model.name_or_path, cfg.generation, cfg.dataset.max_prompt_length,
+                                          cfg.tpo.batch_size, cfg.run.seed, dtype=cfg.model.torch_dtype)
+        tok, device = closing.tokenizer, resolve_device(cfg.run.device)
     examples = load_prompts(cfg.dataset, tok, "eval")  # with the tokenizer: its chat template, if used
     scorer = build_reward(cfg.reward, device)
     checks = build_eval_checks(cfg.eval, device)
     rows = [e.row for e in examples]
     correct_fn = (lambda p, r, e: judge(checks, p, r, e)) if accuracy_rule(checks, rows) else None
-    sampler = hf_sampler(model, tok, cfg.generation, cfg.dataset.max_prompt_length, cfg.tpo.batch_size)
+    if closing is None:
+        sampler = hf_sampler(model, tok, cfg.generation, cfg.dataset.max_prompt_length, cfg.tpo.batch_size)
     start = time.perf_counter()
-    with torch.no_grad():
-        res = tpo_search(sampler, [e.prompt for e in examples], rows, scorer, cfg.tpo,
-                         cfg.generation.max_new_tokens, correct_fn)
+    try:
+        with torch.no_grad():
+            res = tpo_search(sampler, [e.prompt for e in examples], rows, scorer, cfg.tpo,
+                             cfg.generation.max_new_tokens, correct_fn)
+    finally:
+        if closing is not None:
+            closing.close()
     seconds = time.perf_counter() - start
     (out / "tpo_rounds.jsonl").write_text("".join(json.dumps(r._asdict()) + "\n" for r in res.rounds))
     with (out / "samples.jsonl").open("w") as fh:

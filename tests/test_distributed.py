@@ -48,7 +48,8 @@ pytestmark = pytest.mark.slow
 
 def _env(tmp_path: Path) -> dict:
     (tmp_path / "dist_rewards.py").write_text(REWARD)  # a reward that differs inside a group
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(tmp_path),
+    # the reward module, then this checkout (not whatever rlhflab the venv installed)
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]),
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("WORLD_SIZE", None)
     return env
@@ -82,9 +83,11 @@ def cases(tiny_model_dir, arith_dir, arith_pairs) -> dict[str, tuple[list[str], 
     rl = {"ppo": ("ppo", PPO_STEP, ("ddp", "fsdp", "zero2", "zero3")),
           "ppo_critic": ("ppo", CRITIC, ("fsdp", "zero3")),
           "ppo_lora": ("ppo", LORA, ("ddp", "fsdp")),
-          "grpo": ("grpo", GRPO_STEP, ("ddp", "fsdp", "zero3"))}
+          "grpo": ("grpo", GRPO_STEP, ("ddp", "fsdp", "zero3")),
+          # one step off (generation.max_staleness=1): each rank's producer samples its rows
+          "grpo_s1": ("grpo", [*GRPO_STEP, "generation.max_staleness=1", "training.num_threads=1"], ("ddp",))}
     out = {name: ([method, "--config", str(ROOT / "configs" / f"{method}_debug.yaml"),
-                   *_common(tiny_model_dir, arith_dir), "training.total_steps=1", *settings], where)
+                   *_common(tiny_model_dir, arith_dir), "training.total_steps=1" if name != "grpo_s1" else "training.total_steps=3", *settings], where)
            for name, (method, settings, where) in rl.items()}
     # SFT: each rank takes its half of every micro-batch of the one shuffle, so every
     # optimizer step sees the rows one process would, whatever the accumulation.
@@ -121,7 +124,7 @@ def cases(tiny_model_dir, arith_dir, arith_pairs) -> dict[str, tuple[list[str], 
 
 
 # The 1-process runs compared with the 2-process ones (the end-to-end one by ZeRO-3's test).
-REFERENCES = ("ppo", "ppo_critic", "ppo_lora", "grpo", "sft", "dpo", "rm", "e2e")
+REFERENCES = ("ppo", "ppo_critic", "ppo_lora", "grpo", "grpo_s1", "sft", "dpo", "rm", "e2e")
 
 
 @pytest.fixture(scope="module")
@@ -234,6 +237,7 @@ def _case(strategy: str, name: str):
     *(_case(s, "ppo_critic") for s in ("fsdp", "zero3")),
     *(_case(s, "ppo_lora") for s in ("ddp", "fsdp")),
     *(_case(s, "grpo") for s in ("ddp", "fsdp", "zero3")),
+    _case("ddp", "grpo_s1"),
 ])
 def test_two_processes_equal_one(strategy, name, cases, tiny_model_dir, one_process, launched):
     settings = cases[name][0]

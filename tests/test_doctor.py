@@ -40,6 +40,7 @@ def healthy_history(n: int = 40, seed: int = 0) -> list[dict]:
             "params/kl_to_ref": 0.2 * (1 - math.exp(-5 * u)) + rng.uniform(0, 0.01),
             "params/grad_norm": 3.0 + rng.uniform(-1, 1),
             "rollout/logprob_gap": 3e-7 * (1 + 0.1 * (t % 3)),  # a vLLM sampler in float32 (no rng draw)
+            "rollout/is_capped_frac": 0.01 * (t % 3),  # an asynchronous run's importance weights (no rng draw)
             "lr": 1e-5,
         })
         if t % 10 == 0:  # a held-out evaluation: the reward and the accuracy rise together
@@ -631,3 +632,19 @@ def test_earlier_turns_collapsing_under_a_final_only_reward_fires_and_not_with_t
         r["episode/env_reward_mean"] = 0.2
     _, found = replay(rows)
     assert found == []
+
+
+def test_stale_sampler_fires_on_capped_importance_weights_and_mutes_the_gap_rule():
+    from rlhflab.doctor import IS_CAPPED, LOGPROB_GAP, VERSION_GAP, Doctor
+
+    doctor = Doctor(method="grpo")
+    # one step off: the gap grows with the policy's move (0.001 -> 0.05, 50x: the sync rule's
+    # jump), but the version gap says why; 0.05 and 0.15 capped are within the 0.2 limit
+    for step, (gap, capped) in enumerate([(0.001, 0.0), (0.001, 0.05), (0.002, 0.15), (0.05, 0.15)], 1):
+        doctor.observe(step, {LOGPROB_GAP: gap, VERSION_GAP: 1.0 if step > 1 else 0.0, IS_CAPPED: capped,
+                              "rollout/reward_mean": 0.5})
+    assert doctor.state["logprob_gap"] == "" and doctor.state["stale_sampler"] == ""
+    doctor.observe(5, {LOGPROB_GAP: 0.05, VERSION_GAP: 1.0, IS_CAPPED: 0.31, "rollout/reward_mean": 0.5})
+    (finding,) = [f for f in doctor.findings if f.rule == "stale_sampler"]
+    assert finding.step == 5 and "0.31 at step 5 (episodes 1 versions old)" in finding.message
+    assert "generation.max_staleness" in finding.message

@@ -309,7 +309,7 @@ def test_decode_kwargs_greedy_sampled_and_lockstep():
 def test_multiturn_hf_refused_under_sharded_layers():
     """Episodes end after different numbers of turns on different ranks, so lockstep
     generate calls (FSDP / ZeRO-3 sharded layers) would not pair up: one line instead of a hang."""
-    from rlhflab.envs.rollout import hf_generate_ids
+    from rlhflab.rollout.hf import hf_generate_ids
     from rlhflab.errors import UserError
     from rlhflab.rollout.hf import LOCKSTEP_ATTR
     m = torch.nn.Linear(1, 1)

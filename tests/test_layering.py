@@ -162,3 +162,26 @@ def test_ops_hold_no_process_global_switch():
     found = [f"{p.relative_to(PACKAGE.parent)}:{node.lineno}" for p in sorted((PACKAGE / "ops").rglob("*.py"))
              for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))) if isinstance(node, ast.Global)]
     assert found == []
+
+
+ENGINE_MODULES = ("rlhflab.rollout.hf", "rlhflab.rollout.vllm")
+ABOVE_THE_SEAM = ("trainers", "envs", "engine")
+
+
+def test_nothing_above_the_rollout_seam_imports_an_engine_module():
+    """trainers/, envs/ and engine/ talk to the rollout package (its service and protocol),
+    never to an engine module (hf.py, vllm.py): a third engine is one file and its
+    registration (docs/adding_a_backend.md). Imports inside functions count."""
+    found = []
+    for unit in ABOVE_THE_SEAM:
+        for path in sorted((PACKAGE / unit).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                for name in names:
+                    if any(name == m or name.startswith(m + ".") for m in ENGINE_MODULES):
+                        found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} imports {name}")
+    assert not found, "\n".join(found)

@@ -138,3 +138,30 @@ def test_tpo_command(tiny_model_dir, arith_dir, tmp_path, capsys):
     assert rc == 0 and "accuracy by the GSM8K checker" in out
     assert "round  samples" in out and (tmp_path / "tpo" / "tpo_rounds.jsonl").is_file()
     assert len((tmp_path / "tpo" / "samples.jsonl").read_text().splitlines()) == 4
+
+
+@pytest.mark.slow
+def test_tpo_command_with_the_vllm_backend(tiny_model_dir, arith_dir, tmp_path, capsys):
+    # `rlhflab tpo` samples through the configured backend: vLLM on the folder (eager, to
+    # start in seconds; tiny_model_dir's head_dim 32 has a CPU kernel), no hf model loaded.
+    from test_vllm_backend import HAVE_VLLM
+
+    if not HAVE_VLLM:
+        pytest.skip("vLLM is not installed")
+    from rlhflab.cli import main
+    from rlhflab.rollout.vllm import VLLMEngine
+
+    started = []
+    real = VLLMEngine.create.__func__
+    VLLMEngine.create = classmethod(lambda cls, *a, **k: started.append(1) or real(cls, *a, **k))
+    try:
+        rc = main(["tpo", "--config", str(ROOT / "configs" / "tpo_quickstart.yaml"),
+                   f"model.name_or_path={tiny_model_dir}", f"dataset.eval_path={arith_dir / 'test.jsonl'}",
+                   "dataset.num_eval_samples=4", "generation.max_new_tokens=4", "tpo.rounds=1",
+                   "tpo.num_candidates=2", f"run.output_dir={tmp_path / 'tpo'}", "run.num_threads=1",
+                   "generation.backend=vllm", "generation.enforce_eager=true"])
+    finally:
+        VLLMEngine.create = classmethod(real)
+    out = capsys.readouterr().out
+    assert rc == 0 and started == [1] and "round  samples" in out
+    assert len((tmp_path / "tpo" / "samples.jsonl").read_text().splitlines()) == 4

@@ -198,6 +198,14 @@ class GenerationConfig:
                                        "baseline + sync_check_floor (docs/rollout_backends.md)", gt=1)
     sync_check_floor: float = f(1e-3, "vllm, sync_check: the smallest jump (nats per token) that can trip the "
                                       "canary; float32 runs, whose gap is ~3e-7, are judged by this", ge=0)
+    max_staleness: int = f(0, "asynchronous rollouts: step k samples from the weights after update k-1-s, in a "
+                              "producer process, while the earlier steps update; 0: synchronous "
+                              "(docs/rollout_backends.md)", ge=0)
+    producer: Literal["auto", "process"] = f(
+        "auto", "where rollouts are sampled: auto, in the trainer's process at max_staleness 0 and in a producer "
+                "process above; process, in a producer process always")
+    producer_timeout_s: float = f(600.0, "seconds the trainer waits on the rollout producer (to start, to load a "
+                                         "weight push, to send a step's episodes) before it stops the run", gt=0)
 
     def check(self) -> list[str]:
         errs = []
@@ -227,6 +235,9 @@ class GenerationConfig:
         if self.backend == "vllm" and self.seeded_sampling:
             errs.append("seeded_sampling: applies only to backend=hf (vLLM draws from its own random "
                         "stream); set it to false or backend: hf")
+        if self.max_staleness and self.sync_interval != 1:
+            errs.append(f"sync_interval: {self.sync_interval} with max_staleness {self.max_staleness}: the "
+                        f"staleness is already exact (every update is pushed); set sync_interval: 1")
         return errs
 
 

@@ -52,7 +52,7 @@ import torch
 
 from rlhflab import ops
 from rlhflab.errors import UserError
-from rlhflab.rollout.hf import LOCKSTEP_ATTR
+from rlhflab.rollout import LOCKSTEP_ATTR
 
 ENGINE_DIR = "deepspeed"  # a DeepSpeed run's checkpoint keeps the engine's own state here
 ENGINE_TAG = "state"

@@ -82,6 +82,12 @@ class MinibatchStats:
     # (those with a loss token): rollout/is_masked_frac
     seq_masked: float = 0.0
     seq_judged: float = 0.0
+    # the truncated importance weights w = min(pi_old / pi_sampler, tis_cap) on real tokens
+    # (tis_cap set and the sampler's log-probs known): Σ w, Σ w², tokens capped, tokens
+    is_sum: float = 0.0
+    is_sq_sum: float = 0.0
+    is_capped: float = 0.0
+    is_tokens: float = 0.0
 
 
 LOSS_KEYS = ("policy", "value", "entropy", "total", "kl", "ptx")
@@ -250,6 +256,13 @@ def minibatch_loss(actor, mb: MiniBatch, sec, temperature: float, math_: PPOMath
                            float(t.clip_frac_low), float(t.clip_frac_high), float(t.kl), ptx=ptx,
                            kl_seq_sum=float(t.kl_seq_sum), gap_sum=gap_sum, gap_tokens=gap_tokens,
                            seq_masked=seq_masked, seq_judged=seq_judged)
+    if getattr(sec, "tis_cap", None) is not None and mb.sample_logprobs is not None:
+        with torch.no_grad():  # the same weights loss_terms gave the policy loss
+            real = mb.loss_mask.to(old.dtype)
+            w = ops.truncated_is_weights(old, mb.sample_logprobs, mb.loss_mask, sec.tis_cap)   # (b, T)
+            capped = ((old - mb.sample_logprobs) >= math.log(sec.tis_cap)).to(old.dtype) * real
+            stats.is_sum, stats.is_sq_sum = float(w.sum()), float((w * w).sum())
+            stats.is_capped, stats.is_tokens = float(capped.sum()), float(real.sum())
     return total, stats
 
 
@@ -345,6 +358,7 @@ def policy_update(actor, optimizer, scheduler, roll: Rollout, sec, *, temperatur
     # old log-probs that are the sampler's own (generation.old_logprobs: sampler)
     gap = [0.0, 0.0]
     seq_mask = [0.0, 0.0]  # responses masked, responses judged (first epoch: the same old log-probs after)
+    weights = [0.0, 0.0, 0.0, 0.0]  # the importance weights' Σ w, Σ w², capped, tokens (first epoch)
     gap_here = (getattr(roll, "sample_logprobs", None) is not None
                 and (roll.logprobs is None or getattr(roll, "old_from_sampler", False)))
     for epoch in range(sec.epochs):
@@ -377,6 +391,8 @@ def policy_update(actor, optimizer, scheduler, roll: Rollout, sec, *, temperatur
                     gap[1] += st.gap_tokens
                     seq_mask[0] += st.seq_masked
                     seq_mask[1] += st.seq_judged
+                    for i, key in enumerate(("is_sum", "is_sq_sum", "is_capped", "is_tokens")):
+                        weights[i] += getattr(st, key, 0.0)
                 n_mb += 1
     n_opt = len(grad_norms)
     # Each rank's loss parts are its share of the global loss: summed over ranks. The
@@ -408,6 +424,13 @@ def policy_update(actor, optimizer, scheduler, roll: Rollout, sec, *, temperatur
         judged = dist.sum(seq_mask[1])
         if judged > 0:  # (no sampler log-probs, or learner mode's own step: nothing judged)
             metrics["rollout/is_masked_frac"] = dist.sum(seq_mask[0]) / judged
+    if getattr(sec, "tis_cap", None) is not None and getattr(roll, "sample_logprobs", None) is not None:
+        total_w, total_sq, capped, tokens = (dist.sum(x) for x in weights)
+        if tokens > 0:  # the first epoch's weights, over every rank (docs/rollout_backends.md)
+            mean = total_w / tokens
+            metrics["rollout/is_weight_mean"] = mean
+            metrics["rollout/is_weight_std"] = math.sqrt(max(total_sq / tokens - mean * mean, 0.0))
+            metrics["rollout/is_capped_frac"] = capped / tokens
     metrics["params/grad_norm"] = sum(grad_norms) / n_opt
     metrics["lr"] = optimizer.param_groups[0]["lr"]
     return metrics

@@ -68,7 +68,7 @@ def greedy_episodes(model, setup: EpisodeSetup, rows: Sequence[dict], *, max_tur
                     stop_ids: Sequence[int] = (), env_kwargs: dict | None = None, batch_size: int = 64
                     ) -> list[Episode]:
     """Greedy episodes of `model` on `rows` (the hf backend's per-turn generate)."""
-    from rlhflab.envs.rollout import hf_generate_ids
+    from rlhflab.rollout import hf_generate_ids
 
     tok = setup.renderer.tokenizer
     stops = sorted({int(s) for s in stop_ids} | {setup.renderer.end_of_turn_id})

@@ -51,11 +51,7 @@ from rlhflab.envs.tools import Tool, answer_calls, load_tools, resolve_tool_form
     tools_system_prompt
 
 
-class Generated(NamedTuple):
-    """What a backend may return per prompt: the sampled ids and their log-probs."""
-
-    ids: list[int]
-    logprobs: list[float] | None = None
+from rlhflab.rollout import Generated  # noqa: E402,F401 (what a backend returns per prompt)
 
 
 @dataclass

@@ -35,7 +35,7 @@ import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -255,8 +255,9 @@ def save_checkpoint(folder: str | Path, actor_critic, tokenizer, *, optimizer=No
                     scheduler=None, step: int | None = None, extra: dict | None = None,
                     rank_rng: list | None = None, method: str | None = None,
                     state: dict | None = None, optimizer_state: dict | None = None,
-                    engine_state: Path | None = None) -> Path:
-    """Write a checkpoint atomically (temporary folder, then rename).
+                    engine_state: Path | None = None, more: Callable[[Path], None] | None = None) -> Path:
+    """Write a checkpoint atomically (temporary folder, then rename); `more(folder)` writes
+    a caller's own files into it before the rename (the rollout producer's weights).
 
     `actor_critic` needs `.policy`, `.critic` and `.value_head`; with both of the last two
     None (a `PolicyOnly`) only the policy and the trainer state are written. `rank_rng`
@@ -280,6 +281,8 @@ def save_checkpoint(folder: str | Path, actor_critic, tokenizer, *, optimizer=No
                               state, optimizer_state)
             if engine_state is not None:
                 shutil.move(str(engine_state), str(tmp / "deepspeed"))
+            if more is not None:
+                more(tmp)
     finally:
         if engine_state is not None and Path(engine_state).exists():  # a failed save leaves no staging behind
             shutil.rmtree(engine_state, ignore_errors=True)

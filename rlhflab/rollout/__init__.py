@@ -17,7 +17,7 @@ temperature T (as in TRL and OpenRLHF).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import NamedTuple, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -179,8 +179,29 @@ def eos_ids_of(model, tokenizer) -> list[int]:
 
 
 
+class Generated(NamedTuple):
+    """What an engine returns per token-id prompt: the sampled ids and their log-probs."""
+
+    ids: list[int]
+    logprobs: list[float] | None = None
+
+
 class RolloutBackend(Protocol):
-    """What a trainer asks of a generation backend (`generation.backend`)."""
+    """What the rollout service (`rlhflab.rollout.service`) asks of an engine
+    (`generation.backend`; docs/adding_a_backend.md). `seed`: the row-keyed sampling seed
+    (None: the engine's own random stream); `context_limit`: the longest sequence it holds
+    (None: no limit of its own)."""
+
+    seed: int | None
+    context_limit: int | None
+
+    def generate_ids(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop_ids: Sequence[int],
+                     greedy: bool = False, keys: Tensor | None = None) -> list[Generated]:
+        """Token-id prompts -> the ids sampled after each (uncut past a stop id) and the
+        sampler's log-prob of each; `keys` (one per prompt): row-keyed seeded sampling."""
+
+    def idle(self) -> None:
+        """Sampling is over until the next step (a multi-turn batch is done): free what can be."""
 
     def generate(self, prompts: Sequence[str], *, n: int = 1, examples: Sequence[dict] | None = None,
                  greedy: bool = False, max_new_tokens: int | None = None, step: int = 0) -> Rollout:
@@ -194,7 +215,7 @@ class RolloutBackend(Protocol):
         """The run is over (finished or raised): free what the backend holds (an engine)."""
 
 
-from rlhflab.rollout.hf import HFBackend, generate  # noqa: E402  (it builds on the definitions above)
+from rlhflab.rollout.hf import LOCKSTEP_ATTR, HFBackend, generate, hf_generate_ids  # noqa: E402,F401 (builds on the above)
 
 
 def make_backend(gen_cfg, policy: torch.nn.Module, tokenizer, *, max_prompt_length: int | None,

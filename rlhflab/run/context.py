@@ -222,7 +222,8 @@ class Run:
 
     def save_checkpoint(self, folder: Path, step: int, *, module: torch.nn.Module, actor, tokenizer,
                         optimizer, scheduler, state_prefix: str | None = None, rank_rng: bool = False,
-                        hold: bool = True, check: Callable[[], None] | None = None) -> None:
+                        hold: bool = True, check: Callable[[], None] | None = None,
+                        more: Callable[[Path], None] | None = None) -> None:
         """A resumable checkpoint (`models.checkpoint.save_checkpoint`): the full weights
         and optimizer state gathered from `module` (as the strategy wraps it; its state keys
         under `state_prefix` when it wraps the actor), every rank's random state when
@@ -249,7 +250,7 @@ class Run:
                 check()
             save_checkpoint(folder, actor, tokenizer, optimizer=optimizer, scheduler=scheduler, step=step,
                             method=self.method, rank_rng=rng if dist.distributed else None, state=state,
-                            optimizer_state=optimizer_state, engine_state=engine_state)
+                            optimizer_state=optimizer_state, engine_state=engine_state, more=more)
 
         self.save(write, module if hold else None, folder)
 

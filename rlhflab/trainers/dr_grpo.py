@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from rlhflab.config.schema import Aggregation, f
-from rlhflab.trainers.grpo import GRPOSection, grpo_step
+from rlhflab.trainers.grpo import GRPOSection, grpo_prepare, grpo_update
 from rlhflab.trainers.loop import PolicyMethod, policy_entry_points, policy_run_config
 
 
@@ -41,7 +41,7 @@ DrGRPORunConfig = policy_run_config(
 
 
 def method(cfg: DrGRPORunConfig) -> PolicyMethod:
-    return PolicyMethod("dr_grpo", grpo_step, need_reference=lambda c: c.dr_grpo.kl_coeff > 0)
+    return PolicyMethod("dr_grpo", grpo_prepare, grpo_update, need_reference=lambda c: c.dr_grpo.kl_coeff > 0)
 
 
 train, add_parser, run = policy_entry_points(

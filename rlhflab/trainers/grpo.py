@@ -2,8 +2,9 @@
 
 Group Relative Policy Optimization (Shao et al., 2024, DeepSeekMath): no critic; each
 prompt is answered `grpo.group_size` times and a response's advantage is its reward
-relative to the others of its group. One step (the loop around it is
-`rlhflab.trainers.loop`, the update the shared engine):
+relative to the others of its group. One step (the loop, `rlhflab.trainers.loop`, runs
+phase 1 through the rollout service and phase 6; this file owns 2-4, `grpo_prepare`, and
+5, `grpo_update`, the shared engine):
 
     1. rollout      group_size sampled responses per prompt (KV cache, no gradients)
     2. score        the reward of each response (rule, reward model, classifier)
@@ -41,8 +42,9 @@ from rlhflab import ops
 from rlhflab.config.schema import GroupSection, KLKind, f
 from rlhflab.engine.scoring import score_rollout
 from rlhflab.trainers.common import Timer
-from rlhflab.trainers.loop import (PolicyMethod, RLRun, broadcast_advantages, group_advantages, policy_entry_points,
-                                   policy_run_config, rollout_metrics, run_update, score_responses, outcome_scores)
+from rlhflab.trainers.loop import (PolicyMethod, RLRun, broadcast_advantages, group_advantages, one_step,
+                                   policy_entry_points, policy_run_config, run_update, sample_rollout,
+                                   score_responses, outcome_scores)
 
 
 # --------------------------------------------------------------------------------------
@@ -72,19 +74,15 @@ GRPORunConfig = policy_run_config(
 
 
 # --------------------------------------------------------------------------------------
-# Phases 1-5 of one step
+# Phases 2-4 (prepare) and 5 (update) of one step; phase 1 is the loop's
 # --------------------------------------------------------------------------------------
-def sample_and_score(run: RLRun, examples, timer: Timer, step: int = 0, *, kl_in_reward: bool = False):
-    """Phases 1-3 shared by the group methods: `samples_per_prompt` responses per prompt
-    (each group contiguous), their scores, and the log-probs the step needs: the
-    reference's when a KL is used, the sampling policy's when the update makes more than
-    one optimizer step or the KL is folded into the reward."""
+def score_and_forward(run: RLRun, roll, timer: Timer, *, kl_in_reward: bool = False) -> None:
+    """Phases 2-3 shared by the group methods, on a rollout of `samples_per_prompt`
+    responses per prompt (each group contiguous): the scores, and the log-probs the step
+    needs: the reference's when a KL is used, the sampling policy's when the update makes
+    more than one optimizer step or the KL is folded into the reward."""
     sec, cfg, models = run.sec, run.cfg, run.models
     temp = cfg.generation.temperature
-    # 1. rollout: samples_per_prompt responses per prompt, each group contiguous.
-    with timer("generate"):
-        roll = run.backend.generate([e.prompt for e in examples], n=sec.samples_per_prompt,
-                                    examples=[e.row for e in examples], step=step)
     # 2. score: one float per response.
     with timer("score"):
         # (B,); multi-turn: the final answer's score plus the environment's turn rewards
@@ -98,25 +96,38 @@ def sample_and_score(run: RLRun, examples, timer: Timer, step: int = 0, *, kl_in
                       share_prompt=sec.share_prompt)
         if roll.ref_logprobs is not None and roll.logprobs is not None:
             roll.kl = ops.kl_estimate(roll.logprobs, roll.ref_logprobs, sec.kl_estimator) * roll.response_mask
+
+
+def sample_and_score(run: RLRun, examples, timer: Timer, step: int = 0, *, kl_in_reward: bool = False):
+    """Phases 1-3 of a group method on `examples` (tests and benches; the loop runs phase 1)."""
+    roll = sample_rollout(run, examples, step, timer)
+    score_and_forward(run, roll, timer, kl_in_reward=kl_in_reward)
     return roll
 
 
-def grpo_step(run: RLRun, examples, step: int, timer: Timer) -> dict[str, float]:
-    """Phases 1-5 of one GRPO step; returns its metrics."""
+def grpo_prepare(run: RLRun, roll, step: int, timer: Timer) -> dict[str, float]:
+    """Phases 2-4 of one GRPO step on its rollout: scores, the passes it needs, advantages."""
     sec = run.sec
-    roll = sample_and_score(run, examples, timer, step)
+    score_and_forward(run, roll, timer)
     # 4. advantages: relative to the group, the same value on every token (a group never
     # straddles processes; the batch std of advantage_scale: batch is over every rank).
     seq_adv = group_advantages(roll.scores, sec.group_size, sec.advantage_scale, run.dist)  # (B,)
     roll.advantages = broadcast_advantages(seq_adv, roll.response_mask)             # (B, T)
-    # 5. update.
-    with timer("update"):
-        upd = run_update(run, roll, step)
-    return {**rollout_metrics(roll, run.dist), **upd}
+    return {}
+
+
+def grpo_update(run: RLRun, roll, step: int) -> dict[str, float]:
+    """5. update: the shared engine's clipped surrogate (+ kl_coeff KL to the reference)."""
+    return run_update(run, roll, step)
+
+
+def grpo_step(run: RLRun, examples, step: int, timer: Timer) -> dict[str, float]:
+    """Phases 1-5 of one GRPO step, in one call (tests and benches); returns its metrics."""
+    return one_step(run, examples, step, timer, grpo_prepare, grpo_update)
 
 
 def method(cfg: GRPORunConfig) -> PolicyMethod:
-    return PolicyMethod("grpo", grpo_step, need_reference=lambda c: c.grpo.kl_coeff > 0)
+    return PolicyMethod("grpo", grpo_prepare, grpo_update, need_reference=lambda c: c.grpo.kl_coeff > 0)
 
 
 train, add_parser, run = policy_entry_points(

@@ -26,7 +26,7 @@ from typing import Optional
 from rlhflab import ops
 from rlhflab.config.schema import Aggregation, f
 from rlhflab.engine.update import PPOMath
-from rlhflab.trainers.grpo import GRPOSection, grpo_step
+from rlhflab.trainers.grpo import GRPOSection, grpo_prepare, grpo_update
 from rlhflab.trainers.loop import PolicyMethod, policy_entry_points, policy_run_config
 
 
@@ -56,9 +56,9 @@ GSPORunConfig = policy_run_config(
 
 
 def method(cfg: GSPORunConfig) -> PolicyMethod:
-    return PolicyMethod("gspo", grpo_step, need_reference=lambda c: c.gspo.kl_coeff > 0)
+    return PolicyMethod("gspo", grpo_prepare, grpo_update, stale_correction=False, need_reference=lambda c: c.gspo.kl_coeff > 0)
 
 
-# GRPO's step; the engine minimises the sequence-level loss instead of the token-level one.
+# GRPO's prepare and update; the engine minimises the sequence-level loss instead of the token-level one.
 train, add_parser, run = policy_entry_points(method, GSPORunConfig, command="gspo", example="gspo.clip_eps=3e-4",
                                              math_=PPOMath(policy_loss=ops.gspo_policy_loss))

@@ -1,17 +1,25 @@
 """The loop around every policy-optimisation method (PPO, GRPO, RLOO, REINFORCE++,
-Dr. GRPO, TRPO): set up once, then per step fresh prompts, the method's phases 1-5,
-then 6. log, evaluate, save.
+Dr. GRPO, GSPO, TRPO): set up once, then per step
 
-A method is its step function (`step(run, examples, step, timer) -> metrics`, the
-numbered phases in its own file) and a few facts: its config section, whether it has a
-critic, whether it needs the reference. Everything around it is here, once.
+    1. rollout      step k's episodes from the rollout service (fresh prompts keyed by
+                    (seed, step); `rlhflab.rollout.service`)
+    2-4. prepare    the method's: scores, the reference/old passes, advantages
+    5. update       the method's update (the shared engine, or TRPO's own line search)
+    (push)          the updated weights to the service, tagged with their version k
+    6. log, evaluate, save
+
+A method is what it owns (`prepare(run, roll, step, timer)` and `update(run, roll,
+step)`, the numbered phases in its own file) and a few facts: its config section,
+whether it has a critic, whether it needs the reference. Everything around it is here,
+once. `one_step` runs phases 1-5 of one step in one call, for tests and benches.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -22,12 +30,14 @@ from rlhflab.data.prompts import load_prompts, step_prompts
 from rlhflab.engine.dist import (Dist, explained_variance, group_advantages,  # noqa: F401 (re-exported)
                                  launched_world_size, whiten)
 from rlhflab.engine.update import PPOMath, policy_update
+from rlhflab.errors import UserError
 from rlhflab.evaluate import EvalChecks, EvalResult, build_eval_checks, evaluate_policy, save_samples
 from rlhflab.models.load import resolve_device
 from rlhflab.models.setup import CriticKind, PolicyModels, build_models
 from rlhflab.rewards import build_reward
 from rlhflab.rewards.preflight import preflight
 from rlhflab.rollout import Rollout, RolloutBackend, make_backend
+from rlhflab.rollout.service import InProcessService, ProducerService, ProducerSpec
 from rlhflab.run import Run, TrainResult, entry_point, start_run
 from rlhflab.trainers.common import (Timer, check_finite_model, diverged, format_metrics, last_eval,
                                      make_optimization, make_probe_batch)
@@ -38,12 +48,14 @@ class PolicyMethod:
     """What the loop needs to know about a method."""
 
     name: str                                   # the command and the config section, e.g. "grpo"
-    step: Callable[..., dict]                   # phases 1-5: (run, examples, step, timer) -> metrics
+    prepare: Callable[..., dict]                # phases 2-4: (run, roll, step, timer) -> extra metrics
+    update: Callable[..., dict]                 # phase 5: (run, roll, step) -> metrics
     critic: CriticKind | None = None            # PPO: the configured model.critic; critic-free: None
     need_reference: Callable[[object], bool] = lambda cfg: False
     plot_groups: dict[str, list[str]] | None = None
     optimizer_params: Callable[[object], list] | None = None  # what the optimizer trains (default: every trainable)
     step_knob: str = "learning_rate"  # the section key a diverging run is told to lower
+    stale_correction: bool = True  # tis_cap defaults to ASYNC_TIS_CAP at max_staleness >= 1 (GSPO: no token weights)
 
 
 @dataclass
@@ -63,6 +75,7 @@ class RLRun:
     train_model: torch.nn.Module | None = None  # models.actor as the strategy wraps it (itself in one process)
     checks: EvalChecks | None = None  # eval.correct and eval.rewards, for the held-out evaluation
     context: Run | None = None  # the run context (rlhflab.run): rank 0's writes and prints
+    service: object | None = None  # the rollout service (rlhflab.rollout.service): step k's episodes, the pushes
 
     def ptx_batches(self, step: int):
         return self.ptx.batches(step) if self.ptx is not None else None
@@ -208,18 +221,25 @@ def build_run(cfg, method: PolicyMethod, *, resume_dir: Path | None = None, math
     prompt_room = cfg.dataset.max_prompt_length
     if env_active(cfg) and cfg.generation.backend == "vllm":  # the engine holds whole episodes
         prompt_room = episode_budget(cfg) - cfg.generation.max_new_tokens
-    backend = make_backend(cfg.generation, models.policy, models.tokenizer,
-                           max_prompt_length=prompt_room, batch_size=sec.batch_size,
-                           seed=train_cfg.seed, rank=dist.rank, world_size=processes)
-    if context is not None:  # the backend stops with the run (vllm: its engine)
-        context.on_close(backend.close)
-    if env_active(cfg):  # multi-turn episodes through the same backend (rlhflab.envs.rollout)
-        from rlhflab.envs import setup_episodes
-        from rlhflab.envs.rollout import EpisodeBackend
-        from rlhflab.rollout import eos_ids_of
-        backend = EpisodeBackend(backend, setup_episodes(cfg.env, models.tokenizer), cfg.env, models.tokenizer,
-                                 prompt_field=cfg.dataset.prompt_field,
-                                 stop_ids=eos_ids_of(models.policy, models.tokenizer))
+    sizes = dict(prompt_room=prompt_room, batch_size=sec.batch_size, seed=train_cfg.seed, rank=dist.rank,
+                 world_size=processes)
+    gen = cfg.generation
+    producer = producing(cfg)
+    if producer and gen.backend != "hf":  # the engine runs in the producer; here hf serves the evaluation
+        gen = replace(gen, backend="hf", kv_cache_gb=None, enforce_eager=False, sync_interval=1)
+    if (gen.max_staleness and getattr(sec, "tis_cap", "n/a") is None and method.stale_correction
+            and gen.old_logprobs != "sampler" and getattr(sec, "sequence_mask_cap", None) is None):  # (with the sampler as pi_old the weight would be 1)
+        sec.tis_cap = ASYNC_TIS_CAP  # the behaviour policy is the stale sampler: TIS by default
+    backend = build_backend(cfg, models.policy, models.tokenizer, gen=gen, context=context, **sizes)
+    service = InProcessService(backend)
+    if producer:
+        spec = producer_spec(cfg, models, sizes)
+        service = ProducerService(spec, staleness=cfg.generation.max_staleness,
+                                  timeout_s=cfg.generation.producer_timeout_s, device=models.device,
+                                  sync_check=cfg.generation.sync_check, factor=cfg.generation.sync_check_factor,
+                                  floor=cfg.generation.sync_check_floor)
+        if context is not None:  # the producer ends with the run, whatever ended it
+            context.on_close(service.close)
     ptx = None
     if sec.ptx_coeff > 0:
         from rlhflab.data.ptx import PtxData
@@ -228,7 +248,135 @@ def build_run(cfg, method: PolicyMethod, *, resume_dir: Path | None = None, math
                            max_seq_length=cfg.dataset.max_prompt_length + cfg.generation.max_new_tokens,
                            seed=train_cfg.seed * 1_009 + dist.rank, device=models.device)
     return RLRun(cfg, sec, models, backend, scorer, optimizer, scheduler, math_ or PPOMath(), ptx, dist,
-                 train_model, checks, context)
+                 train_model, checks, context, service)
+
+
+SAMPLER_WEIGHTS = "sampler_weights"  # a checkpoint's folder of the older versions the producer samples next
+
+
+def save_sampler_weights(folder: Path, held: dict[int, dict]) -> None:
+    """Write the weight versions the next steps sample from (max_staleness >= 1) into a
+    checkpoint folder: sampler_weights/v<version>.safetensors each."""
+    from safetensors.torch import save_file
+
+    out = folder / SAMPLER_WEIGHTS
+    out.mkdir(exist_ok=True)
+    for version, state in held.items():
+        save_file({k: v.contiguous() for k, v in state.items()}, str(out / f"v{version}.safetensors"))
+
+
+def load_sampler_weights(folder: Path) -> dict[int, dict]:
+    """The weight versions a checkpoint kept for its producer (`save_sampler_weights`)."""
+    from safetensors.torch import load_file
+
+    out = Path(folder) / SAMPLER_WEIGHTS
+    if not out.is_dir():
+        return {}
+    return {int(p.stem[1:]): load_file(str(p)) for p in sorted(out.glob("v*.safetensors"))}
+
+
+ASYNC_TIS_CAP = 2.0  # tis_cap at max_staleness >= 1 when none is set (docs/rollout_backends.md: why 2)
+
+
+def producing(cfg) -> bool:
+    """Whether the run samples in a producer process (generation.max_staleness >= 1, or
+    generation.producer: process)."""
+    gen = cfg.generation
+    return gen.max_staleness > 0 or gen.producer == "process"
+
+
+def async_refusal(cfg, strategy: str | None = None) -> str | None:
+    """Why this run cannot sample in a producer process, in one line; None when it can
+    (a method whose section says ASYNCHRONOUS = False is refused at load: `sampler_rules`)."""
+    gen = cfg.generation
+    if not producing(cfg):
+        return None
+    if strategy in ("fsdp", "zero3"):
+        return (f"generation.max_staleness / generation.producer: process under {strategy}: the weights are "
+                f"sharded, and the producer takes whole weights from each rank; launch with "
+                f"configs/accelerate/ddp.yaml or set generation.max_staleness: 0")
+    return None
+
+
+def build_backend(cfg, policy, tokenizer, *, gen=None, prompt_room: int | None, batch_size: int, seed: int,
+                  rank: int = 0, world_size: int = 1, context: Run | None = None):
+    """The run's sampler on `policy` (`gen`: the generation section, cfg.generation unless
+    given): `rollout.make_backend`, wrapped for multi-turn episodes when an environment is
+    configured (`envs.rollout.EpisodeBackend`). The rollout producer builds its own with it."""
+    gen = gen or cfg.generation
+    backend = make_backend(gen, policy, tokenizer, max_prompt_length=prompt_room, batch_size=batch_size,
+                           seed=seed, rank=rank, world_size=world_size)
+    if context is not None:  # the backend stops with the run (vllm: its engine)
+        context.on_close(backend.close)
+    if env_active(cfg):  # multi-turn episodes through the same backend (rlhflab.envs.rollout)
+        from rlhflab.envs import setup_episodes
+        from rlhflab.envs.rollout import EpisodeBackend
+        from rlhflab.rollout import eos_ids_of
+        backend = EpisodeBackend(backend, setup_episodes(cfg.env, tokenizer), cfg.env, tokenizer,
+                                 prompt_field=cfg.dataset.prompt_field, stop_ids=eos_ids_of(policy, tokenizer))
+    return backend
+
+
+def build_producer_backend(cfg, sizes: dict, model, tokenizer):
+    """In the producer process: the run's sampler on its copy of the policy, seeded by
+    (seed, step, row) (hf), recording the sampler's log-probs for the importance weights
+    when the run is asynchronous."""
+    gen = cfg.generation
+    if gen.backend == "hf":
+        gen = replace(gen, seeded_sampling=True)
+    backend = build_backend(cfg, model, tokenizer, gen=gen, **sizes)
+    inner = getattr(backend, "backend", backend)
+    if gen.max_staleness and hasattr(inner, "sample_logprobs"):
+        inner.sample_logprobs = True
+    return backend
+
+
+def setup_producer_model(cpu_cfg, model_cfg, device, model) -> None:
+    """In the producer process: the CPU settings the trainer's policy got (`rlhflab.cpu`)."""
+    cpu.setup_process(device, cpu_cfg)
+    cpu.apply(model, model_cfg, device)
+
+
+def producer_spec(cfg, models: PolicyModels, sizes: dict) -> ProducerSpec:
+    """What the producer process builds its copy of the policy and its sampler from."""
+    from functools import partial
+
+    policy, gen = models.policy, cfg.generation
+    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    threads = cfg.training.num_threads or max(1, (os.cpu_count() or 2) // 2)
+    texts = ["The quick brown fox jumps over the lazy dog.", "1 + 2 = 3, and 4 + 5 = 9."]
+    probe = make_probe_batch(models.tokenizer, texts, "cpu")
+    return ProducerSpec(build=partial(build_producer_backend, cfg, sizes), model_config=base.config,
+                        generation_config=getattr(base, "generation_config", None),
+                        dtype=next(base.parameters()).dtype, tokenizer=models.tokenizer, device=str(models.device),
+                        threads=threads, probe=probe, setup=partial(setup_producer_model, cfg.cpu, cfg.model, models.device),
+                        extra={"temperature": gen.temperature,  # vLLM: its gap on every rollout judged there
+                               "engine_gap": (gen.backend == "vllm" and gen.sync_check and gen.top_k == 0
+                                              and gen.top_p == 1.0 and gen.min_new_tokens == 0)})
+
+
+def sample_rollout(run: RLRun, examples, step: int, timer: Timer) -> Rollout:
+    """1. rollout: `samples_per_prompt` responses per example (each group contiguous)."""
+    with timer("generate"):
+        return run.backend.generate([e.prompt for e in examples], n=run.sec.samples_per_prompt,
+                                    examples=[e.row for e in examples], step=step)
+
+
+def one_step(run: RLRun, examples, step: int, timer: Timer, prepare: Callable, update: Callable) -> dict[str, float]:
+    """Phases 1-5 of one step in one call (tests and benches): the rollout, `prepare`
+    (2-4), `update` (5); returns the step's metrics as the loop logs them."""
+    roll = sample_rollout(run, examples, step, timer)
+    return prepare_and_update(run, roll, step, timer, prepare, update)
+
+
+def prepare_and_update(run: RLRun, roll: Rollout, step: int, timer: Timer, prepare: Callable,
+                       update: Callable) -> dict[str, float]:
+    """Phases 2-5 on step `step`'s rollout; returns the rollout's metrics, the update's and
+    what `prepare` measured."""
+    extra = prepare(run, roll, step, timer)  # 2-4. scores, the passes the method needs, advantages
+    with timer("update"):                    # 5. update
+        upd = update(run, roll, step)
+    return {**rollout_metrics(roll, run.dist), **upd, **extra}
 
 
 def run_update(run: RLRun, roll: Rollout, step: int) -> dict[str, float]:
@@ -306,8 +454,9 @@ def format_eval(step: int, res: EvalResult, path: Path, n_show: int = 2) -> str:
 @entry_point
 def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None = None, effective=None,
                         quiet: bool = False, math_: PPOMath | None = None) -> TrainResult:
-    """Set up, then per step: fresh prompts, the method's phases 1-5, then 6. log,
-    evaluate, save. Returns where the outputs went and the metric history.
+    """Set up, then per step: 1. the step's episodes from the rollout service, 2-4. the
+    method's prepare, 5. its update, the weights pushed, then 6. log, evaluate, save.
+    Returns where the outputs went and the metric history.
 
     Under several processes (`accelerate launch`, `torchrun`) each rank samples its share
     of the step's prompts and the engine reduces what must be global; the run context
@@ -319,6 +468,9 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
                      local=world_counts(sec, method.name),
                      preflight=lambda silent: (preflight(cfg, silent),  # every reward/check plug-in, called once
                                                env_preflight(cfg, silent)))  # and one canned episode
+    refusal = async_refusal(cfg, strategy="fsdp" if run_.dist.lockstep else None)
+    if refusal is not None:
+        raise UserError(refusal)
     run = build_run(cfg, method, resume_dir=run_.resume_dir, math_=math_, dist=run_.dist, context=run_)
     models, optimizer = run.models, run.optimizer
     train_examples = load_prompts(cfg.dataset, models.tokenizer, "train")
@@ -334,28 +486,45 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
     probe = make_probe_batch(models.tokenizer, [e.prompt for e in train_examples[:4]], models.device)
 
     def save(folder: Path, step: int) -> None:
+        held = run.service.held_weights(step)  # s >= 1: the older weights the next s steps sample from
         run_.save_checkpoint(folder, step, module=run.train_model, actor=models.actor, tokenizer=models.tokenizer,
-                             optimizer=optimizer, scheduler=run.scheduler, rank_rng=True, hold=False)
+                             optimizer=optimizer, scheduler=run.scheduler, rank_rng=True, hold=False,
+                             more=(lambda tmp: save_sampler_weights(tmp, held)) if held else None)
+
+    def examples_of(step: int) -> list:
+        # Fresh prompts every step; the draw depends only on (seed, step), so a resume
+        # matches; each rank takes its contiguous share of them.
+        prompts = step_prompts(train_examples, sec.rollout_size // sec.samples_per_prompt, train_cfg.seed, step)
+        return run.dist.shard(prompts, f"{method.name}: prompts per step")
+
+    # The rollout service starts sampling: step start_step+1 on (and up to s steps ahead).
+    run.service.start(start_step, examples_of, sec.samples_per_prompt, policy=models.policy,
+                      saved=load_sampler_weights(run_.resume_dir) if run_.resume_dir is not None else None,
+                      last=train_cfg.total_steps)
 
     bar = run_.progress(train_cfg.total_steps, initial=start_step)
     total_samples, total_seconds = 0, 0.0
     for step in range(start_step + 1, train_cfg.total_steps + 1):
         timer = Timer()
         t0 = time.perf_counter()
-        # Fresh prompts every step; the draw depends only on (seed, step), so a resume
-        # matches; each rank takes its contiguous share of them.
-        prompts = step_prompts(train_examples, sec.rollout_size // sec.samples_per_prompt, train_cfg.seed, step)
-        examples = run.dist.shard(prompts, f"{method.name}: prompts per step")
-        # 1-5. the method's phases: rollout, score, forward, advantages, update.
         try:
-            metrics = method.step(run, examples, step, timer)
+            # 1. rollout: step k's episodes, sampled from the weights of version k-1-s (s = max_staleness).
+            with timer("generate"):
+                roll = run.service.get(step)
+            # 2-4. the method's prepare: score, forward (reference / old passes), advantages.
+            extra = method.prepare(run, roll, step, timer)
+            # 5. the method's update.
+            with timer("update"):
+                upd = method.update(run, roll, step)
+            metrics = {**rollout_metrics(roll, run.dist), **upd, **extra}
         except FloatingPointError as exc:  # a non-finite loss or gradient: stop in one line
             raise diverged(step, str(exc).removeprefix(f"step {step}: "), knob,
                            optimizer.param_groups[0]["lr"]) from None
         # Weights that blew up (a finite loss can still step them to inf) stop the run here,
         # before the next rollout samples from them or a checkpoint keeps them.
         check_finite_model(models.policy, probe, step=step, knob=knob, lr=optimizer.param_groups[0]["lr"])
-        run.backend.sync(models.policy, updates=sec.optimizer_steps_per_rollout())  # the sampler follows the update
+        # The sampler follows the update: the weights of version k go to the service.
+        run.service.push(models.policy, step, updates=sec.optimizer_steps_per_rollout())
         seconds = time.perf_counter() - t0
         total_samples += sec.rollout_size
         total_seconds += seconds
@@ -363,15 +532,17 @@ def run_policy_training(cfg, method: PolicyMethod, *, resume: str | Path | None 
         metrics.update(timer.metrics())
         metrics["time/step"] = seconds
         metrics["perf/episodes_per_s"] = sec.rollout_size / seconds
-        if "time/generate" in metrics and "rollout/response_length" in metrics:
+        if "time/generate" in metrics and "rollout/response_length" in metrics and not cfg.generation.max_staleness:
+            # (at max_staleness >= 1 time/generate is the wait for the producer, not its sampling)
             metrics["perf/tokens_per_s"] = (metrics["rollout/response_length"] * sec.rollout_size
                                             / max(metrics["time/generate"], 1e-9))
+        if producing(cfg):  # what the producer adds: how stale the episodes were, the pushes' probe gaps
+            metrics["rollout/version_gap"] = float(step - 1 - roll.version)
+            metrics.update(run.service.metrics())
         if eval_examples and (step % train_cfg.eval_interval == 0 or step == train_cfg.total_steps):
             metrics.update(evaluate(run, eval_examples, out_dir, step))
         run_.log(step, metrics)
-        check_sync = getattr(run.backend, "check_sync", None)  # vllm: the weight-sync canary, before a save
-        if check_sync is not None:
-            check_sync(metrics.get("rollout/logprob_gap"), step)
+        run.service.judge(metrics, step)  # the weight-sync canary on the pushes, before a save
         postfix = {"reward": f"{metrics['rollout/reward_mean']:.3f}"}
         if "params/kl_to_ref" in metrics:
             postfix["kl"] = f"{metrics['params/kl_to_ref']:.3f}"
@@ -414,7 +585,12 @@ def run_policy_command(args, schema, train) -> int:
 # A policy method's run config and entry points, written once
 # --------------------------------------------------------------------------------------
 def sampler_rules(gen, sec, section: str) -> list[str]:
-    """Cross-section rules of `generation.old_logprobs: sampler` for a method's section."""
+    """Cross-section rules of `generation.old_logprobs: sampler` and
+    `generation.max_staleness` for a method's section."""
+    if gen.max_staleness and not getattr(sec, "ASYNCHRONOUS", True):
+        return [f"generation.max_staleness: {gen.max_staleness} is not available to {section}: its update is a "
+                f"line search over the very policy that sampled (a stale sampler breaks its trust region); set "
+                f"generation.max_staleness: 0"]
     if gen.old_logprobs != "sampler":
         return []
     if not getattr(sec, "SAMPLER_OLD_LOGPROBS", True):

@@ -1,7 +1,8 @@
 """PPO for language models: `rlhflab ppo --config configs/ppo_debug.yaml [key=value ...]`.
 
-One step, in the order of the algorithm (the loop around it, phase 6, is
-`rlhflab.trainers.loop`; the update is the shared engine, `rlhflab.engine.update`):
+One step, in the order of the algorithm (the loop, `rlhflab.trainers.loop`, runs phase 1
+through the rollout service and phase 6; this file owns 2-4, `ppo_prepare`, and 5,
+`ppo_update`, the shared engine `rlhflab.engine.update`):
 
     1. rollout      sample responses to fresh prompts (KV cache, no gradients)
     2. score        the reward of each response (rule, reward model, classifier)
@@ -35,8 +36,9 @@ from rlhflab.models import setup
 from rlhflab.models.setup import PolicyModels
 from rlhflab.engine.update import MinibatchStats, PPOMath, minibatch_loss, update_group
 from rlhflab.trainers.common import Timer
-from rlhflab.trainers.loop import (PolicyMethod, RLRun, policy_entry_points, policy_run_config, rollout_metrics,
-                                   run_update, score_responses, whiten, episode_rewards, outcome_scores)
+from rlhflab.trainers.loop import (PolicyMethod, RLRun, one_step, policy_entry_points, policy_run_config,
+                                   run_update, sample_rollout, score_responses, whiten, episode_rewards,
+                                   outcome_scores)
 
 # The names learner mode and older code use for the engine's pieces.
 ppo_minibatch_loss = minibatch_loss
@@ -85,14 +87,12 @@ PPORunConfig = policy_run_config(
 # --------------------------------------------------------------------------------------
 # Phases 1-5 of one step
 # --------------------------------------------------------------------------------------
-def collect_rollout(run: RLRun, examples, timer: Timer, step: int = 0):
-    """Phases 1-4 for one PPO step; returns a rollout with advantages and returns set.
-    Under several processes `examples` is this rank's share and whitening is global."""
+def ppo_prepare(run: RLRun, roll, step: int, timer: Timer) -> dict[str, float]:
+    """Phases 2-4 of one PPO step on its rollout: scores, the old/value/reference passes,
+    KL-shaped rewards, GAE; sets the rollout's advantages and returns. Under several
+    processes the rollout is this rank's share and whitening is global."""
     cfg, sec, models = run.cfg, run.sec, run.models
     temp = cfg.generation.temperature
-    # 1. rollout: sample one response per prompt, batch_size responses at a time.
-    with timer("generate"):
-        roll = run.backend.generate([e.prompt for e in examples], examples=[e.row for e in examples], step=step)
     # 2. score: one float per response, batched.
     with timer("score"):
         roll.scores = score_responses(run.scorer, roll, cfg.reward, models.device)      # (B,)
@@ -125,16 +125,25 @@ def collect_rollout(run: RLRun, examples, timer: Timer, step: int = 0):
         if sec.whiten_advantages:
             adv = whiten(adv, roll.response_mask, run.dist)
         roll.advantages, roll.returns = adv, ret
+    return {}
+
+
+def ppo_update(run: RLRun, roll, step: int) -> dict[str, float]:
+    """5. update epochs over minibatches (the shared engine): clipped policy and value losses."""
+    return run_update(run, roll, step)
+
+
+def collect_rollout(run: RLRun, examples, timer: Timer, step: int = 0):
+    """Phases 1-4 for one PPO step on `examples` (tests and benches; the loop runs phase 1
+    itself); returns a rollout with advantages and returns set."""
+    roll = sample_rollout(run, examples, step, timer)
+    ppo_prepare(run, roll, step, timer)
     return roll
 
 
 def ppo_step(run: RLRun, examples, step: int, timer: Timer) -> dict[str, float]:
-    """Phases 1-5 of one PPO step; returns its metrics."""
-    roll = collect_rollout(run, examples, timer, step)
-    # 5. update epochs over minibatches (the shared engine).
-    with timer("update"):
-        upd = run_update(run, roll, step)
-    return {**rollout_metrics(roll, run.dist), **upd}
+    """Phases 1-5 of one PPO step, in one call (tests and benches); returns its metrics."""
+    return one_step(run, examples, step, timer, ppo_prepare, ppo_update)
 
 
 def optimizer_groups(actor, critic_lr: float | None) -> list:
@@ -151,7 +160,7 @@ def optimizer_groups(actor, critic_lr: float | None) -> list:
 
 def method(cfg: PPORunConfig) -> PolicyMethod:
     critic_lr = cfg.ppo.critic_learning_rate
-    return PolicyMethod("ppo", ppo_step, critic=cfg.model.critic,
+    return PolicyMethod("ppo", ppo_prepare, ppo_update, critic=cfg.model.critic,
                         need_reference=lambda c: c.ppo.kl_coeff > 0 and c.model.reference != "none",
                         optimizer_params=None if critic_lr is None else lambda actor: optimizer_groups(actor, critic_lr))
 
@@ -165,5 +174,5 @@ def build_models(cfg: PPORunConfig, resume_dir: Path | None = None) -> PolicyMod
 
 train, add_parser, run = policy_entry_points(
     method, PPORunConfig, command="ppo", example="ppo.kl_coeff=0.1")
-__all__ = ["PPOSection", "PPORunConfig", "PPOMath", "MinibatchStats", "collect_rollout", "ppo_step", "train",
+__all__ = ["PPOSection", "PPORunConfig", "PPOMath", "MinibatchStats", "collect_rollout", "ppo_prepare", "ppo_update", "ppo_step", "train",
            "ppo_minibatch_loss", "ppo_update_group"]

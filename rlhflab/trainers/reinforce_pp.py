@@ -8,7 +8,7 @@ every response, on every process), not relative to a group.
     r_t = −kl_coeff · KL_t(π‖π_ref)  (+ the score on the last token)
     A_t = whiten_batch( Σ_{s ≥ t} γ^{s−t} r_s )
 
-One step (phase 6 is `rlhflab.trainers.loop`, phase 5 the shared engine):
+One step (phases 1 and 6 are `rlhflab.trainers.loop`'s, phase 5 the shared engine):
 
     1. rollout      `n_samples` responses per prompt (1: plain REINFORCE++)
     2. score        the reward of each response
@@ -30,8 +30,8 @@ from typing import Literal
 from rlhflab import ops
 from rlhflab.config.schema import GroupSection, KLKind, f
 from rlhflab.trainers.common import Timer
-from rlhflab.trainers.grpo import sample_and_score
-from rlhflab.trainers.loop import (PolicyMethod, RLRun, policy_entry_points, policy_run_config, rollout_metrics,
+from rlhflab.trainers.grpo import score_and_forward
+from rlhflab.trainers.loop import (PolicyMethod, RLRun, one_step, policy_entry_points, policy_run_config,
                                    run_update, whiten)
 
 
@@ -76,22 +76,29 @@ def reinforce_pp_advantages(scores, logprobs, ref_logprobs, response_mask, sec, 
     return whiten(returns, response_mask, dist), kl
 
 
-def reinforce_pp_step(run: RLRun, examples, step: int, timer: Timer) -> dict[str, float]:
-    """Phases 1-5 of one REINFORCE++ step; returns its metrics."""
+def reinforce_pp_prepare(run: RLRun, roll, step: int, timer: Timer) -> dict[str, float]:
+    """Phases 2-4 of one REINFORCE++ step on its rollout."""
     sec = run.sec
-    # 1-3. rollout, score, the sampling policy's and the reference's log-probs.
-    roll = sample_and_score(run, examples, timer, step, kl_in_reward=True)
+    # 2-3. score, the sampling policy's and the reference's log-probs.
+    score_and_forward(run, roll, timer, kl_in_reward=True)
     # 4. advantages: returns of the KL-shaped rewards, whitened over the whole batch.
     roll.advantages, roll.kl = reinforce_pp_advantages(roll.scores, roll.logprobs, roll.ref_logprobs,
                                                        roll.response_mask, sec, run.dist)
-    # 5. update: the KL is in the reward, so none in the loss.
-    with timer("update"):
-        upd = run_update(run, roll, step)
-    return {**rollout_metrics(roll, run.dist), **upd}
+    return {}
+
+
+def reinforce_pp_update(run: RLRun, roll, step: int) -> dict[str, float]:
+    """5. update: the KL is in the reward, so none in the loss."""
+    return run_update(run, roll, step)
+
+
+def reinforce_pp_step(run: RLRun, examples, step: int, timer: Timer) -> dict[str, float]:
+    """Phases 1-5 of one REINFORCE++ step, in one call (tests and benches); returns its metrics."""
+    return one_step(run, examples, step, timer, reinforce_pp_prepare, reinforce_pp_update)
 
 
 def method(cfg: ReinforcePPRunConfig) -> PolicyMethod:
-    return PolicyMethod("reinforce_pp", reinforce_pp_step,
+    return PolicyMethod("reinforce_pp", reinforce_pp_prepare, reinforce_pp_update,
                         need_reference=lambda c: c.reinforce_pp.kl_coeff > 0 and c.model.reference != "none")
 
 

@@ -7,7 +7,7 @@ reward, as in the usual formulation:
 
     R_i = score_i − kl_coeff · Σ_t KL_t(π‖π_ref)       A_i = R_i − mean_{j≠i} R_j
 
-One step (phases 1-3 and 5 are GRPO's; the loop around it is `rlhflab.trainers.loop`):
+One step (phases 2-3 and 5 are GRPO's; the loop, `rlhflab.trainers.loop`, runs 1 and 6):
 
     1. rollout      k sampled responses per prompt
     2. score        the reward of each response
@@ -31,9 +31,9 @@ import torch
 from rlhflab import ops
 from rlhflab.config.schema import GroupSection, KLKind, f
 from rlhflab.trainers.common import Timer
-from rlhflab.trainers.grpo import sample_and_score
-from rlhflab.trainers.loop import (PolicyMethod, RLRun, broadcast_advantages, policy_entry_points, policy_run_config,
-                                   rollout_metrics, run_update, whiten)
+from rlhflab.trainers.grpo import score_and_forward
+from rlhflab.trainers.loop import (PolicyMethod, RLRun, broadcast_advantages, one_step, policy_entry_points,
+                                   policy_run_config, run_update, whiten)
 
 
 @dataclass
@@ -54,10 +54,10 @@ RLOORunConfig = policy_run_config(
     "RLOORunConfig", "rloo", RLOOSection, command="rloo", title="an RLOO", kl_weight="kl_coeff", module=__name__)
 
 
-def rloo_step(run: RLRun, examples, step: int, timer: Timer) -> dict[str, float]:
-    """Phases 1-5 of one RLOO step; returns its metrics."""
+def rloo_prepare(run: RLRun, roll, step: int, timer: Timer) -> dict[str, float]:
+    """Phases 2-4 of one RLOO step on its rollout; returns the shaped reward's mean."""
     sec = run.sec
-    roll = sample_and_score(run, examples, timer, step, kl_in_reward=sec.kl_coeff > 0)
+    score_and_forward(run, roll, timer, kl_in_reward=sec.kl_coeff > 0)
     # 3. (cont.) the sequence KL joins the reward.
     rewards = roll.scores
     if roll.kl is not None:
@@ -67,15 +67,21 @@ def rloo_step(run: RLRun, examples, step: int, timer: Timer) -> dict[str, float]
     if sec.normalize_advantages:  # over the whole batch, every rank's (engine.dist: one variance convention)
         seq_adv = whiten(seq_adv, torch.ones_like(seq_adv), run.dist)
     roll.advantages = broadcast_advantages(seq_adv, roll.response_mask)              # (B, T)
-    # 5. update: the KL is already in the reward, so none in the loss.
-    with timer("update"):
-        metrics = {**rollout_metrics(roll, run.dist), **run_update(run, roll, step)}
-    metrics["rollout/shaped_reward_mean"] = run.dist.mean(float(rewards.mean()))
-    return metrics
+    return {"rollout/shaped_reward_mean": run.dist.mean(float(rewards.mean()))}
+
+
+def rloo_update(run: RLRun, roll, step: int) -> dict[str, float]:
+    """5. update: the KL is already in the reward, so none in the loss."""
+    return run_update(run, roll, step)
+
+
+def rloo_step(run: RLRun, examples, step: int, timer: Timer) -> dict[str, float]:
+    """Phases 1-5 of one RLOO step, in one call (tests and benches); returns its metrics."""
+    return one_step(run, examples, step, timer, rloo_prepare, rloo_update)
 
 
 def method(cfg: RLOORunConfig) -> PolicyMethod:
-    return PolicyMethod("rloo", rloo_step, need_reference=lambda c: c.rloo.kl_coeff > 0)
+    return PolicyMethod("rloo", rloo_prepare, rloo_update, need_reference=lambda c: c.rloo.kl_coeff > 0)
 
 
 train, add_parser, run = policy_entry_points(

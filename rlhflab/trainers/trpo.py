@@ -3,7 +3,7 @@
 Trust Region Policy Optimization (Schulman et al., 2015) is what PPO approximates: it
 maximises the surrogate L(θ) = E[π_θ(y)/π_old(y) · A] subject to the mean
 KL(π_old‖π_θ) ≤ `trpo.max_kl`, and enforces the constraint instead of clipping a ratio.
-One step (phase 6 is `rlhflab.trainers.loop`):
+One step (phases 1 and 6 are `rlhflab.trainers.loop`'s; 2-4 `trpo_prepare`, 5 `trpo_update`):
 
     1. rollout      one response per prompt
     2. score        the reward of each response
@@ -43,7 +43,7 @@ from rlhflab.models.actor_critic import response_hidden
 from rlhflab.ops.losses import LOG_RATIO_CLAMP
 from rlhflab.rollout import Rollout
 from rlhflab.trainers.common import Timer
-from rlhflab.trainers.loop import (PolicyMethod, RLRun, policy_entry_points, policy_run_config, rollout_metrics,
+from rlhflab.trainers.loop import (PolicyMethod, RLRun, one_step, policy_entry_points, policy_run_config,
                                    score_responses, whiten, episode_rewards, outcome_scores)
 
 
@@ -53,6 +53,7 @@ class TRPOSection(OptimizerFields):
     natural-gradient step)."""
 
     KL_KNOB = "max_kl"
+    ASYNCHRONOUS = False  # the line search needs the rollout's own policy (generation.max_staleness: 0)
     SAMPLER_OLD_LOGPROBS = False  # the update recomputes the old policy's whole distribution (generation.old_logprobs)
 
     rollout_samples: int = f(32, "episodes collected per step (one batch for the natural-gradient step)", gt=0)
@@ -228,13 +229,10 @@ def fit_values(actor, optimizer, roll: Rollout, sec: TRPOSection, step: int, see
 # --------------------------------------------------------------------------------------
 # The step
 # --------------------------------------------------------------------------------------
-def trpo_step(run: RLRun, examples, step: int, timer: Timer) -> dict[str, float]:
-    """Phases 1-5 of one TRPO step; returns its metrics."""
+def trpo_prepare(run: RLRun, roll, step: int, timer: Timer) -> dict[str, float]:
+    """Phases 2-4 of one TRPO step on its rollout (one response per prompt)."""
     cfg, sec, models = run.cfg, run.sec, run.models
     temp = cfg.generation.temperature
-    # 1. rollout: one response per prompt.
-    with timer("generate"):
-        roll = run.backend.generate([e.prompt for e in examples], examples=[e.row for e in examples], step=step)
     # 2. score.
     with timer("score"):
         roll.scores = score_responses(run.scorer, roll, cfg.reward, models.device)       # (B,)
@@ -255,16 +253,25 @@ def trpo_step(run: RLRun, examples, step: int, timer: Timer) -> dict[str, float]
         gae = ops.gae if turns is None else ops.gae_over_actions
         adv, roll.returns = gae(roll.rewards, roll.values, roll.response_mask, sec.gamma, sec.lam)
         roll.advantages = whiten(adv, roll.response_mask, run.dist) if sec.whiten_advantages else adv
-    # 5a. the natural-gradient step of the policy; 5b. the value function.
-    with timer("update"):
-        stats = natural_gradient_step(models.actor, roll, sec, temp)
-        values = fit_values(models.actor, run.optimizer, roll, sec, step, cfg.training.seed)
-        run.scheduler.step()
-    return {**rollout_metrics(roll, run.dist), **stats, **values, "lr": run.optimizer.param_groups[0]["lr"]}
+    return {}
+
+
+def trpo_update(run: RLRun, roll, step: int) -> dict[str, float]:
+    """5a. the natural-gradient step of the policy (with its line search); 5b. the value function."""
+    cfg, sec, models = run.cfg, run.sec, run.models
+    stats = natural_gradient_step(models.actor, roll, sec, cfg.generation.temperature)
+    values = fit_values(models.actor, run.optimizer, roll, sec, step, cfg.training.seed)
+    run.scheduler.step()
+    return {**stats, **values, "lr": run.optimizer.param_groups[0]["lr"]}
+
+
+def trpo_step(run: RLRun, examples, step: int, timer: Timer) -> dict[str, float]:
+    """Phases 1-5 of one TRPO step, in one call (tests and benches); returns its metrics."""
+    return one_step(run, examples, step, timer, trpo_prepare, trpo_update)
 
 
 def method(cfg: TRPORunConfig) -> PolicyMethod:
-    return PolicyMethod("trpo", trpo_step, critic=cfg.model.critic,
+    return PolicyMethod("trpo", trpo_prepare, trpo_update, critic=cfg.model.critic,
                         need_reference=lambda c: c.trpo.kl_coeff > 0 and c.model.reference != "none",
                         optimizer_params=value_parameters, step_knob="max_kl",
                         plot_groups={"reward": ["rollout/reward_mean", "eval/reward_mean", "eval/accuracy"],
