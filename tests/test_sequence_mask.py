@@ -95,10 +95,9 @@ def test_config_rules():
     assert any("set one to null" in e for e in GRPOSection(sequence_mask_cap=3.0, tis_cap=2.0).check())
     assert any("sequence_mask_cap" in e for e in GSPOSection(sequence_mask_cap=3.0).check())
     # the sampler's own old log-probs leave nothing to correct (π_old / π_sampler = 1)
-    from types import SimpleNamespace
-
+    from rlhflab.config.schema import GenerationConfig
     from rlhflab.trainers.loop import sampler_rules
-    errs = sampler_rules(SimpleNamespace(old_logprobs="sampler"), GRPOSection(sequence_mask_cap=3.0), "grpo")
+    errs = sampler_rules(GenerationConfig(old_logprobs="sampler"), GRPOSection(sequence_mask_cap=3.0), "grpo")
     assert len(errs) == 1 and errs[0].startswith("grpo.sequence_mask_cap: weighs by pi_old / pi_sampler")
 
 
