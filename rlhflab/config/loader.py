@@ -356,10 +356,12 @@ def _coerce(value: Any, tp: Any, key: str, errors: list[str]) -> Any:
         errors.append(f"{key}: expected {_describe(tp)}, got {value!r}{extra}")
         return None
     if origin in (list, tuple):
+        (inner, *_) = typing.get_args(tp) or (Any,)
+        if isinstance(value, str) and typing.get_origin(inner) is Literal:
+            value = [value]  # one choice given alone, as TRL takes report_to=tensorboard
         if not isinstance(value, (list, tuple)):
             errors.append(f"{key}: expected {_describe(tp)}, got {value!r}")
             return None
-        (inner, *_) = typing.get_args(tp) or (Any,)
         return [_coerce(v, inner, f"{key}[{i}]", errors) for i, v in enumerate(value)]
     if origin is dict or tp is dict:
         if not isinstance(value, dict):

