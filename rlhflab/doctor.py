@@ -134,6 +134,11 @@ class DoctorConfig:
     reward_patience: int = 3
     reward_eps: float = 1e-8
     zero_spread_max: float = 0.95
+    # ... and, however short the run (from `zero_spread_min_steps` steps), when in more than
+    # half of its steps at least `zero_spread_most` of the groups had no spread (a 3-step run
+    # at 0.75-0.875 once said "healthy").
+    zero_spread_most: float = 0.5
+    zero_spread_min_steps: int = 2
     # reward_hacking: at the latest evaluation a held-out check (eval/accuracy or an
     # eval.rewards metric, higher is better) is more than `hack_check_drop` (relative)
     # below its best so far, while the optimised reward on the same prompts
@@ -514,7 +519,7 @@ def _rule_reward_constant(history: History, latest: dict[str, float], cfg: Docto
     n = cfg.reward_patience
     stds = _values(history, REWARD_STD)
     spreads = _values(history, ZERO_SPREAD)
-    if len(stds) < n and len(spreads) < n:
+    if len(stds) < n and len(spreads) < max(1, min(n, cfg.zero_spread_min_steps)):
         return None
     if len(stds) >= n and max(abs(s) for s in stds[-n:]) <= cfg.reward_eps:
         means = _values(history, REWARD_MEAN)
@@ -534,6 +539,12 @@ def _rule_reward_constant(history: History, latest: dict[str, float], cfg: Docto
         return (f"{spreads[-1]:.0%} of groups had identical rewards for {n} steps: their "
                 f"advantages are 0, so there is almost nothing to learn from. The prompts are "
                 f"too easy or too hard; raise the group size or the temperature, or change the data")
+    most = [x for x in spreads if x >= cfg.zero_spread_most]
+    if len(spreads) >= cfg.zero_spread_min_steps and 2 * len(most) > len(spreads):
+        return (f"in {len(most)} of {len(spreads)} steps at least {cfg.zero_spread_most:.0%} of groups had identical "
+                f"rewards ({min(spreads):.0%}-{max(spreads):.0%} of them): their advantages are 0, so most samples "
+                f"teach nothing. The prompts are too easy or too hard; raise the group size or the temperature, "
+                f"or change the data")
     return ""
 
 
@@ -937,6 +948,29 @@ RULE_SETS: dict[str, tuple[Rule, ...]] = {
 }
 
 
+def _has_critic(history: History) -> bool:
+    return VALUE_LOSS in history
+
+
+def _multi_turn(history: History) -> bool:
+    return any(k.startswith("episode/") for k in history) or TOOL_ERROR_RATE in history
+
+
+# Rules that judge what only some runs have: a critic (value_loss on GRPO has nothing to
+# read), multi-turn episodes (max_turns, tool_errors on a single-turn run).
+NEEDS: dict[str, Callable[[History], bool]] = {
+    "value_loss": _has_critic, "value_flat_early": _has_critic,
+    "max_turns": _multi_turn, "tool_errors": _multi_turn, "early_turns_collapse": _multi_turn,
+}
+
+
+def applies(rule: Rule, history: History) -> bool:
+    """Whether `rule` can judge this run: False for a rule whose metrics this kind of run
+    never logs, once the run has logged a step (before that, every rule may apply)."""
+    need = NEEDS.get(rule.name)
+    return need is None or not history or need(history)
+
+
 def rule_set_for(method: str) -> str:
     """The RULE_SETS key of a trainer's method: sft, rm and dpo have their own; every
     other method (ppo, grpo, rloo, reinforce_pp, dr_grpo, trpo, ...) uses "rl"."""
@@ -1191,8 +1225,12 @@ def format_report(doctor: Doctor, source: str, n_records: int, notes: Sequence[s
     lines += [f"  note: {n}" for n in notes[:shown]]
     if len(notes) > shown:
         lines.append(f"  note: ... and {len(notes) - shown} more")
-    width = max(len(r.name) for r in doctor.rules)
-    for rule in doctor.rules:
+    rules = [r for r in doctor.rules if applies(r, doctor.history)]
+    left_out = len(doctor.rules) - len(rules)
+    if left_out:
+        lines[0] += f" ({left_out} that cannot apply to this run left out)"
+    width = max(len(r.name) for r in rules)
+    for rule in rules:
         name = rule.name.ljust(width)
         if rule.name in doctor.first_fired:
             first = doctor.first_fired[rule.name]

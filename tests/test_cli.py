@@ -77,7 +77,7 @@ def test_bad_value_and_missing_model_exit_2(tiny_model_dir, arith_dir, tmp_path,
     missing = tmp_path / "no-model"
     rc = cli.main(_args(missing, arith_dir, tmp_path / "b"))
     err = capsys.readouterr().err
-    assert rc == 2 and str(missing) in err and "make-tiny" in err
+    assert rc == 2 and str(missing) in err and "fetch-model" in err
 
 
 def test_console_script_exit_code_and_no_traceback(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rlhflab.cli import main
-from rlhflab.doctor import RULE_NAMES, Doctor, DoctorConfig, Finding, check_finite, diagnose
+from rlhflab.doctor import RULE_NAMES, Doctor, DoctorConfig, Finding, check_finite, diagnose, format_report
 from rlhflab.errors import TrainingDiverged
 from rlhflab.metrics import read_metrics
 
@@ -648,3 +648,30 @@ def test_stale_sampler_fires_on_capped_importance_weights_and_mutes_the_gap_rule
     (finding,) = [f for f in doctor.findings if f.rule == "stale_sampler"]
     assert finding.step == 5 and "0.31 at step 5 (episodes 1 versions old)" in finding.message
     assert "generation.max_staleness" in finding.message
+
+
+def test_a_short_grpo_run_whose_groups_mostly_have_no_spread_is_flagged():
+    # The 3-step GRPO run: zero_spread_frac 0.75-0.875 once said "healthy (no rule fired)".
+    rows = [{"step": s, "rollout/reward_mean": 0.1, "rollout/reward_std": 0.2, "rollout/zero_spread_frac": z}
+            for s, z in ((1, 0.75), (2, 0.875), (3, 0.8125))]
+    doctor = diagnose(rows, DoctorConfig(method="grpo"))
+    # 2 of 2 steps >= 50% at step 2: more than half of the steps
+    assert doctor.first_fired == {"reward_constant": 2}
+    assert "in 2 of 2 steps at least 50% of groups had identical rewards (75%-88% of them)" in \
+        doctor.findings[0].message
+    report = format_report(doctor, "metrics.jsonl", 3)
+    assert "verdict: 1 rule(s) fired" in report
+    # No critic, single-turn: value_loss, value_flat_early, max_turns, tool_errors, early_turns_collapse left out.
+    for name in ("value_loss", "value_flat_early", "max_turns", "tool_errors", "early_turns_collapse"):
+        assert f" {name} " not in report, name
+    assert "(5 that cannot apply to this run left out)" in report
+    # Half the steps or fewer: quiet (1 of 2 steps).
+    quiet = diagnose([{**rows[0], "rollout/zero_spread_frac": 0.2}, rows[1]], DoctorConfig(method="grpo"))
+    assert "reward_constant" not in quiet.first_fired
+
+
+def test_the_rules_of_a_ppo_run_with_a_critic_stay_listed():
+    rows = [{"step": s, "rollout/reward_mean": 0.1, "rollout/reward_std": 0.2, "loss/value": 1.0 / s}
+            for s in (1, 2, 3)]
+    report = format_report(diagnose(rows, DoctorConfig(method="ppo")), "metrics.jsonl", 3)
+    assert " value_loss " in report and " max_turns " not in report

@@ -91,7 +91,7 @@ def test_missing_model_path_is_a_user_error(tmp_path):
     with pytest.raises(UserError) as err:
         load_model(str(missing))
     msg = str(err.value)
-    assert str(missing) in msg and "rlhflab make-tiny --out" in msg
+    assert str(missing) in msg and "rlhflab fetch-model smollm2" in msg and "rlhflab import-gguf" in msg
 
 
 def test_relative_missing_path_fails_fast_without_the_hub(tmp_path, monkeypatch):
@@ -106,9 +106,11 @@ def test_relative_missing_path_fails_fast_without_the_hub(tmp_path, monkeypatch)
     (tmp_path / "outputs").mkdir()
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_hub)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_hub)
-    for name in ("outputs/tiny-model", "./tiny-model", "outputs/a/b"):
+    for name in ("outputs/tiny-model", "./tiny-model"):
         with pytest.raises(UserError, match=f"'{name}'.*make-tiny"):
             load_model(name)
+    with pytest.raises(UserError, match="'outputs/a/b'.*fetch-model"):  # no tiny model: a real one
+        load_model("outputs/a/b")
 
 
 def test_folder_without_config_is_a_user_error(tiny_model_dir, tmp_path):
@@ -117,7 +119,7 @@ def test_folder_without_config_is_a_user_error(tiny_model_dir, tmp_path):
     folder.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny_model_dir / name, folder / name)
-    with pytest.raises(UserError, match="no config.json.*make-tiny"):
+    with pytest.raises(UserError, match="no config.json.*fetch-model"):
         load_model(str(folder))
     # An empty folder: the same kind of message, not a traceback from transformers.
     empty = tmp_path / "empty"

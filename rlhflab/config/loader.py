@@ -68,6 +68,56 @@ FOREIGN_KEYS: dict[str, str] = {
     "save_steps": "training.save_interval", "save_total_limit": "training.keep_last_checkpoints",
     "save_only_model": "training.save_only_model",
     "eval_steps": "training.eval_interval",
+    # TRL's GRPOConfig/RLOOConfig/DPOConfig and TrainingArguments (a tuple: the first of its
+    # keys the section has; docs/conventions.md and docs/knobs.md compare the meanings)
+    "scale_rewards": ("advantage_scale", "normalize_advantages", "whiten_advantages"),
+    "max_completion_length": "generation.max_new_tokens", "max_new_tokens": "generation.max_new_tokens",
+    "max_prompt_length": "dataset.max_prompt_length",
+    "num_iterations": "epochs", "epsilon": "clip_eps", "epsilon_high": "clip_eps_high",
+    "loss_type": ("loss_aggregation", "loss_kind"),
+    "temperature": "generation.temperature", "top_p": "generation.top_p", "top_k": "generation.top_k",
+    "num_train_epochs": "training.total_steps", "sft.num_train_epochs": "epochs", "dpo.num_train_epochs": "epochs",
+    "rm.num_train_epochs": "epochs", "classifier.num_train_epochs": "epochs", "max_steps": ("max_steps", "training.total_steps"),
+    "fp16": "training.mixed_precision", "bf16": "training.mixed_precision",
+    "dataset_name": "dataset.name", "dataset_config": "dataset.subset", "dataset_config_name": "dataset.subset",
+    "dataset_train_split": "dataset.split", "dataset_test_split": "dataset.eval_split",
+    "per_device_train_batch_size": ("mini_batch_size", "batch_size"),
+    "per_device_eval_batch_size": "training.eval_batch_size",
+    "mask_truncated_completions": "mask_truncated", "lr_scheduler_type": "lr_schedule",
+    "model_name_or_path": "model.name_or_path", "output_dir": "training.output_dir",
+    "use_vllm": "generation.backend", "vllm_gpu_memory_utilization": "generation.gpu_memory_utilization",
+    # verl and OpenRLHF
+    "n_samples_per_prompt": ("group_size", "k"), "num_generations": ("group_size", "k"),
+    "rollout_n": ("group_size", "k"),
+    "eps_clip": "clip_eps", "kl_loss_coef": "kl_coeff", "kl_loss_type": "kl_estimator", "entropy_coef": "entropy_coeff",
+    "use_kl_in_reward": "kl_in", "ppo_mini_batch_size": "mini_batch_size", "micro_train_batch_size": "mini_batch_size",
+    "train_batch_size": ("prompts_per_step", "batch_size"), "rollout_batch_size": ("prompts_per_step", "rollout_samples"),
+    "actor_learning_rate": "learning_rate", "generate_max_len": "generation.max_new_tokens",
+    "prompt_max_len": "dataset.max_prompt_length",
+}
+
+# What a mapped name means here when it is not the same thing, said beside the hint.
+FOREIGN_NOTES: dict[str, str] = {
+    "num_train_epochs": "passes over the data; an RL run counts steps, and its <method>.epochs are passes "
+                        "over each step's responses",
+    "per_device_train_batch_size": "TRL's responses per device per pass; rlhflab's is per minibatch",
+    "fp16": "no (the default), or bf16; fp16 is refused (no loss scaler)",
+    "bf16": "bf16: true is mixed_precision: bf16",
+    "use_vllm": "generation.backend: vllm",
+    "loss_type": "TRL's dapo is rlhflab's token_mean (docs/conventions.md)",
+    "scale_rewards": "TRL's group, batch, none",
+    "temperature": "sampling settings live in the generation section",
+}
+
+# Names other tools use that have no rlhflab key, and why.
+FOREIGN_NONE: dict[str, str] = {
+    "do_sample": "rollouts always sample (at generation.temperature) and the held-out evaluation is greedy; "
+                 "there is no switch",
+    "n_samples_per_prompt": "PPO samples one response per prompt (ppo.rollout_samples counts them); "
+                            "grpo.group_size and rloo.k are the samples per prompt",
+    "num_generations": "PPO samples one response per prompt; grpo.group_size and rloo.k are the samples per prompt",
+    "use_kl_loss": "the KL sits in the loss when the method's kl_coeff > 0 (GRPO family) or ppo.kl_in: loss",
+    "gradient_checkpointing": "it is model.gradient_checkpointing",
 }
 
 
@@ -76,15 +126,30 @@ FOREIGN_KEYS: dict[str, str] = {
 REMOVED_KEYS = ("model.lean_norm", "model.cpu_allocator", "model.critic_overlap", "generation.fast_draw")
 
 
-def _foreign_hint(prefix: str, name: str, fields: dict) -> str | None:
-    """rlhflab's key for a name another tool uses, when there is one."""
+def _foreign_target(prefix: str, name: str, fields: dict) -> str | None:
+    """rlhflab's key for a name another tool uses, when this section (or another) has one."""
     dotted = f"{prefix}.{name}" if prefix else str(name)
     target = FOREIGN_KEYS.get(dotted) or FOREIGN_KEYS.get(str(name))
-    if target is None:
-        return None
-    if "." not in target:  # a key of the same section
-        return f"{prefix + '.' if prefix else ''}{target}" if target in fields else None
-    return target
+    for key in (target,) if isinstance(target, str) else target or ():
+        if "." not in key:  # a key of the same section
+            if key in fields:
+                return f"{prefix + '.' if prefix else ''}{key}"
+        else:  # a dotted key: the section it names
+            return key
+    return None
+
+
+def _foreign_hint(prefix: str, name: str, fields: dict) -> str | None:
+    """The did-you-mean (or why-there-is-none) for a name another tool uses; None for others."""
+    target = _foreign_target(prefix, name, fields)
+    if target is not None:
+        note = FOREIGN_NOTES.get(str(name))
+        return (f"did you mean {target}? ({name} is its name elsewhere{': ' + note if note else ''}; "
+                f"docs/knobs.md maps the names)")
+    why = FOREIGN_NONE.get(str(name))
+    if why is not None:
+        return f"{name} (another tool's name) has no rlhflab key: {why}"
+    return None
 
 
 _NOTED: set[str] = set()  # old names already noted in this process
@@ -298,10 +363,12 @@ def _coerce(value: Any, tp: Any, key: str, errors: list[str]) -> Any:
         errors.append(f"{key}: expected {_describe(tp)}, got {value!r}{extra}")
         return None
     if origin in (list, tuple):
+        (inner, *_) = typing.get_args(tp) or (Any,)
+        if isinstance(value, str) and typing.get_origin(inner) is Literal:
+            value = [value]  # one choice given alone, as TRL takes report_to=tensorboard
         if not isinstance(value, (list, tuple)):
             errors.append(f"{key}: expected {_describe(tp)}, got {value!r}")
             return None
-        (inner, *_) = typing.get_args(tp) or (Any,)
         return [_coerce(v, inner, f"{key}[{i}]", errors) for i, v in enumerate(value)]
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
@@ -359,8 +426,9 @@ def _build(cls: type[T], data: dict, prefix: str, errors: list[str]) -> T:
         if name not in fields:
             foreign = _foreign_hint(prefix, str(name), fields)
             near = difflib.get_close_matches(str(name), list(fields), n=1, cutoff=0.6)
-            if foreign and not (near and foreign == f"{prefix + '.' if prefix else ''}{near[0]}"):
-                hint = f"; did you mean {foreign}? ({name} is its name elsewhere; docs/knobs.md maps the names)"
+            target = _foreign_target(prefix, str(name), fields)
+            if foreign and not (near and target == f"{prefix + '.' if prefix else ''}{near[0]}"):
+                hint = f"; {foreign}"
             elif near:
                 hint = f"; did you mean {prefix + '.' if prefix else ''}{near[0]}?"
             else:

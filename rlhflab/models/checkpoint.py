@@ -110,6 +110,22 @@ def save_debris(run_dir: str | Path) -> list[Path]:
                   and (p.name[:-4] == "final" or (p.name.startswith("step_") and p.name[5:-4].isdigit())))
 
 
+def usual_modes(folder: str | Path) -> None:
+    """Give the files under `folder` the mode every other file gets (0644 under umask 022).
+
+    safetensors 0.8 writes each file to a private temporary (created 0600, as temporary
+    files are) and renames it into place, so every model.safetensors that `save_pretrained`
+    or `save_file` writes stays 0600 where the config and tokenizer files beside it are 0644:
+    another user (or a container with another uid) cannot read the weights."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    want = 0o666 & ~mask
+    for path in Path(folder).rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            if path.stat().st_mode & 0o777 == 0o600 != want:  # only the private temporary's mode
+                path.chmod(want)
+
+
 @contextmanager
 def atomic_folder(folder: str | Path, what: str = "save the checkpoint") -> Iterator[Path]:
     """Yield an empty temporary sibling of `folder` to fill; when the block ends without an
@@ -126,6 +142,7 @@ def atomic_folder(folder: str | Path, what: str = "save the checkpoint") -> Iter
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
         yield tmp
+        usual_modes(tmp)
         if folder.exists():
             if old.exists():
                 shutil.rmtree(old)

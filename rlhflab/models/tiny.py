@@ -264,6 +264,9 @@ def make_tiny_model(out_dir: str | Path, hidden_size: int = 192, num_layers: int
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    from rlhflab.models.checkpoint import usual_modes
+
+    usual_modes(out)  # model.safetensors 0644 like the rest, not safetensors' 0600
     return out
 
 
@@ -304,10 +307,30 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                         help="seed of the weights and built-in text (default: %(default)s)")
 
 
+# What make-tiny writes: a folder holding only these is an earlier tiny model, rebuilt in place.
+TINY_FILES = frozenset({"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                        "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"})
+
+
+def refuse_occupied(out: Path) -> None:
+    """make-tiny writes random weights: never into a folder that holds anything else (a run's
+    metrics.jsonl and final/, another model), where they would pass for a trained model."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise UserError(f"--out {out}: a file, not a folder; give a new or empty folder")
+    other = sorted(p.name for p in out.iterdir() if p.name not in TINY_FILES or not p.is_file())
+    if other:
+        shown = ", ".join(other[:4]) + (", ..." if len(other) > 4 else "")
+        raise UserError(f"--out {out} is not empty (it holds {shown}); make-tiny writes a random model, so give a "
+                        f"new or empty folder")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.corpus and args.byte_level:
         raise UserError("--corpus and --byte-level exclude each other: a byte tokenizer learns nothing from text")
     check_sizes(args.arch, args.hidden_size, args.heads, args.kv_heads, args.vocab_size)
+    refuse_occupied(Path(args.out))
     corpus = read_corpus(args.corpus) if args.corpus else None
     path = make_tiny_model(args.out, args.hidden_size, args.layers, args.heads, args.vocab_size,
                            max_positions=args.max_positions, seed=args.seed, arch=args.arch,

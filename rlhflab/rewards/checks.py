@@ -1,5 +1,6 @@
-"""What an evaluation checks beside the optimised reward: `eval.correct` (or the GSM8K
-checker when every held-out answer is a number) and the eval-only `eval.rewards`.
+"""What an evaluation checks beside the optimised reward: `eval.correct` (or, when every
+held-out answer is a number, the numeric rule: GSM8K's ``#### N`` for ``#### N`` answers,
+the response's ``#### N`` or else its last number for plain ones) and the eval-only `eval.rewards`.
 
 These live with the rewards, below generation, so that the reward preflight, the held-out
 evaluation (`rlhflab.evaluate`), `rlhflab eval` and `rlhflab tpo` share one rule;
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from rlhflab.rewards.gsm8k import ground_truth, is_correct, parse_number
+from rlhflab.rewards.gsm8k import extract_answer, ground_truth, parse_number
 from rlhflab.rewards.plugins import call_plugin, load_function
 
 
@@ -36,9 +37,41 @@ def build_eval_checks(eval_cfg, device="cpu") -> EvalChecks:
 
 
 def has_numeric_answers(rows: Sequence[dict]) -> bool:
-    """True when every row has an `answer` whose final part parses as a number (GSM8K-style)."""
+    """True when every row has an `answer` whose final part parses as a number: GSM8K's
+    ``... #### 72`` or a plain ``72``."""
     return bool(rows) and all("answer" in r and parse_number(ground_truth(str(r["answer"]))) is not None
                               for r in rows)
+
+
+def _hash_form(answer) -> bool:
+    return "####" in str(answer)
+
+
+def numeric_rule(rows: Sequence[dict]) -> str:
+    """The words for the numeric rule these rows get: GSM8K answers (``#### N``) are judged
+    by the number after ``####`` in the response; plain-number answers by the response's
+    ``#### N`` or, without one, its last number."""
+    hashed = sum(_hash_form(r["answer"]) for r in rows)
+    if hashed == len(rows):
+        return "the GSM8K checker (the number after '####' in the response; every held-out answer is '#### N')"
+    if hashed == 0:
+        return ("the plain-number checker (the response's '#### N', else its last number; every held-out answer "
+                "is a plain number)")
+    return (f"the numeric checker (the GSM8K checker on the {hashed} '#### N' answers; the response's '#### N', "
+            f"else its last number, on the {len(rows) - hashed} plain-number ones)")
+
+
+def read_number(response: str, answer) -> str | None:
+    """The number the numeric rule reads in `response` for this reference `answer`: the one
+    after ``####``; for a plain-number answer, else the response's last number. None: unparsed."""
+    found = extract_answer(response, fallback_last_number=not _hash_form(answer))
+    return found if found is not None and parse_number(found) is not None else None
+
+
+def numeric_correct(response: str, answer) -> bool:
+    """The numeric rule: the number read (`read_number`) equals the reference's (100 == 100.0)."""
+    found = read_number(response, answer)
+    return found is not None and parse_number(found) == parse_number(ground_truth(str(answer)))
 
 
 def accuracy_rule(checks: EvalChecks | None, rows: Sequence[dict]) -> str | None:
@@ -46,7 +79,7 @@ def accuracy_rule(checks: EvalChecks | None, rows: Sequence[dict]) -> str | None
     if checks is not None and checks.correct is not None:
         return f"eval.correct ({checks.correct_name})"
     if has_numeric_answers(rows):
-        return "the GSM8K checker (every held-out answer is a number)"
+        return numeric_rule(rows)
     return None
 
 
@@ -57,5 +90,5 @@ def judge(checks: EvalChecks | None, prompts: Sequence[str], responses: Sequence
         values = call_plugin(checks.correct, checks.correct_name, prompts, responses, examples, what="check")
         return [v == 1.0 for v in values]
     if has_numeric_answers(examples):
-        return [is_correct(r, str(e["answer"])) for r, e in zip(responses, examples)]
+        return [numeric_correct(r, e["answer"]) for r, e in zip(responses, examples)]
     return None

@@ -128,11 +128,15 @@ class Run:
             return self.dist.on_main(fn, default)
 
     def progress(self, total: int, initial: int = 0, desc: str | None = None):
-        """The run's progress bar (shown on the main process when logging.progress_bar)."""
+        """The run's progress bar (shown on the main process when logging.progress_bar and
+        stderr is a terminal: a piped log gets no carriage-return frames)."""
+        import sys
+
         from tqdm import tqdm
 
+        tty = getattr(sys.stderr, "isatty", lambda: False)()
         return tqdm(total=total, initial=initial, desc=desc or self.method, dynamic_ncols=True,
-                    disable=self.silent or not self.cfg.logging.progress_bar)
+                    disable=self.silent or not self.cfg.logging.progress_bar or not tty)
 
     # ---------------------------------------------------------------- models
     def adopt(self, module: torch.nn.Module, trained: bool = True) -> torch.nn.Module:
@@ -343,6 +347,17 @@ def entry_point(train: Callable) -> Callable:
     return entered
 
 
+def quiet_bars() -> None:
+    """No progress frames into a piped log: when stderr is no terminal, transformers' own bars
+    (loading weights, writing shards) are switched off, as the run's is (`Run.progress`)."""
+    import sys
+
+    if not getattr(sys.stderr, "isatty", lambda: False)():
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
 def start_run(cfg, method: str, *, effective=None, resume: str | Path | None = None, quiet: bool = False,
               resumable: bool = False, backend: str | None = None, critic: str = "none",
               local: dict[str, int] | None = None, preflight: Callable[[bool], None] | None = None) -> Run:
@@ -362,6 +377,7 @@ def start_run(cfg, method: str, *, effective=None, resume: str | Path | None = N
 
     t = cfg.training
     lora = bool(getattr(getattr(cfg, "lora", None), "enabled", False))
+    quiet_bars()
     dist = init_dist(t.device)
     for key, n in (local or {}).items():
         dist.local(n, key)
