@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from flask import Flask, Response, g, jsonify, redirect, render_template, request
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from rlhflab.label import CRITERIA, LEVELS
 from rlhflab.label import db as labeldb
@@ -319,13 +319,29 @@ def create_app(db_path: str | Path, *, token: str | None = None,
                                 f"can act as {own_names[name_key(name)]!r}; sign in with it, or use another name")
         return name
 
+    def _read_body() -> bytes:
+        """The body, at most MAX_BODY_BYTES (else 413). With a Content-Length werkzeug checks
+        the header; a chunked body is read here to one byte past the limit, since werkzeug's
+        limited stream hands back the first 64 KiB of a longer one as if it were all."""
+        if request.content_length is not None or "wsgi.input_terminated" not in request.environ:
+            return request.get_data(cache=True)
+        stream, data = request.environ["wsgi.input"], bytearray()
+        try:
+            while len(data) <= MAX_BODY_BYTES:
+                chunk = stream.read(min(65536, MAX_BODY_BYTES + 1 - len(data)))
+                if not chunk:
+                    break
+                data += chunk
+        except OSError:  # werkzeug's dechunker: a bad chunk header or terminator
+            raise BadRequest("the body's chunked encoding is broken; send one JSON object") from None
+        if len(data) > MAX_BODY_BYTES:
+            raise RequestEntityTooLarge()
+        return bytes(data)
+
     def _json_body() -> dict:
         if not request.is_json:
             raise Rejected(415, "send the body as JSON with Content-Type: application/json")
-        try:
-            raw = request.get_data(cache=True)  # over MAX_CONTENT_LENGTH, chunked or not: 413
-        except OSError:  # a broken chunked encoding
-            raise BadRequest("the body's chunked encoding is broken; send one JSON object") from None
+        raw = _read_body()
         try:
             body = json.loads(raw)
         except RecursionError:
