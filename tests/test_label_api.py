@@ -61,7 +61,11 @@ def test_next_returns_a_pair_and_progress(client):
     data = client.get("/api/next?annotator=ann").get_json()
     assert set(data["pair"]) == {"pair_id", "prompt", "left", "right", "flipped", "n_labels"}
     assert data["progress"] == {"total_pairs": 3, "labelled_pairs": 0, "labels": 0,
-                                "labels_per_pair": 1, "complete_pairs": 0, "mine": 0, "my_skips": 0}
+                                "labels_per_pair": 1, "complete_pairs": 0, "reserved_pairs": 0,
+                                "mine": 0, "my_skips": 0}
+    # the pair is now held for ann: bob sees it counted as on someone's screen, and gets another
+    bob = client.get("/api/next?annotator=bob").get_json()
+    assert bob["progress"]["reserved_pairs"] == 1 and bob["pair"]["pair_id"] != data["pair"]["pair_id"]
     assert client.get("/api/next").status_code == 400  # no annotator
 
 
@@ -154,6 +158,49 @@ def test_bad_bodies(client, db_path):
     assert _labels(db_path) == []
 
 
+def _one_line_error(resp, status):
+    assert resp.status_code == status, resp.get_data(as_text=True)[:200]
+    error = resp.get_json()["error"]
+    assert error and "\n" not in error, error
+    return error
+
+
+def test_deeply_nested_json_is_400(client, db_path):
+    # issue 52 case 2: 30000 nested arrays (60 KB, under the size limit) made a RecursionError: 500
+    deep = "[" * 30000 + "]" * 30000
+    for path in ("/api/labels", "/api/skip"):
+        assert "nested too deeply" in _one_line_error(
+            client.post(path, data=deep, content_type="application/json"), 400)
+    # nested inside a field, shallow enough to parse: the field's own check answers
+    pair = client.get("/api/next?annotator=ann").get_json()["pair"]
+    body = json.dumps(_label_body(pair)).replace('"level": 2', '"level": ' + "[" * 500 + "]" * 500)
+    assert "level: expected an integer, got a JSON array" in _one_line_error(
+        client.post("/api/labels", data=body, content_type="application/json"), 400)
+    assert _labels(db_path) == []
+
+
+def test_lone_surrogates_are_400(client, db_path):
+    # issue 52 case 3: "x\ud800" (a JSON escape of half a UTF-16 pair) made sqlite3 raise
+    # UnicodeEncodeError: 500
+    pair = client.get("/api/next?annotator=ann").get_json()["pair"]
+    for field, value in [("annotator", "x\ud800"), ("comment", "fine \udfff text"),
+                         ("criteria", ["\ud800"])]:
+        raw = json.dumps(_label_body(pair, **{field: value}))  # ensure_ascii: the escape as sent
+        assert "\\ud" in raw.lower()
+        error = _one_line_error(client.post("/api/labels", data=raw, content_type="application/json"), 400)
+        assert error.startswith(field), error
+    raw = json.dumps({"submission_id": "skip-00000001", "annotator": "\ud800", "pair_id": pair["pair_id"]})
+    assert "lone surrogate" in _one_line_error(client.post("/api/skip", data=raw, content_type="application/json"), 400)
+    # bytes that are not UTF-8 at all
+    bad = b'{"submission_id": "sub-000000001", "annotator": "\xff", "pair_id": 1, "level": 1}'
+    assert "JSON object" in _one_line_error(client.post("/api/labels", data=bad, content_type="application/json"), 400)
+    # a well-formed pair of surrogates is one character, stored as it is
+    ok = json.dumps(_label_body(pair, comment="\U0001F600"))
+    assert "\\ud83d\\ude00" in ok
+    assert client.post("/api/labels", data=ok, content_type="application/json").status_code == 201
+    assert [r["comment"] for r in _labels(db_path)] == ["\U0001F600"]
+
+
 def test_same_annotator_cannot_label_a_pair_twice(client, db_path):
     pair = client.get("/api/next?annotator=ann").get_json()["pair"]
     assert _post(client, "/api/labels", _label_body(pair)).status_code == 201
@@ -236,12 +283,51 @@ def test_token_login_sets_a_cookie(db_path):
 def test_annotator_tokens_fix_the_name(db_path):
     client = create_app(db_path, annotator_tokens={"tok-alice-123": "alice"}).test_client()
     h = {"Authorization": "Bearer tok-alice-123"}
-    pair = client.get("/api/next?annotator=mallory", headers=h).get_json()["pair"]
+    # alice's token acts as alice: naming someone else is refused, not silently rewritten
+    resp = client.get("/api/next?annotator=mallory", headers=h)
+    assert resp.status_code == 403 and "belongs to 'alice'" in resp.get_json()["error"]
+    pair = client.get("/api/next", headers=h).get_json()["pair"]  # no name: the token's
     body = _label_body(pair, annotator="mallory", flipped=None)
-    assert _post(client, "/api/labels", body, headers=h).status_code == 201
+    resp = _post(client, "/api/labels", body, headers=h)
+    assert resp.status_code == 403 and "belongs to 'alice'" in resp.get_json()["error"]
+    assert _labels(db_path) == []
+    assert _post(client, "/api/labels", dict(body, annotator="alice"), headers=h).status_code == 201
+    body2 = {k: v for k, v in _label_body(pair, submission_id="sub-000000002").items() if k != "annotator"}
+    assert _post(client, "/api/labels", body2, headers=h).status_code == 409  # alice again: already labelled
     assert [r["annotator"] for r in _labels(db_path)] == ["alice"]
     html = client.get("/", headers=h).get_data(as_text=True)
     assert "&#34;annotator_fixed&#34;: true" in html or "&quot;annotator_fixed&quot;: true" in html
+
+
+def test_shared_token_cannot_act_as_an_annotator_with_a_token(db_path):
+    # issue 52 case 4: served with --token S and --annotator-tokens {"alice": ...}, a POST with
+    # Bearer S naming alice was stored as alice (201)
+    client = create_app(db_path, token=TOKEN, annotator_tokens={"tok-alice-123": "alice"}).test_client()
+    shared = {"Authorization": f"Bearer {TOKEN}"}
+    pair = client.get("/api/next?annotator=carol", headers=shared).get_json()["pair"]
+    for name in ("alice", "Alice", " ALICE "):  # one annotator whatever the case
+        resp = _post(client, "/api/labels", _label_body(pair, annotator=name, flipped=None), headers=shared)
+        assert resp.status_code == 403, name
+        error = resp.get_json()["error"]
+        assert "has a token of their own" in error and "\n" not in error
+        assert client.get(f"/api/next?annotator={name}", headers=shared).status_code == 403
+        body = {"submission_id": "skip-00000001", "annotator": name, "pair_id": pair["pair_id"]}
+        assert _post(client, "/api/skip", body, headers=shared).status_code == 403
+    assert _labels(db_path) == []
+    # a name without a token of its own is the shared token's to use
+    resp = _post(client, "/api/labels", _label_body(pair, annotator="carol"), headers=shared)
+    assert resp.status_code == 201
+    assert [r["annotator"] for r in _labels(db_path)] == ["carol"]
+
+
+def test_annotator_tokens_file_refuses_names_that_differ_only_in_case(tmp_path):
+    from rlhflab.errors import UserError
+    from rlhflab.label.app import load_annotator_tokens
+
+    path = tmp_path / "tokens.json"
+    path.write_text(json.dumps({"alice": "token-alice-1", "Alice": "token-alice-2"}))
+    with pytest.raises(UserError, match="differ only in case"):
+        load_annotator_tokens(path)
 
 
 def test_foreign_host_header_is_refused(db_path):

@@ -235,3 +235,93 @@ def test_stats_counts_and_agreement(conn):
     assert three["fleiss_kappa"] == pytest.approx(1 / 3)
     text = format_stats(s)
     assert "Fleiss' kappa 0.333" in text and "ann / bob" in text
+
+
+# ------------------------------------------------------------------ reservations (issue 52)
+
+
+def test_an_offered_pair_is_held_for_its_annotator_until_it_expires(conn):
+    # 9 pairs, limit 1, reservations of 60 s; times are given, so nothing depends on the clock
+    t0 = 1000.0
+    a = labeldb.next_pair(conn, "ann", 1, reserve_seconds=60, now=t0)["pair_id"]
+    assert labeldb.next_pair(conn, "ann", 1, reserve_seconds=60, now=t0 + 30)["pair_id"] == a  # a reload
+    others = [labeldb.next_pair(conn, f"w{k}", 1, reserve_seconds=60, now=t0 + 31) for k in range(8)]
+    ids = [p["pair_id"] for p in others]
+    assert a not in ids and sorted(ids + [a]) == list(range(1, 10))  # 8 others, 8 other pairs
+    # every pair is labelled or on a screen: a ninth annotator gets nothing, and is told why
+    assert labeldb.next_pair(conn, "late", 1, reserve_seconds=60, now=t0 + 32) is None
+    assert labeldb.progress(conn, "late", 1, now=t0 + 32)["reserved_pairs"] == 9
+    # ann's hold was renewed at t0 + 30, so it lasts to t0 + 90; w0..w7 hold to t0 + 91
+    assert labeldb.next_pair(conn, "late", 1, reserve_seconds=60, now=t0 + 89) is None
+    assert labeldb.next_pair(conn, "late", 1, reserve_seconds=60, now=t0 + 90.5)["pair_id"] == a
+    # ann comes back after her hold ran out: her label is still stored (nothing is lost),
+    # and the pair now has one label beyond the limit once "late" labels it too
+    _label(conn, "sub-ann-late", "ann", a, 2)
+    _label(conn, "sub-late-0001", "late", a, 4)
+    assert conn.execute("SELECT COUNT(*) FROM labels WHERE pair_id=?", (a,)).fetchone()[0] == 2
+
+
+def test_label_and_skip_release_the_hold(conn):
+    t0 = 1000.0
+    a = labeldb.next_pair(conn, "ann", 1, reserve_seconds=600, now=t0)["pair_id"]
+    labeldb.submit_skip(conn, "skip-ann-0001", "ann", a)
+    assert conn.execute("SELECT COUNT(*) FROM reservations").fetchone()[0] == 0
+    b = labeldb.next_pair(conn, "bob", 1, reserve_seconds=600, now=t0)["pair_id"]
+    _label(conn, "sub-bob-0001", "bob", b, 1)
+    assert conn.execute("SELECT COUNT(*) FROM reservations").fetchone()[0] == 0
+    # a held pair that others filled meanwhile (a label without a reservation) is given up
+    c = labeldb.next_pair(conn, "cy", 1, reserve_seconds=600, now=t0)["pair_id"]
+    _label(conn, "sub-dee-0001", "dee", c, 3)
+    assert labeldb.next_pair(conn, "cy", 1, reserve_seconds=600, now=t0 + 1)["pair_id"] not in (b, c)
+
+
+def test_with_limit_two_a_pair_is_offered_to_two_annotators_at_most(conn):
+    # 9 pairs x 2 = 18 places: 18 annotators each hold a different place, the 19th gets none
+    held = [labeldb.next_pair(conn, f"a{k:02d}", 2, reserve_seconds=600, now=1.0)["pair_id"]
+            for k in range(18)]
+    assert sorted(held) == sorted(list(range(1, 10)) * 2)
+    assert labeldb.next_pair(conn, "a18", 2, reserve_seconds=600, now=1.0) is None
+
+
+def test_no_reservations_reads_only(conn):
+    a = labeldb.next_pair(conn, "ann", 1, reserve_seconds=0)["pair_id"]
+    assert conn.execute("SELECT COUNT(*) FROM reservations").fetchone()[0] == 0
+    assert not conn.in_transaction
+    assert labeldb.next_pair(conn, "ann", 1, reserve_seconds=0)["pair_id"] == a
+
+
+def test_a_database_from_before_reservations_gets_the_table(tmp_path):
+    path = make_db(tmp_path / "old.db", n_prompts=1)
+    c = labeldb.connect(path)
+    c.execute("DROP TABLE reservations")
+    c.close()
+    c = labeldb.connect(path)
+    assert labeldb.next_pair(c, "ann", 1)["pair_id"] == 1
+    c.close()
+
+
+# ------------------------------------------------------------------ snapshots and backups
+
+
+def test_snapshot_sees_one_state_while_another_connection_writes(conn, tmp_path):
+    other = labeldb.connect(tmp_path / "p.db")
+    with labeldb.snapshot(conn):
+        before = labeldb.count(conn, "labels")
+        _label(other, "sub-other-001", "zed", 1, 2)  # committed by another connection
+        assert labeldb.count(conn, "labels") == before == 0  # the snapshot does not move
+        assert stats(conn)["labels"] == 0 and stats(conn)["annotators"] == {}
+    assert labeldb.count(conn, "labels") == 1  # a new read sees the commit
+    s = stats(conn)
+    assert s["labels"] == sum(a["labels"] for a in s["annotators"].values()) == 1
+    other.close()
+
+
+def test_backup_copies_a_consistent_database(conn, tmp_path):
+    _label(conn, "sub-ann-0001", "ann", 1, 2, comment="kept")
+    out = labeldb.backup(conn, tmp_path / "copy" / "b.db")
+    copy = labeldb.connect(out)
+    assert [r["comment"] for r in copy.execute("SELECT comment FROM labels")] == ["kept"]
+    assert labeldb.count(copy, "pairs") == 9 and stats(copy)["labels"] == 1
+    copy.close()
+    with pytest.raises(UserError, match="already exists"):
+        labeldb.backup(conn, out)

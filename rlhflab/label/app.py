@@ -4,7 +4,8 @@ Routes (JSON unless noted; with a token configured every request needs it, else 
 
     GET  /                 the labelling page (HTML; its JS and CSS come from /static)
     POST /login            form field `token`: sets the token cookie, redirects to /
-    GET  /api/next         ?annotator=NAME -> {"pair": {...} | null, "progress": {...}}
+    GET  /api/next         ?annotator=NAME -> {"pair": {...} | null, "progress": {...}};
+                           the pair is reserved for NAME (see db.next_pair)
     POST /api/labels       {submission_id, annotator, pair_id, level 1..5, comment?,
                             criteria?, flipped?, elapsed_ms?} -> 201 stored, 200 retry
     POST /api/skip         {submission_id, annotator, pair_id} -> 201 stored, 200 retry
@@ -15,7 +16,12 @@ Routes (JSON unless noted; with a token configured every request needs it, else 
 Model text is untrusted: it reaches the page only as JSON and is put into the document
 with `textContent` (never innerHTML), and a Content-Security-Policy allows scripts from
 this server only. POSTs must be `application/json`, which a cross-site form cannot send.
-Bad requests get a 4xx with {"error": "..."} and change nothing.
+Bad requests get a 4xx with {"error": "..."} and change nothing: bodies are parsed here
+(nesting too deep, invalid UTF-8 or JSON, a lone surrogate: 400; over 64 KiB, chunked or
+not: 413), and `serve` closes the connection after an answer sent before the body was read.
+
+Identity: with annotator tokens, a request's annotator is its token's; naming another is
+403, and so is the shared token naming an annotator who has a token of their own.
 """
 
 from __future__ import annotations
@@ -25,12 +31,13 @@ import json
 import logging
 import re
 import sqlite3
+import time
 import unicodedata
 from pathlib import Path
 from typing import Any
 
 from flask import Flask, Response, g, jsonify, redirect, render_template, request
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from rlhflab.label import CRITERIA, LEVELS
 from rlhflab.label import db as labeldb
@@ -66,13 +73,39 @@ def _annotator(value: Any) -> str:
         raise BadRequest(f"annotator: at most {MAX_ANNOTATOR_CHARS} characters, got {len(name)}")
     if any(unicodedata.category(ch) in ("Cc", "Cf") for ch in name):
         raise BadRequest("annotator: control characters are not allowed in a name")
+    _text("annotator", name)
     return name
+
+
+def _text(key: str, value: str) -> str:
+    """A string SQLite can store: JSON's \\ud800 escapes make lone surrogates, which are
+    not Unicode text."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest(f"{key}: contains a lone surrogate (an unpaired \\uD800-\\uDFFF "
+                         "escape), which is not text; send valid UTF-8") from None
+    return value
+
+
+def name_key(name: str) -> str:
+    """How names are compared for identity: 'Alice' and 'alice' are one annotator."""
+    return unicodedata.normalize("NFKC", name).casefold()
+
+
+def _shown(value: Any) -> str:
+    """A short picture of a value for an error message (never a deep dump)."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return json.dumps(value)[:40]
+    if isinstance(value, str):
+        return json.dumps(value)[:40]  # ensure_ascii: a lone surrogate prints as \\ud800
+    return f"a JSON {'array' if isinstance(value, list) else 'object'}"
 
 
 def _int(body: dict, key: str, lo: int | None = None, hi: int | None = None) -> int:
     value = body.get(key)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequest(f"{key}: expected an integer, got {json.dumps(value)[:40]}")
+        raise BadRequest(f"{key}: expected an integer, got {_shown(value)}")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise BadRequest(f"{key}: must be between {lo} and {hi}, got {value}")
     return value
@@ -127,19 +160,31 @@ def load_annotator_tokens(path: str | Path) -> dict[str, str]:
                             "of 8+ characters")
         if token in out:
             raise UserError(f"--annotator-tokens {path}: {name!r} and {out[token]!r} share a token")
-        out[token] = _annotator(name)
+        try:
+            out[token] = _annotator(name)
+        except Rejected as exc:
+            raise UserError(f"--annotator-tokens {path}: name {name!r}: {exc}") from None
+    keys: dict[str, str] = {}
+    for name in out.values():
+        if name_key(name) in keys:
+            raise UserError(f"--annotator-tokens {path}: {keys[name_key(name)]!r} and {name!r} "
+                            "differ only in case; give each annotator a distinct name")
+        keys[name_key(name)] = name
     return out
 
 
 def create_app(db_path: str | Path, *, token: str | None = None,
                annotator_tokens: dict[str, str] | None = None,
                labels_per_pair: int | None = 1, criteria: tuple[str, ...] = CRITERIA,
-               max_comment: int = 2000, allowed_hosts: set[str] | None = None) -> Flask:
+               max_comment: int = 2000, allowed_hosts: set[str] | None = None,
+               reserve_seconds: float = labeldb.RESERVE_SECONDS) -> Flask:
     """The Flask app serving one database.
 
-    token: a shared access token (annotators still type their name).
+    token: a shared access token (annotators still type their name; not one that
+        annotator_tokens gives to someone: that is 403).
     annotator_tokens: token -> annotator name; the token identifies the annotator.
-    labels_per_pair: stop offering a pair once it has this many labels (None: never).
+    labels_per_pair: stop offering a pair once its labels and reservations reach this (None: never).
+    reserve_seconds: how long a pair offered by /api/next stays held for its annotator (0: not held).
     allowed_hosts: accepted Host header names (DNS-rebinding guard); None accepts any.
     """
     db_path = Path(db_path)
@@ -148,6 +193,7 @@ def create_app(db_path: str | Path, *, token: str | None = None,
     if token:
         tokens[token] = None
     tokens.update(annotator_tokens or {})
+    own_names = {name_key(n): n for n in (annotator_tokens or {}).values()}
     criteria = tuple(criteria)
 
     app = Flask(__name__)
@@ -254,15 +300,54 @@ def create_app(db_path: str | Path, *, token: str | None = None,
         }
         return jsonify(error=messages.get(exc.code, exc.description)), exc.code
 
+    @app.errorhandler(RecursionError)
+    def _too_deep(_exc: RecursionError):
+        return jsonify(error="the request is nested too deeply; send one flat JSON object"), 400
+
     # -------------------------------------------------------- helpers
 
     def _who(value: Any) -> str:
-        return g.fixed_annotator if g.fixed_annotator is not None else _annotator(value)
+        fixed = g.fixed_annotator
+        if fixed is not None:  # an annotator's own token: the label is theirs
+            if value is not None and value != "" and _annotator(value) != fixed:
+                raise Rejected(403, f"annotator {_shown(value)}: this token belongs to {fixed!r} "
+                                    "and writes only as them; leave annotator out or send their name")
+            return fixed
+        name = _annotator(value)
+        if name_key(name) in own_names:
+            raise Rejected(403, f"annotator {name!r} has a token of their own and only that token "
+                                f"can act as {own_names[name_key(name)]!r}; sign in with it, or use another name")
+        return name
+
+    def _read_body() -> bytes:
+        """The body, at most MAX_BODY_BYTES (else 413). With a Content-Length werkzeug checks
+        the header; a chunked body is read here to one byte past the limit, since werkzeug's
+        limited stream hands back the first 64 KiB of a longer one as if it were all."""
+        if request.content_length is not None or "wsgi.input_terminated" not in request.environ:
+            return request.get_data(cache=True)
+        stream, data = request.environ["wsgi.input"], bytearray()
+        try:
+            while len(data) <= MAX_BODY_BYTES:
+                chunk = stream.read(min(65536, MAX_BODY_BYTES + 1 - len(data)))
+                if not chunk:
+                    break
+                data += chunk
+        except OSError:  # werkzeug's dechunker: a bad chunk header or terminator
+            raise BadRequest("the body's chunked encoding is broken; send one JSON object") from None
+        if len(data) > MAX_BODY_BYTES:
+            raise RequestEntityTooLarge()
+        return bytes(data)
 
     def _json_body() -> dict:
         if not request.is_json:
             raise Rejected(415, "send the body as JSON with Content-Type: application/json")
-        body = request.get_json(silent=True)
+        raw = _read_body()
+        try:
+            body = json.loads(raw)
+        except RecursionError:
+            raise BadRequest("the body is nested too deeply; send one flat JSON object") from None
+        except ValueError as exc:  # not JSON, or not UTF-8
+            raise BadRequest(f"the body must be one JSON object ({str(exc).splitlines()[0][:80]})") from None
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
         return body
@@ -286,7 +371,7 @@ def create_app(db_path: str | Path, *, token: str | None = None,
     @app.get("/api/next")
     def next_pair():
         who = _who(request.args.get("annotator"))
-        pair = labeldb.next_pair(conn(), who, labels_per_pair)
+        pair = labeldb.next_pair(conn(), who, labels_per_pair, reserve_seconds)
         return jsonify(pair=pair, progress=labeldb.progress(conn(), who, labels_per_pair))
 
     @app.get("/api/progress")
@@ -303,6 +388,7 @@ def create_app(db_path: str | Path, *, token: str | None = None,
         comment = body.get("comment", "")
         if not isinstance(comment, str):
             raise BadRequest("comment: expected a string")
+        _text("comment", comment)
         if len(comment) > max_comment:
             raise BadRequest(f"comment: at most {max_comment} characters, got {len(comment)}; shorten it")
         picked = body.get("criteria", [])
@@ -342,6 +428,62 @@ def create_app(db_path: str | Path, *, token: str | None = None,
     return app
 
 
+# After an answer sent before the body was read (a 413, a refusal), werkzeug discards what
+# the client still sends, but with blocking reads that wait for the client to close. These
+# bound it: then the connection closes, whatever the client does.
+DRAIN_SECONDS = 1.0
+DRAIN_BYTES = 1024 * 1024
+
+
+class _Input:
+    """The request handler's input file; after the answer's headers, reads return what has
+    arrived (never waiting for more) until DRAIN_SECONDS or DRAIN_BYTES, then end."""
+
+    def __init__(self, raw: Any):
+        self._raw = raw
+        self._until: float | None = None
+        self._drained = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+    def answered(self) -> None:
+        self._until, self._drained = time.monotonic() + DRAIN_SECONDS, 0
+
+    def next_request(self) -> None:
+        self._until = None
+
+    def read(self, n: int = -1) -> bytes:
+        if self._until is None:
+            return self._raw.read(n)
+        if time.monotonic() > self._until or self._drained >= DRAIN_BYTES:
+            return b""
+        read1 = getattr(self._raw, "read1", None)
+        size = 65536 if n is None or n < 0 else min(n, 65536)
+        data = read1(size) if read1 is not None else self._raw.read(size)
+        self._drained += len(data)
+        return data
+
+
+def _request_handler() -> type:
+    from werkzeug.serving import WSGIRequestHandler
+
+    class Handler(WSGIRequestHandler):
+        def setup(self) -> None:
+            super().setup()
+            self.rfile = _Input(self.rfile)
+
+        def handle_one_request(self) -> None:
+            self.rfile.next_request()
+            super().handle_one_request()
+
+        def end_headers(self) -> None:
+            super().end_headers()
+            self.rfile.answered()
+
+    return Handler
+
+
 def serve(app: Flask, host: str = "127.0.0.1", port: int = 8765, quiet: bool = False,
           announce: str = "") -> None:
     """Serve with werkzeug's threaded server (one thread per request) until Ctrl-C."""
@@ -349,7 +491,7 @@ def serve(app: Flask, host: str = "127.0.0.1", port: int = 8765, quiet: bool = F
 
     if quiet:
         logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = make_server(host, port, app, threaded=True)
+    server = make_server(host, port, app, threaded=True, request_handler=_request_handler())
     shown = f"[{host}]" if ":" in host else host
     print(f"rlhflab label: {announce}serving on http://{shown}:{server.server_port}/ "
           "(Ctrl-C to stop)", flush=True)

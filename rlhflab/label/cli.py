@@ -5,6 +5,7 @@
     rlhflab label serve --db pairs.db [--port 8765] [--token T]
     rlhflab label stats --db pairs.db [--json]
     rlhflab label export --db pairs.db --out prefs.jsonl [--keep-ties] [--min-labels K]
+    rlhflab label backup --db pairs.db --out copy.db
 
 See docs/labelling.md.
 """
@@ -64,6 +65,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--labels-per-pair", type=int, default=1,
                    help="stop offering a pair once it has this many labels; 2+ measures agreement "
                         "(default 1; 0 means no limit)")
+    p.add_argument("--reserve-minutes", type=float, default=10.0,
+                   help="a pair offered to an annotator is held for them this long, so others are not "
+                        "offered it past the limit (default 10; 0 holds nothing)")
     p.add_argument("--criteria", default=",".join(CRITERIA),
                    help="comma-separated criteria checkboxes (default: %(default)s); '' hides them")
     p.add_argument("--max-comment", type=int, default=2000, help="longest comment in characters (default 2000)")
@@ -82,6 +86,12 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                    help='keep pairs judged about the same (margin 0.0, "tie": true)')
     p.add_argument("--min-labels", type=int, default=1,
                    help="export only pairs with at least this many labels (default 1)")
+
+    p = sub.add_parser("backup", help="copy the database safely while servers write to it",
+                       description="A consistent copy of a labelling database with SQLite's online "
+                                   "backup API; servers can keep running.")
+    p.add_argument("--db", required=True, help="SQLite file")
+    p.add_argument("--out", required=True, help="the copy to write (a new file, or one to replace)")
 
 
 def _is_loopback(host: str) -> bool:
@@ -142,6 +152,9 @@ def _serve(args: argparse.Namespace) -> int:
         raise UserError(f"--labels-per-pair {args.labels_per_pair}: must be >= 1, or 0 for no limit")
     if args.max_comment < 0:
         raise UserError(f"--max-comment {args.max_comment}: must be >= 0")
+    if not 0 <= args.reserve_minutes <= 7 * 24 * 60:
+        raise UserError(f"--reserve-minutes {args.reserve_minutes}: choose 0..10080 (a week); "
+                        "0 holds nothing")
     annotator_tokens = load_annotator_tokens(args.annotator_tokens) if args.annotator_tokens else None
     loopback = _is_loopback(args.host)
     if not loopback and not (args.token or annotator_tokens) and not args.insecure:
@@ -153,7 +166,7 @@ def _serve(args: argparse.Namespace) -> int:
     criteria = tuple(c.strip() for c in args.criteria.split(",") if c.strip())
     app = create_app(args.db, token=args.token, annotator_tokens=annotator_tokens,
                      labels_per_pair=args.labels_per_pair or None, criteria=criteria,
-                     max_comment=args.max_comment,
+                     max_comment=args.max_comment, reserve_seconds=60.0 * args.reserve_minutes,
                      allowed_hosts=(LOOPBACK_NAMES | {args.host}) if loopback else None)
     conn = labeldb.connect(args.db)
     n_pairs = labeldb.count(conn, "pairs")
@@ -196,6 +209,18 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _backup(args: argparse.Namespace) -> int:
+    from rlhflab.label import db as labeldb
+
+    src = labeldb.connect(args.db)
+    try:
+        out = labeldb.backup(src, args.out)
+    finally:
+        src.close()
+    print(f"{args.db} -> {out}: {out.stat().st_size} bytes, integrity ok")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     return {"generate": _generate, "import": _import, "serve": _serve,
-            "stats": _stats, "export": _export}[args.action](args)
+            "stats": _stats, "export": _export, "backup": _backup}[args.action](args)

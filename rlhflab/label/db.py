@@ -1,7 +1,8 @@
 """The labelling database: SQLite (standard library) in WAL mode.
 
 Tables: `prompts`, `responses` (unique per prompt and text), `pairs` (two responses of
-one prompt, A and B), `labels` (one per pair and annotator) and `skips`. Every write is
+one prompt, A and B), `labels` (one per pair and annotator), `skips` and `reservations`
+(the pair each annotator was last offered, held for them until it expires). Every write is
 one `BEGIN IMMEDIATE` transaction; a label or skip carries a client-made
 `submission_id` (UNIQUE), so a retried POST is stored once. `synchronous=FULL` makes a
 commit durable before the server answers: a killed server loses nothing it acknowledged.
@@ -9,6 +10,10 @@ commit durable before the server answers: a killed server loses nothing it ackno
 Levels: `level` is what the annotator clicked (1 = left much better ... 5 = right much
 better); `flipped` records whether the left panel showed response B; `a_level` is the same
 judgement in the pair's own terms (1 = A much better ... 5 = B much better).
+
+Reads that report several numbers (`progress`, `export.stats`, `export.export_rows`) run
+inside `snapshot()`, one read transaction: in WAL mode every SELECT in it sees the same
+committed state, so the figures add up while others write.
 """
 
 from __future__ import annotations
@@ -83,6 +88,18 @@ CREATE TABLE IF NOT EXISTS skips (
 );
 """
 
+# The pair each annotator was last offered, held for them until `expires` (time.time()):
+# /api/next does not offer a pair whose labels plus live reservations reach the limit.
+# Added after the first release, so `connect` also creates it in an older database.
+RESERVATIONS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS reservations (
+    annotator TEXT PRIMARY KEY,
+    pair_id   INTEGER NOT NULL REFERENCES pairs(id),
+    expires   REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS reservations_by_pair ON reservations (pair_id, expires)
+"""
+
 
 class Rejected(UserError):
     """A request the database refuses; `status` is the HTTP status the server answers."""
@@ -124,7 +141,7 @@ def connect(path: str | Path, create: bool = False) -> sqlite3.Connection:
     conn.execute("PRAGMA busy_timeout=30000")
     if create:
         with transaction(conn):
-            for stmt in SCHEMA.split(";"):
+            for stmt in (SCHEMA + ";" + RESERVATIONS_SCHEMA).split(";"):
                 if stmt.strip():
                     conn.execute(stmt)
             conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (SCHEMA_VERSION,))
@@ -140,6 +157,11 @@ def connect(path: str | Path, create: bool = False) -> sqlite3.Connection:
             conn.close()
             raise UserError(f"--db {path}: not a labelling database (no meta table); "
                             "create one with `rlhflab label generate` or `rlhflab label import`")
+        if conn.execute("SELECT 1 FROM sqlite_master WHERE name='reservations'").fetchone() is None:
+            with transaction(conn):
+                for stmt in RESERVATIONS_SCHEMA.split(";"):
+                    if stmt.strip():
+                        conn.execute(stmt)
     return conn
 
 
@@ -154,6 +176,50 @@ def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
         conn.execute("ROLLBACK")
         raise
     conn.execute("COMMIT")
+
+
+@contextmanager
+def snapshot(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """One read transaction: every SELECT inside sees the same committed state (WAL mode
+    keeps the snapshot of the first read until the end), so counts taken one after another
+    add up while other connections write. Inside a transaction already, it is that one."""
+    if conn.in_transaction:
+        yield conn
+        return
+    conn.execute("BEGIN")
+    try:
+        yield conn
+    finally:
+        conn.execute("COMMIT")  # a read transaction: nothing to commit, this ends it
+
+
+def backup(conn: sqlite3.Connection, out: str | Path) -> Path:
+    """Copy the open database to a new file `out` with SQLite's online backup API, in one
+    step (one read snapshot: the copy is the database as of one commit, while servers keep
+    writing). Written under a temporary name, checked, then renamed into place."""
+    import os
+
+    out = Path(out)
+    if out.exists():
+        raise UserError(f"--out {out}: already exists; give a new file name (a backup never "
+                        "overwrites a file)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    dest = sqlite3.connect(str(tmp))
+    try:
+        conn.backup(dest)  # pages=-1: every page in one step
+        dest.execute("PRAGMA journal_mode=DELETE")  # the copy is one self-contained file
+        check = dest.execute("PRAGMA integrity_check").fetchone()[0]
+    finally:
+        dest.close()
+    if check != "ok":
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"backup of the database to {out}: the copy fails integrity_check ({check})")
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    tmp.replace(out)
+    return out
 
 
 def _meta(conn: sqlite3.Connection, key: str) -> str:
@@ -310,26 +376,76 @@ def _order_key(annotator: str) -> int:
     return int.from_bytes(hashlib.sha256(annotator.encode()).digest()[:4], "big") | 1
 
 
-def next_pair(conn: sqlite3.Connection, annotator: str,
-              labels_per_pair: int | None = 1) -> dict | None:
-    """The next pair to show `annotator`, or None when nothing is left for them.
+RESERVE_SECONDS = 600.0  # `serve --reserve-minutes 10`
 
-    Candidates: pairs this annotator has neither labelled nor skipped, with fewer than
-    `labels_per_pair` labels (None: no limit). The least-labelled come first.
+
+def next_pair(conn: sqlite3.Connection, annotator: str, labels_per_pair: int | None = 1,
+              reserve_seconds: float = RESERVE_SECONDS, now: float | None = None) -> dict | None:
+    """The next pair to show `annotator`, or None when nothing is left for them now.
+
+    Candidates: pairs this annotator has neither labelled nor skipped whose labels plus
+    live reservations of other annotators are fewer than `labels_per_pair` (None: no
+    limit). The least-taken come first, in an order of the annotator's own.
+
+    The pair returned is reserved for the annotator for `reserve_seconds` (one pair per
+    annotator; asking again returns the same pair and renews it, a label or skip of it
+    releases it). So while every label comes within its reservation, a pair never gets
+    more labels than the limit. `reserve_seconds=0` reserves nothing (reads only).
     """
+    if reserve_seconds <= 0:
+        with snapshot(conn):
+            row = _pick(conn, annotator, labels_per_pair, time.time() if now is None else now)
+            return _offer(conn, row, annotator)
+    with transaction(conn):  # BEGIN IMMEDIATE: no two servers pick against the same counts
+        now = time.time() if now is None else now
+        conn.execute("DELETE FROM reservations WHERE expires <= ?", (now,))
+        held = conn.execute(
+            """SELECT r.pair_id FROM reservations r WHERE r.annotator = :who
+               AND NOT EXISTS (SELECT 1 FROM labels l WHERE l.pair_id = r.pair_id AND l.annotator = :who)
+               AND NOT EXISTS (SELECT 1 FROM skips s WHERE s.pair_id = r.pair_id AND s.annotator = :who)""",
+            {"who": annotator}).fetchone()
+        row = _pick(conn, annotator, labels_per_pair, now, only=held[0]) if held else None
+        if row is None:
+            row = _pick(conn, annotator, labels_per_pair, now)
+        if row is None:
+            conn.execute("DELETE FROM reservations WHERE annotator=?", (annotator,))
+            return None
+        conn.execute("INSERT OR REPLACE INTO reservations (annotator, pair_id, expires) VALUES (?, ?, ?)",
+                     (annotator, row["id"], now + reserve_seconds))
+        return _offer(conn, row, annotator)
+
+
+def _pick(conn: sqlite3.Connection, annotator: str, labels_per_pair: int | None, now: float,
+          only: int | None = None) -> sqlite3.Row | None:
+    """The best candidate pair (`only`: the pair the annotator holds, which stays theirs)."""
     limit = labels_per_pair if labels_per_pair is not None else -1
-    row = conn.execute(
-        """
-        SELECT p.id, p.response_a, p.response_b, pr.text AS prompt,
-               (SELECT COUNT(*) FROM labels l WHERE l.pair_id = p.id) AS n
-        FROM pairs p JOIN prompts pr ON pr.id = p.prompt_id
-        WHERE NOT EXISTS (SELECT 1 FROM labels l WHERE l.pair_id = p.id AND l.annotator = :who)
+    taken = """(SELECT COUNT(*) FROM labels l WHERE l.pair_id = p.id)
+             + (SELECT COUNT(*) FROM reservations r WHERE r.pair_id = p.id
+                AND r.annotator != :who AND r.expires > :now)"""
+    if only is not None:
+        # a held pair stays the annotator's unless labels alone (given without a
+        # reservation, or after one ran out) have filled it meanwhile
+        where = """p.id = :only
+          AND (:limit < 0 OR (SELECT COUNT(*) FROM labels l WHERE l.pair_id = p.id) < :limit)"""
+    else:
+        where = f"""
+          NOT EXISTS (SELECT 1 FROM labels l WHERE l.pair_id = p.id AND l.annotator = :who)
           AND NOT EXISTS (SELECT 1 FROM skips s WHERE s.pair_id = p.id AND s.annotator = :who)
-          AND (:limit < 0 OR (SELECT COUNT(*) FROM labels l WHERE l.pair_id = p.id) < :limit)
-        ORDER BY n, (p.id * :key) % 4294967291, p.id
+          AND (:limit < 0 OR {taken} < :limit)"""
+    return conn.execute(
+        f"""
+        SELECT p.id, p.response_a, p.response_b, pr.text AS prompt,
+               (SELECT COUNT(*) FROM labels l WHERE l.pair_id = p.id) AS n, {taken} AS taken
+        FROM pairs p JOIN prompts pr ON pr.id = p.prompt_id
+        WHERE {where}
+        ORDER BY taken, (p.id * :key) % 4294967291, p.id
         LIMIT 1
         """,
-        {"who": annotator, "limit": limit, "key": _order_key(annotator)}).fetchone()
+        {"who": annotator, "limit": limit, "key": _order_key(annotator), "now": now,
+         "only": only}).fetchone()
+
+
+def _offer(conn: sqlite3.Connection, row: sqlite3.Row | None, annotator: str) -> dict | None:
     if row is None:
         return None
     texts = dict(conn.execute("SELECT id, text FROM responses WHERE id IN (?, ?)",
@@ -342,22 +458,32 @@ def next_pair(conn: sqlite3.Connection, annotator: str,
 
 
 def progress(conn: sqlite3.Connection, annotator: str | None = None,
-             labels_per_pair: int | None = 1) -> dict:
-    """Counts for the progress line: pairs labelled at least once / total, and the
-    annotator's own labels and skips."""
-    total = count(conn, "pairs")
-    labelled = conn.execute("SELECT COUNT(DISTINCT pair_id) FROM labels").fetchone()[0]
-    out = {"total_pairs": total, "labelled_pairs": labelled, "labels": count(conn, "labels"),
-           "labels_per_pair": labels_per_pair}
-    if labels_per_pair is not None:
-        out["complete_pairs"] = conn.execute(
-            "SELECT COUNT(*) FROM (SELECT pair_id FROM labels GROUP BY pair_id HAVING COUNT(*) >= ?)",
-            (labels_per_pair,)).fetchone()[0]
-    if annotator is not None:
-        out["mine"] = conn.execute("SELECT COUNT(*) FROM labels WHERE annotator=?",
-                                   (annotator,)).fetchone()[0]
-        out["my_skips"] = conn.execute("SELECT COUNT(*) FROM skips WHERE annotator=?",
+             labels_per_pair: int | None = 1, now: float | None = None) -> dict:
+    """Counts for the progress line, from one snapshot: pairs labelled at least once /
+    total, pairs others hold right now, and the annotator's own labels and skips."""
+    now = time.time() if now is None else now
+    with snapshot(conn):
+        total = count(conn, "pairs")
+        labelled = conn.execute("SELECT COUNT(DISTINCT pair_id) FROM labels").fetchone()[0]
+        out = {"total_pairs": total, "labelled_pairs": labelled, "labels": count(conn, "labels"),
+               "labels_per_pair": labels_per_pair}
+        if labels_per_pair is not None:
+            out["complete_pairs"] = conn.execute(
+                "SELECT COUNT(*) FROM (SELECT pair_id FROM labels GROUP BY pair_id HAVING COUNT(*) >= ?)",
+                (labels_per_pair,)).fetchone()[0]
+        # pairs others hold now that this annotator has not labelled or skipped: when
+        # /api/next has nothing, these may still come back (skipped, or left to expire)
+        out["reserved_pairs"] = conn.execute(
+            """SELECT COUNT(DISTINCT r.pair_id) FROM reservations r
+               WHERE r.expires > :now AND r.annotator != :who
+                 AND NOT EXISTS (SELECT 1 FROM labels l WHERE l.pair_id = r.pair_id AND l.annotator = :who)
+                 AND NOT EXISTS (SELECT 1 FROM skips s WHERE s.pair_id = r.pair_id AND s.annotator = :who)""",
+            {"now": now, "who": annotator if annotator is not None else ""}).fetchone()[0]
+        if annotator is not None:
+            out["mine"] = conn.execute("SELECT COUNT(*) FROM labels WHERE annotator=?",
                                        (annotator,)).fetchone()[0]
+            out["my_skips"] = conn.execute("SELECT COUNT(*) FROM skips WHERE annotator=?",
+                                           (annotator,)).fetchone()[0]
     return out
 
 
@@ -414,6 +540,8 @@ def submit_label(conn: sqlite3.Connection, label: LabelIn) -> Stored:
             raise Rejected(409, f"pair {label.pair_id}: 'flipped' does not match the order the "
                                 f"server shows {label.annotator!r}; reload the page")
         a_level = 6 - label.level if flipped else label.level
+        conn.execute("DELETE FROM reservations WHERE annotator=? AND pair_id=?",
+                     (label.annotator, label.pair_id))
         lid = conn.execute(
             """INSERT INTO labels (submission_id, pair_id, annotator, level, flipped, a_level,
                                    comment, criteria, elapsed_ms, created)
@@ -442,6 +570,7 @@ def submit_skip(conn: sqlite3.Connection, submission_id: str, annotator: str, pa
                            (pair_id, annotator)).fetchone()
         if old is not None:
             return Stored(old["id"], False)
+        conn.execute("DELETE FROM reservations WHERE annotator=? AND pair_id=?", (annotator, pair_id))
         sid = conn.execute(
             "INSERT INTO skips (submission_id, pair_id, annotator, created) VALUES (?, ?, ?, ?)",
             (submission_id, pair_id, annotator, time.time())).lastrowid

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rlhflab.label import agreement
-from rlhflab.label.db import count, labelled_pairs
+from rlhflab.label.db import count, labelled_pairs, snapshot
 
 
 @dataclass
@@ -41,9 +41,12 @@ class ExportResult:
 
 def export_rows(conn: sqlite3.Connection, keep_ties: bool = False,
                 min_labels: int = 1) -> tuple[list[dict], ExportResult]:
-    """Preference rows for every pair with at least `min_labels` labels."""
+    """Preference rows for every pair with at least `min_labels` labels (one snapshot: the
+    counts describe the rows, whatever is written meanwhile)."""
+    with snapshot(conn):
+        pairs = labelled_pairs(conn)
+        n_pairs = count(conn, "pairs")
     rows, ties_written, ties_dropped, few = [], 0, 0, 0
-    pairs = labelled_pairs(conn)
     for p in pairs:
         if len(p.a_levels) < min_labels:
             few += 1
@@ -65,8 +68,7 @@ def export_rows(conn: sqlite3.Connection, keep_ties: bool = False,
             row["tie"] = True
             ties_written += 1
         rows.append(row)
-    result = ExportResult(len(rows), ties_written, ties_dropped, few,
-                          count(conn, "pairs") - len(pairs))
+    result = ExportResult(len(rows), ties_written, ties_dropped, few, n_pairs - len(pairs))
     return rows, result
 
 
@@ -85,19 +87,27 @@ def write_jsonl(rows: list[dict], out: str | Path) -> Path:
 
 
 def stats(conn: sqlite3.Connection) -> dict:
-    """Counts per annotator, pairs labelled k times, and agreement on both scales."""
+    """Counts per annotator, pairs labelled k times, and agreement on both scales, all read
+    in one snapshot: `labels` is the sum of the annotators' labels, and of the
+    pairs_labelled_k_times, even while others label."""
+    with snapshot(conn):
+        return _stats(conn)
+
+
+def _new_annotator() -> dict:
+    return {"labels": 0, "skips": 0, "median_seconds": None, "levels": {}}
+
+
+def _stats(conn: sqlite3.Connection) -> dict:
     per_annotator: dict[str, dict] = {}
     for row in conn.execute(
             "SELECT annotator, COUNT(*) AS n FROM labels GROUP BY annotator"):
-        per_annotator[row["annotator"]] = {"labels": row["n"], "skips": 0,
-                                           "median_seconds": None, "levels": {}}
+        per_annotator.setdefault(row["annotator"], _new_annotator())["labels"] = row["n"]
     for row in conn.execute("SELECT annotator, COUNT(*) AS n FROM skips GROUP BY annotator"):
-        per_annotator.setdefault(row["annotator"], {"labels": 0, "skips": 0,
-                                                    "median_seconds": None, "levels": {}})
-        per_annotator[row["annotator"]]["skips"] = row["n"]
+        per_annotator.setdefault(row["annotator"], _new_annotator())["skips"] = row["n"]
     for row in conn.execute("SELECT annotator, a_level, COUNT(*) AS n FROM labels "
                             "GROUP BY annotator, a_level"):
-        per_annotator[row["annotator"]]["levels"][str(row["a_level"])] = row["n"]
+        per_annotator.setdefault(row["annotator"], _new_annotator())["levels"][str(row["a_level"])] = row["n"]
     for who, info in per_annotator.items():
         ms = sorted(r[0] for r in conn.execute(
             "SELECT elapsed_ms FROM labels WHERE annotator=? AND elapsed_ms IS NOT NULL", (who,)))

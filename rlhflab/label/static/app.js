@@ -200,7 +200,15 @@
       const { data } = await api("GET", "/api/next?annotator=" + encodeURIComponent(annotator));
       setProgress(data.progress);
       current = data.pair;
-      if (!current) { screen("done"); return; }
+      if (!current) {
+        const held = data.progress && data.progress.reserved_pairs;
+        $("done-detail").textContent = held
+          ? held + " pair(s) are on other annotators' screens now; if they skip them, they come " +
+            "back to you: press Check again in a while."
+          : "Thank you! Every pair is labelled, or you have labelled or skipped all the others.";
+        screen("done");
+        return;
+      }
       submissionId = newId();
       shownAt = Date.now();
       show($("prompt"), current.prompt);
