@@ -342,6 +342,6 @@ def test_llama_cpp_runs_the_export_within_two_points(exported, trained, arith_di
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     rc = mod.main(["--gguf", str(exported("f16")), "--model", str(trained), "--data", str(arith_dir / "test.jsonl"),
-                   "--max-new-tokens", "16"]))
+                   "--max-new-tokens", "16"])
     print(capsys.readouterr().out)
     assert rc == 0  # within 2 points
