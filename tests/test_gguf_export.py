@@ -188,7 +188,8 @@ def trained(smollm2_dir, arith_dir, tmp_path_factory):
             f"model.name_or_path={smollm2_dir}", f"dataset.path={arith_dir / 'train.jsonl'}",
             f"dataset.eval_path={arith_dir / 'test.jsonl'}", f"training.output_dir={out}",
             "generation.max_new_tokens=8", "dataset.max_prompt_length=128", "training.total_steps=1",
-            "training.eval_interval=0", "training.save_interval=0", "logging.progress_bar=false",
+            "training.eval_interval=0", "training.save_interval=0", "training.save_only_model=true",
+            "logging.progress_bar=false",
             "logging.plots=false", "grpo.group_size=2", "grpo.prompts_per_step=2", "grpo.batch_size=4",
             "grpo.mini_batch_size=4", "grpo.gradient_accumulation_steps=1", "grpo.learning_rate=1e-5"]
     assert cli.main(args) == 0
