@@ -284,8 +284,9 @@ def export_gguf(model_dir: str | os.PathLike, out: str | os.PathLike, type_: str
         except ImportError:
             raise UserError(f"--type {type_} is written by llama.cpp's quantizer, which is not installed; "
                             f"{QUANTIZE_HINT}") from None
-    say = (lambda msg: None) if not verbose and os.environ.get("RLHFLAB_QUIET") else \
-        (lambda msg: print(msg, file=sys.stderr, flush=True))
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f"{out.name}.partial-{os.getpid()}")
     scratch = Path(tempfile.mkdtemp(prefix=".export-gguf-", dir=out.parent))
