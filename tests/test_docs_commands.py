@@ -246,7 +246,8 @@ def problems(cmd: Command) -> list[str]:
             return []                                # a mention, or options in a shell variable
         return [f"does not parse: {msg}"]
     out = [f"unknown option {e}" for e in extra if e.startswith("-")]
-    out += [f"unexpected argument {e!r}" for e in extra if not e.startswith("-")]
+    # a shell variable (`"${EVAL[@]}"`) holds options the parser cannot see
+    out += [f"unexpected argument {e!r}" for e in extra if not e.startswith("-") and "$" not in e]
     out += _config_problems(name, args, cmd)
     return out
 
