@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     gap = 100 * (runtime - folder)
     print(f"held-out accuracy ({n} prompts, greedy, {args.max_new_tokens} new tokens)")
     print(f"  llama.cpp {llama_cpp.__version__} on {Path(args.gguf).name}: {100 * runtime:.1f}%")
-    print(f"  rlhflab eval on {args.model}: {100 * folder:.1f}%")
+    print(f"  rlhflab's eval on {args.model}: {100 * folder:.1f}%")
     print(f"  difference: {gap:+.1f} points; prompts rendered alike by the file's chat template: {same} of {n}")
     return 0 if abs(gap) <= args.tolerance else 1
 
