@@ -95,7 +95,7 @@ def sample_and_score(run: RLRun, examples, timer: Timer, step: int = 0, *, kl_in
         score_rollout(models.actor, models.reference, roll, temperature=temp,
                       micro_batch=max(sec.mini_batch_size, sec.batch_size), with_policy=need_old,
                       old_logprobs=cfg.generation.old_logprobs,
-                      share_prompt=sec.share_prompt)
+                      share_prompt=sec.share_prompt, layout=sec.layout)
         if roll.ref_logprobs is not None and roll.logprobs is not None:
             roll.kl = ops.kl_estimate(roll.logprobs, roll.ref_logprobs, sec.kl_estimator) * roll.response_mask
     return roll
