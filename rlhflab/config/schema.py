@@ -360,6 +360,9 @@ class PolicySection(OptimizerFields):
     mask_truncated: bool = f(False, "leave out of the loss the responses that hit max_new_tokens without EOS")
     share_prompt: AutoBool = f("auto", "compute a group's prompt once for its responses in the scoring, reference and update passes: "
                                        "the same numbers up to rounding; auto: on a CPU only (bench/NOTES.md)")
+    layout: Literal["padded", "packed"] = f("padded", "decoder passes of the scoring and update: padded rows, or "
+                                                      "each sequence's real tokens packed into rows (the same numbers "
+                                                      "to rounding; SDPA/eager only)")
     tis_cap: Optional[float] = f(None, "truncated importance sampling: weigh each token's loss by "
                                        "min(pi_trainer/pi_sampler, tis_cap) when another engine sampled (vLLM); "
                                        "null disables", gt=0)

@@ -53,6 +53,12 @@ class MiniBatch:
     lm_batch: dict | None = None           # PPO-ptx: an LM batch whose loss joins this minibatch's
     lm_weight: float = 0.0                 # ... with this weight (its share of the group's mean)
     response_attention_mask: Tensor | None = None  # (b, T') multi-turn: context tokens attended too
+    layout: str = "padded"                 # the decoder's layout: padded or packed (`models.layout`)
+
+    @property
+    def layout_kw(self) -> dict:
+        """The forward's `layout` keyword: empty for padded (every forward's default)."""
+        return {} if self.layout == "padded" else {"layout": self.layout}
 
     @property
     def attend_mask(self) -> Tensor:
@@ -111,9 +117,10 @@ class MiniBatch:
                 "advantages", "old_logprobs", "ref_logprobs", "returns", "old_values"]
 
 
-def select(roll: Rollout, rows: Tensor, loss_mask: Tensor, group_size: int = 1) -> MiniBatch:
+def select(roll: Rollout, rows: Tensor, loss_mask: Tensor, group_size: int = 1, layout: str = "padded") -> MiniBatch:
     """`rows` of `roll` as a MiniBatch; with `group_size` k > 1 the rows must be whole
-    groups in order (k consecutive rows per prompt) and each prompt is kept once."""
+    groups in order (k consecutive rows per prompt) and each prompt is kept once.
+    `layout`: how its forward lays the rows out (padded or packed)."""
     prompt_rows = rows[::group_size] if group_size > 1 else rows
     pm = roll.prompt_mask[prompt_rows]
     rm = roll.response_mask[rows]
@@ -129,4 +136,4 @@ def select(roll: Rollout, rows: Tensor, loss_mask: Tensor, group_size: int = 1) 
         group_size=group_size, advantages=cut(roll.advantages), old_logprobs=cut(roll.logprobs),
         ref_logprobs=cut(roll.ref_logprobs), returns=cut(roll.returns), old_values=cut(roll.values),
         sample_logprobs=cut(getattr(roll, "sample_logprobs", None)),
-        response_attention_mask=cut(getattr(roll, "response_attention_mask", None)))
+        response_attention_mask=cut(getattr(roll, "response_attention_mask", None)), layout=layout)

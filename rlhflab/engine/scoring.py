@@ -40,14 +40,15 @@ def row_order(roll: Rollout, k: int, by_length: bool) -> Tensor:
     return groups.reshape(-1)
 
 
-def micro_batches(roll: Rollout, micro_batch: int, k: int, order: Tensor | None = None) -> list[MiniBatch]:
+def micro_batches(roll: Rollout, micro_batch: int, k: int, order: Tensor | None = None,
+                  layout: str = "padded") -> list[MiniBatch]:
     """The rollout's rows in `order` (default: as they are), `micro_batch` rows at a time
-    (whole groups of k)."""
+    (whole groups of k), laid out as `layout` says."""
     micro = max(k, micro_batch - micro_batch % k)
     mask = roll.response_mask
     if order is None:
         order = torch.arange(len(roll), device=mask.device)
-    return [select(roll, order[s:s + micro], mask, k) for s in range(0, len(roll), micro)]
+    return [select(roll, order[s:s + micro], mask, k, layout) for s in range(0, len(roll), micro)]
 
 
 def _pad_to(x: Tensor, width: int) -> Tensor:
@@ -57,7 +58,8 @@ def _pad_to(x: Tensor, width: int) -> Tensor:
 @torch.no_grad()
 def score_rollout(actor, reference: Reference | None, roll: Rollout, *, temperature: float = 1.0,
                   micro_batch: int = 64, with_policy: bool = True, with_values: bool = False,
-                  share_prompt: bool | str = True, by_length: bool = True, old_logprobs: str = "recompute") -> Rollout:
+                  share_prompt: bool | str = True, by_length: bool = True, old_logprobs: str = "recompute",
+                  layout: str = "padded") -> Rollout:
     """Fill roll.logprobs (the policy as it is now), roll.values (`with_values`) and
     roll.ref_logprobs (when a reference is given); each (B, T), 0 on padding.
 
@@ -68,7 +70,8 @@ def score_rollout(actor, reference: Reference | None, roll: Rollout, *, temperat
     With more rows than `micro_batch`, the passes take the rows from the shortest to the
     longest (`by_length`): one long answer then pads only its own micro-batch. The rows
     come back in the rollout's order; each row's numbers are those of a pass over it alone
-    (to float rounding)."""
+    (to float rounding). `layout` (`<method>.layout`): padded or packed decoder passes,
+    the same numbers to float rounding (`rlhflab.models.layout`)."""
     from_sampler = with_policy and old_logprobs == "sampler"
     if from_sampler:
         if roll.sample_logprobs is None:
@@ -80,17 +83,17 @@ def score_rollout(actor, reference: Reference | None, roll: Rollout, *, temperat
     width = roll.response_ids.shape[1]
     order = row_order(roll, k, by_length)
     lps, vals, refs = [], [], []
-    for mb in micro_batches(roll, micro_batch, k, order):
+    for mb in micro_batches(roll, micro_batch, k, order, layout):
         args = (mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.attend_mask, k)  # attention: context too
         if with_policy or with_values:
             values_only = {} if with_policy else {"with_logprobs": False}
-            out = actor(*args, temperature=temperature, with_values=with_values, **values_only)
+            out = actor(*args, temperature=temperature, with_values=with_values, **values_only, **mb.layout_kw)
             if with_policy:
                 lps.append(_pad_to(out.logprobs, width))
             if with_values:
                 vals.append(_pad_to(out.values, width))
         if reference is not None:
-            refs.append(_pad_to(reference.logprobs(*args, temperature=temperature), width))
+            refs.append(_pad_to(reference.logprobs(*args, temperature=temperature, **mb.layout_kw), width))
     mask = roll.response_mask.float()
 
     def in_rollout_order(parts: list[Tensor]) -> Tensor:

@@ -190,7 +190,7 @@ def critic_pass(actor, mb: MiniBatch, sec, math_: PPOMath, normalizer: float):
     backward of vf_coeff times it; returns the value loss (its `loss` and `clip_frac`).
     `critic_and_policy` runs the policy's pass after it, or beside it."""
     values = actor.critic(mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.attend_mask, mb.group_size,
-                          mixed_precision=actor.mixed_precision)                      # (b, T)
+                          mixed_precision=actor.mixed_precision, **mb.layout_kw)      # (b, T)
     value = math_.value_loss(values, mb.old_values, mb.returns, mb.loss_mask, sec.value_clip,
                              aggregation=sec.loss_aggregation, normalizer=normalizer)
     if not bool(torch.isfinite(value.loss)):
@@ -230,6 +230,7 @@ def minibatch_loss(actor, mb: MiniBatch, sec, temperature: float, math_: PPOMath
     with_values = (not critic_elsewhere and mb.returns is not None
                    and getattr(inner(actor), "has_values", False))
     kw = {"lm_batch": mb.lm_batch} if mb.lm_batch is not None else {}
+    kw.update(mb.layout_kw)
     out = actor(mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.attend_mask, mb.group_size,
                 temperature=temperature, with_values=with_values, with_entropy=True,
                 entropy_grad=sec.entropy_coeff > 0, **kw)
@@ -344,6 +345,7 @@ def policy_update(actor, optimizer, scheduler, roll: Rollout, sec, *, temperatur
         raise ValueError("policy_update: a KL term in the loss needs roll.ref_logprobs")
     loss_mask = loss_mask_of(roll, sec.mask_truncated)                                # (B, T)
     mini_batch_size = dist.local(sec.mini_batch_size, "mini_batch_size")
+    layout = getattr(sec, "layout", "padded")  # padded or packed decoder passes (`models.layout`)
     k = shared_group_size(roll, module.policy, sec.share_prompt)
     if k > 1 and mini_batch_size % k:
         k = 1  # a minibatch would split a group: run the plain pass
@@ -369,7 +371,7 @@ def policy_update(actor, optimizer, scheduler, roll: Rollout, sec, *, temperatur
             # The whole group's count, over every rank: accumulation 1x8 == 8x1 and N ranks == 1.
             normalizer = dist.sum(group_normalizer(loss_mask[torch.cat(group)], sec.loss_aggregation,
                                                    max_new_tokens))
-            batches = [select(roll, rows, loss_mask, k) for rows in group]
+            batches = [select(roll, rows, loss_mask, k, layout) for rows in group]
             for b in batches:
                 b.measure_gap = gap_here and epoch == 0 and start == 0
             extra = {"dist": dist} if dist.distributed else {}

@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from rlhflab import ops
 from rlhflab.models.compiled import compiled_layers
+from rlhflab.models import layout as layouts
 from rlhflab.models.head import linear_lm_head, logit_transform
 from rlhflab.models.precision import autocast, float32_region
 
@@ -192,15 +193,29 @@ def last_layer_rows(model: nn.Module, decoder: nn.Module, start: int) -> Iterato
 
 
 def response_hidden(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
-                    response_mask: Tensor, group_size: int = 1) -> Tensor:
+                    response_mask: Tensor, group_size: int = 1, layout: str = "padded") -> Tensor:
     """Hidden states (B, T, H) that predict each response token.
 
     prompt_ids, prompt_mask: (B, P) left-padded, or (G, P) with one row per group when
     `group_size` k > 1 (rows [g·k, (g+1)·k) of the responses answer prompt g);
-    response_ids, response_mask: (B, T) right-padded.
+    response_ids, response_mask: (B, T) right-padded. `layout`: padded or packed
+    (`models.layout`; packed gives the same states, to float rounding, with zeros on
+    padding).
     """
     decoder, _ = decoder_and_head(model)
     t = response_ids.shape[1]
+    if layout != "padded":
+        if group_size > 1:  # each row its own copy of the prompt (the prompt's gradient sums over them)
+            prompt_ids = prompt_ids.repeat_interleave(group_size, 0)
+            prompt_mask = prompt_mask.repeat_interleave(group_size, 0)
+            group_size = 1
+        layout = layouts.choose(decoder.config, layout, prompt_mask, response_mask)
+    if layout == "packed":
+        packing = layouts.plan(prompt_ids, prompt_mask, response_ids, response_mask)
+        dtype = next(decoder.parameters()).dtype
+        with compiled_layers(decoder):
+            hidden = _last_hidden(decoder(**layouts.decoder_inputs(decoder, packing, dtype), use_cache=False))
+        return packing.unpack(hidden)                                                  # (B, T, H)
     if group_size == 1:
         ids = torch.cat([prompt_ids, response_ids], 1)                                 # (B, P+T)
         am = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], 1)
@@ -332,19 +347,20 @@ class PolicyOnly(nn.Module):
         return self.critic is not None or self.value_head is not None
 
     def _values(self, hidden: Tensor, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
-                response_mask: Tensor, group_size: int) -> Tensor | None:
+                response_mask: Tensor, group_size: int, layout: str = "padded") -> Tensor | None:
         return None
 
     def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor,
                 group_size: int = 1, temperature: float = 1.0, with_values: bool = False,
                 with_entropy: bool = False, entropy_grad: bool = True,
-                lm_batch: dict[str, Tensor] | None = None, with_logprobs: bool = True) -> ForwardOutput:
+                lm_batch: dict[str, Tensor] | None = None, with_logprobs: bool = True,
+                layout: str = "padded") -> ForwardOutput:
         """Log-probs (B, T) of the response tokens, and values and entropy when asked;
         with `lm_batch`, also the policy's LM loss on it (PPO-ptx). `with_logprobs=False`
         (values only: the old log-probs came from the sampler) skips the LM head; a
         separate critic's values then need no policy pass at all.
 
-        Shapes as in `response_hidden`. This is the module's `forward`, so a wrapper
+        Shapes and `layout` as in `response_hidden`. This is the module's `forward`, so a wrapper
         (DDP, FSDP) sees the whole pass.
         """
         if not with_logprobs:
@@ -352,19 +368,19 @@ class PolicyOnly(nn.Module):
                 raise ValueError("with_logprobs=False computes values only")
             if self.critic is not None:
                 return ForwardOutput(None, self._values(None, prompt_ids, prompt_mask, response_ids, response_mask,
-                                                        group_size), None)
+                                                        group_size, layout), None)
         with self.autocast(prompt_ids.device):
             hidden = response_hidden(self.policy, prompt_ids, prompt_mask, response_ids, response_mask,
-                                     group_size)
+                                     group_size, layout)
         if not with_logprobs:
             return ForwardOutput(None, self._values(hidden, prompt_ids, prompt_mask, response_ids, response_mask,
-                                                    group_size), None)
+                                                    group_size, layout), None)
         _, head = decoder_and_head(self.policy)
         logprobs, entropy = token_stats(hidden, head, response_ids, temperature, with_entropy, entropy_grad,
                                         model=self.policy)
         values = None
         if with_values:
-            values = self._values(hidden, prompt_ids, prompt_mask, response_ids, response_mask, group_size)
+            values = self._values(hidden, prompt_ids, prompt_mask, response_ids, response_mask, group_size, layout)
         extra = lm_loss(self.policy, lm_batch, self.mixed_precision) if lm_batch is not None else None
         return ForwardOutput(logprobs, values, entropy, extra)
 
@@ -400,18 +416,19 @@ class ActorCritic(PolicyOnly):
     def separate_critic(self) -> bool:
         return self.critic is not None
 
-    def _values(self, hidden, prompt_ids, prompt_mask, response_ids, response_mask, group_size):
+    def _values(self, hidden, prompt_ids, prompt_mask, response_ids, response_mask, group_size, layout="padded"):
         if self.critic is not None:
             return self.critic(prompt_ids, prompt_mask, response_ids, response_mask, group_size,
-                               mixed_precision=self.mixed_precision)
+                               mixed_precision=self.mixed_precision, layout=layout)
         return self.value_head(hidden)
 
     def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor,
                 group_size: int = 1, temperature: float = 1.0, with_values: bool = True,
                 with_entropy: bool = False, entropy_grad: bool = True,
-                lm_batch: dict[str, Tensor] | None = None, with_logprobs: bool = True) -> ForwardOutput:
+                lm_batch: dict[str, Tensor] | None = None, with_logprobs: bool = True,
+                layout: str = "padded") -> ForwardOutput:
         return super().forward(prompt_ids, prompt_mask, response_ids, response_mask, group_size, temperature,
-                               with_values, with_entropy, entropy_grad, lm_batch, with_logprobs)
+                               with_values, with_entropy, entropy_grad, lm_batch, with_logprobs, layout)
 
 
 class Critic(nn.Module):
@@ -423,11 +440,12 @@ class Critic(nn.Module):
         self.value_head = value_head or ValueHead(hidden_size_of(base))
 
     def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor,
-                group_size: int = 1, mixed_precision: str = "no") -> Tensor:
+                group_size: int = 1, mixed_precision: str = "no", layout: str = "padded") -> Tensor:
         """Values (B, T) of the states before each response token (float32; the decoder
-        under `mixed_precision`'s autocast)."""
+        under `mixed_precision`'s autocast; `layout` as in `response_hidden`)."""
         with autocast(mixed_precision, prompt_ids.device):
-            hidden = response_hidden(self.base, prompt_ids, prompt_mask, response_ids, response_mask, group_size)
+            hidden = response_hidden(self.base, prompt_ids, prompt_mask, response_ids, response_mask, group_size,
+                                     layout)
         return self.value_head(hidden)
 
 
@@ -472,11 +490,13 @@ class Reference:
 
     @torch.no_grad()
     def logprobs(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor,
-                 group_size: int = 1, temperature: float = 1.0) -> Tensor:
-        """(B, T) log-probs of the response tokens under the reference."""
+                 group_size: int = 1, temperature: float = 1.0, layout: str = "padded") -> Tensor:
+        """(B, T) log-probs of the response tokens under the reference (`layout` as in
+        `response_hidden`)."""
         with self.active() as model:
             with autocast(self.mixed_precision, prompt_ids.device):
-                hidden = response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, group_size)
+                hidden = response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, group_size,
+                                         layout)
             _, head = decoder_and_head(model)
             return token_stats(hidden, head, response_ids, temperature, model=model)[0]
 

@@ -101,7 +101,8 @@ def ppo_prepare(run: RLRun, roll, step: int, timer: Timer) -> dict[str, float]:
     # prompt here, and one pass over them all would pad each to the longest of the rollout.
     with timer("forward"):
         score_rollout(models.actor, models.reference, roll, temperature=temp,
-                      micro_batch=sec.mini_batch_size, with_values=True, old_logprobs=cfg.generation.old_logprobs)
+                      micro_batch=sec.mini_batch_size, with_values=True, old_logprobs=cfg.generation.old_logprobs,
+                      layout=sec.layout)
         ref_lp = roll.ref_logprobs if roll.ref_logprobs is not None else roll.logprobs
         coeff = sec.kl_coeff if sec.kl_in == "reward" else 0.0
         roll.rewards, roll.kl = ops.kl_shaped_rewards(

@@ -1,0 +1,212 @@
+"""How a batch of prompt+response sequences is laid out for the decoder: `padded` or `packed`.
+
+``padded`` (the default, what `actor_critic.response_hidden` has always run): one row per
+sequence, prompts left-padded and responses right-padded, so every row pays for the
+longest sequence of its batch.
+
+``packed``: each sequence's real tokens (prompt, then response, no padding) are
+concatenated into rows of at most a token budget (first-fit, longest first; the default
+budget is the longest sequence, so a packed batch never holds more positions than the
+padded one), position ids restart at 0 for every sequence, and attention stays inside
+each sequence through an explicit block-diagonal causal mask (R, 1, W, W): boolean under
+SDPA, additive (0 / the dtype's minimum) under eager. transformers 5 hands a 4D mask to
+the attention as it is (`masking_utils._preprocess_mask_arguments` returns early), so the
+mask we build is the mask that runs. The all-ones 2D mask is never passed: with it
+transformers skips its own packed-sequence detection (it only looks at position ids when
+no 2D mask is given) and packed sequences would attend to each other.
+
+The decoder's output is mapped back to (B, T, H): row b, column t holds the state that
+predicts response token t (that of the sequence's token before it), zeros on padding, so
+everything after the decoder (the heads, `ops/`, the losses) sees the padded shapes.
+
+Architectures: SDPA and eager attention only (FlashAttention's varlen path is not wired
+yet: refused in one line). Attention sinks and recurrent or linear-attention layers
+cannot be bounded to a sequence by a mask: refused. A sliding window is exact when
+every sequence fits in it (the window then cuts nothing); a batch with a longer
+sequence falls back to padded with a one-line note.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+LAYOUTS = ("padded", "packed")
+_ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
+_NOTED: set[str] = set()
+
+
+@dataclass
+class Packing:
+    """A packed batch: the decoder's inputs and the map back to (B, T)."""
+
+    input_ids: Tensor     # (R, W) the sequences' real tokens, each row left to right, 0 after its last
+    position_ids: Tensor  # (R, W) 0 at each sequence's first token
+    segments: Tensor      # (R, W) the sequence (row of the batch) each position holds, -1 on padding
+    gather: Tensor        # (B, T) index into the R·W decoder states; R·W (a zero state) on padding
+
+    def mask(self, kind: str, dtype: torch.dtype) -> Tensor:
+        """(R, 1, W, W) block-diagonal causal mask: position i sees j <= i of its own
+        sequence. A padding position sees itself only (a finite state no one reads).
+        `kind` "bool" (SDPA: True = attend) or "additive" (eager: 0 or the dtype's minimum)."""
+        seg = self.segments
+        w = seg.shape[1]
+        causal = torch.ones(w, w, dtype=torch.bool, device=seg.device).tril()
+        same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] >= 0)
+        own = torch.eye(w, dtype=torch.bool, device=seg.device) & (seg[:, :, None] < 0)
+        allowed = ((same & causal) | own).unsqueeze(1)                              # (R, 1, W, W)
+        if kind == "bool":
+            return allowed
+        zero = torch.zeros((), dtype=dtype, device=seg.device)
+        return torch.where(allowed, zero, torch.finfo(dtype).min)
+
+    def unpack(self, hidden: Tensor) -> Tensor:
+        """(R, W, H) decoder states -> (B, T, H) states predicting each response token."""
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        flat = torch.cat([flat, flat.new_zeros(1, flat.shape[-1])])                 # the zero state last
+        return flat[self.gather]                                                    # (B, T, H)
+
+
+def contiguous(prompt_mask: Tensor, response_mask: Tensor) -> bool:
+    """True when every prompt's real tokens are a suffix of its row (left padding) and every
+    response's a prefix (right padding): what packing reads."""
+    p, t = prompt_mask.shape[1], response_mask.shape[1]
+    plen, rlen = prompt_mask.sum(1, keepdim=True), response_mask.sum(1, keepdim=True)
+    left = torch.arange(p, device=prompt_mask.device) >= p - plen
+    right = torch.arange(t, device=response_mask.device) < rlen
+    return bool((left == prompt_mask.bool()).all() and (right == response_mask.bool()).all())
+
+
+def first_fit(lengths: list[int], budget: int) -> list[list[int]]:
+    """Sequence indices in rows of at most `budget` tokens: longest first, each into the
+    first row with room (first-fit decreasing). A sequence longer than the budget takes a
+    row of its own."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for r, left in enumerate(room):
+            if lengths[i] <= left:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(budget - lengths[i])
+    return rows
+
+
+def plan(prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor,
+         budget: int | None = None) -> Packing:
+    """The packed layout of (B, P) left-padded prompts and (B, T) right-padded responses.
+
+    Sequence b's input is its prompt's real tokens and its response's but the last (the
+    last predicts nothing we use): plen_b + rlen_b - 1 positions; a sequence with an empty
+    response is left out (no state of it is read). `budget`: the most tokens per row
+    (default and floor: the longest sequence)."""
+    b, p = prompt_ids.shape
+    t = response_ids.shape[1]
+    dev = prompt_ids.device
+    plen, rlen = prompt_mask.sum(1).long(), response_mask.sum(1).long()             # (B,)
+    if bool(((plen == 0) & (rlen > 0)).any()):
+        raise ValueError("packed layout: a sequence with an empty prompt has no state to predict its first token")
+    length = torch.where(rlen > 0, plen + rlen - 1, 0)                              # (B,)
+    lengths = length.tolist()
+    longest = max(lengths) if lengths else 0
+    rows = first_fit([n for n in lengths if n > 0], max(budget or 0, longest, 1))
+    kept = [i for i, n in enumerate(lengths) if n > 0]
+    rows = [[kept[j] for j in row] for row in rows]
+    n_rows = max(len(rows), 1)
+    width = max([sum(lengths[i] for i in row) for row in rows] or [1])
+    row_of = torch.zeros(b, dtype=torch.long)
+    off_of = torch.zeros(b, dtype=torch.long)
+    for r, row in enumerate(rows):
+        off = 0
+        for i in row:
+            row_of[i], off_of[i] = r, off
+            off += lengths[i]
+    row_of, off_of = row_of.to(dev), off_of.to(dev)
+    seq = torch.repeat_interleave(torch.arange(b, device=dev), length)              # (N,) a sequence per slot
+    first = torch.repeat_interleave(length.cumsum(0) - length, length)
+    j = torch.arange(seq.numel(), device=dev) - first                               # position within its sequence
+    dst = row_of[seq] * width + off_of[seq] + j
+    src = seq * (p + t) + (p - plen)[seq] + j  # prompt real tokens then response tokens are contiguous
+    tokens = torch.cat([prompt_ids, response_ids.to(prompt_ids.dtype)], 1).reshape(-1)
+    ids = torch.zeros(n_rows * width, dtype=prompt_ids.dtype, device=dev)
+    ids[dst] = tokens[src]
+    pos = torch.zeros(n_rows * width, dtype=torch.long, device=dev)
+    pos[dst] = j
+    segments = torch.full((n_rows * width,), -1, dtype=torch.long, device=dev)
+    segments[dst] = seq
+    tt = torch.arange(t, device=dev)
+    at = (row_of * width + off_of + plen - 1)[:, None] + tt                         # (B, T) state before token t
+    gather = torch.where(tt < rlen[:, None], at, n_rows * width)
+    return Packing(ids.view(n_rows, width), pos.view(n_rows, width), segments.view(n_rows, width), gather)
+
+
+def _note(key: str, text: str) -> None:
+    if key not in _NOTED:
+        _NOTED.add(key)
+        warnings.warn(text, stacklevel=3)
+
+
+def refusal(config) -> str | None:
+    """Why a model with this (text) config cannot take the packed layout, in one line, or None."""
+    impl = getattr(config, "_attn_implementation", None) or "eager"
+    if impl not in ("sdpa", "eager"):
+        return (f"layout: packed runs with attn_implementation sdpa or eager, not {impl} (FlashAttention's "
+                "varlen path is not wired yet); set layout: padded or model.attn_implementation: sdpa")
+    kinds = set(getattr(config, "layer_types", None) or ())
+    if kinds - _ATTENTION_LAYERS:
+        return (f"layout: packed cannot bound {', '.join(sorted(kinds - _ATTENTION_LAYERS))} layers to one "
+                f"sequence ({config.model_type}); set layout: padded")
+    if getattr(config, "model_type", "") in ("gpt_oss",) or getattr(config, "attention_sinks", None):
+        return f"layout: packed cannot keep attention sinks within a sequence ({config.model_type}); set layout: padded"
+    return None
+
+
+def sliding_window_of(config) -> int | None:
+    """The model's attention window where some layer slides, else None."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    kinds = getattr(config, "layer_types", None)
+    if kinds is not None:
+        return int(window) if "sliding_attention" in kinds else None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
+
+
+def choose(model_config, layout: str, prompt_mask: Tensor, response_mask: Tensor) -> str:
+    """The layout this batch runs with: `layout`, or padded where packing would not be exact
+    (with a one-line note). An architecture that cannot take packing raises `UserError`."""
+    if layout == "padded":
+        return layout
+    if layout != "packed":
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    why = refusal(model_config)
+    if why is not None:
+        from rlhflab.errors import UserError
+        raise UserError(why)
+    window = sliding_window_of(model_config)
+    if window is not None:
+        longest = int((prompt_mask.sum(1) + response_mask.sum(1)).max()) if len(prompt_mask) else 0
+        if longest > window:
+            _note(f"window{window}", f"layout: packed: a sequence of {longest} tokens is longer than the "
+                  f"{window}-token sliding window; such batches run padded")
+            return "padded"
+    if not contiguous(prompt_mask, response_mask):
+        _note("holes", "layout: packed: a batch whose masks are not left-padded prompts and right-padded "
+              "responses runs padded")
+        return "padded"
+    return "packed"
+
+
+def decoder_inputs(decoder: nn.Module, packing: Packing, dtype: torch.dtype) -> dict:
+    """The keyword inputs of a packed decoder pass: ids, restarting positions, the 4D mask."""
+    impl = getattr(decoder.config, "_attn_implementation", None) or "eager"
+    mask = packing.mask("bool" if impl == "sdpa" else "additive", dtype)
+    return {"input_ids": packing.input_ids, "position_ids": packing.position_ids, "attention_mask": mask}

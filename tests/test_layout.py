@@ -1,0 +1,276 @@
+"""The packed layout (`rlhflab.models.layout`) against the padded one.
+
+Every decoder pass (policy, value head, separate critic, reference) can run its batch
+packed: each sequence's real tokens concatenated into rows, positions restarting per
+sequence, a block-diagonal causal mask. The numbers must be the padded pass's: log-probs,
+values, every loss term and every parameter's gradient, over batches whose response
+lengths differ by 10x or more. The two passes have different shapes (different matmul
+sizes, different reduction orders), so they agree to float32 rounding, not bit for bit:
+a tolerance of 1e-5 throughout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from rlhflab.engine.dist import Dist
+from rlhflab.engine.minibatch import select
+from rlhflab.engine.scoring import score_rollout
+from rlhflab.engine.update import PPOMath, critic_and_policy, group_normalizer, minibatch_loss, policy_update
+from rlhflab.errors import UserError
+from rlhflab.models import layout as layouts
+from rlhflab.models.actor_critic import (ActorCritic, Critic, PolicyOnly, Reference, ValueHead, hidden_size_of,
+                                         response_hidden)
+from rlhflab.rollout import Rollout
+from rlhflab.trainers.grpo import GRPOSection
+from rlhflab.trainers.ppo import PPOSection
+
+TOL = 1e-5  # passes of different shapes: float32 rounding, never exact
+STAT_KEYS = ("policy", "value", "entropy", "kl", "total", "policy_clip_frac", "value_clip_frac", "approx_kl",
+             "clip_frac_low", "clip_frac_high")
+
+
+def test_plan_by_hand():
+    # seq 0: prompt [5 6] (one pad before), response [7 8 9]   -> inputs 5 6 7 8     (2+3-1 = 4)
+    # seq 1: prompt [4],                     response [3]       -> inputs 4           (1+1-1 = 1)
+    # seq 2: prompt [1 2 3],                 response []        -> left out
+    # budget = the longest (4): row 0 = seq 0, row 1 = seq 1, padded to width 4
+    pi = torch.tensor([[0, 5, 6], [0, 0, 4], [1, 2, 3]])
+    pm = torch.tensor([[0, 1, 1], [0, 0, 1], [1, 1, 1]])
+    ri = torch.tensor([[7, 8, 9], [3, 0, 0], [0, 0, 0]])
+    rm = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
+    p = layouts.plan(pi, pm, ri, rm)
+    assert p.input_ids.tolist() == [[5, 6, 7, 8], [4, 0, 0, 0]]
+    assert p.position_ids.tolist() == [[0, 1, 2, 3], [0, 0, 0, 0]]
+    assert p.segments.tolist() == [[0, 0, 0, 0], [1, -1, -1, -1]]
+    # response token t of seq 0 is predicted by the state at prompt end + t: slots 1, 2, 3;
+    # seq 1's token 0 by slot 4 (row 1, column 0); padding reads slot 8 (the zero state)
+    assert p.gather.tolist() == [[1, 2, 3], [4, 8, 8], [8, 8, 8]]
+    # a budget of 5 puts both in one row: seq 0 at 0..3, seq 1 at 4
+    q = layouts.plan(pi, pm, ri, rm, budget=5)
+    assert q.input_ids.tolist() == [[5, 6, 7, 8, 4]] and q.position_ids.tolist() == [[0, 1, 2, 3, 0]]
+    m = q.mask("bool", torch.float32)[0, 0]
+    assert m[4].tolist() == [False, False, False, False, True]   # seq 1 sees only itself
+    assert m[3].tolist() == [True, True, True, True, False]      # seq 0's last sees its own past
+    add = q.mask("additive", torch.float32)[0, 0]
+    assert add[4, 0] == torch.finfo(torch.float32).min and add[4, 4] == 0
+
+
+def test_first_fit_decreasing():
+    # longest first: 6 -> row 0 (room 1), 4 -> row 1 (room 3), 3 -> row 1 (room 0), 1 -> row 0
+    assert layouts.first_fit([3, 6, 1, 4], budget=7) == [[1, 2], [3, 0]]
+    assert layouts.first_fit([9, 2], budget=5) == [[0], [1]]  # longer than the budget: a row of its own
+
+
+def _rollout(vocab: int, group_size: int = 1, seed: int = 0) -> Rollout:
+    """8 rows: response lengths 40, 3, 1, 4, 37, 2, 5, 30 (40x apart), prompts of 1..7 tokens,
+    each group of `group_size` rows with one prompt."""
+    g = torch.Generator().manual_seed(seed)
+    rlen = torch.tensor([40, 3, 1, 4, 37, 2, 5, 30])
+    plen = torch.tensor([7, 3, 5, 1, 6, 2, 4, 7])
+    b, p, t = len(rlen), 7, 40
+    if group_size > 1:
+        plen = plen[::group_size].repeat_interleave(group_size)
+    pm = (torch.arange(p) >= p - plen[:, None]).long()
+    rm = (torch.arange(t) < rlen[:, None]).long()
+    pi = torch.randint(3, vocab, (b, p), generator=g)
+    if group_size > 1:
+        pi = pi[::group_size].repeat_interleave(group_size, 0)
+    ri = torch.randint(3, vocab, (b, t), generator=g) * rm
+    roll = Rollout(pi * pm, pm, ri, rm, torch.zeros(b, dtype=torch.bool), group_size=group_size)
+    return roll
+
+
+def _tiny(model_dir, impl="sdpa"):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=impl)
+
+
+def _fill(roll: Rollout, values: bool, seed: int = 1) -> None:
+    """Advantages, returns and old log-probs/values a little off the current ones (so the
+    clip fractions are not all 0)."""
+    g = torch.Generator().manual_seed(seed)
+    m = roll.response_mask.float()
+    roll.advantages = torch.randn(m.shape, generator=g) * m
+    roll.logprobs = (roll.logprobs + 0.3 * torch.randn(m.shape, generator=g)) * m
+    if values:
+        roll.returns = torch.randn(m.shape, generator=g) * m
+        roll.values = (roll.values + 0.3 * torch.randn(m.shape, generator=g)) * m
+
+
+def _scored(actor, reference, roll, layout, k_share, values):
+    r = dataclasses.replace(roll)
+    score_rollout(actor, reference, r, with_values=values, share_prompt=k_share, micro_batch=4, layout=layout)
+    return r
+
+
+def _loss_and_grads(actor, roll, sec, layout, k, separate=False):
+    actor.zero_grad(set_to_none=True)
+    mb = select(roll, torch.arange(len(roll)), roll.response_mask, k, layout)
+    norm = group_normalizer(roll.response_mask, sec.loss_aggregation, 40)
+    if separate:
+        st = critic_and_policy(actor, mb, sec, 1.0, PPOMath(), norm, Dist())
+    else:
+        loss, st = minibatch_loss(actor, mb, sec, 1.0, PPOMath(), norm)
+        loss.backward()
+    grads = {n: p.grad.clone() for n, p in actor.named_parameters() if p.grad is not None}
+    return st, grads
+
+
+def _assert_parity(actor, reference, roll, sec, k=1, values=True, separate=False):
+    share = k > 1
+    a = _scored(actor, reference, roll, "padded", share, values)
+    b = _scored(actor, reference, roll, "packed", share, values)
+    m = roll.response_mask.bool()
+    for key in ("logprobs", "ref_logprobs") + (("values",) if values else ()):
+        x, y = getattr(a, key), getattr(b, key)
+        if x is None:
+            continue
+        assert (x[m] - y[m]).abs().max() <= TOL, key
+    _fill(a, values)
+    st_pad, g_pad = _loss_and_grads(actor, a, sec, "padded", k, separate)
+    st_pack, g_pack = _loss_and_grads(actor, a, sec, "packed", k, separate)
+    for key in STAT_KEYS:
+        assert abs(getattr(st_pad, key) - getattr(st_pack, key)) <= TOL, key
+    assert st_pad.policy_clip_frac > 0  # the clip is exercised, not all-1 ratios
+    assert g_pad.keys() == g_pack.keys() and len(g_pad) == len(list(actor.trainable_parameters()))
+    worst = max(float((g_pad[n] - g_pack[n]).abs().max()) for n in g_pad)
+    assert worst <= TOL, worst
+
+
+def _ppo_sec(**kw):
+    return PPOSection(entropy_coeff=0.01, kl_in="loss", kl_coeff=0.1, value_clip=0.2, vf_coeff=0.5, **kw)
+
+
+def test_ppo_value_head_packed_equals_padded(tiny_model_dir):
+    policy = _tiny(tiny_model_dir)
+    actor = ActorCritic(policy, value_head=ValueHead(hidden_size_of(policy), init_std=0.1))
+    ref = Reference.frozen_copy(policy)
+    roll = _rollout(policy.config.vocab_size)
+    _assert_parity(actor, ref, roll, _ppo_sec())
+
+
+def test_ppo_separate_critic_packed_equals_padded(tiny_model_dir):
+    policy, base = _tiny(tiny_model_dir), _tiny(tiny_model_dir)
+    actor = ActorCritic(policy, critic=Critic(base, ValueHead(hidden_size_of(base), init_std=0.1)))
+    roll = _rollout(policy.config.vocab_size)
+    _assert_parity(actor, Reference.frozen_copy(policy), roll, _ppo_sec(), separate=True)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_grpo_packed_equals_padded_shared_prompt(tiny_model_dir, impl):
+    """GRPO's groups of 4 share a prompt: the padded side runs the shared-prompt KV-cache
+    pass (k = 4), the packed side gives each row its prompt."""
+    policy = _tiny(tiny_model_dir, impl)
+    actor = PolicyOnly(policy)
+    roll = _rollout(policy.config.vocab_size, group_size=4)
+    sec = GRPOSection(entropy_coeff=0.01, kl_coeff=0.1, group_size=4)
+    _assert_parity(actor, Reference.frozen_copy(policy), roll, sec, k=4, values=False)
+
+
+def _qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)  # grouped-query attention (4 heads, 2 K/V), q/k/v biases, tied embeddings
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                        tie_word_embeddings=True, attn_implementation="sdpa"))
+
+
+def _opt():
+    from transformers import OPTConfig, OPTForCausalLM
+
+    # OPT-350m's layout: project_in/out, post-norm, learned positions (offset 2); dropout 0
+    # (OPTConfig's default 0.1 would draw other masks in the two passes)
+    torch.manual_seed(0)
+    return OPTForCausalLM(OPTConfig(vocab_size=256, hidden_size=16, word_embed_proj_dim=8, ffn_dim=32,
+                                    num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128,
+                                    do_layer_norm_before=False, dropout=0.0, attn_implementation="sdpa"))
+
+
+@pytest.mark.parametrize("build", [_qwen2, _opt], ids=["qwen2", "opt"])
+def test_other_architectures_packed_equal_padded(build):
+    policy = build().float()
+    actor = ActorCritic(policy, value_head=ValueHead(hidden_size_of(policy), init_std=0.1))
+    roll = _rollout(policy.config.vocab_size)
+    _assert_parity(actor, Reference.frozen_copy(policy), roll, _ppo_sec())
+
+
+def test_an_all_ones_2d_mask_never_reaches_a_packed_forward(tiny_model_dir):
+    """The trap: transformers only looks for packed sequences in the position ids when no 2D
+    mask is given, so packed rows with an all-ones 2D mask attend across sequences. Every
+    decoder pass of a packed update (scoring, reference, update) must hand a 4D
+    block-diagonal mask down to the attention layers."""
+    policy = _tiny(tiny_model_dir)
+    actor = ActorCritic(policy, value_head=ValueHead(hidden_size_of(policy)))
+    ref = Reference.frozen_copy(policy)
+    seen = []
+
+    def record(module, args, kwargs):
+        seen.append(kwargs.get("attention_mask"))
+
+    hooks = [layer.self_attn.register_forward_pre_hook(record, with_kwargs=True)
+             for model in (policy, ref.model) for layer in model.model.layers]
+    roll = _rollout(policy.config.vocab_size)
+    score_rollout(actor, ref, roll, with_values=True, micro_batch=8, layout="packed")
+    _fill(roll, values=True)
+    sec = _ppo_sec(epochs=1, mini_batch_size=8, layout="packed")
+    opt = torch.optim.SGD(actor.trainable_parameters(), lr=0.0)
+    policy_update(actor, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), roll, sec, temperature=1.0,
+                  step=0, seed=0, max_new_tokens=40)
+    for h in hooks:
+        h.remove()
+    # 2 layers x (policy score + reference score + update) at least
+    assert len(seen) >= 6
+    packing = layouts.plan(roll.prompt_ids, roll.prompt_mask, roll.response_ids, roll.response_mask)
+    for mask in seen:
+        assert mask is not None and mask.ndim == 4 and mask.dtype == torch.bool
+        assert mask.shape[0] < len(roll)  # rows were packed: 8 sequences in fewer rows
+    assert torch.equal(seen[0], packing.mask("bool", torch.float32))
+    # Negative control: the same packed rows under an all-ones 2D mask give other states.
+    decoder = policy.model
+    with torch.no_grad():
+        good = decoder(**layouts.decoder_inputs(decoder, packing, torch.float32)).last_hidden_state
+        trap = decoder(input_ids=packing.input_ids, position_ids=packing.position_ids,
+                       attention_mask=torch.ones_like(packing.input_ids)).last_hidden_state
+    real = packing.segments >= 0
+    assert (good - trap)[real].abs().max() > 1e-3
+
+
+def test_unsupported_attention_is_refused_in_one_line(tiny_model_dir):
+    policy = _tiny(tiny_model_dir)
+    policy.config._attn_implementation = "flash_attention_2"
+    roll = _rollout(policy.config.vocab_size)
+    with pytest.raises(UserError, match=r"^layout: packed runs with attn_implementation sdpa or eager") as e:
+        response_hidden(policy, roll.prompt_ids, roll.prompt_mask, roll.response_ids, roll.response_mask,
+                        layout="packed")
+    assert "\n" not in str(e.value)
+
+
+def test_sliding_window_packs_within_it_and_falls_back_beyond(recwarn):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=128, sliding_window=16,
+                                             attn_implementation="sdpa"))
+    roll = _rollout(256)
+    args = (roll.prompt_ids, roll.prompt_mask, roll.response_ids, roll.response_mask)
+    m = roll.response_mask.bool()
+    # sequences of up to 47 tokens against a 16-token window: padded, with a one-line note
+    assert layouts.choose(model.config, "packed", roll.prompt_mask, roll.response_mask) == "padded"
+    assert any("sliding window" in str(w.message) for w in recwarn.list)
+    # rows 1, 2, 3, 5 and 6 fit in the window (at most 4 + 5 tokens): packed, and equal
+    short = torch.tensor([1, 2, 3, 5, 6])
+    args = tuple(x[short, :7] if i < 2 else x[short, :5] for i, x in enumerate(args))
+    assert layouts.choose(model.config, "packed", args[1], args[3]) == "packed"
+    with torch.no_grad():
+        a, b = response_hidden(model, *args), response_hidden(model, *args, layout="packed")
+    m = args[3].bool()
+    assert (a - b)[m].abs().max() <= TOL
