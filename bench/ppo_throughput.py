@@ -704,8 +704,7 @@ def format_report(result: dict, summary: dict[str, dict]) -> str:
          "peak MiB  peak resident set of the side's own process minus its resident set with libraries "
          "loaded and no models"),
         "tensor MiB  exact cross-check: bytes of weights and optimizer state plus the peak of tensors "
-        "allocated in one profiled step (rlhflab's separate critic: its pass and the policy's one after the "
-        "other, an upper bound of the side-by-side step's, which the profiler cannot follow into a second thread)",
+        "allocated in one profiled step",
         "proc RSS  the process's ru_maxrss, library imports included",
         "phases    generate: sampling; score: the reward; forward: no-grad passes, KL-shaped rewards, GAE; "
         "update: the epochs; other: the rest of the step (TRL: its gc.collect calls, logging)",
