@@ -95,12 +95,15 @@ def free_port() -> int:
 def run_jobs_on_two_machines(base: Path, jobs: dict[str, list[str]], env: dict, timeout: float = 600) -> Launch:
     """`run_jobs` on 2 processes as 2 machines of one process each: two `accelerate launch`
     commands (--num_machines 2, machine ranks 0 and 1) started at once on loopback, each its
-    own process group. Each is waited for until one deadline; when either fails or the
-    deadline passes, both launchers and their ranks are killed, so nothing is left waiting
-    in a collective."""
-    spec = {"logs": str(base / "logs"),
-            "jobs": [{"name": n, "argv": [*argv, f"training.output_dir={base / n}"]} for n, argv in jobs.items()]}
-    base.mkdir(parents=True, exist_ok=True)
+    own process group. Machine M runs in `base`/machineM with the output folder given as a
+    relative path, so the two machines see different folders at that path (as machines
+    without a shared disk do); the returned `Launch` is machine 0's. Each is waited for until
+    one deadline; when either fails or the deadline passes, both launchers and their ranks
+    are killed, so nothing is left waiting in a collective."""
+    spec = {"logs": str(base / "machine0" / "logs"),
+            "jobs": [{"name": n, "argv": [*argv, f"training.output_dir={n}"]} for n, argv in jobs.items()]}
+    for machine in (0, 1):
+        (base / f"machine{machine}").mkdir(parents=True, exist_ok=True)
     (base / "jobs.json").write_text(json.dumps(spec, indent=1))
     port = free_port()
     procs = []
@@ -109,7 +112,8 @@ def run_jobs_on_two_machines(base: Path, jobs: dict[str, list[str]], env: dict, 
                "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
                str(Path(__file__).resolve()), str(base / "jobs.json")]
         with open(base / f"machine{machine}.log", "w") as log:
-            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            procs.append(subprocess.Popen(cmd, env=env, cwd=base / f"machine{machine}", stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
     deadline = time.monotonic() + timeout
     try:
         while any(p.poll() is None for p in procs):
@@ -126,7 +130,7 @@ def run_jobs_on_two_machines(base: Path, jobs: dict[str, list[str]], env: dict, 
     logs = [(base / f"machine{m}.log").read_text() for m in (0, 1)]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(f"machine {m} ({p.returncode}):\n{log[-3000:]}"
                                                        for m, (p, log) in enumerate(zip(procs, logs)))
-    return Launch(base, 2)
+    return Launch(base / "machine0", 2)
 
 
 @contextmanager

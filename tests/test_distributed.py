@@ -48,7 +48,7 @@ pytestmark = pytest.mark.slow
 
 def _env(tmp_path: Path) -> dict:
     (tmp_path / "dist_rewards.py").write_text(REWARD)  # a reward that differs inside a group
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(tmp_path),
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": os.pathsep.join((str(tmp_path), str(ROOT))),  # this checkout's rlhflab
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("WORLD_SIZE", None)
     return env
@@ -266,8 +266,18 @@ def test_two_machines_equal_two_processes_on_one(cases, tiny_model_dir, launched
     # (its cores shared among its 2 local ranks, engine.dist.default_threads); one machine of
     # one process would otherwise take every core, and another thread count sums in another order.
     threads = f"training.num_threads={max(1, (os.cpu_count() or 1) // 2)}"
+    # The output folder is a relative path and each machine runs in its own folder: the two
+    # machines see different folders there, as machines without a shared disk do. Machine 1's
+    # "ppo" holds an old run, which rank 0 (whose folder it is not) must not be refused for.
     base = tmp_path_factory.mktemp("two-machines")
+    stale = base / "machine1" / "ppo"
+    (stale / "final").mkdir(parents=True)
+    (stale / "metrics.jsonl").write_text('{"step": 1}\n')
     two = run_jobs_on_two_machines(base, {n: [*cases[n][0], threads] for n in ("ppo", "grpo")}, _env(base))
+    # Rank 1 wrote nothing into its output folders: its machine holds only the old run, untouched.
+    assert sorted(p.relative_to(base / "machine1").as_posix() for p in (base / "machine1").rglob("*")) == [
+        "ppo", "ppo/final", "ppo/metrics.jsonl"]
+    assert (stale / "metrics.jsonl").read_text() == '{"step": 1}\n'
     one = launched("ddp")
     for name in ("ppo", "grpo"):
         here, there = one.ok(name), two.ok(name)
@@ -280,7 +290,8 @@ def test_two_machines_equal_two_processes_on_one(cases, tiny_model_dir, launched
         assert [r["loss/total"] for r in rows] == [r["loss/total"] for r in ref]
         assert json.loads((there / "train_result.json").read_text())["world_size"] == 2
         # Rank 0 (machine 0) alone wrote the folder and printed the result.
-        assert two.text(name, "out").count("done: ") == 1 and "done: " in (base / "logs" / f"{name}.rank0.out").read_text()
+        assert two.text(name, "out").count("done: ") == 1 and "done: " in (base / "machine0" / "logs" /
+                                                                             f"{name}.rank0.out").read_text()
 
 
 @strategies("ddp", "fsdp")
