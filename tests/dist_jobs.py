@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
@@ -80,6 +83,54 @@ def run_jobs(base: Path, jobs: dict[str, list[str]], env: dict, processes: int, 
     out = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return Launch(base, processes)
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_jobs_on_two_machines(base: Path, jobs: dict[str, list[str]], env: dict, timeout: float = 600) -> Launch:
+    """`run_jobs` on 2 processes as 2 machines of one process each: two `accelerate launch`
+    commands (--num_machines 2, machine ranks 0 and 1) started at once on loopback, each its
+    own process group. Machine M runs in `base`/machineM with the output folder given as a
+    relative path, so the two machines see different folders at that path (as machines
+    without a shared disk do); the returned `Launch` is machine 0's. Each is waited for until
+    one deadline; when either fails or the deadline passes, both launchers and their ranks
+    are killed, so nothing is left waiting in a collective."""
+    spec = {"logs": str(base / "machine0" / "logs"),
+            "jobs": [{"name": n, "argv": [*argv, f"training.output_dir={n}"]} for n, argv in jobs.items()]}
+    for machine in (0, 1):
+        (base / f"machine{machine}").mkdir(parents=True, exist_ok=True)
+    (base / "jobs.json").write_text(json.dumps(spec, indent=1))
+    port = free_port()
+    procs = []
+    for machine in (0, 1):
+        cmd = [*launch_command("ddp"), "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(machine),
+               "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+               str(Path(__file__).resolve()), str(base / "jobs.json")]
+        with open(base / f"machine{machine}.log", "w") as log:
+            procs.append(subprocess.Popen(cmd, env=env, cwd=base / f"machine{machine}", stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs):
+                break  # one machine failed: the other would wait for it in a collective
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the two machines did not finish within {timeout:.0f} s")
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)  # the launcher and the rank it started
+                p.wait(timeout=30)
+    logs = [(base / f"machine{m}.log").read_text() for m in (0, 1)]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(f"machine {m} ({p.returncode}):\n{log[-3000:]}"
+                                                       for m, (p, log) in enumerate(zip(procs, logs)))
+    return Launch(base / "machine0", 2)
 
 
 @contextmanager

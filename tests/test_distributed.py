@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dist_jobs import Launch, run_jobs
+from dist_jobs import Launch, run_jobs, run_jobs_on_two_machines
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -259,6 +259,43 @@ def test_two_processes_equal_one(strategy, name, cases, tiny_model_dir, one_proc
         assert one[0][key] == pytest.approx(two[0][key], rel=1e-3, abs=1e-6), key
     assert json.loads((two_dir / "train_result.json").read_text())["world_size"] == 2
     assert json.loads((one_dir / "train_result.json").read_text())["world_size"] == 1
+
+
+def test_two_machines_equal_two_processes_on_one(cases, tiny_model_dir, launched, tmp_path_factory):
+    # Two machines of one process each (accelerate launch --num_machines 2, machine ranks 0
+    # and 1, on loopback) against the DDP launch of 2 processes on one machine: the same
+    # global ranks hold the same shards, so every tensor of every rank has the same shape and
+    # the same values in both runs, and gloo sums the same two numbers: the final weights are
+    # equal exactly. The threads are pinned to what each rank of the one-machine launch gets
+    # (its cores shared among its 2 local ranks, engine.dist.default_threads); one machine of
+    # one process would otherwise take every core, and another thread count sums in another order.
+    threads = f"training.num_threads={max(1, (os.cpu_count() or 1) // 2)}"
+    # The output folder is a relative path and each machine runs in its own folder: the two
+    # machines see different folders there, as machines without a shared disk do. Machine 1's
+    # "ppo" holds an old run, which rank 0 (whose folder it is not) must not be refused for.
+    base = tmp_path_factory.mktemp("two-machines")
+    stale = base / "machine1" / "ppo"
+    (stale / "final").mkdir(parents=True)
+    (stale / "metrics.jsonl").write_text('{"step": 1}\n')
+    two = run_jobs_on_two_machines(base, {n: [*cases[n][0], threads] for n in ("ppo", "grpo")}, _env(base))
+    # Rank 1 wrote nothing into its output folders: its machine holds only the old run, untouched.
+    assert sorted(p.relative_to(base / "machine1").as_posix() for p in (base / "machine1").rglob("*")) == [
+        "ppo", "ppo/final", "ppo/metrics.jsonl"]
+    assert (stale / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    one = launched("ddp")
+    for name in ("ppo", "grpo"):
+        here, there = one.ok(name), two.ok(name)
+        a, b, start = _weights(here / "final"), _weights(there / "final"), _weights(tiny_model_dir)
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+        assert max(float((a[k] - start[k]).abs().max()) for k in start) > 1e-4  # and training moved them
+        rows = [json.loads(x) for x in (there / "metrics.jsonl").read_text().splitlines()]
+        ref = [json.loads(x) for x in (here / "metrics.jsonl").read_text().splitlines()]
+        assert [r["loss/total"] for r in rows] == [r["loss/total"] for r in ref]
+        assert json.loads((there / "train_result.json").read_text())["world_size"] == 2
+        # Rank 0 (machine 0) alone wrote the folder and printed the result.
+        assert two.text(name, "out").count("done: ") == 1 and "done: " in (base / "machine0" / "logs" /
+                                                                             f"{name}.rank0.out").read_text()
 
 
 @strategies("ddp", "fsdp")

@@ -176,6 +176,24 @@ class Dist:
             raise UserError(err)
         return out if self.is_main else default
 
+    def everywhere(self, fn, where: str = "") -> Any:
+        """`fn()` on every rank; a `UserError` raised on any rank is raised on every rank (the
+        lowest rank's, naming that rank when it is not 0, with `where` after it), so that no
+        rank goes on alone into a collective the others never reach (two machines can see
+        different files at one path)."""
+        if not self.distributed:
+            return fn()
+        out, err = None, None
+        try:
+            out = fn()
+        except UserError as exc:
+            err = str(exc)
+        errs = self.gather(err)
+        for rank, e in enumerate(errs):
+            if e is not None:
+                raise UserError(e if rank == 0 else f"{e} (on rank {rank}{where})")
+        return out
+
     def barrier(self) -> None:
         if self.distributed:
             self.accelerator.wait_for_everyone()

@@ -388,11 +388,15 @@ def start_run(cfg, method: str, *, effective=None, resume: str | Path | None = N
     matmul = cpu.setup_process(device, cfg.cpu)  # the CPU-only speed settings; on CUDA the plain path
     resume_dir = None
     if resumable:
-        resume_dir = check_resume_dir(resume, method=method, lora=lora, critic=critic, world_size=dist.world_size,
-                                      fsdp=dist.strategy == "fsdp", deepspeed=dist.strategy == "deepspeed")
+        # Every rank reads the checkpoint (its weights, its own random state): each checks it.
+        resume_dir = dist.everywhere(lambda: check_resume_dir(
+            resume, method=method, lora=lora, critic=critic, world_size=dist.world_size,
+            fsdp=dist.strategy == "fsdp", deepspeed=dist.strategy == "deepspeed"),
+            "; every machine must see the --resume folder at this path")
     record = effective if effective is not None else cfg  # the run's effective_config.yaml
-    check_output_dir(t.output_dir, resume=resume_dir is not None, overwrite=t.overwrite, resumable=resumable,
-                     config=record)
+    # The output folder is rank 0's (it alone writes it): rank 0's view of it decides.
+    dist.on_main(lambda: check_output_dir(t.output_dir, resume=resume_dir is not None, overwrite=t.overwrite,
+                                          resumable=resumable, config=record))
     seed_everything(t.seed)
     check_mixed_precision(t.mixed_precision, device)
     # The run's thread count last, once every check has passed: from here `Run.close` puts
