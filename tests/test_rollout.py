@@ -386,7 +386,7 @@ def test_draw_kwargs_hand_generate_our_draw_only_when_asked():
 
 
 def test_static_cache_decodes_what_the_dynamic_cache_does(tiny_model_dir):
-    """`generation.hf_cache: static`: generate's KV cache preallocated at max_prompt_length +
+    """`generation.hf.cache: static`: generate's KV cache preallocated at max_prompt_length +
     max_new_tokens (compiled around on a GPU; eager here). The tokens are the dynamic cache's:
     greedy, and seeded samples of groups that the dynamic path prefills once and shares, over
     calls whose prompts differ in width (the cache keeps one size)."""
@@ -414,7 +414,7 @@ def test_static_cache_decodes_what_the_dynamic_cache_does(tiny_model_dir):
 
 
 def test_hf_cache_auto_is_static_on_one_cuda_gpu_only(monkeypatch):
-    """`generation.hf_cache: auto` (the default): the static cache where transformers compiles
+    """`generation.hf.cache: auto` (the default): the static cache where transformers compiles
     around it, one CUDA GPU in a single process with a compilable base; dynamic on a CPU, under
     several processes, with a quantization transformers will not compile, and on a
     transformers that cannot size it (no error: the user asked for nothing in particular)."""
@@ -453,6 +453,6 @@ def test_static_cache_on_a_transformers_without_max_cache_len_is_refused_when_th
     model, tok = load_model(str(tiny_model_dir))
     monkeypatch.setattr(transformers, "GenerationConfig", lambda: SimpleNamespace(max_length=20))  # an old one
     with pytest.raises(UserError, match=r"hf_cache: static needs transformers 5.16 or newer .* "
-                                        r"generation.hf_cache: dynamic"):
+                                        r"generation.hf.cache: dynamic"):
         HFBackend(model, tok, GenerationConfig(hf_cache="static"), max_prompt_length=32, batch_size=8)
     assert not HFBackend(model, tok, GenerationConfig(), max_prompt_length=32, batch_size=8).static_cache
