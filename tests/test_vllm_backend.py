@@ -288,12 +288,13 @@ def test_lora_policy_is_merged_for_the_sync_and_left_untouched(engine, hf, promp
 @engine_test
 def test_make_backend_vllm_pushes_after_sync_interval_updates(sft_dir, prompts):
     """generation.backend=vllm through the trainers' interface: counted syncs, lazy pushes."""
-    from rlhflab.config.schema import GenerationConfig
+    from rlhflab.config.schema import GenerationConfig, VLLMGenerationConfig
     from rlhflab.models.load import load_model
     from rlhflab.rollout import make_backend
 
     policy, tok = load_model(str(sft_dir))
-    gen = GenerationConfig(max_new_tokens=16, backend="vllm", sync_interval=2, enforce_eager=True)
+    gen = GenerationConfig(max_new_tokens=16, backend="vllm",
+                           vllm=VLLMGenerationConfig(sync_interval=2, enforce_eager=True))
     backend = make_backend(gen, policy, tok, max_prompt_length=64, batch_size=64, seed=0)
     roll = backend.generate(prompts[:4], n=3, examples=[{}] * 4)
     assert len(roll) == 12 and roll.group_size == 3 and roll.sample_logprobs is not None
@@ -316,12 +317,12 @@ def test_make_backend_vllm_pushes_after_sync_interval_updates(sft_dir, prompts):
 
 @engine_test
 def test_a_trainer_that_never_calls_sync_still_samples_the_current_policy(sft_dir, prompts):
-    from rlhflab.config.schema import GenerationConfig
+    from rlhflab.config.schema import GenerationConfig, VLLMGenerationConfig
     from rlhflab.models.load import load_model
     from rlhflab.rollout import make_backend
 
     policy, tok = load_model(str(sft_dir))
-    backend = make_backend(GenerationConfig(max_new_tokens=16, backend="vllm", enforce_eager=True), policy, tok,
+    backend = make_backend(GenerationConfig(max_new_tokens=16, backend="vllm", vllm=VLLMGenerationConfig(enforce_eager=True)), policy, tok,
                            max_prompt_length=64, batch_size=64)
     assert compiled_and_block(backend.engine) == (False, 64)  # generation.vllm.enforce_eager reaches vLLM
     backend.generate(prompts[:2])             # right after the start: nothing to push

@@ -226,7 +226,7 @@ def build_run(cfg, method: PolicyMethod, *, resume_dir: Path | None = None, math
     gen = cfg.generation
     producer = producing(cfg)
     if producer and gen.backend != "hf":  # the engine runs in the producer; here hf serves the evaluation
-        gen = replace(gen, backend="hf", kv_cache_gb=None, enforce_eager=False, sync_interval=1)
+        gen = replace(gen, backend="hf", vllm=replace(gen.vllm, kv_cache_gb=None, enforce_eager=False, sync_interval=1))
     if (gen.max_staleness and getattr(sec, "tis_cap", "n/a") is None and method.stale_correction
             and gen.old_logprobs != "sampler" and getattr(sec, "sequence_mask_cap", None) is None):  # (with the sampler as pi_old the weight would be 1)
         sec.tis_cap = ASYNC_TIS_CAP  # the behaviour policy is the stale sampler: TIS by default
