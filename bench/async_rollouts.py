@@ -54,7 +54,7 @@ def run(a, s: int, model: Path, data: Path, out: Path) -> dict:
         f"training.eval_interval={a.steps}", "training.save_interval=0", f"dataset.num_eval_samples={a.eval_rows}",
         f"training.num_threads={threads}", f"generation.max_staleness={s}", f"generation.backend={a.backend}",
         "logging.progress_bar=false", "logging.plots=false", "logging.doctor=false",
-        *(["generation.enforce_eager=true"] if a.backend == "vllm" else []), *a.overrides])
+        *(["generation.vllm.enforce_eager=true"] if a.backend == "vllm" else []), *a.overrides])
     res = grpo.train(cfg, quiet=True)
     rows = res.history[1:] if len(res.history) > 1 else res.history  # the first step starts engines
     med = {p: statistics.median(r.get(f"time/{p}", 0.0) for r in rows) for p in PHASES}

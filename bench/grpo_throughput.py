@@ -188,7 +188,7 @@ def rlhflab_overrides(a: argparse.Namespace, steps: int, out: str) -> list[str]:
         f"grpo.batch_size={a.completions}", f"grpo.mini_batch_size={a.completions}",
         "grpo.gradient_accumulation_steps=1", "grpo.epochs=1",
         f"grpo.learning_rate={a.lr}", f"grpo.kl_coeff={a.beta}", "grpo.clip_eps=0.2", "grpo.max_grad_norm=1.0",
-        f"grpo.share_prompt={a.share_prompt}", f"generation.hf_cache={a.hf_cache if a.generation == 'hf' else 'dynamic'}",
+        f"grpo.share_prompt={a.share_prompt}", f"generation.hf.cache={a.hf_cache if a.generation == 'hf' else 'dynamic'}",
         f"training.total_steps={steps}", "training.eval_interval=0", "training.save_interval=0",
         f"training.output_dir={a.out}/{out}", f"training.device={a.device}", f"training.num_threads={a.threads}",
         f"training.mixed_precision={a.mixed_precision}", f"generation.backend={a.generation}",
@@ -550,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-share-prompt", dest="share_prompt", action="store_const", const="false",
                    help="the same as --share-prompt false")
     p.add_argument("--hf-cache", choices=["dynamic", "static"], default="dynamic",
-                   help="generate's KV cache on both sides with --generation hf: rlhflab's generation.hf_cache and "
+                   help="generate's KV cache on both sides with --generation hf: rlhflab's generation.hf.cache and "
                         "TRL's cache_implementation ('static': preallocated, so transformers compiles the "
                         "decoding step on a CUDA GPU; the first, untimed step pays the compile)")
     p.add_argument("--compile-layers", action="store_true",

@@ -85,7 +85,7 @@ class BenchSettings:
     seed: int = 0
     device: str = "cpu"         # cpu or cuda (--device)
     mixed_precision: str = "no"  # bf16: every float32 side in bfloat16 autocast (--mixed-precision)
-    hf_cache: str = "dynamic"  # rlhflab's generation.hf_cache (--hf-cache)
+    hf_cache: str = "dynamic"  # rlhflab's generation.hf.cache (--hf-cache)
     compile_layers: bool = False  # rlhflab's model.compile_layers (--compile-layers)
     attn: str | None = None  # the attention of every side's models (--attn-implementation; None: transformers')
 
@@ -119,7 +119,7 @@ class RlhflabSide:
         g = cfg.generation
         g.max_new_tokens = g.min_new_tokens = s.response_length
         g.temperature, g.top_k, g.top_p = s.temperature, 0, 1.0
-        g.hf_cache = s.hf_cache
+        g.hf.cache = s.hf_cache
         g.old_logprobs = self.old_logprobs
         cfg.reward.missing_eos_penalty, cfg.reward.score_clip = None, None
         p = cfg.ppo
@@ -665,7 +665,7 @@ def format_report(result: dict, summary: dict[str, dict]) -> str:
         f"one {s['episodes']}-episode minibatch, KL {s['kl_coeff']} in the reward (k1, frozen-copy reference), "
         f"lr {s['learning_rate']:g}, no grad clipping, float32 weights (bf16 rows: bfloat16 autocast), "
         f"{where}; model {s['model_dir']}"
-        + (f"; rlhflab's generation.hf_cache={s['hf_cache']} (TRL's generate keeps its default cache)"
+        + (f"; rlhflab's generation.hf.cache={s['hf_cache']} (TRL's generate keeps its default cache)"
            if s.get("hf_cache", "dynamic") != "dynamic" else "")
         + ("; rlhflab's model.compile_layers=true (its decoder layers compiled for the teacher-forced passes; "
            "TRL 1.12's PPOTrainer has no such switch: it builds its own Accelerator, which its torch_compile "
@@ -754,7 +754,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="bf16: every float32 side in bfloat16 autocast with float32 weights "
                          "(rlhflab's training.mixed_precision=bf16, TRL's bf16=True)")
     ap.add_argument("--hf-cache", choices=["dynamic", "static"], default="dynamic",
-                    help="rlhflab's generation.hf_cache on every rlhflab side: static compiles the decoding step "
+                    help="rlhflab's generation.hf.cache on every rlhflab side: static compiles the decoding step "
                          "on a CUDA GPU (its first, warm-up step pays the compile); TRL's side is not changed")
     ap.add_argument("--compile-layers", action="store_true",
                     help="rlhflab's model.compile_layers=true on every rlhflab side (on a CPU only the torch-matmul "

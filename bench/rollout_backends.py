@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peak-sizes", nargs="+", type=int, default=[2048, 4096],
                     help="square float32 matmuls that measure the peak")
     ap.add_argument("--enforce-eager", action="store_true",
-                    help="the vllm engine without torch.compile (generation.enforce_eager=true); default: compiled")
+                    help="the vllm engine without torch.compile (generation.vllm.enforce_eager=true); default: compiled")
     ap.add_argument("--ppo", action="store_true", help="also PPO episodes/s end to end with each backend")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="where the hf backend's model (and --ppo's run) computes")

@@ -152,11 +152,11 @@ class DoctorConfig:
     # trainer's. The baseline is the median of the first `gap_baseline_steps` logged gaps;
     # a later gap above both `gap_factor` x baseline and baseline + `gap_floor` (nats per
     # token) fires (`sync_gap_limit`). The same defaults as the training-time canary
-    # (generation.sync_check_factor, generation.sync_check_floor): a float32 run's gap of
+    # (generation.vllm.sync_check_factor, generation.vllm.sync_check_floor): a float32 run's gap of
     # 3e-7 may triple without meaning anything, a bfloat16 one of ~0.01-0.03 moves by tens
     # of percent; a weight push that went wrong showed here as 4.5e-3 (one stale matrix of
     # the tiny test model, float32) to 0.09 (nothing pushed), in TRL #5312 as 0.015 -> 0.201.
-    # With generation.sync_interval > 1 part of the gap is the weights' staleness.
+    # With generation.vllm.sync_interval > 1 part of the gap is the weights' staleness.
     gap_factor: float = 10.0
     gap_floor: float = 1e-3
     gap_baseline_steps: int = 3
@@ -624,7 +624,7 @@ def _rule_logprob_gap(history: History, latest: dict[str, float], cfg: DoctorCon
         how = f"rose across the run to {gap:.3g} at step {step}"
     return (f"{LOGPROB_GAP} {how}, beyond the limit {limit:.3g} set by its first steps ({base:.3g}): the "
             f"sampler no longer draws from the policy being trained. With generation.backend=vllm suspect "
-            f"the weight sync first (a tensor not pushed, an engine asleep); with generation.sync_interval "
+            f"the weight sync first (a tensor not pushed, an engine asleep); with generation.vllm.sync_interval "
             f"> 1 part of the gap is the weights' staleness")
 
 

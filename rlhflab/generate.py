@@ -28,8 +28,8 @@ from rlhflab.files import iter_lines
 
 # The generation settings as the commands without a config (eval, generate) spell them;
 # `engine_for_folder` rewrites its error messages with these.
-CLI_OPTIONS = {"generation.backend": "--backend", "generation.kv_cache_gb": "--kv-cache-gb",
-               "generation.gpu_memory_utilization": "--gpu-memory-utilization",
+CLI_OPTIONS = {"generation.backend": "--backend", "generation.vllm.kv_cache_gb": "--kv-cache-gb",
+               "generation.vllm.gpu_memory_utilization": "--gpu-memory-utilization",
                "generation.max_new_tokens": "--max-new-tokens"}
 
 

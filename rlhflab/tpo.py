@@ -237,8 +237,8 @@ def engine_sampler(folder, gen: GenerationConfig, max_prompt_length: int, batch_
     may be. Returns (sample, the rollout Sampler, to close)."""
     from rlhflab.rollout.sampler import EngineSettings, Sampler as FolderSampler, Sampling
 
-    engine = EngineSettings(kv_cache_gb=gen.kv_cache_gb, gpu_memory_utilization=gen.gpu_memory_utilization,
-                            enforce_eager=gen.enforce_eager)
+    engine = EngineSettings(kv_cache_gb=gen.vllm.kv_cache_gb, gpu_memory_utilization=gen.vllm.gpu_memory_utilization,
+                            enforce_eager=gen.vllm.enforce_eager)
     folder_sampler = FolderSampler.from_folder(folder, backend=gen.backend, max_prompt_length=max_prompt_length,
                                                engine=engine, dtype=dtype)
     longest = " ".join(["0"] * (4 * max_prompt_length))  # cut to max_prompt_length tokens when the engine sizes

@@ -58,7 +58,7 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
         "reward.sources=[{type: rule, name: 'guess_env:no_reward'}]",
         f"reward.plugin_dir={ROOT / 'examples' / 'guess_the_number'}", "generation.seeded_sampling=true"]),
     "grpo_vllm": ("grpo", "grpo_debug.yaml", [f"grpo.{g}" for g in GROUP] + [
-        "grpo.group_size=4", "generation.backend=vllm", "generation.enforce_eager=true",
+        "grpo.group_size=4", "generation.backend=vllm", "generation.vllm.enforce_eager=true",
         "generation.seeded_sampling=false"]),
 }
 

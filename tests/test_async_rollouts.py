@@ -345,7 +345,7 @@ def test_a_broken_vllm_push_in_the_producer_is_caught(grpo_cfg, tmp_path, monkey
     if not HAVE_VLLM:
         pytest.skip("vLLM is not installed")
     monkeypatch.setattr(service, "PRODUCER_MAIN", producer_faults.vllm_push_skips_a_tensor)
-    cfg = grpo_cfg("generation.backend=vllm", "generation.enforce_eager=true", "generation.seeded_sampling=false",
+    cfg = grpo_cfg("generation.backend=vllm", "generation.vllm.enforce_eager=true", "generation.seeded_sampling=false",
                    "generation.max_staleness=1", "training.total_steps=4", "training.save_interval=1", out="vllm")
     with pytest.raises(UserError) as err:
         grpo.train(cfg, quiet=True)

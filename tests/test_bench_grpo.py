@@ -170,7 +170,7 @@ def test_hf_cache_static_reaches_both_sides_and_the_worker(bench, tmp_path, monk
     for generation, expected in (("hf", "static"), ("vllm", "dynamic")):  # vLLM keeps its own cache
         cfg, _ = load_config(bench.ROOT / "configs" / "grpo_debug.yaml", GRPORunConfig,
                              bench.rlhflab_overrides(_args(tmp_path, generation, hf_cache="static"), 4, "run"))
-        assert cfg.generation.hf_cache == expected
+        assert cfg.generation.hf.cache == expected
     static = bench.trl_config_kwargs(_args(tmp_path, "hf", hf_cache="static"), "run")
     plain = bench.trl_config_kwargs(_args(tmp_path, "hf"), "run")
     assert {k: v for k, v in static.items() if k not in plain} == {"cache_implementation": "static"}

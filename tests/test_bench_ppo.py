@@ -134,12 +134,12 @@ def test_hf_cache_flag_reaches_every_rlhflab_side_and_the_header(bench, tiny_mod
     for cache in ("dynamic", "static"):
         s = bench.BenchSettings(model_dir=str(tiny_model), hf_cache=cache)
         for name in ("rlhflab", "rlhflab-critic", "rlhflab-critic-samplerlp"):
-            assert bench.make_side(name, s).config().generation.hf_cache == cache
+            assert bench.make_side(name, s).config().generation.hf.cache == cache
     for cache, said in (("static", True), ("dynamic", False)):
         result = {"settings": bench.asdict(bench.BenchSettings(model_dir=str(tiny_model), hf_cache=cache)),
                   "repeats": 1, "warmup": 0, "info": {}}
         header = bench.format_report(result, {}).splitlines()[0]
-        assert ("rlhflab's generation.hf_cache=static" in header) is said
+        assert ("rlhflab's generation.hf.cache=static" in header) is said
 
 
 def test_compile_layers_flag_reaches_every_rlhflab_side_and_the_header(bench, tiny_model):

@@ -134,15 +134,15 @@ def test_bad_type(override, expected):
     (["ppo.clip_eps=0"], "ppo.clip_eps: must be > 0, got 0.0"),
     (["ppo.mini_batch_size=64"], "ppo.mini_batch_size: 64 is larger than a step's responses (8)"),
     (["generation.min_new_tokens=100"], "generation.min_new_tokens: 100 exceeds max_new_tokens 16"),
-    (["generation.sync_interval=3"], "generation.sync_interval: 3 applies only to backend=vllm"),
-    (["generation.kv_cache_gb=2"], "generation.kv_cache_gb: applies only to backend=vllm"),
-    (["generation.enforce_eager=true"], "generation.enforce_eager: applies only to backend=vllm"),
-    (["generation.backend=vllm", "generation.enforce_eager=maybe"],
-     "generation.enforce_eager: expected true or false, got 'maybe'"),
-    (["generation.backend=vllm", "generation.sync_interval=0"], "generation.sync_interval: must be >= 1, got 0"),
-    (["generation.backend=vllm", "generation.kv_cache_gb=0"], "generation.kv_cache_gb: must be > 0, got 0"),
-    (["generation.backend=vllm", "generation.gpu_memory_utilization=1.5"],
-     "generation.gpu_memory_utilization: must be <= 1, got 1.5"),
+    (["generation.vllm.sync_interval=3"], "generation.vllm.sync_interval: 3 applies only to backend=vllm"),
+    (["generation.vllm.kv_cache_gb=2"], "generation.vllm.kv_cache_gb: applies only to backend=vllm"),
+    (["generation.vllm.enforce_eager=true"], "generation.vllm.enforce_eager: applies only to backend=vllm"),
+    (["generation.backend=vllm", "generation.vllm.enforce_eager=maybe"],
+     "generation.vllm.enforce_eager: expected true or false, got 'maybe'"),
+    (["generation.backend=vllm", "generation.vllm.sync_interval=0"], "generation.vllm.sync_interval: must be >= 1, got 0"),
+    (["generation.backend=vllm", "generation.vllm.kv_cache_gb=0"], "generation.vllm.kv_cache_gb: must be > 0, got 0"),
+    (["generation.backend=vllm", "generation.vllm.gpu_memory_utilization=1.5"],
+     "generation.vllm.gpu_memory_utilization: must be <= 1, got 1.5"),
     (["model.reference=none"], "model.reference: none leaves no policy to measure KL against"),
 ])
 def test_bad_range(overrides, expected):
@@ -380,9 +380,13 @@ def test_knobs_md_maps_exactly_the_loaders_foreign_keys():
         elif target.startswith("<method>."):
             assert all(target.split(".", 1)[1] in fields(sec) for sec in method_sections), (name, target)
         else:  # a section of the PPO run (training, reward, ...) or a method's own (grpo.kl_coeff)
-            section, key = target.split(".")
-            owners = [getattr(run, section) for run in [*runs, DrGRPORunConfig(), SFTRunConfig()]
-                      if hasattr(run, section)]
+            *path, key = target.split(".")  # generation.vllm.gpu_memory_utilization: a sub-section
+
+            def owner(run):
+                for part in path:
+                    run = getattr(run, part, None)
+                return run
+            owners = [owner(run) for run in [*runs, DrGRPORunConfig(), SFTRunConfig()] if owner(run) is not None]
             assert owners and all(key in fields(sec) for sec in owners), (name, target)
 
 
@@ -461,3 +465,38 @@ def test_every_command_with_overrides_reads_such_a_value_through_the_cli(tmp_pat
         assert cli.main(["config", "resolve", command, f"{key}={value}"]) == 0, (command, key)
         out = capsys.readouterr().out
         assert OmegaConf.select(OmegaConf.create(out), key) == "Question: {prompt}\nAnswer:", (command, key)
+
+
+def test_engine_knobs_live_under_generation_vllm_and_hf_and_the_old_names_still_load(tmp_path, monkeypatch, capsys):
+    # issue 48: the vLLM-only and hf-only knobs moved to generation.vllm.* / generation.hf.*;
+    # the old flat names land in the new place with a one-line note.
+    from rlhflab.config import loader
+
+    monkeypatch.setattr(loader, "_NOTED", set())
+    old = tmp_path / "old.yaml"
+    old.write_text("generation:\n  backend: vllm\n  sync_interval: 3\n  enforce_eager: true\n  kv_cache_gb: 0.5\n")
+    cfg, eff = load_config(old, PPORunConfig, ["generation.sync_check_floor=0.01"])
+    assert (cfg.generation.vllm.sync_interval, cfg.generation.vllm.enforce_eager) == (3, True)
+    assert (cfg.generation.vllm.kv_cache_gb, cfg.generation.vllm.sync_check_floor) == (0.5, 0.01)
+    assert "sync_interval" not in eff.generation and eff.generation.vllm.sync_interval == 3
+    err = capsys.readouterr().err
+    assert "generation.sync_interval is read as generation.vllm.sync_interval" in err
+    assert err.count("\n") == 4  # one note per old name: sync_interval, enforce_eager, kv_cache_gb, the floor
+    cfg, _ = load_config(None, PPORunConfig, ["generation.hf_cache=static"])
+    assert cfg.generation.hf.cache == "static"
+    # the new names, on the command line
+    cfg, _ = load_config(None, PPORunConfig, ["generation.backend=vllm", "generation.vllm.enforce_eager=true"])
+    assert cfg.generation.vllm.enforce_eager is True
+    # both names in one layer: the same value is one setting; different values are an error
+    # (the new key is looked up in its own section: the leaf names are the same)
+    both = tmp_path / "both.yaml"
+    both.write_text("generation:\n  backend: vllm\n  sync_interval: 2\n  vllm: {sync_interval: 2}\n")
+    assert load_config(both, PPORunConfig)[0].generation.vllm.sync_interval == 2
+    both.write_text("generation:\n  backend: vllm\n  sync_interval: 2\n  vllm: {sync_interval: 4}\n")
+    with pytest.raises(ConfigError, match=r"generation\.sync_interval is the old name of "
+                                          r"generation\.vllm\.sync_interval and both are set") as exc:
+        load_config(both, PPORunConfig)
+    assert "\n" not in str(exc.value)
+    # a flat vLLM knob on the hf backend is still refused, under its new name
+    with pytest.raises(ConfigError, match=r"vllm\.enforce_eager: applies only to backend=vllm"):
+        load_config(None, PPORunConfig, ["generation.vllm.enforce_eager=true"])

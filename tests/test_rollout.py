@@ -386,11 +386,11 @@ def test_draw_kwargs_hand_generate_our_draw_only_when_asked():
 
 
 def test_static_cache_decodes_what_the_dynamic_cache_does(tiny_model_dir):
-    """`generation.hf_cache: static`: generate's KV cache preallocated at max_prompt_length +
+    """`generation.hf.cache: static`: generate's KV cache preallocated at max_prompt_length +
     max_new_tokens (compiled around on a GPU; eager here). The tokens are the dynamic cache's:
     greedy, and seeded samples of groups that the dynamic path prefills once and shares, over
     calls whose prompts differ in width (the cache keeps one size)."""
-    from rlhflab.config.schema import GenerationConfig
+    from rlhflab.config.schema import GenerationConfig, HFGenerationConfig
     from rlhflab.rollout import HFBackend
 
     model, tok = load_model(str(tiny_model_dir))
@@ -406,15 +406,15 @@ def test_static_cache_decodes_what_the_dynamic_cache_does(tiny_model_dir):
         static = generate(model, tok, prompts, static_cache=True, **seeded)
         assert torch.equal(static.response_ids, shared.response_ids)
     assert getattr(model, "_previous_max_cache_length", None) == 32 + 6  # one size for every call
-    assert HFBackend(model, tok, GenerationConfig(hf_cache="static"), max_prompt_length=32, batch_size=8).static_cache
+    assert HFBackend(model, tok, GenerationConfig(hf=HFGenerationConfig(cache="static")), max_prompt_length=32, batch_size=8).static_cache
     assert not HFBackend(model, tok, GenerationConfig(), max_prompt_length=32, batch_size=8).static_cache  # auto, CPU
-    errs = GenerationConfig(hf_cache="static", backend="vllm").check()
-    assert any(e.startswith("hf_cache: static applies only to backend=hf") for e in errs)
+    errs = GenerationConfig(hf=HFGenerationConfig(cache="static"), backend="vllm").check()
+    assert any(e.startswith("hf.cache: static applies only to backend=hf") for e in errs)
     assert not GenerationConfig(backend="vllm").check()  # the default, auto, is no conflict
 
 
 def test_hf_cache_auto_is_static_on_one_cuda_gpu_only(monkeypatch):
-    """`generation.hf_cache: auto` (the default): the static cache where transformers compiles
+    """`generation.hf.cache: auto` (the default): the static cache where transformers compiles
     around it, one CUDA GPU in a single process with a compilable base; dynamic on a CPU, under
     several processes, with a quantization transformers will not compile, and on a
     transformers that cannot size it (no error: the user asked for nothing in particular)."""
@@ -438,7 +438,7 @@ def test_hf_cache_auto_is_static_on_one_cuda_gpu_only(monkeypatch):
     assert static_cache_for("static", on("cpu")) and not static_cache_for("dynamic", on("cuda"))
     monkeypatch.setattr(transformers, "GenerationConfig", lambda: SimpleNamespace(max_length=20))  # an old one
     assert not static_cache_for("auto", on("cuda"))
-    with pytest.raises(UserError, match="hf_cache: static needs transformers 5.16"):
+    with pytest.raises(UserError, match="hf.cache: static needs transformers 5.16"):
         static_cache_for("static", on("cuda"))
 
 
@@ -446,13 +446,13 @@ def test_static_cache_on_a_transformers_without_max_cache_len_is_refused_when_th
         tiny_model_dir, monkeypatch):
     import transformers
 
-    from rlhflab.config.schema import GenerationConfig
+    from rlhflab.config.schema import GenerationConfig, HFGenerationConfig
     from rlhflab.errors import UserError
     from rlhflab.rollout import HFBackend
 
     model, tok = load_model(str(tiny_model_dir))
     monkeypatch.setattr(transformers, "GenerationConfig", lambda: SimpleNamespace(max_length=20))  # an old one
-    with pytest.raises(UserError, match=r"hf_cache: static needs transformers 5.16 or newer .* "
-                                        r"generation.hf_cache: dynamic"):
-        HFBackend(model, tok, GenerationConfig(hf_cache="static"), max_prompt_length=32, batch_size=8)
+    with pytest.raises(UserError, match=r"hf\.cache: static needs transformers 5.16 or newer .* "
+                                        r"generation.hf.cache: dynamic"):
+        HFBackend(model, tok, GenerationConfig(hf=HFGenerationConfig(cache="static")), max_prompt_length=32, batch_size=8)
     assert not HFBackend(model, tok, GenerationConfig(), max_prompt_length=32, batch_size=8).static_cache

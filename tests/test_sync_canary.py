@@ -1,4 +1,4 @@
-"""The weight-sync canary (generation.sync_check) and the doctor's logprob_gap rule.
+"""The weight-sync canary (generation.vllm.sync_check) and the doctor's logprob_gap rule.
 
 The pure parts (`rlhflab.doctor.gap_baseline`, `sync_gap_limit`, `sync_gap_tripped`, the
 `SyncCanary` that holds the baseline, the doctor rule) are checked by hand and run
@@ -58,7 +58,7 @@ def test_trip_by_hand(baseline, gap, tripped):
 
 def test_the_doctor_and_the_config_share_the_defaults():
     gen, doc = GenerationConfig(), DoctorConfig()
-    assert gen.sync_check and (gen.sync_check_factor, gen.sync_check_floor) == (doc.gap_factor, doc.gap_floor)
+    assert gen.vllm.sync_check and (gen.vllm.sync_check_factor, gen.vllm.sync_check_floor) == (doc.gap_factor, doc.gap_floor)
     assert (doc.gap_factor, doc.gap_floor) == (10.0, 1e-3)  # the values the tests below work by hand
     assert BASELINE_ROLLOUTS == doc.gap_baseline_steps == 3
 
@@ -74,7 +74,7 @@ def test_canary_judges_each_gap_against_the_median_of_the_first_three():
         canary.check(0.0015, step=5)  # over 0.0010003
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith("step 5: generation.backend=vllm: the weight sync")
-    assert "0.0015" in msg and "3e-07" in msg and "generation.sync_check=false" in msg
+    assert "0.0015" in msg and "3e-07" in msg and "generation.vllm.sync_check=false" in msg
 
 
 def test_a_broken_sync_from_the_first_push_trips_against_the_start_up_gap():
@@ -122,7 +122,7 @@ def test_doctor_reports_a_gap_rising_across_the_run():
 # --------------------------------------------------------------------------------------
 def _vllm_ppo(ppo_cfg, tmp_path, *extra):
     # tiny_model_dir: head_dim 32 (vLLM's CPU attention has no kernel for 16)
-    return ppo_cfg("generation.backend=vllm", "generation.enforce_eager=true", "training.total_steps=4",
+    return ppo_cfg("generation.backend=vllm", "generation.vllm.enforce_eager=true", "training.total_steps=4",
                    "training.save_interval=1", "training.keep_last_checkpoints=null", "ppo.learning_rate=1e-3",
                    *extra, out_dir=tmp_path / "run")
 
@@ -206,8 +206,8 @@ def test_the_docs_state_the_defaults():
     docs = Path(__file__).resolve().parents[1] / "docs"
     gen, doc = GenerationConfig(), DoctorConfig()
     page = (docs / "rollout_backends.md").read_text()
-    assert f"`sync_check_factor` × baseline (default {gen.sync_check_factor:g})" in page
-    assert f"baseline + `sync_check_floor`\n  (default {gen.sync_check_floor:g} nats per token)" in page
+    assert f"`sync_check_factor` × baseline (default {gen.vllm.sync_check_factor:g})" in page
+    assert f"baseline + `sync_check_floor`\n  (default {gen.vllm.sync_check_floor:g} nats per token)" in page
     assert "median of the first 3 judged gaps" in page
     table = (docs / "metrics.md").read_text()
     assert (f"is above both {doc.gap_factor:g} × and {doc.gap_floor:g} nats over the median of the first "

@@ -159,7 +159,7 @@ def test_tpo_command_with_the_vllm_backend(tiny_model_dir, arith_dir, tmp_path, 
                    f"model.name_or_path={tiny_model_dir}", f"dataset.eval_path={arith_dir / 'test.jsonl'}",
                    "dataset.num_eval_samples=4", "generation.max_new_tokens=4", "tpo.rounds=1",
                    "tpo.num_candidates=2", f"run.output_dir={tmp_path / 'tpo'}", "run.num_threads=1",
-                   "generation.backend=vllm", "generation.enforce_eager=true"])
+                   "generation.backend=vllm", "generation.vllm.enforce_eager=true"])
     finally:
         VLLMEngine.create = classmethod(real)
     out = capsys.readouterr().out

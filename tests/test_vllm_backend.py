@@ -192,7 +192,7 @@ def test_sample_logprobs_are_the_trainers_logprobs_at_the_temperature(engine, hf
 @engine_test
 def test_the_module_engine_is_the_default_one_compiled_with_64_token_blocks(engine):
     """The parity, log-prob and sync tests of this module run on the engine a trainer gets by
-    default: its model compiled (generation.enforce_eager=false) and, on CPU, KV blocks of 64."""
+    default: its model compiled (generation.vllm.enforce_eager=false) and, on CPU, KV blocks of 64."""
     from rlhflab.rollout.vllm import CPU_BLOCK_SIZE
 
     assert compiled_and_block(engine) == (True, CPU_BLOCK_SIZE) == (True, 64)
@@ -288,12 +288,13 @@ def test_lora_policy_is_merged_for_the_sync_and_left_untouched(engine, hf, promp
 @engine_test
 def test_make_backend_vllm_pushes_after_sync_interval_updates(sft_dir, prompts):
     """generation.backend=vllm through the trainers' interface: counted syncs, lazy pushes."""
-    from rlhflab.config.schema import GenerationConfig
+    from rlhflab.config.schema import GenerationConfig, VLLMGenerationConfig
     from rlhflab.models.load import load_model
     from rlhflab.rollout import make_backend
 
     policy, tok = load_model(str(sft_dir))
-    gen = GenerationConfig(max_new_tokens=16, backend="vllm", sync_interval=2, enforce_eager=True)
+    gen = GenerationConfig(max_new_tokens=16, backend="vllm",
+                           vllm=VLLMGenerationConfig(sync_interval=2, enforce_eager=True))
     backend = make_backend(gen, policy, tok, max_prompt_length=64, batch_size=64, seed=0)
     roll = backend.generate(prompts[:4], n=3, examples=[{}] * 4)
     assert len(roll) == 12 and roll.group_size == 3 and roll.sample_logprobs is not None
@@ -316,14 +317,14 @@ def test_make_backend_vllm_pushes_after_sync_interval_updates(sft_dir, prompts):
 
 @engine_test
 def test_a_trainer_that_never_calls_sync_still_samples_the_current_policy(sft_dir, prompts):
-    from rlhflab.config.schema import GenerationConfig
+    from rlhflab.config.schema import GenerationConfig, VLLMGenerationConfig
     from rlhflab.models.load import load_model
     from rlhflab.rollout import make_backend
 
     policy, tok = load_model(str(sft_dir))
-    backend = make_backend(GenerationConfig(max_new_tokens=16, backend="vllm", enforce_eager=True), policy, tok,
+    backend = make_backend(GenerationConfig(max_new_tokens=16, backend="vllm", vllm=VLLMGenerationConfig(enforce_eager=True)), policy, tok,
                            max_prompt_length=64, batch_size=64)
-    assert compiled_and_block(backend.engine) == (False, 64)  # generation.enforce_eager reaches vLLM
+    assert compiled_and_block(backend.engine) == (False, 64)  # generation.vllm.enforce_eager reaches vLLM
     backend.generate(prompts[:2])             # right after the start: nothing to push
     assert backend.pushes == 0
     torch.manual_seed(1)
@@ -431,7 +432,7 @@ def test_bad_input_fails_before_the_engine_starts(tiny_model_dir, tmp_path):
         VLLMEngine.create(str(odd), tok, max_model_len=64)
     # 64 sequences x 128 tokens x 1 KiB/token (2 x 2 layers x 2 heads x 32 dims x 4 bytes) = 8 MiB
     with pytest.raises(UserError, match=r"KV cache holds 1024 tokens, but 64 sequences of up to 128 tokens "
-                                        r"need 8192; raise generation.kv_cache_gb to at least 0.01"):
+                                        r"need 8192; raise generation.vllm.kv_cache_gb to at least 0.01"):
         VLLMEngine.create(str(tiny_model_dir), tok, max_model_len=128, max_num_seqs=64, kv_cache_gb=2**-10)
     with pytest.raises(UserError, match=r"exceeds the model's context of 256 \(max_position_embeddings\)"):
         VLLMEngine.create(str(tiny_model_dir), tok, max_model_len=300)
@@ -480,7 +481,7 @@ def test_ppo_with_the_vllm_backend_learns_the_task(tmp_path_factory, tmp_path, m
     make_tiny_model(base, hidden_size=128, num_layers=2, num_heads=4, vocab_size=512)
     supervised_warm_start(base, task / "sft.jsonl", warm)
     cfg = debug_config(PPORunConfig, "ppo_debug.yaml", warm, task, tmp_path / "run", "generation.backend=vllm",
-                       "generation.enforce_eager=true", "generation.max_new_tokens=16", "training.total_steps=6",
+                       "generation.vllm.enforce_eager=true", "generation.max_new_tokens=16", "training.total_steps=6",
                        "training.eval_interval=6", "training.save_interval=0", "dataset.num_eval_samples=100",
                        "ppo.rollout_samples=32", "ppo.batch_size=32", "ppo.mini_batch_size=16", "ppo.epochs=2", "ppo.learning_rate=1e-4")
     from rlhflab.rollout.vllm import VLLMEngine

@@ -136,7 +136,7 @@ def test_label_generate_with_vllm_stores_n_distinct_responses_as_hf_does(tiny_mo
     dbs = {}
     for name, backend, batch in (("hf", "hf", 2), ("vllm", "vllm", 2), ("vllm-one-batch", "vllm", 5)):
         dbs[name] = tmp_path / f"{name}.db"
-        eager = ["generation.enforce_eager=true"] if backend == "vllm" else []  # a faster start
+        eager = ["generation.vllm.enforce_eager=true"] if backend == "vllm" else []  # a faster start
         # 5 prompts in batches of 2 (three calls) or in one; temperature 1 on an untrained model
         assert main(["label", "generate", "--model", str(tiny_model_dir), "--prompts", str(prompts),
                      "--n", "4", "--out", str(dbs[name]), "--backend", backend, f"batch_size={batch}",

@@ -40,6 +40,11 @@ ALIASES: dict[str, str] = {
     "grpo.beta": "grpo.kl_coeff", "dr_grpo.beta": "dr_grpo.kl_coeff", "gspo.beta": "gspo.kl_coeff",
     # the CPU-only settings live in one `cpu:` section (issue 51)
     "model.cpu_matmul": "cpu.matmul",
+    # engine-only knobs live under generation.vllm / generation.hf (issue 48)
+    **{f"generation.{k}": f"generation.vllm.{k}" for k in (
+        "sync_interval", "gpu_memory_utilization", "kv_cache_gb", "enforce_eager", "sync_check",
+        "sync_check_factor", "sync_check_floor")},
+    "generation.hf_cache": "generation.hf.cache",
 }
 
 
@@ -85,7 +90,7 @@ FOREIGN_KEYS: dict[str, str] = {
     "per_device_eval_batch_size": "training.eval_batch_size",
     "mask_truncated_completions": "mask_truncated", "lr_scheduler_type": "lr_schedule",
     "model_name_or_path": "model.name_or_path", "output_dir": "training.output_dir",
-    "use_vllm": "generation.backend", "vllm_gpu_memory_utilization": "generation.gpu_memory_utilization",
+    "use_vllm": "generation.backend", "vllm_gpu_memory_utilization": "generation.vllm.gpu_memory_utilization",
     # verl and OpenRLHF
     "n_samples_per_prompt": ("group_size", "k"), "num_generations": ("group_size", "k"),
     "rollout_n": ("group_size", "k"),
@@ -164,10 +169,16 @@ def _rename_aliases(node: DictConfig, where: str) -> DictConfig:
         sec = node.get(section) if section else node
         if not isinstance(sec, DictConfig) or old_key not in sec:
             continue
-        if new_key in sec:
-            raise ConfigError(f"{where}: {old} is the old name of {new} and both are set; keep only {new}")
-        value = sec.pop(old_key)
-        OmegaConf.update(node, new, value, merge=False)
+        # the new key is looked up in its own section (generation.sync_interval and
+        # generation.vllm.sync_interval share a leaf name but not a section)
+        new_sec = OmegaConf.select(node, new_section, default=None) if new_section else node
+        value = sec[old_key]
+        if isinstance(new_sec, DictConfig) and new_key in new_sec:
+            if new_sec[new_key] != value:
+                raise ConfigError(f"{where}: {old} is the old name of {new} and both are set; keep only {new}")
+        else:
+            OmegaConf.update(node, new, value, merge=False)
+        sec.pop(old_key)
         if old not in _NOTED:
             _NOTED.add(old)
             print(f"note: {where}: {old} is read as {new}, its name in rlhflab; rename it to silence this",

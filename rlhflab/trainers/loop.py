@@ -226,7 +226,7 @@ def build_run(cfg, method: PolicyMethod, *, resume_dir: Path | None = None, math
     gen = cfg.generation
     producer = producing(cfg)
     if producer and gen.backend != "hf":  # the engine runs in the producer; here hf serves the evaluation
-        gen = replace(gen, backend="hf", kv_cache_gb=None, enforce_eager=False, sync_interval=1)
+        gen = replace(gen, backend="hf", vllm=replace(gen.vllm, kv_cache_gb=None, enforce_eager=False, sync_interval=1))
     if (gen.max_staleness and getattr(sec, "tis_cap", "n/a") is None and method.stale_correction
             and gen.old_logprobs != "sampler" and getattr(sec, "sequence_mask_cap", None) is None):  # (with the sampler as pi_old the weight would be 1)
         sec.tis_cap = ASYNC_TIS_CAP  # the behaviour policy is the stale sampler: TIS by default
@@ -236,8 +236,8 @@ def build_run(cfg, method: PolicyMethod, *, resume_dir: Path | None = None, math
         spec = producer_spec(cfg, models, sizes)
         service = ProducerService(spec, staleness=cfg.generation.max_staleness,
                                   timeout_s=cfg.generation.producer_timeout_s, device=models.device,
-                                  sync_check=cfg.generation.sync_check, factor=cfg.generation.sync_check_factor,
-                                  floor=cfg.generation.sync_check_floor)
+                                  sync_check=cfg.generation.vllm.sync_check, factor=cfg.generation.vllm.sync_check_factor,
+                                  floor=cfg.generation.vllm.sync_check_floor)
         if context is not None:  # the producer ends with the run, whatever ended it
             context.on_close(service.close)
     ptx = None
@@ -351,7 +351,7 @@ def producer_spec(cfg, models: PolicyModels, sizes: dict) -> ProducerSpec:
                         dtype=next(base.parameters()).dtype, tokenizer=models.tokenizer, device=str(models.device),
                         threads=threads, probe=probe, setup=partial(setup_producer_model, cfg.cpu, cfg.model, models.device),
                         extra={"temperature": gen.temperature,  # vLLM: its gap on every rollout judged there
-                               "engine_gap": (gen.backend == "vllm" and gen.sync_check and gen.top_k == 0
+                               "engine_gap": (gen.backend == "vllm" and gen.vllm.sync_check and gen.top_k == 0
                                               and gen.top_p == 1.0 and gen.min_new_tokens == 0)})
 
 
