@@ -134,7 +134,7 @@ def _run(method: str, a: dict) -> dict:
     rec = LogitsRecorder(vocab, hidden)
     marks: dict = {"steps": 0}
 
-    def step_fn(run, examples, step, timer):
+    def prepare_fn(run, roll, step, timer):  # phases 2-4 (the loop sampled the step's episodes)
         if marks["steps"] == 0:  # the models and optimizer are built: the peak counts from here
             _common.release_freed_memory()
             marks["start_rss"] = _common.rss_mb()
@@ -142,11 +142,17 @@ def _run(method: str, a: dict) -> dict:
         marks["steps"] += 1
         if marks["steps"] == a["steps"]:
             with rec:
-                return base.step(run, examples, step, timer)
-        return base.step(run, examples, step, timer)
+                return base.prepare(run, roll, step, timer)
+        return base.prepare(run, roll, step, timer)
+
+    def update_fn(run, roll, step):  # phase 5, recorded in the last step as its phases 2-4 are
+        if marks["steps"] == a["steps"]:
+            with rec:
+                return base.update(run, roll, step)
+        return base.update(run, roll, step)
 
     try:
-        res = run_policy_training(cfg, dataclasses.replace(base, step=step_fn), quiet=True)
+        res = run_policy_training(cfg, dataclasses.replace(base, prepare=prepare_fn, update=update_fn), quiet=True)
     finally:  # the run folder holds a saved model (about 3 GB for Gemma-3-270M): never leave it behind
         shutil.rmtree(tmp, ignore_errors=True)
     peak = _common.peak_rss_mb() - marks["start_rss"] if marks["resettable"] else float("nan")

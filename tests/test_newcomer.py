@@ -104,7 +104,12 @@ def _defaults(command: str) -> argparse.Namespace:
 def test_generate_and_eval_share_the_prompt_template():
     from rlhflab.data.arith import PROMPT_TEMPLATE
 
-    assert _defaults("generate").template == _defaults("eval").template == PROMPT_TEMPLATE
+    from rlhflab.evaluate import resolve_run_args
+
+    ev = _defaults("eval")
+    assert ev.template is None  # eval leaves it unset, so that --run RUN_DIR can supply the run's own
+    resolve_run_args(ev)        # without --run: the same default generate has
+    assert _defaults("generate").template == ev.template == PROMPT_TEMPLATE
     assert PROMPT_TEMPLATE == "Question: {prompt}\nAnswer:"
 
 

@@ -18,6 +18,7 @@ import json
 import os
 from pathlib import Path
 
+from rlhflab.cliargs import number
 from rlhflab.errors import UserError
 from rlhflab.label import CRITERIA
 
@@ -65,9 +66,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--labels-per-pair", type=int, default=1,
                    help="stop offering a pair once it has this many labels; 2+ measures agreement "
                         "(default 1; 0 means no limit)")
-    p.add_argument("--reserve-minutes", type=float, default=10.0,
+    p.add_argument("--reserve-minutes", type=number(0, 7 * 24 * 60), default=10.0,
                    help="a pair offered to an annotator is held for them this long, so others are not "
-                        "offered it past the limit (default 10; 0 holds nothing)")
+                        "offered it past the limit (default 10, at most 10080, a week; 0 holds nothing)")
     p.add_argument("--criteria", default=",".join(CRITERIA),
                    help="comma-separated criteria checkboxes (default: %(default)s); '' hides them")
     p.add_argument("--max-comment", type=int, default=2000, help="longest comment in characters (default 2000)")
@@ -152,9 +153,6 @@ def _serve(args: argparse.Namespace) -> int:
         raise UserError(f"--labels-per-pair {args.labels_per_pair}: must be >= 1, or 0 for no limit")
     if args.max_comment < 0:
         raise UserError(f"--max-comment {args.max_comment}: must be >= 0")
-    if not 0 <= args.reserve_minutes <= 7 * 24 * 60:
-        raise UserError(f"--reserve-minutes {args.reserve_minutes}: choose 0..10080 (a week); "
-                        "0 holds nothing")
     annotator_tokens = load_annotator_tokens(args.annotator_tokens) if args.annotator_tokens else None
     loopback = _is_loopback(args.host)
     if not loopback and not (args.token or annotator_tokens) and not args.insecure:

@@ -408,6 +408,17 @@ class ProducerService:
                 self._keep(m)
         except queue.Empty:
             pass
+        except (EOFError, ConnectionError) as exc:
+            self._lost("with its messages", exc)
+
+    def _lost(self, what: str, exc: BaseException) -> None:
+        """A message that could not be read whole: the producer died while handing it over
+        (its shared tensors went with it). One line either way."""
+        if self.proc is not None:
+            self.proc.join(timeout=POLL_S)
+        self._alive(what)  # raises: the producer stopped
+        raise UserError(f"the rollout producer's message {what} could not be read ({type(exc).__name__}); "
+                        f"stopped (the last complete checkpoint is intact)")
 
     def _wait(self, done: Callable, what: str, at_least: float = 0.0) -> None:
         """Read the producer's messages until `done(message)`; a UserError when it dies,
@@ -416,6 +427,9 @@ class ProducerService:
         while True:
             try:
                 m = self.outbox.get(timeout=POLL_S)
+            except (EOFError, ConnectionError) as exc:  # its tensors are passed by file descriptor:
+                self._lost(what, exc)                    # a producer killed after sending takes them along
+                continue
             except queue.Empty:
                 if self.proc is None or not self.proc.is_alive():
                     self._alive(what)
