@@ -108,7 +108,7 @@ def make_database(path: Path, pairs: int) -> Path:
     return path
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -116,6 +116,8 @@ def _free_port() -> int:
 
 def http(base: str, method: str, path: str, body: dict | None = None, token: str | None = None,
          timeout: float = 30.0) -> tuple[int, dict]:
+    """One HTTP request with the standard library; returns (status, JSON body). The tests'
+    helpers (tests/label_helpers.py) use this one too."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(base + path, data=data, method=method)
     if body is not None:
@@ -138,7 +140,7 @@ def start_servers(db: Path, n: int, workdir: Path, tokens_file: Path, labels_per
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     out = []
     for k in range(n):
-        port = _free_port()
+        port = free_port()
         cmd = [sys.executable, "-m", "rlhflab", "label", "serve", "--db", str(db), "--port", str(port),
                "--quiet", "--token", SHARED_TOKEN, "--annotator-tokens", str(tokens_file),
                "--labels-per-pair", str(labels_per_pair), "--reserve-minutes", str(reserve_minutes)]

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from file_modules import load_file
 from rlhflab.label import db as labeldb
+
+# the load script's HTTP client and port picker, the ones these helpers use
+_LOAD = load_file("label_load", Path(__file__).resolve().parents[1] / "scripts" / "label_load.py")
+free_port = _LOAD.free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = "<script>document.title='pwned';window.__pwned=1</script>"
@@ -35,12 +36,6 @@ def make_db(path: Path, n_prompts: int = 3, responses_per_prompt: int = 2,
             labeldb.add_candidates(conn, f"Prompt {i}: explain it to a 10-year-old", responses)
     conn.close()
     return path
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -93,26 +88,10 @@ def start_server(db: Path, log: Path, *extra: str, token: str | None = None,
 def request(base: str, method: str, path: str, body: dict | None = None,
             token: str | None = None, timeout: float = 10.0) -> tuple[int, dict]:
     """One HTTP request with the standard library; returns (status, JSON body)."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(base + path, data=data, method=method)
-    if body is not None:
-        req.add_header("Content-Type", "application/json")
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read() or b"null")
-    except urllib.error.HTTPError as err:
-        raw = err.read()
-        try:
-            return err.code, json.loads(raw)
-        except ValueError:
-            return err.code, {"raw": raw.decode(errors="replace")}
+    return _LOAD.http(base, method, path, body, token=token, timeout=timeout)
 
 
 _TINY: Path | None = None
-
-
 def tiny_model(tmp_path_factory) -> Path:
     """One small local causal LM for every label test in the session (built once)."""
     global _TINY
