@@ -227,24 +227,31 @@ def test_s1_versions_are_exact_and_a_resume_equals_the_uninterrupted_run(grpo_cf
 # --------------------------------------------------------------------------------------
 # s = 1 learns as s = 0 does
 # --------------------------------------------------------------------------------------
-@pytest.mark.slow
-def test_grpo_at_s1_learns_within_5_points_of_s0(tmp_path_factory, tmp_path):
-    # As test_grpo.py's learning test (a warm start 60 % off by one, the GSM8K checker as the
-    # reward), once synchronous and once one step off; held-out greedy accuracy on 100 rows.
+def _accuracy_at_s0_and_s1(tmp_path_factory, tmp_path, trainer, run_cls, yaml: str, *overrides: str):
+    """Held-out greedy accuracy (100 rows) before training, after it at s = 0 and at s = 1:
+    the same seeded run from test_grpo's warm start (60 % off by one) on its easy task."""
     from test_grpo_helpers import debug_config, easy_task, warm_model
 
     def run(s: int):
-        cfg = debug_config(grpo.GRPORunConfig, "grpo_debug.yaml", warm_model(tmp_path_factory),
-                           easy_task(tmp_path_factory), tmp_path / f"s{s}",
-                           "training.total_steps=20", "training.eval_interval=20", "training.save_interval=0",
-                           "dataset.num_eval_samples=100", "grpo.group_size=8", "grpo.prompts_per_step=4",
-                           "grpo.batch_size=32", "grpo.mini_batch_size=32", "grpo.gradient_accumulation_steps=1",
-                           "grpo.learning_rate=1e-4", "generation.seeded_sampling=true",
-                           f"generation.max_staleness={s}")
-        res = grpo.train(cfg, quiet=True)
+        cfg = debug_config(run_cls, yaml, warm_model(tmp_path_factory), easy_task(tmp_path_factory),
+                           tmp_path / f"s{s}", *overrides, "training.save_interval=0", "dataset.num_eval_samples=100",
+                           "generation.seeded_sampling=true", f"generation.max_staleness={s}")
+        res = trainer.train(cfg, quiet=True)
         return res.eval_before["eval/accuracy"], res.eval_after["eval/accuracy"]
 
     (before, sync), (_, stale) = run(0), run(1)
+    return before, sync, stale
+
+
+@pytest.mark.slow
+def test_grpo_at_s1_learns_within_5_points_of_s0(tmp_path_factory, tmp_path):
+    # As test_grpo.py's learning test (the GSM8K checker as the reward), once synchronous and
+    # once one step off.
+    before, sync, stale = _accuracy_at_s0_and_s1(
+        tmp_path_factory, tmp_path, grpo, grpo.GRPORunConfig, "grpo_debug.yaml",
+        "training.total_steps=20", "training.eval_interval=20", "grpo.group_size=8", "grpo.prompts_per_step=4",
+        "grpo.batch_size=32", "grpo.mini_batch_size=32", "grpo.gradient_accumulation_steps=1",
+        "grpo.learning_rate=1e-4")
     print(f"GRPO held-out accuracy {before:.2f} -> s=0 {sync:.2f}, s=1 {stale:.2f}")
     assert stale >= before + 0.05 and abs(stale - sync) <= 0.05, (before, sync, stale)
 
@@ -253,22 +260,13 @@ def test_grpo_at_s1_learns_within_5_points_of_s0(tmp_path_factory, tmp_path):
 def test_ppo_at_s1_learns_within_5_points_of_s0(tmp_path_factory, tmp_path):
     # PPO with a value head on the same warm start and reward, two epochs a step (so the
     # old log-probs are recomputed and the weights are pi_old / pi_sampler, capped at 2).
-    from test_grpo_helpers import debug_config, easy_task, warm_model
-
     from rlhflab.trainers import ppo
 
-    def run(s: int):
-        cfg = debug_config(ppo.PPORunConfig, "ppo_debug.yaml", warm_model(tmp_path_factory),
-                           easy_task(tmp_path_factory), tmp_path / f"s{s}",
-                           "training.total_steps=12", "training.eval_interval=12", "training.save_interval=0",
-                           "dataset.num_eval_samples=100", "ppo.rollout_samples=32", "ppo.batch_size=32",
-                           "ppo.mini_batch_size=16", "ppo.epochs=2", "ppo.learning_rate=1e-4",
-                           "reward.sources=[{type: rule, name: gsm8k}]", "generation.seeded_sampling=true",
-                           f"generation.max_staleness={s}")
-        res = ppo.train(cfg, quiet=True)
-        return res.eval_before["eval/accuracy"], res.eval_after["eval/accuracy"]
-
-    (before, sync), (_, stale) = run(0), run(1)
+    before, sync, stale = _accuracy_at_s0_and_s1(
+        tmp_path_factory, tmp_path, ppo, ppo.PPORunConfig, "ppo_debug.yaml",
+        "training.total_steps=12", "training.eval_interval=12", "ppo.rollout_samples=32", "ppo.batch_size=32",
+        "ppo.mini_batch_size=16", "ppo.epochs=2", "ppo.learning_rate=1e-4",
+        "reward.sources=[{type: rule, name: gsm8k}]")
     print(f"PPO held-out accuracy {before:.2f} -> s=0 {sync:.2f}, s=1 {stale:.2f}")
     assert stale >= before + 0.05 and abs(stale - sync) <= 0.05, (before, sync, stale)
 
