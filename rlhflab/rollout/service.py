@@ -220,6 +220,8 @@ def producer_main(spec: ProducerSpec, inbox, outbox) -> None:
         raise SystemExit(1) from None
 
 
+PROBE_KEY = "rlhflab.probe_logprobs"  # in a checkpoint's held version: its push's probe, not yet judged
+
 PRODUCER_MAIN = producer_main  # the process target (a test may put a wrapped one here)
 
 
@@ -272,7 +274,8 @@ class ProducerService:
                         raise UserError(f"--resume: the checkpoint holds no sampler weights of version {v}, which "
                                         f"step {step} samples from at generation.max_staleness="
                                         f"{self.staleness}; resume with the max_staleness it was saved with")
-                    self._send_weights(v, saved[v], probe=None)
+                    state = dict(saved[v])
+                    self._send_weights(v, state, probe=state.pop(PROBE_KEY, None))
                 else:
                     self._send_weights(v, self._state(policy), probe=self._probe(policy))
             self._request(step)
@@ -305,6 +308,7 @@ class ProducerService:
             self._wait(lambda m: m[0] == "rollout" and m[1] == step, f"to send the episodes of step {step}")
         roll = _tensors_to(self.rollouts.pop(step), self.device)
         roll.version = version_for(step, self.staleness)
+        self.version = roll.version
         gap = self.engine_gaps.pop(step, None)
         self.engine_gap = None if gap is None else (step, gap)
         return roll
@@ -319,11 +323,15 @@ class ProducerService:
         self._request(version + 1 + self.staleness)
 
     def metrics(self) -> dict[str, float]:
-        """The probe gap of every push the producer acknowledged since the last call (the
-        largest as rollout/push_gap); they are judged by `judge`, after the step is logged."""
+        """The probe gap of every push not yet judged up to the version this step sampled from
+        (the largest as rollout/push_gap); they are judged by `judge`, after the step is logged.
+        The producer acknowledges version v before it samples from it, so those pushes are
+        acknowledged by now: which step reports a push does not depend on the timing (a push
+        acknowledged early waits for the step that samples from it)."""
         self._drain()
+        upto = getattr(self, "version", -1)
         self.gaps = [(v, probe_gap(self.sent.pop(v), self.loaded.pop(v), self.spec.probe["attention_mask"]))
-                     for v in sorted(set(self.sent) & set(self.loaded))]
+                     for v in sorted(set(self.sent) & set(self.loaded)) if v <= upto]
         out = {"rollout/push_gap": max(g for _, g in self.gaps)} if self.gaps else {}
         if self.engine_gap is not None:
             out["rollout/engine_gap"] = self.engine_gap[1]
@@ -344,7 +352,10 @@ class ProducerService:
         """The versions steps step+1 ... step+s sample from that are older than step: what a
         checkpoint of step `step` must keep for an exact resume."""
         want = {version_for(k, self.staleness) for k in range(step + 1, step + 1 + self.staleness)}
-        return {v: self.held[v] for v in sorted(want) if v < step and v in self.held}
+        held = {v: self.held[v] for v in sorted(want) if v < step and v in self.held}
+        # a push not judged yet is judged after the resume as it would have been (`metrics`):
+        # the trainer's probe log-probs of it ride along
+        return {v: {**state, PROBE_KEY: self.sent[v]} if v in self.sent else state for v, state in held.items()}
 
     # ---------------------------------------------------------------- inside
     def _state(self, policy) -> dict[str, torch.Tensor]:
