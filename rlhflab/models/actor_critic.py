@@ -204,14 +204,20 @@ def response_hidden(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, r
     """
     decoder, _ = decoder_and_head(model)
     t = response_ids.shape[1]
-    if layout != "padded":
+    k = group_size
+    if layout == "shared":  # packed, each group's prompt once (where packing would not be exact: padded)
+        rows_mask = prompt_mask.repeat_interleave(k, 0) if k > 1 else prompt_mask
+        layout = layouts.choose(decoder.config, "packed", rows_mask, response_mask)
+        layout = "shared" if layout == "packed" else layout
+    elif layout != "padded":
         if group_size > 1:  # each row its own copy of the prompt (the prompt's gradient sums over them)
             prompt_ids = prompt_ids.repeat_interleave(group_size, 0)
             prompt_mask = prompt_mask.repeat_interleave(group_size, 0)
             group_size = 1
         layout = layouts.choose(decoder.config, layout, prompt_mask, response_mask)
-    if layout == "packed":
-        packing = layouts.plan(prompt_ids, prompt_mask, response_ids, response_mask)
+    if layout in ("packed", "shared"):
+        packing = (layouts.shared_plan(prompt_ids, prompt_mask, response_ids, response_mask, k) if layout == "shared"
+                   else layouts.plan(prompt_ids, prompt_mask, response_ids, response_mask))
         dtype = next(decoder.parameters()).dtype
         with compiled_layers(decoder):
             hidden = _last_hidden(decoder(**layouts.decoder_inputs(decoder, packing, dtype), use_cache=False))
