@@ -316,3 +316,33 @@ def test_sliding_window_packs_within_it_and_falls_back_beyond(recwarn):
         a, b = response_hidden(model, *args), response_hidden(model, *args, layout="packed")
     m = args[3].bool()
     assert (a - b)[m].abs().max() <= TOL
+
+
+def test_shared_runs_padded_beyond_a_sliding_window_and_shares_within_it(recwarn):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=128, sliding_window=16,
+                                             attn_implementation="sdpa"))
+    roll = _rollout(256, group_size=4)
+    pi, pm = roll.prompt_ids[::4], roll.prompt_mask[::4]
+    seen = []
+    real = layouts.shared_plan
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(layouts, "shared_plan", lambda *a, **k: seen.append(1) or real(*a, **k))
+        mp.setattr(layouts, "_NOTED", set())  # the note is printed once per process: afresh here
+        with torch.no_grad():
+            # sequences of up to 47 tokens against a 16-token window: padded, with a note
+            a = response_hidden(model, pi, pm, roll.response_ids, roll.response_mask, 4, layout="shared")
+            assert not seen and any("sliding window" in str(w.message) for w in recwarn.list)
+            # responses cut to 5 tokens: at most 7 + 5 positions, inside the window: shared
+            ri, rm = roll.response_ids[:, :5], roll.response_mask[:, :5]
+            b = response_hidden(model, pi, pm, ri, rm, 4, layout="shared")
+            assert seen
+            c = response_hidden(model, pi.repeat_interleave(4, 0), pm.repeat_interleave(4, 0), ri, rm)
+    full = response_hidden(model, pi.repeat_interleave(4, 0), pm.repeat_interleave(4, 0), roll.response_ids,
+                           roll.response_mask).detach()
+    m, short = roll.response_mask.bool(), rm.bool()
+    assert (a - full)[m].abs().max() <= TOL and (b - c)[short].abs().max() <= TOL
