@@ -188,7 +188,7 @@ def rlhflab_overrides(a: argparse.Namespace, steps: int, out: str) -> list[str]:
         f"grpo.batch_size={a.completions}", f"grpo.mini_batch_size={a.completions}",
         "grpo.gradient_accumulation_steps=1", "grpo.epochs=1",
         f"grpo.learning_rate={a.lr}", f"grpo.kl_coeff={a.beta}", "grpo.clip_eps=0.2", "grpo.max_grad_norm=1.0",
-        f"grpo.share_prompt={a.share_prompt}", f"generation.hf.cache={a.hf_cache if a.generation == 'hf' else 'dynamic'}",
+        f"grpo.layout={ {'true': 'shared', 'false': 'padded'}.get(a.share_prompt, 'auto')}", f"generation.hf.cache={a.hf_cache if a.generation == 'hf' else 'dynamic'}",
         f"training.total_steps={steps}", "training.eval_interval=0", "training.save_interval=0",
         f"training.output_dir={a.out}/{out}", f"training.device={a.device}", f"training.num_threads={a.threads}",
         f"training.mixed_precision={a.mixed_precision}", f"generation.backend={a.generation}",
@@ -545,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="rlhflab's cpu.matmul (its default, auto: oneDNN on non-Intel CPUs with AVX-512, "
                         "docs/cpu_matmul.md); torch runs MKL as TRL's side always does")
     p.add_argument("--share-prompt", choices=["auto", "true", "false"], default="auto",
-                   help="rlhflab's grpo.share_prompt (its default, auto: on a CPU, off on a GPU); false computes "
+                   help="rlhflab's shared prompt: true runs grpo.layout shared, auto its default (shared on a CPU, padded on a GPU); false computes "
                         "each prompt k times in the scoring and update passes, as TRL does")
     p.add_argument("--no-share-prompt", dest="share_prompt", action="store_const", const="false",
                    help="the same as --share-prompt false")

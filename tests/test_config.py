@@ -500,3 +500,21 @@ def test_engine_knobs_live_under_generation_vllm_and_hf_and_the_old_names_still_
     # a flat vLLM knob on the hf backend is still refused, under its new name
     with pytest.raises(ConfigError, match=r"vllm\.enforce_eager: applies only to backend=vllm"):
         load_config(None, PPORunConfig, ["generation.vllm.enforce_eager=true"])
+
+
+def test_share_prompt_is_read_as_the_shared_layout(tmp_path, monkeypatch, capsys):
+    # issue 49: <method>.share_prompt (a KV cache) became a layout value: true is layout: shared,
+    # false padded, auto auto, each with a one-line note; a layout set beside it wins.
+    from rlhflab.config import loader
+    from rlhflab.trainers.grpo import GRPORunConfig
+
+    monkeypatch.setattr(loader, "_NOTED", set())
+    got = [load_config(None, GRPORunConfig, [f"grpo.share_prompt={v}"])[0].grpo.layout for v in ("true", "false")]
+    assert got == ["shared", "padded"]
+    old = _write(tmp_path, "old.yaml", "grpo:\n  share_prompt: auto\n  layout: packed\n")
+    cfg, eff = load_config(old, GRPORunConfig)
+    assert cfg.grpo.layout == "packed" and "share_prompt" not in eff.grpo
+    err = capsys.readouterr().err
+    assert "grpo.share_prompt: true is read as grpo.layout: shared; rename it" in err
+    assert err.count("\n") == 1  # noted once per process
+    assert load_config(None, PPORunConfig)[0].ppo.layout == "auto"

@@ -259,14 +259,14 @@ def test_ratio_is_against_the_sampling_policy(model_dir, task_dir, tmp_path, mon
     assert metrics["params/kl_to_ref"] > 0
 
 
-@pytest.mark.parametrize("share_prompt", ["true", "false"])
-def test_one_optimizer_step_reuses_the_forward_pass(model_dir, task_dir, tmp_path, monkeypatch, share_prompt):
+@pytest.mark.parametrize("layout", ["shared", "padded"])
+def test_one_optimizer_step_reuses_the_forward_pass(model_dir, task_dir, tmp_path, monkeypatch, layout):
     # One epoch, both minibatches in one accumulation group: π_old is the current policy,
     # no scoring pass is made and the ratio is exactly 1.
     cfg, run, examples = _setup(
         model_dir, task_dir, tmp_path, "grpo.prompts_per_step=4", "grpo.group_size=4",
         "grpo.mini_batch_size=8", "grpo.gradient_accumulation_steps=2", "grpo.epochs=1",
-        "grpo.kl_coeff=0", f"grpo.share_prompt={share_prompt}", need_reference=False)
+        "grpo.kl_coeff=0", f"grpo.layout={layout}", need_reference=False)
     passes = []
     real_score = grpo.score_rollout
     monkeypatch.setattr(grpo, "score_rollout", lambda *a, **k: passes.append(k["with_policy"]) or real_score(*a, **k))
@@ -369,26 +369,32 @@ def test_shared_prompt_sampling_matches_plain_sampling(model_dir, task_dir, tmp_
     assert not groups_share_prompt(shared.prompt_ids, shared.prompt_mask, 3)
 
 
-def test_share_prompt_auto_shares_on_a_cpu_only(model_dir, task_dir, tmp_path):
-    """`grpo.share_prompt: auto` (the default): a group's prompt once on a CPU, once per
-    response on any other device (a model on the meta device stands in for a GPU here);
-    true and false as set, on any device; a rollout whose groups do not share a prompt, or a
-    checkpointing model, always takes the plain pass."""
+def test_layout_auto_shares_the_prompt_on_a_cpu_only(model_dir, task_dir, tmp_path):
+    """`grpo.layout: auto` (the default): the shared layout (a group's prompt once) on a CPU,
+    padded on any other device (a model on the meta device stands in for a GPU here); shared,
+    packed and padded as set, on any device; a rollout whose groups do not share a prompt, or
+    minibatches that would split a group, give each row its prompt (shared: packed)."""
     from rlhflab import cpu
 
     cfg, run, _ = _setup(model_dir, task_dir, tmp_path, "grpo.kl_coeff=0", need_reference=False)
-    assert cfg.grpo.share_prompt == "auto"
+    assert cfg.grpo.layout == "auto"
     models = run.models
     examples = load_prompts(cfg.dataset, models.tokenizer, "train")[:2]
     roll = sample_groups(models, examples, 4, GenerationConfig(max_new_tokens=4), 64, batch_size=8)
     on_meta = torch.nn.Linear(2, 2, device="meta")
-    assert scoring.shared_group_size(roll, models.policy, "auto") == 4
-    assert scoring.shared_group_size(roll, on_meta, "auto") == 1
-    assert scoring.shared_group_size(roll, on_meta, True) == 4 and scoring.shared_group_size(roll, models.policy, False) == 1
-    assert [cpu.share_prompt(d, s) for d in ("cpu", torch.device("cuda")) for s in ("auto", True, False)] == [
-        True, True, False, False, True, False]
+    assert scoring.group_layout(roll, models.policy, "auto") == ("shared", 4)
+    assert scoring.group_layout(roll, on_meta, "auto") == ("padded", 1)
+    assert scoring.group_layout(roll, on_meta, "shared") == ("shared", 4)
+    assert [scoring.group_layout(roll, models.policy, x) for x in ("padded", "packed")] == [("padded", 1), ("packed", 1)]
+    assert scoring.group_layout(roll, models.policy, "shared", whole_groups=False) == ("packed", 1)
+    assert scoring.group_layout(roll, models.policy, "auto", whole_groups=False) == ("padded", 1)
+    assert [cpu.share_prompt(d, "auto") for d in ("cpu", torch.device("cuda"))] == [True, False]
+    impl, models.policy.config._attn_implementation = models.policy.config._attn_implementation, "flash_attention_2"
+    assert scoring.group_layout(roll, models.policy, "auto") == ("padded", 1)  # packing refuses it: padded
+    models.policy.config._attn_implementation = impl
     roll.prompt_ids[1, -1] += 1  # row 1 no longer asks its group's prompt
-    assert scoring.shared_group_size(roll, models.policy, "auto") == 1
+    assert scoring.group_layout(roll, models.policy, "auto") == ("padded", 1)
+    assert scoring.group_layout(roll, models.policy, "shared") == ("packed", 1)
 
 
 def test_grouped_forward_matches_the_full_pass_values_and_gradients(model_dir, task_dir, tmp_path):
@@ -406,7 +412,7 @@ def test_grouped_forward_matches_the_full_pass_values_and_gradients(model_dir, t
 
     _, head = decoder_and_head(policy)
     grouped = head(response_hidden(policy, roll.prompt_ids[::4], roll.prompt_mask[::4], roll.response_ids,
-                                   roll.response_mask, 4))
+                                   roll.response_mask, 4, layout="shared"))
     lp_grouped = ops.logprobs_from_logits(grouped, roll.response_ids)
     full = models.actor.forward_response(roll.input_ids(), roll.attention_mask(), roll.prompt_len).logits
     lp_full = ops.logprobs_from_logits(full, roll.response_ids)
@@ -415,9 +421,9 @@ def test_grouped_forward_matches_the_full_pass_values_and_gradients(model_dir, t
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
     with torch.no_grad():
         ref_shared = scoring.score_rollout(models.actor, models.reference, roll, micro_batch=8,
-                                           with_policy=False, share_prompt=True).ref_logprobs
+                                           with_policy=False, layout="shared").ref_logprobs
         ref_plain = scoring.score_rollout(models.actor, models.reference, roll, micro_batch=8,
-                                          with_policy=False, share_prompt=False).ref_logprobs
+                                          with_policy=False, layout="padded").ref_logprobs
     assert torch.allclose(ref_shared, ref_plain, atol=1e-5)
 
 

@@ -4,7 +4,7 @@ Every caller of `response_hidden` reads the last hidden state at positions >= P-
 the last layer's output at earlier positions feeds nothing. These tests hold the shortcut
 to the plain pass (the same decoder with the hooks switched off): the hidden states and
 every parameter's gradient agree, on each architecture `make-tiny` builds, with the lean
-MLP and without, through a LoRA adapter, on the grouped prompt path, and the shortcut
+MLP and without, through a LoRA adapter, on grouped prompts, and the shortcut
 steps aside under activation checkpointing.
 """
 
@@ -112,9 +112,9 @@ def test_grouped_prompts_and_lora(folders, monkeypatch):
     batch = _batch(group_size=3)
     seen = _mlp_rows(model)
     short = _pass(model, batch, group_size=3)
-    # The prompt pass (2 prompts x P) reads only its last position; the response pass
-    # (T-1 tokens after the cached prompt) needs all of its rows.
-    assert seen == [P, 1, T - 1, T - 1]
+    # The padded layout gives each of the 6 rows its group's prompt: one pass of P+T-1
+    # positions, the last layer's MLP on the T that predict response tokens.
+    assert seen == [P + T - 1, T]
     assert any("lora_B" in n for n in short[1])
     _assert_same(short, _pass(model, batch, group_size=3, plain=True, monkeypatch=monkeypatch))
 

@@ -59,6 +59,37 @@ def test_plan_by_hand():
     assert add[4, 0] == torch.finfo(torch.float32).min and add[4, 4] == 0
 
 
+def test_shared_plan_by_hand():
+    # one group (k = 2) asking prompt [5 6] (one pad before); responses [7 8 9] and [3 4]:
+    # the row is the prompt once, then each response but its last token:
+    #   slot     0  1 | 2  3 | 4
+    #   token    5  6 | 7  8 | 3
+    #   position 0  1 | 2  3 | 2    (each response continues from the prompt's 2 tokens)
+    pi, pm = torch.tensor([[0, 5, 6]]), torch.tensor([[0, 1, 1]])
+    ri = torch.tensor([[7, 8, 9], [3, 4, 0]])
+    rm = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    s = layouts.shared_plan(pi, pm, ri, rm, k=2)
+    assert s.input_ids.tolist() == [[5, 6, 7, 8, 3]] and s.position_ids.tolist() == [[0, 1, 2, 3, 2]]
+    assert s.segments.tolist() == [[2, 2, 0, 0, 1]]  # B + g = 2 on the prompt, the response's row after
+    # token 0 of both responses is predicted by the prompt's last state (slot 1); response 0's
+    # tokens 1, 2 by slots 2, 3; response 1's token 1 by slot 4; its padding reads slot 5 (zero)
+    assert s.gather.tolist() == [[1, 2, 3], [1, 4, 5]]
+    m = s.mask("bool", torch.float32)[0, 0].int().tolist()
+    assert m == [[1, 0, 0, 0, 0],   # prompt: causal among itself
+                 [1, 1, 0, 0, 0],
+                 [1, 1, 1, 0, 0],   # response 0: the whole prompt and its own past
+                 [1, 1, 1, 1, 0],
+                 [1, 1, 0, 0, 1]]   # response 1: the prompt and itself, never response 0
+    add = s.mask("additive", torch.float32)[0, 0]
+    assert add[4, 2] == torch.finfo(torch.float32).min and add[4, 1] == 0
+    # k = 1 is the packed layout: the same decoder inputs and map back as `plan`
+    pi2, pm2 = torch.tensor([[0, 5, 6], [1, 2, 3]]), torch.tensor([[0, 1, 1], [1, 1, 1]])
+    p, q = layouts.plan(pi2, pm2, ri, rm), layouts.shared_plan(pi2, pm2, ri, rm, k=1)
+    for key in ("input_ids", "position_ids", "gather"):
+        assert torch.equal(getattr(p, key), getattr(q, key)), key
+    assert torch.equal(p.mask("bool", torch.float32), q.mask("bool", torch.float32))
+
+
 def test_first_fit_decreasing():
     # longest first: 6 -> row 0 (room 1), 4 -> row 1 (room 3), 3 -> row 1 (room 0), 1 -> row 0
     assert layouts.first_fit([3, 6, 1, 4], budget=7) == [[1, 2], [3, 0]]
@@ -103,14 +134,15 @@ def _fill(roll: Rollout, values: bool, seed: int = 1) -> None:
         roll.values = (roll.values + 0.3 * torch.randn(m.shape, generator=g)) * m
 
 
-def _scored(actor, reference, roll, layout, k_share, values):
+def _scored(actor, reference, roll, layout, values):
     r = dataclasses.replace(roll)
-    score_rollout(actor, reference, r, with_values=values, share_prompt=k_share, micro_batch=4, layout=layout)
+    score_rollout(actor, reference, r, with_values=values, micro_batch=4, layout=layout)
     return r
 
 
-def _loss_and_grads(actor, roll, sec, layout, k, separate=False):
+def _loss_and_grads(actor, roll, sec, layout, separate=False):
     actor.zero_grad(set_to_none=True)
+    k = roll.group_size if layout == "shared" else 1  # shared: each group's prompt once
     mb = select(roll, torch.arange(len(roll)), roll.response_mask, k, layout)
     norm = group_normalizer(roll.response_mask, sec.loss_aggregation, 40)
     if separate:
@@ -122,10 +154,10 @@ def _loss_and_grads(actor, roll, sec, layout, k, separate=False):
     return st, grads
 
 
-def _assert_parity(actor, reference, roll, sec, k=1, values=True, separate=False):
-    share = k > 1
-    a = _scored(actor, reference, roll, "padded", share, values)
-    b = _scored(actor, reference, roll, "packed", share, values)
+def _assert_parity(actor, reference, roll, sec, values=True, separate=False, layout="packed"):
+    """`layout`'s scoring, loss terms and gradients against the padded pass's."""
+    a = _scored(actor, reference, roll, "padded", values)
+    b = _scored(actor, reference, roll, layout, values)
     m = roll.response_mask.bool()
     for key in ("logprobs", "ref_logprobs") + (("values",) if values else ()):
         x, y = getattr(a, key), getattr(b, key)
@@ -133,8 +165,8 @@ def _assert_parity(actor, reference, roll, sec, k=1, values=True, separate=False
             continue
         assert (x[m] - y[m]).abs().max() <= TOL, key
     _fill(a, values)
-    st_pad, g_pad = _loss_and_grads(actor, a, sec, "padded", k, separate)
-    st_pack, g_pack = _loss_and_grads(actor, a, sec, "packed", k, separate)
+    st_pad, g_pad = _loss_and_grads(actor, a, sec, "padded", separate)
+    st_pack, g_pack = _loss_and_grads(actor, a, sec, layout, separate)
     for key in STAT_KEYS:
         assert abs(getattr(st_pad, key) - getattr(st_pack, key)) <= TOL, key
     assert st_pad.policy_clip_frac > 0  # the clip is exercised, not all-1 ratios
@@ -163,14 +195,16 @@ def test_ppo_separate_critic_packed_equals_padded(tiny_model_dir):
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_grpo_packed_equals_padded_shared_prompt(tiny_model_dir, impl):
-    """GRPO's groups of 4 share a prompt: the padded side runs the shared-prompt KV-cache
-    pass (k = 4), the packed side gives each row its prompt."""
+@pytest.mark.parametrize("layout", ["packed", "shared"])
+def test_grpo_packed_and_shared_equal_padded(tiny_model_dir, impl, layout):
+    """GRPO's groups of 4 share a prompt: the padded and packed sides give each row its
+    prompt, the shared side runs each group's prompt once (its gradient summed over the
+    group's 4 responses)."""
     policy = _tiny(tiny_model_dir, impl)
     actor = PolicyOnly(policy)
     roll = _rollout(policy.config.vocab_size, group_size=4)
     sec = GRPOSection(entropy_coeff=0.01, kl_coeff=0.1, group_size=4)
-    _assert_parity(actor, Reference.frozen_copy(policy), roll, sec, k=4, values=False)
+    _assert_parity(actor, Reference.frozen_copy(policy), roll, sec, values=False, layout=layout)
 
 
 def _qwen2():
@@ -199,6 +233,14 @@ def test_other_architectures_packed_equal_padded(build):
     actor = ActorCritic(policy, value_head=ValueHead(hidden_size_of(policy), init_std=0.1))
     roll = _rollout(policy.config.vocab_size)
     _assert_parity(actor, Reference.frozen_copy(policy), roll, _ppo_sec())
+
+
+@pytest.mark.parametrize("build", [_qwen2, _opt], ids=["qwen2", "opt"])
+def test_other_architectures_grpo_shared_equals_padded(build):
+    policy = build().float()
+    roll = _rollout(policy.config.vocab_size, group_size=4)
+    sec = GRPOSection(entropy_coeff=0.01, kl_coeff=0.1, group_size=4)
+    _assert_parity(PolicyOnly(policy), Reference.frozen_copy(policy), roll, sec, values=False, layout="shared")
 
 
 def test_an_all_ones_2d_mask_never_reaches_a_packed_forward(tiny_model_dir):
@@ -274,3 +316,33 @@ def test_sliding_window_packs_within_it_and_falls_back_beyond(recwarn):
         a, b = response_hidden(model, *args), response_hidden(model, *args, layout="packed")
     m = args[3].bool()
     assert (a - b)[m].abs().max() <= TOL
+
+
+def test_shared_runs_padded_beyond_a_sliding_window_and_shares_within_it(recwarn):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=128, sliding_window=16,
+                                             attn_implementation="sdpa"))
+    roll = _rollout(256, group_size=4)
+    pi, pm = roll.prompt_ids[::4], roll.prompt_mask[::4]
+    seen = []
+    real = layouts.shared_plan
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(layouts, "shared_plan", lambda *a, **k: seen.append(1) or real(*a, **k))
+        mp.setattr(layouts, "_NOTED", set())  # the note is printed once per process: afresh here
+        with torch.no_grad():
+            # sequences of up to 47 tokens against a 16-token window: padded, with a note
+            a = response_hidden(model, pi, pm, roll.response_ids, roll.response_mask, 4, layout="shared")
+            assert not seen and any("sliding window" in str(w.message) for w in recwarn.list)
+            # responses cut to 5 tokens: at most 7 + 5 positions, inside the window: shared
+            ri, rm = roll.response_ids[:, :5], roll.response_mask[:, :5]
+            b = response_hidden(model, pi, pm, ri, rm, 4, layout="shared")
+            assert seen
+            c = response_hidden(model, pi.repeat_interleave(4, 0), pm.repeat_interleave(4, 0), ri, rm)
+    full = response_hidden(model, pi.repeat_interleave(4, 0), pm.repeat_interleave(4, 0), roll.response_ids,
+                           roll.response_mask).detach()
+    m, short = roll.response_mask.bool(), rm.bool()
+    assert (a - full)[m].abs().max() <= TOL and (b - c)[short].abs().max() <= TOL

@@ -48,6 +48,14 @@ ALIASES: dict[str, str] = {
 }
 
 
+# Old keys whose values became values of another key: <section>.share_prompt (the group's
+# prompt once, by a KV cache) is now <section>.layout: shared (issue 49).
+VALUE_ALIASES: dict[str, tuple[str, dict]] = {
+    "share_prompt": ("layout", {True: "shared", False: "padded", "true": "shared", "false": "padded",
+                                "auto": "auto"}),
+}
+
+
 # Names other tools (the tutorial seed's course config, TRL) give rlhflab's knobs: an
 # unknown key with one of these names is answered with rlhflab's key (docs/knobs.md has
 # the table). A bare name maps within its own section; a dotted one names the section.
@@ -183,6 +191,23 @@ def _rename_aliases(node: DictConfig, where: str) -> DictConfig:
             _NOTED.add(old)
             print(f"note: {where}: {old} is read as {new}, its name in rlhflab; rename it to silence this",
                   file=sys.stderr)
+    for name, sec in list(node.items()):
+        for old_key, (new_key, values) in VALUE_ALIASES.items():
+            if not isinstance(sec, DictConfig) or old_key not in sec:
+                continue
+            value = sec.pop(old_key)
+            value = value.lower() if isinstance(value, str) else value
+            if new_key not in sec and value in values:  # a value it never took is left for the check to name
+                sec[new_key] = values[value]
+            elif value not in values:
+                sec[old_key] = value
+                continue
+            if f"{name}.{old_key}" not in _NOTED:
+                _NOTED.add(f"{name}.{old_key}")
+                set_too = f" ({name}.{new_key} is set too and wins)" if sec[new_key] != values[value] else ""
+                shown = str(value).lower()  # as YAML writes it: true, false, auto
+                print(f"note: {where}: {name}.{old_key}: {shown} is read as {name}.{new_key}: {values[value]}"
+                      f"{set_too}; rename it to silence this", file=sys.stderr)
     return node
 
 

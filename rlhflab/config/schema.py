@@ -374,11 +374,9 @@ class PolicySection(OptimizerFields):
         "token_mean", "token_mean: every token of the batch weighs the same; seq_mean: every response does; "
                       "token_sum: token sum over responses x max_new_tokens (Dr. GRPO's constant)")
     mask_truncated: bool = f(False, "leave out of the loss the responses that hit max_new_tokens without EOS")
-    share_prompt: AutoBool = f("auto", "compute a group's prompt once for its responses in the scoring, reference and update passes: "
-                                       "the same numbers up to rounding; auto: on a CPU only (bench/NOTES.md)")
-    layout: Literal["padded", "packed"] = f("padded", "decoder passes of the scoring and update: padded rows, or "
-                                                      "each sequence's real tokens packed into rows (the same numbers "
-                                                      "to rounding; SDPA/eager only)")
+    layout: Literal["auto", "padded", "packed", "shared"] = f(
+        "auto", "decoder passes of the scoring and update: padded rows; packed (real tokens only); shared (packed, a "
+                "group's prompt once); auto: shared on a CPU, else padded. Same numbers to rounding")
     tis_cap: Optional[float] = f(None, "truncated importance sampling: weigh each token's loss by "
                                        "min(pi_trainer/pi_sampler, tis_cap) when another engine sampled (vLLM); "
                                        "null disables", gt=0)

@@ -9,10 +9,9 @@ training device is a CPU and never otherwise; their config is the `cpu:` section
     apply(module, model_cfg, device)   on each model a run trains or scores with:
         - `nn.Linear` layers switched to `FastLinear` when oneDNN was chosen
     share_prompt(device, setting)      read by the engine's scoring and update passes
-        (engine/scoring.shared_group_size): `share_prompt: auto` (the group methods'
-        sections) computes a group's prompt once on a CPU, where its FLOPs are the cost, and
-        once per response elsewhere (a GPU at 135M is paced by kernel launches, which the
-        shared prompt's second pass doubles; bench/NOTES.md)
+        (engine/scoring.group_layout): `<method>.layout: auto` computes a group's prompt once
+        (the shared layout) on a CPU, where its FLOPs are the cost, and runs padded rows
+        elsewhere (a GPU at 135M is paced by kernel launches, not FLOPs; bench/NOTES.md)
     apply_default_wait()               how idle OpenMP threads wait (rlhflab/openmp.py); it
         must run before torch is imported, so the command line calls it, not the context.
 
@@ -73,7 +72,7 @@ def setup_process(device, cpu_cfg=None) -> str:
 
 def share_prompt(device, setting) -> bool:
     """Whether a group's prompt is computed once for its responses in the scoring and update
-    passes (`<method>.share_prompt`): true and false as set; auto on a CPU only."""
+    passes (`<method>.layout: auto` asks "auto": on a CPU only); true and false as set."""
     return on_cpu(device) if setting == "auto" else bool(setting)
 
 

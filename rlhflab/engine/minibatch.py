@@ -3,7 +3,8 @@
 Columns that are padding in every selected row are dropped (prompts are left-padded,
 responses right-padded), so a minibatch of short responses costs what they cost.
 When the rows come in whole groups of ``group_size`` answers to one prompt (GRPO,
-RLOO), the prompt is kept once per group and the forward pass runs it once.
+RLOO) and the layout is shared, the prompt is kept once per group and the forward pass
+runs it once (`models.layout.shared_plan`).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class MiniBatch:
     lm_batch: dict | None = None           # PPO-ptx: an LM batch whose loss joins this minibatch's
     lm_weight: float = 0.0                 # ... with this weight (its share of the group's mean)
     response_attention_mask: Tensor | None = None  # (b, T') multi-turn: context tokens attended too
-    layout: str = "padded"                 # the decoder's layout: padded or packed (`models.layout`)
+    layout: str = "padded"                 # the decoder's layout: padded, packed or shared (`models.layout`)
 
     @property
     def layout_kw(self) -> dict:

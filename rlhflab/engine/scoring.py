@@ -13,19 +13,28 @@ from torch import Tensor, nn
 
 from rlhflab import cpu
 from rlhflab.engine.minibatch import MiniBatch, groups_share_prompt, select
-from rlhflab.models.actor_critic import Reference, is_checkpointing
+from rlhflab.models import layout as layouts
+from rlhflab.models.actor_critic import Reference, unwrap
 from rlhflab.rollout import Rollout
 
 
-def shared_group_size(roll: Rollout, model: nn.Module, share_prompt: bool | str = True) -> int:
-    """The group size to run prompts once per group with (1: the plain pass). `share_prompt`:
-    true, false, or auto (on where the model computes on a CPU: `rlhflab.cpu.share_prompt`)."""
+def group_layout(roll: Rollout, model: nn.Module, layout: str = "padded", whole_groups: bool = True) -> tuple[str, int]:
+    """(the layout a rollout's passes run with, the group size they take: 1 gives each row its
+    own prompt). `layout` (`<method>.layout`): shared runs each group's prompt once where the
+    rollout's rows come in groups asking one prompt (`whole_groups`: the passes never split a
+    group), else packed; auto is shared on a CPU (`rlhflab.cpu.share_prompt`) where it can be,
+    else padded; padded and packed as set."""
     k = roll.group_size
-    if share_prompt == "auto":
-        share_prompt = cpu.share_prompt(next(model.parameters()).device, "auto")
-    if not share_prompt or k < 2 or is_checkpointing(model):
-        return 1
-    return k if groups_share_prompt(roll.prompt_ids, roll.prompt_mask, k) else 1
+    grouped = whole_groups and k > 1 and groups_share_prompt(roll.prompt_ids, roll.prompt_mask, k)
+    if layout == "auto":
+        config = getattr(unwrap(model), "config", None)
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        packs = config is None or layouts.refusal(config) is None
+        on = grouped and packs and cpu.share_prompt(next(model.parameters()).device, "auto")
+        return ("shared", k) if on else ("padded", 1)
+    if layout == "shared":
+        return ("shared", k) if grouped else ("packed", 1)
+    return layout, 1
 
 
 def row_order(roll: Rollout, k: int, by_length: bool) -> Tensor:
@@ -58,8 +67,7 @@ def _pad_to(x: Tensor, width: int) -> Tensor:
 @torch.no_grad()
 def score_rollout(actor, reference: Reference | None, roll: Rollout, *, temperature: float = 1.0,
                   micro_batch: int = 64, with_policy: bool = True, with_values: bool = False,
-                  share_prompt: bool | str = True, by_length: bool = True, old_logprobs: str = "recompute",
-                  layout: str = "padded") -> Rollout:
+                  by_length: bool = True, old_logprobs: str = "recompute", layout: str = "padded") -> Rollout:
     """Fill roll.logprobs (the policy as it is now), roll.values (`with_values`) and
     roll.ref_logprobs (when a reference is given); each (B, T), 0 on padding.
 
@@ -70,8 +78,9 @@ def score_rollout(actor, reference: Reference | None, roll: Rollout, *, temperat
     With more rows than `micro_batch`, the passes take the rows from the shortest to the
     longest (`by_length`): one long answer then pads only its own micro-batch. The rows
     come back in the rollout's order; each row's numbers are those of a pass over it alone
-    (to float rounding). `layout` (`<method>.layout`): padded or packed decoder passes,
-    the same numbers to float rounding (`rlhflab.models.layout`)."""
+    (to float rounding). `layout` (`<method>.layout`): padded, packed, shared (a group's
+    prompt once) or auto decoder passes (`group_layout`), the same numbers to float rounding
+    (`rlhflab.models.layout`)."""
     from_sampler = with_policy and old_logprobs == "sampler"
     if from_sampler:
         if roll.sample_logprobs is None:
@@ -79,7 +88,7 @@ def score_rollout(actor, reference: Reference | None, roll: Rollout, *, temperat
             raise UserError("generation.old_logprobs: sampler, but the rollout came without the sampler's "
                             "log-probs; set generation.old_logprobs: recompute")
         with_policy = False
-    k = shared_group_size(roll, actor.policy, share_prompt)
+    layout, k = group_layout(roll, actor.policy, layout)
     width = roll.response_ids.shape[1]
     order = row_order(roll, k, by_length)
     lps, vals, refs = [], [], []

@@ -40,7 +40,7 @@ from torch import Tensor
 from rlhflab import ops
 from rlhflab.engine.dist import Dist
 from rlhflab.engine.minibatch import MiniBatch, loss_mask_of, select
-from rlhflab.engine.scoring import shared_group_size
+from rlhflab.engine.scoring import group_layout
 from rlhflab.rollout import Rollout
 
 
@@ -345,10 +345,9 @@ def policy_update(actor, optimizer, scheduler, roll: Rollout, sec, *, temperatur
         raise ValueError("policy_update: a KL term in the loss needs roll.ref_logprobs")
     loss_mask = loss_mask_of(roll, sec.mask_truncated)                                # (B, T)
     mini_batch_size = dist.local(sec.mini_batch_size, "mini_batch_size")
-    layout = getattr(sec, "layout", "padded")  # padded or packed decoder passes (`models.layout`)
-    k = shared_group_size(roll, module.policy, sec.share_prompt)
-    if k > 1 and mini_batch_size % k:
-        k = 1  # a minibatch would split a group: run the plain pass
+    # the decoder's layout (`models.layout`); a minibatch that would split a group gives each row its prompt
+    layout, k = group_layout(roll, module.policy, getattr(sec, "layout", "padded"),
+                             whole_groups=mini_batch_size % roll.group_size == 0)
     gen = torch.Generator().manual_seed(seed * 7_919 + step)
     update = math_.update_group or update_group
     sums = {key: 0.0 for key in LOSS_KEYS + FRACTION_KEYS}

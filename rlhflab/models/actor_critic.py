@@ -18,10 +18,11 @@ prompt position's output from the last layer feeds nothing (its keys and values,
 later positions, come from the layer's input), so the results equal the full pass's.
 
 Prompt sharing: when the rows of a batch come in groups of ``group_size`` answers to the
-same prompt (GRPO, RLOO), the prompt is given once per group, run through the decoder
-once with ``use_cache``, and its keys and values are repeated for the group's rows (a
-differentiable ``repeat_interleave``: the prompt's gradient is the sum over its rows,
-as in the full pass). The results equal the plain pass up to float rounding.
+same prompt (GRPO, RLOO), the shared layout (`models.layout.shared_plan`) gives the decoder
+each group's prompt once with its responses after it in one packed row, each response
+attending to the prompt and to itself; the prompt's state that predicts every response's
+first token is read once per row, so the prompt's gradient is the sum over its rows, as
+in the full pass. The results equal the plain pass up to float rounding.
 
 The value head computes in float32 whatever the model dtype (values are regression
 targets of a few units; bfloat16's 8 bits of mantissa are too coarse for them).
@@ -198,49 +199,38 @@ def response_hidden(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, r
 
     prompt_ids, prompt_mask: (B, P) left-padded, or (G, P) with one row per group when
     `group_size` k > 1 (rows [g·k, (g+1)·k) of the responses answer prompt g);
-    response_ids, response_mask: (B, T) right-padded. `layout`: padded or packed
-    (`models.layout`; packed gives the same states, to float rounding, with zeros on
-    padding).
+    response_ids, response_mask: (B, T) right-padded. `layout` (`models.layout`): padded,
+    packed, or shared (packed with each group's prompt once); the same states, to float
+    rounding, with zeros on padding under packed and shared. padded and packed give each row
+    its own copy of a group's prompt (the prompt's gradient sums over them, as shared's does).
     """
+    if layout not in ("padded", "packed", "shared"):
+        raise ValueError(f"layout must be padded, packed or shared, got {layout!r}")
     decoder, _ = decoder_and_head(model)
-    t = response_ids.shape[1]
-    if layout != "padded":
-        if group_size > 1:  # each row its own copy of the prompt (the prompt's gradient sums over them)
-            prompt_ids = prompt_ids.repeat_interleave(group_size, 0)
-            prompt_mask = prompt_mask.repeat_interleave(group_size, 0)
-            group_size = 1
-        layout = layouts.choose(decoder.config, layout, prompt_mask, response_mask)
+    k = group_size
+    if layout == "shared":  # where packing would not be exact (`layouts.choose`): padded
+        rows_mask = prompt_mask.repeat_interleave(k, 0) if k > 1 else prompt_mask
+        layout = "shared" if layouts.choose(decoder.config, "packed", rows_mask, response_mask) == "packed" else "padded"
+    if layout != "shared" and k > 1:
+        prompt_ids, prompt_mask = prompt_ids.repeat_interleave(k, 0), prompt_mask.repeat_interleave(k, 0)
     if layout == "packed":
-        packing = layouts.plan(prompt_ids, prompt_mask, response_ids, response_mask)
+        layout = layouts.choose(decoder.config, layout, prompt_mask, response_mask)
+    if layout != "padded":
+        packing = (layouts.shared_plan(prompt_ids, prompt_mask, response_ids, response_mask, k) if layout == "shared"
+                   else layouts.plan(prompt_ids, prompt_mask, response_ids, response_mask))
         dtype = next(decoder.parameters()).dtype
         with compiled_layers(decoder):
             hidden = _last_hidden(decoder(**layouts.decoder_inputs(decoder, packing, dtype), use_cache=False))
         return packing.unpack(hidden)                                                  # (B, T, H)
-    if group_size == 1:
-        ids = torch.cat([prompt_ids, response_ids], 1)                                 # (B, P+T)
-        am = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], 1)
-        # The last token predicts nothing we use, and attention is causal: leave it out.
-        ids, am = ids[:, :-1], am[:, :-1]
-        start = prompt_ids.shape[1] - 1  # position P-1+t holds the state that predicts response token t
-        with last_layer_rows(model, decoder, start), compiled_layers(decoder):
-            hidden = _last_hidden(decoder(input_ids=ids, attention_mask=am, position_ids=position_ids_from(am),
-                                          use_cache=False))                             # (B, P+T-1, H)
-        return hidden[:, start:]                                                       # (B, T, H)
-    k = group_size
-    pos = position_ids_from(prompt_mask)                                               # (G, P)
-    with last_layer_rows(model, decoder, prompt_ids.shape[1] - 1):  # only the last position is read
-        out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos, use_cache=True)
-    cache = out.past_key_values
-    cache.batch_repeat_interleave(k)                                                   # (B, heads, P, d)
-    first = _last_hidden(out)[:, -1:].repeat_interleave(k, dim=0)                      # (B, 1, H): predicts token 0
-    if t == 1:
-        return first
-    # Response tokens 0..T-2 as inputs, attending to the cached prompt: they predict 1..T-1.
-    mask = torch.cat([prompt_mask.repeat_interleave(k, dim=0), response_mask[:, :-1].to(prompt_mask.dtype)], 1)
-    rpos = pos[:, -1:].repeat_interleave(k, dim=0) + 1 + torch.arange(t - 1, device=pos.device)  # (B, T-1)
-    rest = _last_hidden(decoder(input_ids=response_ids[:, :-1], attention_mask=mask, position_ids=rpos,
-                                past_key_values=cache, use_cache=True))                 # (B, T-1, H)
-    return torch.cat([first, rest], dim=1)                                             # (B, T, H)
+    ids = torch.cat([prompt_ids, response_ids], 1)                                     # (B, P+T)
+    am = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], 1)
+    # The last token predicts nothing we use, and attention is causal: leave it out.
+    ids, am = ids[:, :-1], am[:, :-1]
+    start = prompt_ids.shape[1] - 1  # position P-1+t holds the state that predicts response token t
+    with last_layer_rows(model, decoder, start), compiled_layers(decoder):
+        hidden = _last_hidden(decoder(input_ids=ids, attention_mask=am, position_ids=position_ids_from(am),
+                                      use_cache=False))                                 # (B, P+T-1, H)
+    return hidden[:, start:]                                                           # (B, T, H)
 
 
 class ForwardOutput(NamedTuple):

@@ -210,3 +210,100 @@ def decoder_inputs(decoder: nn.Module, packing: Packing, dtype: torch.dtype) -> 
     impl = getattr(decoder.config, "_attn_implementation", None) or "eager"
     mask = packing.mask("bool" if impl == "sdpa" else "additive", dtype)
     return {"input_ids": packing.input_ids, "position_ids": packing.position_ids, "attention_mask": mask}
+
+
+# --------------------------------------------------------------------------------------
+# shared: a group's prompt once, its k responses after it in the same packed row
+# --------------------------------------------------------------------------------------
+@dataclass
+class SharedPacking(Packing):
+    """A packed batch whose groups of k responses share one prompt (`shared_plan`).
+
+    `segments` holds the response row b on its response tokens and B + g on group g's
+    prompt tokens; `group` the group of every position (-1 on padding). The mask is a tree:
+    a prompt token sees its prompt's earlier tokens, a response token the whole prompt of its
+    group and its own earlier tokens, never another response's."""
+
+    group: Tensor = None   # (R, W) the group each position belongs to, -1 on padding
+    prompt: Tensor = None  # (R, W) True on prompt tokens
+
+    def mask(self, kind: str, dtype: torch.dtype) -> Tensor:
+        """(R, 1, W, W) the tree mask; `kind` as in `Packing.mask`."""
+        seg, grp = self.segments, self.group
+        w = seg.shape[1]
+        causal = torch.ones(w, w, dtype=torch.bool, device=seg.device).tril()
+        same = seg[:, :, None] == seg[:, None, :]
+        its_prompt = (grp[:, :, None] == grp[:, None, :]) & self.prompt[:, None, :]
+        real = (seg >= 0)[:, :, None]
+        own = torch.eye(w, dtype=torch.bool, device=seg.device) & ~real
+        allowed = (((same | its_prompt) & causal & real) | own).unsqueeze(1)        # (R, 1, W, W)
+        if kind == "bool":
+            return allowed
+        zero = torch.zeros((), dtype=dtype, device=seg.device)
+        return torch.where(allowed, zero, torch.finfo(dtype).min)
+
+
+def shared_plan(prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor,
+                k: int, budget: int | None = None) -> SharedPacking:
+    """The shared layout of (G, P) left-padded prompts and (G·k, T) right-padded responses,
+    rows [g·k, (g+1)·k) answering prompt g.
+
+    Group g is one span of a row: its prompt's real tokens (positions 0..plen-1), then each
+    response's tokens but the last (positions plen.. onwards, as if it followed the prompt
+    alone). Response token 0 of every row of the group is predicted by the prompt's last
+    state, token t > 0 by the response's own token t-1: the prompt is computed once and its
+    gradient sums over its k responses (the gather reads that state k times). A group whose
+    responses are all empty is left out. Spans go into rows of at most `budget` tokens
+    (first-fit decreasing; default and floor: the longest group). k = 1 is `plan`'s layout."""
+    g, p = prompt_ids.shape
+    b, t = response_ids.shape
+    if b != g * k:
+        raise ValueError(f"shared layout: {b} responses are not {g} groups of {k}")
+    dev = prompt_ids.device
+    plen, rlen = prompt_mask.sum(1).long(), response_mask.sum(1).long()             # (G,), (B,)
+    grp = torch.arange(b, device=dev) // k                                          # (B,) each row's group
+    if bool(((plen[grp] == 0) & (rlen > 0)).any()):
+        raise ValueError("shared layout: a sequence with an empty prompt has no state to predict its first token")
+    rin = (rlen - 1).clamp(min=0)                                                   # (B,) response inputs
+    used = (rlen > 0).view(g, k).any(1)                                             # (G,) a group read at all
+    glen = torch.where(used, plen + rin.view(g, k).sum(1), 0)                       # (G,) tokens of its span
+    lengths = glen.tolist()
+    kept = [i for i, n in enumerate(lengths) if n > 0]
+    rows = first_fit([lengths[i] for i in kept], max(budget or 0, max(lengths, default=0), 1))
+    rows = [[kept[j] for j in row] for row in rows]
+    n_rows = max(len(rows), 1)
+    width = max([sum(lengths[i] for i in row) for row in rows] or [1])
+    start = torch.zeros(g, dtype=torch.long)                                        # (G,) flat slot of its span
+    for r, row in enumerate(rows):
+        off = 0
+        for i in row:
+            start[i] = r * width + off
+            off += lengths[i]
+    start = start.to(dev)
+    n = n_rows * width
+    ids = torch.zeros(n, dtype=prompt_ids.dtype, device=dev)
+    pos = torch.zeros(n, dtype=torch.long, device=dev)
+    segments = torch.full((n,), -1, dtype=torch.long, device=dev)
+    group = torch.full((n,), -1, dtype=torch.long, device=dev)
+    prompt = torch.zeros(n, dtype=torch.bool, device=dev)
+    # the prompts: group g's real tokens at start_g + j, positions j
+    plen_used = torch.where(used, plen, 0)
+    pg = torch.repeat_interleave(torch.arange(g, device=dev), plen_used)            # (Np,) a group per slot
+    pj = torch.arange(pg.numel(), device=dev) - torch.repeat_interleave(plen_used.cumsum(0) - plen_used, plen_used)
+    dst = start[pg] + pj
+    ids[dst] = prompt_ids[pg, p - plen[pg] + pj]
+    pos[dst], segments[dst], group[dst], prompt[dst] = pj, b + pg, pg, True
+    # the responses: row i's inputs after its prompt and its group's earlier responses
+    before = rin.view(g, k).cumsum(1).view(-1) - rin                               # (B,) inputs of earlier rows
+    first = start[grp] + plen[grp] + before                                         # (B,) slot of its token 0
+    rs = torch.repeat_interleave(torch.arange(b, device=dev), rin)                 # (Nr,) a row per slot
+    rj = torch.arange(rs.numel(), device=dev) - torch.repeat_interleave(rin.cumsum(0) - rin, rin)
+    dst = first[rs] + rj
+    ids[dst] = response_ids[rs, rj].to(ids.dtype)
+    pos[dst], segments[dst], group[dst] = plen[grp][rs] + rj, rs, grp[rs]
+    tt = torch.arange(t, device=dev)
+    last = (start + plen - 1)[grp]                                                  # (B,) the prompt's last slot
+    at = torch.where(tt == 0, last[:, None], first[:, None] + tt - 1)               # (B, T) state before token t
+    gather = torch.where(tt < rlen[:, None], at, n)
+    return SharedPacking(ids.view(n_rows, width), pos.view(n_rows, width), segments.view(n_rows, width), gather,
+                         group.view(n_rows, width), prompt.view(n_rows, width))
