@@ -78,7 +78,7 @@ def test_a_sequence_over_the_budget_runs_alone(monkeypatch):
     assert _rows(token_micro_batches(roll, torch.arange(8), 40)) == [[0], [4], [7], [6, 1, 2, 3, 5]]
     assert cut_by_tokens([12, 2, 2], 10) == [[0], [1, 2]]
     monkeypatch.setattr(update_mod, "_NOTED_OVERSIZE", set())
-    with pytest.warns(UserWarning, match="a sequence of 47 tokens is longer than the budget of 40"):
+    with pytest.warns(UserWarning, match="a sequence holds 47 tokens, more than the budget of 40"):
         step_micro_batches(roll, torch.arange(8), 40, 1, update_mod.Dist())
 
 

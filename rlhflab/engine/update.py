@@ -330,8 +330,9 @@ def step_micro_batches(roll: Rollout, rows: Tensor, budget: int, k: int, dist: D
     longest = max(sequence_tokens(roll, rows, k), default=0)
     if longest > budget and budget not in _NOTED_OVERSIZE:
         _NOTED_OVERSIZE.add(budget)
-        warnings.warn(f"mini_batch_tokens: a sequence of {longest} tokens is longer than the budget of {budget}; "
-                      "a sequence like it runs in a micro-batch of its own", stacklevel=2)
+        what = "a sequence" if k == 1 else f"a group of {k} answers sharing a prompt"
+        warnings.warn(f"mini_batch_tokens: {what} holds {longest} tokens, more than the budget of {budget}; "
+                      "each such runs in a micro-batch of its own", stacklevel=2)
     return cut
 
 
