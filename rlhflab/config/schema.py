@@ -365,6 +365,9 @@ class PolicySection(OptimizerFields):
     batch_size: int = f(64, "responses generated at once during the rollout", gt=0)
     mini_batch_size: int = f(16, "responses per minibatch in the update", gt=0)
     gradient_accumulation_steps: int = f(1, "minibatches accumulated per optimizer step", gt=0)
+    mini_batch_tokens: Optional[int] = f(None, "cut each optimizer step's rows into passes of at most this many "
+                                               "tokens (prompt+response, no padding), scoring too; a longer sequence "
+                                               "runs alone; null: mini_batch_size rows", gt=0)
     epochs: int = f(1, "passes over the step's responses; 1 pass with one optimizer step is fully on-policy", gt=0)
     clip_eps: float = f(0.2, "ratio clip: ratios under 1-clip_eps (and over 1+clip_eps) stop the gradient", gt=0, lt=1)
     clip_eps_high: Optional[float] = f(None, "ratio clip above (DAPO's clip-higher, e.g. 0.28); null uses clip_eps", gt=0)
@@ -441,6 +444,17 @@ def check_reference(model_cfg, lora_cfg, kl_weight: float, kl_key: str) -> list[
         errs.append(f"model.reference: none leaves no policy to measure KL against; "
                     f"set {kl_key}=0 or reference: copy")
     return errs
+
+
+def check_token_budget(gen, sec, section: str) -> list[str]:
+    """Cross-section rule of `<section>.mini_batch_tokens`: a budget that cannot hold one
+    full-length response (generation.max_new_tokens) would run nearly every long answer
+    alone, which is not what a budget is for. A sequence over a larger budget runs alone."""
+    budget = getattr(sec, "mini_batch_tokens", None)
+    if budget is not None and 0 < budget < gen.max_new_tokens:
+        return [f"{section}.mini_batch_tokens: {budget} cannot hold one response of generation.max_new_tokens "
+                f"({gen.max_new_tokens}); set it to at least {gen.max_new_tokens} or null (rows)"]
+    return []
 
 
 @dataclass

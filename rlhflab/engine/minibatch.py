@@ -138,3 +138,65 @@ def select(roll: Rollout, rows: Tensor, loss_mask: Tensor, group_size: int = 1, 
         ref_logprobs=cut(roll.ref_logprobs), returns=cut(roll.returns), old_values=cut(roll.values),
         sample_logprobs=cut(getattr(roll, "sample_logprobs", None)),
         response_attention_mask=cut(getattr(roll, "response_attention_mask", None)), layout=layout)
+
+
+# --------------------------------------------------------------------------------------
+# Token budgets: micro-batches of at most `mini_batch_tokens` real tokens
+# --------------------------------------------------------------------------------------
+def sequence_tokens(roll: Rollout, rows: Tensor, group_size: int = 1) -> list[int]:
+    """The real tokens (prompt plus response, no padding) of each unit of `rows`: a row, or
+    with `group_size` k > 1 a group of k consecutive rows, whose shared prompt counts once
+    (the pass computes it once). Multi-turn rows count the environment's tokens too (the
+    pass attends to them)."""
+    plen = roll.prompt_mask[rows].sum(1)                                            # (n,)
+    rlen = roll.attend_mask[rows].sum(1)                                            # (n,)
+    if group_size == 1:
+        return (plen + rlen).tolist()
+    k = group_size
+    return (plen.view(-1, k)[:, 0] + rlen.view(-1, k).sum(1)).tolist()            # (n/k,)
+
+
+def cut_by_tokens(tokens: list[int], budget: int, parts: int = 0) -> list[list[int]]:
+    """Units 0..n-1 in this order, in consecutive micro-batches of at most `budget` tokens:
+    a unit joins the current micro-batch while the sum stays within the budget, else it
+    starts the next one; a unit longer than the budget gets a micro-batch of its own.
+
+    `parts`: then split the micro-batch of most tokens (of two units or more) in two, at
+    the unit that halves its tokens best, until there are `parts`: every rank of a
+    distributed run must make the same number of passes (`Dist.max` of the counts)."""
+    cut: list[list[int]] = []
+    held = budget + 1  # no micro-batch open yet
+    for u, n in enumerate(tokens):
+        if held + n > budget:
+            cut.append([])
+            held = 0
+        cut[-1].append(u)
+        held += n
+    while len(cut) < parts:
+        splittable = [i for i, mb in enumerate(cut) if len(mb) > 1]
+        if not splittable:
+            raise ValueError(f"cut_by_tokens: {len(tokens)} units cannot make {parts} micro-batches")
+        i = max(splittable, key=lambda i: (sum(tokens[u] for u in cut[i]), -i))
+        mb = cut[i]
+        total, prefix, best, where = sum(tokens[u] for u in mb), 0, None, 1
+        for j in range(1, len(mb)):
+            prefix += tokens[mb[j - 1]]
+            gap = abs(2 * prefix - total)
+            if best is None or gap < best:
+                best, where = gap, j
+        cut[i : i + 1] = [mb[:where], mb[where:]]
+    return cut
+
+
+def token_micro_batches(roll: Rollout, rows: Tensor, budget: int, group_size: int = 1, *,
+                        longest_first: bool = True, parts: int = 0) -> list[Tensor]:
+    """`rows` (whole groups of `group_size` in order) as micro-batches of at most `budget`
+    real tokens each (`sequence_tokens`, `cut_by_tokens`): the units from the longest to the
+    shortest (stable), so that each micro-batch holds sequences of like lengths and a padded
+    pass pads little, or in the order given (`longest_first=False`). Groups stay whole."""
+    k = group_size
+    units = rows.view(-1, k)                                                        # (n/k, k)
+    tokens = sequence_tokens(roll, rows, k)
+    order = sorted(range(len(tokens)), key=lambda u: -tokens[u]) if longest_first else list(range(len(tokens)))
+    cut = cut_by_tokens([tokens[u] for u in order], budget, parts)
+    return [units[torch.tensor([order[j] for j in mb], device=rows.device)].reshape(-1) for mb in cut]

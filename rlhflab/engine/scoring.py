@@ -12,7 +12,8 @@ import torch
 from torch import Tensor, nn
 
 from rlhflab import cpu
-from rlhflab.engine.minibatch import MiniBatch, groups_share_prompt, select
+from rlhflab.engine.dist import Dist
+from rlhflab.engine.minibatch import MiniBatch, groups_share_prompt, select, token_micro_batches
 from rlhflab.models import layout as layouts
 from rlhflab.models.actor_critic import Reference, unwrap
 from rlhflab.rollout import Rollout
@@ -50,13 +51,24 @@ def row_order(roll: Rollout, k: int, by_length: bool) -> Tensor:
 
 
 def micro_batches(roll: Rollout, micro_batch: int, k: int, order: Tensor | None = None,
-                  layout: str = "padded") -> list[MiniBatch]:
+                  layout: str = "padded", mini_batch_tokens: int | None = None, dist: Dist | None = None,
+                  ) -> list[MiniBatch]:
     """The rollout's rows in `order` (default: as they are), `micro_batch` rows at a time
-    (whole groups of k), laid out as `layout` says."""
-    micro = max(k, micro_batch - micro_batch % k)
+    (whole groups of k), laid out as `layout` says. With `mini_batch_tokens`: instead, in
+    that order, as many rows as fit in that many real tokens (`token_micro_batches`; a
+    longer sequence alone); under several processes every rank makes as many passes as
+    the rank that needs most (FSDP and ZeRO-3 passes communicate)."""
     mask = roll.response_mask
     if order is None:
         order = torch.arange(len(roll), device=mask.device)
+    if mini_batch_tokens is not None:
+        cut = token_micro_batches(roll, order, mini_batch_tokens, k, longest_first=False)
+        if dist is not None and dist.distributed:
+            n = int(dist.max(len(cut)))
+            if n > len(cut):
+                cut = token_micro_batches(roll, order, mini_batch_tokens, k, longest_first=False, parts=n)
+        return [select(roll, rows, mask, k, layout) for rows in cut]
+    micro = max(k, micro_batch - micro_batch % k)
     return [select(roll, order[s:s + micro], mask, k, layout) for s in range(0, len(roll), micro)]
 
 
@@ -67,7 +79,8 @@ def _pad_to(x: Tensor, width: int) -> Tensor:
 @torch.no_grad()
 def score_rollout(actor, reference: Reference | None, roll: Rollout, *, temperature: float = 1.0,
                   micro_batch: int = 64, with_policy: bool = True, with_values: bool = False,
-                  by_length: bool = True, old_logprobs: str = "recompute", layout: str = "padded") -> Rollout:
+                  by_length: bool = True, old_logprobs: str = "recompute", layout: str = "padded",
+                  mini_batch_tokens: int | None = None, dist: Dist | None = None) -> Rollout:
     """Fill roll.logprobs (the policy as it is now), roll.values (`with_values`) and
     roll.ref_logprobs (when a reference is given); each (B, T), 0 on padding.
 
@@ -80,7 +93,9 @@ def score_rollout(actor, reference: Reference | None, roll: Rollout, *, temperat
     come back in the rollout's order; each row's numbers are those of a pass over it alone
     (to float rounding). `layout` (`<method>.layout`): padded, packed, shared (a group's
     prompt once) or auto decoder passes (`group_layout`), the same numbers to float rounding
-    (`rlhflab.models.layout`)."""
+    (`rlhflab.models.layout`). `mini_batch_tokens` (`<method>.mini_batch_tokens`):
+    micro-batches of at most that many real tokens instead of `micro_batch` rows
+    (`micro_batches`; `dist`, this rank's place, keeps the ranks' pass counts equal)."""
     from_sampler = with_policy and old_logprobs == "sampler"
     if from_sampler:
         if roll.sample_logprobs is None:
@@ -92,7 +107,7 @@ def score_rollout(actor, reference: Reference | None, roll: Rollout, *, temperat
     width = roll.response_ids.shape[1]
     order = row_order(roll, k, by_length)
     lps, vals, refs = [], [], []
-    for mb in micro_batches(roll, micro_batch, k, order, layout):
+    for mb in micro_batches(roll, micro_batch, k, order, layout, mini_batch_tokens, dist):
         args = (mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.attend_mask, k)  # attention: context too
         if with_policy or with_values:
             values_only = {} if with_policy else {"with_logprobs": False}

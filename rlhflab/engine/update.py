@@ -18,6 +18,12 @@ Exactness: every minibatch's loss is divided by the token (or sequence) count of
 whole accumulation group, so accumulation 1×8 equals 8×1 exactly. Under several
 processes the count is the global one (`engine.dist`), so N processes equal one.
 
+Token budgets (`mini_batch_tokens`): an optimizer step's rows (the same rows as without
+it) are re-cut into micro-batches of at most that many real tokens each, longest first
+(`step_micro_batches`), with the same group normaliser, so the update is the row-cut one
+to float rounding. The logged fractions keep meaning a mean over the row minibatches
+(`fraction_weights`); with PPO-ptx each micro-batch adds one LM batch (the step's mean).
+
 Memory: with a separate critic (`model.critic: separate`) a minibatch takes two passes
 (`critic_and_policy`): the critic's forward and backward (`critic_pass`), then the
 policy's. The two models share no parameter, so the gradients are those of the summed
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator, NamedTuple
 
@@ -39,7 +46,7 @@ from torch import Tensor
 
 from rlhflab import ops
 from rlhflab.engine.dist import Dist
-from rlhflab.engine.minibatch import MiniBatch, loss_mask_of, select
+from rlhflab.engine.minibatch import MiniBatch, loss_mask_of, select, sequence_tokens, token_micro_batches
 from rlhflab.engine.scoring import group_layout
 from rlhflab.rollout import Rollout
 
@@ -310,6 +317,39 @@ def update_group(actor, minibatches: list[MiniBatch], optimizer, params: list, s
     return grad_norm, stats
 
 
+def step_micro_batches(roll: Rollout, rows: Tensor, budget: int, k: int, dist: Dist) -> list[Tensor]:
+    """An optimizer step's `rows` (this rank's) cut into micro-batches of at most `budget`
+    real tokens, longest first (`minibatch.token_micro_batches`); groups of k stay whole.
+    Under several processes every rank makes as many as the rank that needs most (the
+    gradient sync and the finiteness check are collectives of every micro-batch)."""
+    cut = token_micro_batches(roll, rows, budget, k)
+    if dist.distributed:
+        n = int(dist.max(len(cut)))
+        if n > len(cut):
+            cut = token_micro_batches(roll, rows, budget, k, parts=n)
+    longest = max(sequence_tokens(roll, rows, k), default=0)
+    if longest > budget and budget not in _NOTED_OVERSIZE:
+        _NOTED_OVERSIZE.add(budget)
+        what = "a sequence" if k == 1 else f"a group of {k} answers sharing a prompt"
+        warnings.warn(f"mini_batch_tokens: {what} holds {longest} tokens, more than the budget of {budget}; "
+                      "each such runs in a micro-batch of its own", stacklevel=2)
+    return cut
+
+
+_NOTED_OVERSIZE: set[int] = set()  # the budgets whose oversize note was given (once per process)
+
+
+def fraction_weights(batches: list[MiniBatch], n_minibatches: int) -> list[float]:
+    """The weights of token micro-batches' fractions (clip fraction, approx KL: each a mean
+    over its micro-batch's loss tokens) that make their sum `n_minibatches` times the
+    step's token mean: the metrics keep meaning a mean over the minibatches of rows."""
+    tokens = [float(b.loss_mask.sum()) for b in batches]
+    total = sum(tokens)
+    if total == 0:
+        return [n_minibatches / len(batches)] * len(batches)
+    return [n_minibatches * t / total for t in tokens]
+
+
 def minibatch_order(roll: Rollout, k: int, generator: torch.Generator) -> Tensor:
     """A shuffled order of the rollout's rows; whole groups of k stay together."""
     n, device = len(roll), roll.response_ids.device
@@ -348,6 +388,7 @@ def policy_update(actor, optimizer, scheduler, roll: Rollout, sec, *, temperatur
     # the decoder's layout (`models.layout`); a minibatch that would split a group gives each row its prompt
     layout, k = group_layout(roll, module.policy, getattr(sec, "layout", "padded"),
                              whole_groups=mini_batch_size % roll.group_size == 0)
+    budget = getattr(sec, "mini_batch_tokens", None)  # None: the minibatches of rows are the passes
     gen = torch.Generator().manual_seed(seed * 7_919 + step)
     update = math_.update_group or update_group
     sums = {key: 0.0 for key in LOSS_KEYS + FRACTION_KEYS}
@@ -370,7 +411,8 @@ def policy_update(actor, optimizer, scheduler, roll: Rollout, sec, *, temperatur
             # The whole group's count, over every rank: accumulation 1x8 == 8x1 and N ranks == 1.
             normalizer = dist.sum(group_normalizer(loss_mask[torch.cat(group)], sec.loss_aggregation,
                                                    max_new_tokens))
-            batches = [select(roll, rows, loss_mask, k, layout) for rows in group]
+            parts = group if budget is None else step_micro_batches(roll, torch.cat(group), budget, k, dist)
+            batches = [select(roll, rows, loss_mask, k, layout) for rows in parts]
             for b in batches:
                 b.measure_gap = gap_here and epoch == 0 and start == 0
             extra = {"dist": dist} if dist.distributed else {}
@@ -383,9 +425,12 @@ def policy_update(actor, optimizer, scheduler, roll: Rollout, sec, *, temperatur
                 raise FloatingPointError(f"step {step}: {exc}") from None
             scheduler.step()
             grad_norms.append(grad_norm)
-            for st in stats:
-                for key in LOSS_KEYS + FRACTION_KEYS:
+            weights_of = [1.0] * len(stats) if budget is None else fraction_weights(batches, len(group))
+            for st, w in zip(stats, weights_of):
+                for key in LOSS_KEYS:
                     sums[key] += getattr(st, key)
+                for key in FRACTION_KEYS:
+                    sums[key] += w * getattr(st, key)
                 if epoch == 0:
                     kl_seq_first_epoch += st.kl_seq_sum
                     gap[0] += st.gap_sum
@@ -394,7 +439,7 @@ def policy_update(actor, optimizer, scheduler, roll: Rollout, sec, *, temperatur
                     seq_mask[1] += st.seq_judged
                     for i, key in enumerate(("is_sum", "is_sq_sum", "is_capped", "is_tokens")):
                         weights[i] += getattr(st, key, 0.0)
-                n_mb += 1
+            n_mb += len(group)  # row minibatches, however the token budget cut them
     n_opt = len(grad_norms)
     # Each rank's loss parts are its share of the global loss: summed over ranks. The
     # fractions are this rank's means over equal shares: averaged over ranks.

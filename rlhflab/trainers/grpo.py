@@ -92,7 +92,8 @@ def score_and_forward(run: RLRun, roll, timer: Timer, *, kl_in_reward: bool = Fa
         need_old = sec.optimizer_steps_per_rollout() > 1 or kl_in_reward
         score_rollout(models.actor, models.reference, roll, temperature=temp,
                       micro_batch=max(sec.mini_batch_size, sec.batch_size), with_policy=need_old,
-                      old_logprobs=cfg.generation.old_logprobs, layout=sec.layout)
+                      old_logprobs=cfg.generation.old_logprobs, layout=sec.layout,
+                      mini_batch_tokens=sec.mini_batch_tokens, dist=run.dist)
         if roll.ref_logprobs is not None and roll.logprobs is not None:
             roll.kl = ops.kl_estimate(roll.logprobs, roll.ref_logprobs, sec.kl_estimator) * roll.response_mask
 

@@ -613,7 +613,8 @@ def policy_run_config(cls_name: str, section: str, section_cls: type, *, command
     from dataclasses import field as dc_field, make_dataclass
 
     from rlhflab.config.schema import (CpuConfig, DatasetConfig, EvalConfig, GenerationConfig, LoggingConfig,
-                                       LoRAConfig, ModelConfig, RewardConfig, TrainingConfig, check_reference)
+                                       LoRAConfig, ModelConfig, RewardConfig, TrainingConfig, check_reference,
+                                       check_token_budget)
 
     from rlhflab.envs.base import EnvConfig
 
@@ -625,7 +626,8 @@ def policy_run_config(cls_name: str, section: str, section_cls: type, *, command
         return (check_reference(self.model, self.lora, getattr(getattr(self, section), kl_weight),
                                 f"{section}.{kl_weight}")
                 + [f"env.{e}" for e in (self.env.check() if (self.env.name or self.env.tools) else [])]
-                + sampler_rules(self.generation, getattr(self, section), section))
+                + sampler_rules(self.generation, getattr(self, section), section)
+                + check_token_budget(self.generation, getattr(self, section), section))
 
     cls = make_dataclass(cls_name, [(name, kind, dc_field(default_factory=kind)) for name, kind in sections],
                          namespace={"check": check, "__doc__": f"`rlhflab {command}`: every section of {title} run."})

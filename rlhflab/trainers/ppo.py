@@ -102,7 +102,7 @@ def ppo_prepare(run: RLRun, roll, step: int, timer: Timer) -> dict[str, float]:
     with timer("forward"):
         score_rollout(models.actor, models.reference, roll, temperature=temp,
                       micro_batch=sec.mini_batch_size, with_values=True, old_logprobs=cfg.generation.old_logprobs,
-                      layout=sec.layout)
+                      layout=sec.layout, mini_batch_tokens=sec.mini_batch_tokens, dist=run.dist)
         ref_lp = roll.ref_logprobs if roll.ref_logprobs is not None else roll.logprobs
         coeff = sec.kl_coeff if sec.kl_in == "reward" else 0.0
         roll.rewards, roll.kl = ops.kl_shaped_rewards(
