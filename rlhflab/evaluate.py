@@ -271,6 +271,16 @@ def resolve_run_args(args: argparse.Namespace):
     return run
 
 
+def _shown_prompts(args: argparse.Namespace, use_chat) -> tuple:
+    """(prompt format, tokenizer) of the prompts this evaluation shows the model, for a
+    run's reward sources that read raw `reference_path` prompts (the tokenizer only: cheap)."""
+    from rlhflab.data.prompts import PromptFormat
+    from rlhflab.models.load import load_tokenizer
+
+    tok = load_tokenizer(args.model, kind="model")
+    return PromptFormat.resolve(args.template, use_chat, tok, "--use-chat-template"), tok
+
+
 def run(args: argparse.Namespace) -> int:
     from rlhflab.config.schema import DatasetConfig
     from rlhflab.data.prompts import load_prompts
@@ -289,17 +299,18 @@ def run(args: argparse.Namespace) -> int:
                        num_eval_samples=args.limit)
     examples = load_prompts(ds, None, split="eval")
     device = str(resolve_device(args.device)) if args.backend == "hf" else "cpu"
+    shown = _shown_prompts(args, use_chat) if settings is not None else (None, None)
     if args.reward is not None or settings is None:
         reward_name = args.reward or "gsm8k"
         scorer = RuleScorer(resolve_rule(reward_name), reward_name)
     else:
         reward_name = "the run's reward.sources (" + ", ".join(
             s.name if s.type == "rule" else f"{s.type} {s.path}" for s in settings.reward.sources) + ")"
-        scorer = build_reward(settings.reward, device)
+        scorer = build_reward(settings.reward, device, *shown)
     if args.correct:
         checks = EvalChecks(load_function(args.correct), args.correct)
     elif settings is not None:
-        checks = build_eval_checks(settings.eval, device)
+        checks = build_eval_checks(settings.eval, device, *shown)
     else:
         checks = None
     first = examples[:1]

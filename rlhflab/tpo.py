@@ -282,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from rlhflab.config import save_effective_config
-    from rlhflab.data.prompts import load_prompts
+    from rlhflab.data.prompts import PromptFormat, load_prompts
     from rlhflab.evaluate import accuracy_rule, build_eval_checks, judge
     from rlhflab.models.load import load_model
     from rlhflab.rewards import build_reward
@@ -313,8 +313,9 @@ def run(args: argparse.Namespace) -> int:
                                           cfg.tpo.batch_size, cfg.run.seed, dtype=cfg.model.torch_dtype)
         tok, device = closing.tokenizer, resolve_device(cfg.run.device)
     examples = load_prompts(cfg.dataset, tok, "eval")  # with the tokenizer: its chat template, if used
-    scorer = build_reward(cfg.reward, device)
-    checks = build_eval_checks(cfg.eval, device)
+    shown = PromptFormat.resolve(cfg.dataset.prompt_template, cfg.dataset.use_chat_template, tok)
+    scorer = build_reward(cfg.reward, device, shown, tok)  # reference rows shown as the prompts are
+    checks = build_eval_checks(cfg.eval, device, shown, tok)
     rows = [e.row for e in examples]
     correct_fn = (lambda p, r, e: judge(checks, p, r, e)) if accuracy_rule(checks, rows) else None
     if closing is None:

@@ -87,13 +87,14 @@ def metrics_at(path: Path, step: int, key: str) -> float | None:
 
 
 def sampled_accuracy(model_dir: Path, data: Path, seed: int) -> float:
-    """Accuracy of one sampled answer (temperature 1) per held-out problem."""
+    """Accuracy of one sampled answer (temperature 1) per held-out problem, by `rlhflab eval`'s
+    numeric rule."""
     import torch
 
     from rlhflab.data.arith import PROMPT_TEMPLATE
     from rlhflab.data.loading import read_rows
     from rlhflab.models.load import load_model
-    from rlhflab.rewards.gsm8k import is_correct
+    from rlhflab.rewards.checks import numeric_correct
     from rlhflab.rollout import generate
 
     torch.manual_seed(seed)
@@ -101,7 +102,7 @@ def sampled_accuracy(model_dir: Path, data: Path, seed: int) -> float:
     rows = read_rows(str(data))
     prompts = [PROMPT_TEMPLATE.replace("{prompt}", r["question"]) for r in rows]
     roll = generate(model.eval(), tok, prompts, max_new_tokens=16, temperature=1.0, batch_size=100)
-    return sum(is_correct(resp, r["answer"]) for resp, r in zip(roll.responses, rows)) / len(rows)
+    return sum(numeric_correct(resp, r["answer"]) for resp, r in zip(roll.responses, rows)) / len(rows)
 
 
 def quickstart_run(out: Path, i: int) -> dict:

@@ -32,6 +32,7 @@ from rlhflab.rollout.service import version_for
 from rlhflab.trainers import grpo
 
 from conftest import ROOT
+from crash_helpers import stop_after_logging
 
 VOLATILE = ("time/", "perf/")
 PRODUCER_ONLY = ("rollout/version_gap", "rollout/push_gap")
@@ -181,8 +182,6 @@ def test_a_push_without_the_lora_adapter_is_caught_at_the_first_judged_step(grpo
 # --------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_s1_versions_are_exact_and_a_resume_equals_the_uninterrupted_run(grpo_cfg, tmp_path, monkeypatch):
-    from rlhflab.metrics import MetricsLogger
-
     settings = ("generation.max_staleness=1", "training.total_steps=4", "training.save_interval=2")
     seen = []
     real_get = service.ProducerService.get
@@ -204,17 +203,7 @@ def test_s1_versions_are_exact_and_a_resume_equals_the_uninterrupted_run(grpo_cf
     assert rows[0]["rollout/is_weight_std"] < 1e-4 < rows[2]["rollout/is_weight_std"]
 
     # B: the same run stopped after step 3 was logged (step_2 saved), then resumed
-    real_log = MetricsLogger.log
-
-    def log_then_crash(self, step, metrics):
-        real_log(self, step, metrics)
-        if step == 3:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(MetricsLogger, "log", log_then_crash)
-    with pytest.raises(KeyboardInterrupt):
-        grpo.train(grpo_cfg(*settings, out="b"), quiet=True)
-    monkeypatch.setattr(MetricsLogger, "log", real_log)
+    stop_after_logging(monkeypatch, 3, lambda: grpo.train(grpo_cfg(*settings, out="b"), quiet=True))
     b = tmp_path / "b"
     # step 3 samples from version 1, older than the checkpoint's own weights: it is kept beside them
     assert [p.name for p in (b / "step_2" / "sampler_weights").iterdir()] == ["v1.safetensors"]

@@ -17,6 +17,8 @@ from rlhflab.models.checkpoint import load_trainer_state, prune_checkpoints, sav
 from rlhflab.trainers import ppo
 from rlhflab.trainers.common import make_optimizer
 
+from crash_helpers import stop_after_logging
+
 
 def _tree(folder):
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
@@ -165,18 +167,8 @@ def test_resume_continues_like_the_uninterrupted_run(ppo_cfg, tmp_path, monkeypa
     ppo.train(ppo_cfg(*settings, out_dir=tmp_path / "a"), quiet=True)
 
     # B: the same run, killed after step 3 was logged (before step_4 could be saved).
-    real_log = MetricsLogger.log
-
-    def log_then_crash(self, step, metrics):
-        real_log(self, step, metrics)
-        if step == 3:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(MetricsLogger, "log", log_then_crash)
     cfg_b = ppo_cfg(*settings, out_dir=tmp_path / "b")
-    with pytest.raises(KeyboardInterrupt):
-        ppo.train(cfg_b, quiet=True)
-    monkeypatch.setattr(MetricsLogger, "log", real_log)
+    stop_after_logging(monkeypatch, 3, lambda: ppo.train(cfg_b, quiet=True))
     b = tmp_path / "b"
     assert (b / "step_2").is_dir() and not (b / "final").exists()
     assert [r["step"] for r in read_metrics(b / "metrics.jsonl")] == [1, 2, 3]

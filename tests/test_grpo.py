@@ -29,7 +29,7 @@ from rlhflab.rollout.hf import generate
 from rlhflab.trainers.grpo import GRPOSection
 from rlhflab.trainers.loop import broadcast_advantages, build_run
 
-from test_grpo_helpers import ROOT, debug_config, easy_task, small_model, warm_model
+from test_grpo_helpers import ROOT, debug_config, easy_task, keep_rollouts, small_model, warm_model
 
 
 @pytest.fixture(scope="module")
@@ -226,17 +226,10 @@ def test_ratio_is_against_the_sampling_policy(model_dir, task_dir, tmp_path, mon
         model_dir, task_dir, tmp_path, "grpo.prompts_per_step=4", "grpo.group_size=4",
         "grpo.mini_batch_size=8", "grpo.gradient_accumulation_steps=1", "grpo.epochs=2",
         "grpo.learning_rate=1e-2", "grpo.kl_coeff=0.1", perturb=0.05)
-    seen = {}
-    real_update = grpo.run_update
-
-    def keep_rollout(run_, roll, step):
-        seen["roll"] = roll
-        return real_update(run_, roll, step)
-
-    monkeypatch.setattr(grpo, "run_update", keep_rollout)
+    seen = keep_rollouts(monkeypatch, grpo)
     calls = _record_policy_loss(run)
     metrics = grpo_step(run, examples, 1, Timer())
-    roll = seen["roll"]
+    (roll,) = seen
     assert roll.logprobs is not None and len(calls) == 4
     # Before any update the policy is the sampling policy: the ratio is 1 (up to float noise
     # from the minibatch's different padding) ...
@@ -283,18 +276,13 @@ def test_mask_truncated_leaves_truncated_responses_out(model_dir, task_dir, tmp_
         model_dir, task_dir, tmp_path, "grpo.prompts_per_step=4", "grpo.group_size=4",
         "grpo.mini_batch_size=16", "grpo.mask_truncated=true", "grpo.kl_coeff=0", need_reference=False)
     calls = _record_policy_loss(run)
-    seen = {}
-    real_update = grpo.run_update
-
-    def keep_rollout(run_, roll, step):
+    def every_other_truncated(roll):
         roll.hit_limit = torch.arange(len(roll)) % 2 == 0  # every other response "truncated"
-        seen["roll"] = roll
-        return real_update(run_, roll, step)
 
-    monkeypatch.setattr(grpo, "run_update", keep_rollout)
+    seen = keep_rollouts(monkeypatch, grpo, every_other_truncated)
     grpo_step(run, examples, 1, Timer())
     (call,) = calls
-    roll = seen["roll"]
+    (roll,) = seen
     # The minibatch is the shuffled rollout; map its rows back through the advantages.
     assert call["mask"].shape[0] == len(roll)
     kept = ~roll.hit_limit

@@ -8,6 +8,7 @@
 - `warm_model`: the small model after a short supervised loop on those demonstrations
   (written here, so the tests depend on no other trainer).
 - `debug_config`: a trainer's debug YAML pointed at the small model and task.
+- `keep_rollouts`: the rollouts a trainer's step hands its update, kept for the test.
 """
 
 from __future__ import annotations
@@ -101,3 +102,19 @@ def debug_config(schema, name: str, model: Path, task: Path, out: Path, *overrid
           if "dpo" not in name else []),
         *overrides])
     return cfg
+
+
+def keep_rollouts(monkeypatch, trainer, edit=None) -> list:
+    """The rollouts `trainer.run_update` (grpo's, rloo's...) is handed from now on, in
+    order; each first goes through `edit(roll)` when given (what the update then sees)."""
+    seen = []
+    real_update = trainer.run_update
+
+    def keep(run, roll, step):
+        if edit is not None:
+            edit(roll)
+        seen.append(roll)
+        return real_update(run, roll, step)
+
+    monkeypatch.setattr(trainer, "run_update", keep)
+    return seen

@@ -153,6 +153,52 @@ def test_reward_model_normalisation_from_a_reference_file(other_tokenizer_rm, tm
         build_source(RewardSource(type="model", path=str(other_tokenizer_rm), normalize=True))
 
 
+def test_reference_rows_are_shown_through_the_runs_template(tok, tmp_path):
+    """Files hold raw prompts, the run applies the template: a reference row's prompt goes
+    through dataset.prompt_template, then the chat template, as the run's prompts do."""
+    import copy
+
+    from rlhflab.data.prompts import PromptFormat
+    from rlhflab.rewards.model import reference_texts
+
+    ref = tmp_path / "ref.jsonl"
+    ref.write_text(json.dumps({"prompt": "2 + 3", "response": " 5"}) + "\n"
+                   + json.dumps({"prompt": "1 + 1", "chosen": " 2", "rejected": " 3"}) + "\n")
+    plain = PromptFormat("Q: {prompt}\nA:", use_chat=False)
+    assert reference_texts(str(ref), "prompt_response", plain, tok) == [
+        "Q: 2 + 3\nA: 5", "Q: 1 + 1\nA: 2", "Q: 1 + 1\nA: 3"]
+    assert reference_texts(str(ref), "response", plain, tok) == [" 5", " 2", " 3"]  # text: response reads no prompt
+    assert reference_texts(str(ref)) == ["2 + 3 5", "1 + 1 2", "1 + 1 3"]  # no format: as the file has them
+    chat_tok = copy.deepcopy(tok)
+    chat_tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                              "{% if add_generation_prompt %}<assistant>{% endif %}")
+    chat = PromptFormat("Q: {prompt}", use_chat=True)
+    assert reference_texts(str(ref), "prompt_response", chat, chat_tok)[0] == "<user>Q: 2 + 3\n<assistant> 5"
+    # A prompt the template was already applied to would get it twice: refused, naming the row.
+    ref.write_text(json.dumps({"prompt": "Q: 2 + 3\nA:", "response": " 5"}) + "\n"
+                   + json.dumps({"prompt": "Q: 1 + 1\nA:", "response": " 2"}) + "\n")
+    with pytest.raises(UserError, match=r"ref.jsonl: row 0 field 'prompt' already begins with the prompt template"):
+        reference_texts(str(ref), "prompt_response", plain, tok)
+
+
+def test_normalisation_is_measured_on_the_texts_the_run_scores(other_tokenizer_rm, tok, tmp_path):
+    from rlhflab.data.prompts import PromptFormat
+
+    ref = tmp_path / "ref.jsonl"
+    ref.write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n" for p, r in zip(PROMPTS, RESPONSES)))
+    fmt = PromptFormat("Review: {prompt}", use_chat=False)
+    source = RewardSource(type="model", path=str(other_tokenizer_rm), normalize=True, reference_path=str(ref))
+    scorer = build_reward(RewardConfig(sources=[source]), "cpu", fmt, tok)
+    # The run hands the scorer its rendered prompts: on the reference rows, so shown, mean 0 and
+    # std 1 (float32 sums of 3 scores: 1e-5).
+    out = scorer.score([fmt.render(p, tok) for p in PROMPTS], RESPONSES, [{}] * 3)
+    assert out.mean().item() == pytest.approx(0.0, abs=1e-5) and out.std().item() == pytest.approx(1.0, abs=1e-4)
+    # Calibrated on the raw prompts (what it did before) the shift is another one: measured
+    # 3.17 raw against 3.30 templated (scale about 6), far above float rounding (1e-6).
+    raw = build_source(source)
+    assert abs(raw.shift - scorer.shift) > 0.01
+
+
 def test_a_classifier_is_not_a_reward_model(sentiment):
     with pytest.raises(UserError, match="has 2 outputs, not 1; for a classifier use type: classifier"):
         build_source(RewardSource(type="model", path=str(sentiment)))

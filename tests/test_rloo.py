@@ -17,7 +17,7 @@ from rlhflab.trainers.common import Timer
 from rlhflab.trainers.loop import build_run
 from rlhflab.trainers.rloo import RLOORunConfig, rloo_step
 
-from test_grpo_helpers import ROOT, debug_config, easy_task, small_model
+from test_grpo_helpers import ROOT, debug_config, easy_task, keep_rollouts, small_model
 
 
 class VariedScorer:
@@ -53,16 +53,9 @@ def test_kl_is_folded_into_the_reward_before_leave_one_out(dirs, tmp_path, monke
         for p in run.models.policy.parameters():
             p.add_(0.05 * torch.randn_like(p))
     examples = load_prompts(cfg.dataset, run.models.tokenizer, "train")[:3]
-    seen = {}
-    real_update = rloo.run_update
-
-    def keep(run_, roll, step):
-        seen["roll"] = roll
-        return real_update(run_, roll, step)
-
-    monkeypatch.setattr(rloo, "run_update", keep)
+    seen = keep_rollouts(monkeypatch, rloo)
     metrics = rloo_step(run, examples, 1, Timer())
-    roll = seen["roll"]
+    (roll,) = seen
     assert run.sec.kl_loss_coeff == 0.0 and "loss/kl" not in metrics  # the KL is in the reward, not in the loss
     mask = roll.response_mask.float()
     # R_i = score_i − 0.5 · Σ_t (log π − log π_ref), then A_i = R_i − mean of the other 3: a plain loop.

@@ -252,6 +252,41 @@ def _write(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def test_generation_metrics_judge_plain_numbers_by_the_eval_rule(tok, monkeypatch):
+    """SFT's held-out accuracy is `rlhflab eval`'s numeric rule: a plain-number reference is
+    met by the response's last number (or its #### N), a #### N reference only by #### N."""
+    from types import SimpleNamespace
+
+    import rlhflab.rollout
+    from rlhflab.trainers.sft import generation_metrics
+
+    def answers(responses):  # the greedy responses, fixed: what is judged is the judging
+        def generate(model, tokenizer, prompts, **kwargs):
+            assert len(prompts) == len(responses)
+            return SimpleNamespace(responses=list(responses))  # the one field generation_metrics reads
+        return generate
+
+    plain = [sftdata.row_to_example({"question": q, "answer": a}, i)
+             for i, (q, a) in enumerate([("2 + 3?", "5"), ("4 + 4?", "8"), ("1 + 1?", "2")])]
+    monkeypatch.setattr(rlhflab.rollout, "generate", answers(["2 + 3 = 5", "4 + 4 = 9", "#### 2"]))
+    metrics, samples = generation_metrics(None, tok, plain, sftdata.Template(), 8, 4)
+    # 5 (last number) right, 9 wrong, "#### 2" right: 2 of 3; no response equals its reference.
+    assert [s["correct"] for s in samples] == [True, False, True]
+    assert metrics["eval/accuracy"] == pytest.approx(2 / 3) and metrics["eval/exact_match"] == 0.0
+
+    hashed = [sftdata.row_to_example({"question": "3 + 4?", "answer": "3 + 4 = 7\n#### 7"}, 0),
+              sftdata.row_to_example({"question": "1 + 2?", "answer": "1 + 2 = 3\n#### 3"}, 1)]
+    monkeypatch.setattr(rlhflab.rollout, "generate", answers(["3 + 4 = 7", "1 + 2 = 3\n#### 3"]))
+    metrics, samples = generation_metrics(None, tok, hashed, sftdata.Template(), 8, 4)
+    # GSM8K references: "3 + 4 = 7" has no #### 7 (its last number does not count); 1 of 2.
+    assert [s["correct"] for s in samples] == [False, True] and metrics["eval/accuracy"] == 0.5
+
+    prose = [sftdata.row_to_example({"question": "Name a fruit", "answer": "Apple"}, 0)]
+    monkeypatch.setattr(rlhflab.rollout, "generate", answers(["Apple"]))
+    metrics, samples = generation_metrics(None, tok, prose, sftdata.Template(), 8, 4)
+    assert "eval/accuracy" not in metrics and "correct" not in samples[0] and metrics["eval/exact_match"] == 1.0
+
+
 def _config(tiny, data: Path, out: Path, *extra: str) -> SFTRunConfig:
     from rlhflab.config import load_config
     cfg, _ = load_config(CONFIGS / "sft_debug.yaml", SFTRunConfig, [

@@ -95,25 +95,29 @@ class WeightedSum:
         return total
 
 
-def build_source(source, device: torch.device | str = "cpu", plugin_dir: str | None = None) -> Scorer:
+def build_source(source, device: torch.device | str = "cpu", plugin_dir: str | None = None,
+                 fmt=None, tokenizer=None) -> Scorer:
     """One `RewardSource` config -> a scorer (`plugin_dir`: where rule files are looked for
-    after the current directory; the config file's folder)."""
+    after the current directory; the config file's folder). `fmt`, `tokenizer`: the run's
+    prompt format (`data.prompts.PromptFormat`) and the policy's tokenizer, which show a
+    `reference_path` file's raw prompts as the run shows its own (None: as they are)."""
     if source.type == "rule":
         return RuleScorer(resolve_rule(source.name, plugin_dir), source.name)
     if source.type == "model":
         from rlhflab.rewards.model import RewardModelScorer
-        return RewardModelScorer.from_config(source, device)
+        return RewardModelScorer.from_config(source, device, fmt, tokenizer)
     if source.type == "classifier":
         from rlhflab.rewards.classifier import ClassifierScorer
-        return ClassifierScorer.from_config(source, device)
+        return ClassifierScorer.from_config(source, device, fmt, tokenizer)
     raise UserError(f"reward type {source.type!r}: choose rule, model or classifier")
 
 
-def build_reward(reward_cfg, device: torch.device | str = "cpu") -> Scorer:
-    """The config's reward sources as one scorer (a weighted sum when there are several)."""
+def build_reward(reward_cfg, device: torch.device | str = "cpu", fmt=None, tokenizer=None) -> Scorer:
+    """The config's reward sources as one scorer (a weighted sum when there are several);
+    `fmt`, `tokenizer` as in `build_source`."""
     if not reward_cfg.sources:
         raise UserError("reward.sources is empty; add at least one source (e.g. type: rule, name: gsm8k)")
-    parts = [(s.weight, build_source(s, device, reward_cfg.plugin_dir)) for s in reward_cfg.sources]
+    parts = [(s.weight, build_source(s, device, reward_cfg.plugin_dir, fmt, tokenizer)) for s in reward_cfg.sources]
     if len(parts) == 1 and parts[0][0] == 1.0:
         return parts[0][1]
     return WeightedSum(parts)

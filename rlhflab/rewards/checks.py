@@ -25,14 +25,15 @@ class EvalChecks:
     rewards: dict = field(default_factory=dict)  # metric name -> scorer, logged as eval/<name>
 
 
-def build_eval_checks(eval_cfg, device="cpu") -> EvalChecks:
-    """The `eval:` section as checks: the correctness function and the eval-only scorers."""
+def build_eval_checks(eval_cfg, device="cpu", fmt=None, tokenizer=None) -> EvalChecks:
+    """The `eval:` section as checks: the correctness function and the eval-only scorers
+    (`fmt`, `tokenizer` as in `rewards.build_source`)."""
     from rlhflab.rewards import build_source
 
     if eval_cfg is None:
         return EvalChecks()
     correct = load_function(eval_cfg.correct, eval_cfg.plugin_dir) if eval_cfg.correct else None
-    rewards = {s.metric_name(): build_source(s, device, eval_cfg.plugin_dir) for s in eval_cfg.rewards}
+    rewards = {s.metric_name(): build_source(s, device, eval_cfg.plugin_dir, fmt, tokenizer) for s in eval_cfg.rewards}
     return EvalChecks(correct, eval_cfg.correct or "", rewards)
 
 

@@ -11,7 +11,8 @@ As in the TRL sentiment notebook (a sentiment model's POSITIVE score as the rewa
 - The label is matched against the model's ``id2label`` (case-insensitively); an
   unknown name is a `UserError` listing the labels there are.
 - ``normalize: true`` shifts and scales by the mean and std of the probabilities on
-  ``reference_path`` rows.
+  ``reference_path`` rows, read as the run reads its texts (`model.reference_texts`: the
+  raw prompts through the run's template).
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ class ClassifierScorer:
         self.max_length = min(limit, tok_limit) if isinstance(tok_limit, int) and tok_limit < 10**6 else limit
 
     @classmethod
-    def from_config(cls, source, device: torch.device | str = "cpu") -> "ClassifierScorer":
+    def from_config(cls, source, device: torch.device | str = "cpu", fmt=None, tokenizer=None) -> "ClassifierScorer":
+        """`fmt`, `tokenizer`: how the run shows its raw prompts (`model.reference_texts`)."""
         from transformers import AutoModelForSequenceClassification
 
         from rlhflab.models.load import _load_error, load_tokenizer, reject_adapter
@@ -78,7 +80,7 @@ class ClassifierScorer:
                 raise UserError(f"classifier {source.path}: normalize needs reference_path, a jsonl of "
                                 "prompt/response rows to measure the mean and std on")
             from rlhflab.rewards.model import reference_texts
-            raw = scorer.probabilities(reference_texts(ref))
+            raw = scorer.probabilities(reference_texts(ref, scorer.text, fmt, tokenizer))
             scorer.shift, scorer.scale = float(raw.mean()), float(raw.std().clamp(min=1e-6))
         return scorer
 
@@ -99,5 +101,5 @@ class ClassifierScorer:
         return torch.cat(out) if out else torch.zeros(0)
 
     def score(self, prompts: Sequence[str], responses: Sequence[str], examples: Sequence[dict] | None = None) -> Tensor:
-        texts = list(responses) if self.text == "response" else [p + r for p, r in zip(prompts, responses)]
-        return ((self.probabilities(texts) - self.shift) / self.scale).float()
+        from rlhflab.rewards.model import scored_texts
+        return ((self.probabilities(scored_texts(prompts, responses, self.text)) - self.shift) / self.scale).float()

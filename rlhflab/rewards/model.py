@@ -14,7 +14,10 @@ the response end, where the score is read, is kept.
 ``normalize: true`` shifts and scales scores to mean 0, std 1 measured on reference
 samples: the rows of ``reference_path`` when given (prompt/response rows, or preference
 rows whose both sides count), else the held-out responses `rlhflab rm` scored at the
-end of training (saved in ``rlhflab_rm.json``).
+end of training (saved in ``rlhflab_rm.json``). A reference row's prompt is raw, as a
+dataset's is: the run shows it through its own template (``dataset.prompt_template``,
+then the chat template by the one rule), so the mean and std are measured on the texts
+the run scores.
 """
 
 from __future__ import annotations
@@ -150,22 +153,41 @@ def score_texts(model, tokenizer, texts: Sequence[str], meta: RMMeta, batch_size
     return torch.cat(out) if out else torch.zeros(0)
 
 
-def reference_texts(path: str) -> list[str]:
-    """prompt+response texts of a reference file: prompt/response rows or preference rows."""
+def scored_texts(prompts: Sequence[str], responses: Sequence[str], text: str = "prompt_response") -> list[str]:
+    """What a model or classifier source reads: prompt + response, or (`text: response`)
+    the response alone."""
+    return list(responses) if text == "response" else [p + r for p, r in zip(prompts, responses)]
+
+
+def reference_texts(path: str, text: str = "prompt_response", fmt=None, tokenizer=None) -> list[str]:
+    """The texts of a reference file (prompt/response rows, or preference rows whose both
+    sides count) as the source reads them in a run: each raw prompt through the run's
+    prompt format `fmt` (a `data.prompts.PromptFormat` resolved on the policy's `tokenizer`;
+    None: as it is), then `scored_texts`. A prompt that already begins with what the
+    format adds is a `UserError` (files hold raw prompts, the run applies the template)."""
     from rlhflab.data.loading import read_rows
+    from rlhflab.data.prompts import refuse_templated, template_heads
+
     rows = read_rows(path)
-    texts = []
+    heads = template_heads(fmt.template, tokenizer, fmt.use_chat) if fmt is not None else []
+    prompts, responses = [], []
     for i, row in enumerate(rows):
         if isinstance(row.get("response"), str):
-            texts.append(str(row.get("prompt", "")) + row["response"])
+            sides = [row["response"]]
         elif isinstance(row.get("chosen"), str) and isinstance(row.get("rejected"), str):
-            texts += [str(row.get("prompt", "")) + row["chosen"], str(row.get("prompt", "")) + row["rejected"]]
+            sides = [row["chosen"], row["rejected"]]
         else:
             raise UserError(f"{path}: row {i} has neither response nor chosen/rejected strings "
                             f"(it has {sorted(row)}); give prompt/response rows for reference_path")
-    if len(texts) < 2:
+        prompt = str(row.get("prompt", ""))
+        if fmt is not None:
+            refuse_templated(prompt, heads, path, i, "prompt")
+            prompt = fmt.render(prompt, tokenizer)
+        prompts += [prompt] * len(sides)
+        responses += sides
+    if len(responses) < 2:
         raise UserError(f"{path}: at least 2 reference samples are needed to measure a std")
-    return texts
+    return scored_texts(prompts, responses, text)
 
 
 class RewardModelScorer:
@@ -178,7 +200,8 @@ class RewardModelScorer:
         self.shift, self.scale = shift, scale
 
     @classmethod
-    def from_config(cls, source, device: torch.device | str = "cpu") -> "RewardModelScorer":
+    def from_config(cls, source, device: torch.device | str = "cpu", fmt=None, tokenizer=None) -> "RewardModelScorer":
+        """`fmt`, `tokenizer`: how the run shows its raw prompts (`reference_texts`)."""
         if not source.path:
             raise UserError("reward source type model needs path: the folder `rlhflab rm` saved (its final/)")
         model, tok, meta = load_reward_model(source.path, device)
@@ -186,7 +209,7 @@ class RewardModelScorer:
         if source.normalize:
             ref = getattr(source, "reference_path", None)
             if ref:
-                scorer.calibrate(reference_texts(ref))
+                scorer.calibrate(reference_texts(ref, scorer.text, fmt, tokenizer))
             elif meta.score_mean is not None and meta.score_std:
                 scorer.shift, scorer.scale = meta.score_mean, meta.score_std
             else:
@@ -200,6 +223,6 @@ class RewardModelScorer:
         self.shift, self.scale = float(raw.mean()), float(raw.std().clamp(min=1e-6))
 
     def score(self, prompts: Sequence[str], responses: Sequence[str], examples: Sequence[dict] | None = None) -> Tensor:
-        texts = list(responses) if self.text == "response" else [p + r for p, r in zip(prompts, responses)]
-        raw = score_texts(self.model, self.tokenizer, texts, self.meta, self.batch_size)
+        raw = score_texts(self.model, self.tokenizer, scored_texts(prompts, responses, self.text), self.meta,
+                          self.batch_size)
         return ((raw - self.shift) / self.scale).float()

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from rlhflab import cpu, ops
-from rlhflab.data.prompts import load_prompts, step_prompts
+from rlhflab.data.prompts import PromptFormat, load_prompts, step_prompts
 from rlhflab.engine.dist import (Dist, explained_variance, group_advantages,  # noqa: F401 (re-exported)
                                  launched_world_size, whiten)
 from rlhflab.engine.update import PPOMath, policy_update
@@ -212,8 +212,9 @@ def build_run(cfg, method: PolicyMethod, *, resume_dir: Path | None = None, math
                           world_size=processes)
     # The CPU-only speed tricks (rlhflab.cpu), on a CPU: through the run context when there is one.
     context.adopt_models(models) if context is not None else cpu.apply_to_models(models, cfg.model)
-    scorer = build_reward(cfg.reward, models.device)
-    checks = build_eval_checks(cfg.eval, models.device) if train_cfg.eval_interval else None
+    shown = PromptFormat.resolve(cfg.dataset.prompt_template, cfg.dataset.use_chat_template, models.tokenizer)
+    scorer = build_reward(cfg.reward, models.device, shown, models.tokenizer)  # reference rows shown as the run's
+    checks = build_eval_checks(cfg.eval, models.device, shown, models.tokenizer) if train_cfg.eval_interval else None
     params = (method.optimizer_params or (lambda actor: actor.trainable_parameters()))(models.actor)
     optimizer, scheduler = make_optimization(params, sec, train_cfg.total_steps * sec.optimizer_steps_per_rollout())
     train_model, optimizer = dist.prepare(models.actor, optimizer, sec.max_grad_norm)

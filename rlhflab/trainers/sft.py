@@ -10,8 +10,8 @@ One visible loop:
     3. update      shuffled micro-batches, gradient accumulation, token-weighted loss
                    over response tokens, grad-norm clipping, warmup then decay
     4. evaluate    held-out loss and perplexity (token-weighted), greedy generations
-                   scored by ROUGE-L and exact match (and the GSM8K checker when the
-                   references carry "#### N")
+                   scored by ROUGE-L and exact match (and, when every reference is a
+                   number, `#### N` or plain, by `rlhflab eval`'s numeric rule)
     5. log, save   metrics.jsonl, plots, step_N/ and final/ (a plain HF folder; under
                    LoRA the adapter goes to final/adapter/ and a merged copy to final/)
 
@@ -293,10 +293,13 @@ def heldout_loss(model, examples: Sequence[sftdata.TokenizedExample], pad_token_
 
 def generation_metrics(model, tokenizer, examples: Sequence[sftdata.SFTExample], tpl: sftdata.Template,
                        max_new_tokens: int, batch_size: int) -> tuple[dict[str, float], list[dict]]:
-    """Greedy responses to held-out prompts: ROUGE-L F1, exact match, and GSM8K accuracy."""
+    """Greedy responses to held-out prompts: ROUGE-L F1, exact match and, when every
+    reference is a number (``#### N`` or plain), accuracy by the eval's numeric rule
+    (`rlhflab.rewards.checks.judge`: the response's ``#### N``, or for a plain-number
+    reference its last number)."""
     from rouge_score import rouge_scorer
 
-    from rlhflab.rewards.gsm8k import is_correct
+    from rlhflab.rewards.checks import judge
     from rlhflab.rollout import generate
 
     prompts = [sftdata.format_example(ex, tokenizer, tpl)[0] for ex in examples]
@@ -309,8 +312,8 @@ def generation_metrics(model, tokenizer, examples: Sequence[sftdata.SFTExample],
     metrics = {"eval/rougeL": sum(rouge) / len(rouge), "eval/exact_match": sum(exact) / len(exact)}
     samples = [{"prompt": p, "reference": ref, "response": out, "rougeL": r, "exact": bool(e)}
                for p, ref, out, r, e in zip(prompts, refs, outs, rouge, exact)]
-    if all("####" in ref for ref in refs):
-        correct = [is_correct(out, ref) for out, ref in zip(outs, refs)]
+    correct = judge(None, prompts, outs, [{"answer": ref} for ref in refs])
+    if correct is not None:
         metrics["eval/accuracy"] = sum(correct) / len(correct)
         for s, c in zip(samples, correct):
             s["correct"] = c
