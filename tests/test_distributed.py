@@ -84,6 +84,9 @@ def cases(tiny_model_dir, arith_dir, arith_pairs) -> dict[str, tuple[list[str], 
           "ppo_critic": ("ppo", CRITIC, ("fsdp", "zero3")),
           "ppo_lora": ("ppo", LORA, ("ddp", "fsdp")),
           "grpo": ("grpo", GRPO_STEP, ("ddp", "fsdp", "zero3")),
+          # the packed layout: DDP (whole models) and ZeRO-3 (each layer gathered in its forward)
+          "ppo_packed": ("ppo", [*PPO_STEP, "ppo.layout=packed"], ("ddp",)),
+          "grpo_packed": ("grpo", [*GRPO_STEP, "grpo.layout=packed"], ("zero3",)),
           # one step off (generation.max_staleness=1): each rank's producer samples its rows
           "grpo_s1": ("grpo", [*GRPO_STEP, "generation.max_staleness=1", "training.num_threads=1"], ("ddp",))}
     out = {name: ([method, "--config", str(ROOT / "configs" / f"{method}_debug.yaml"),
@@ -124,7 +127,8 @@ def cases(tiny_model_dir, arith_dir, arith_pairs) -> dict[str, tuple[list[str], 
 
 
 # The 1-process runs compared with the 2-process ones (the end-to-end one by ZeRO-3's test).
-REFERENCES = ("ppo", "ppo_critic", "ppo_lora", "grpo", "grpo_s1", "sft", "dpo", "rm", "e2e")
+REFERENCES = ("ppo", "ppo_critic", "ppo_lora", "grpo", "grpo_s1", "ppo_packed", "grpo_packed", "sft", "dpo", "rm",
+              "e2e")
 
 
 @pytest.fixture(scope="module")
@@ -231,13 +235,17 @@ def _case(strategy: str, name: str):
 
 
 # PPO under every strategy; the separate critic where it is sharded on its own, and GRPO
-# (prompt-sharing forward passes) where forward passes gather: FSDP and ZeRO-3.
+# (prompt-sharing forward passes) where forward passes gather: FSDP and ZeRO-3. The packed
+# layout under DDP (PPO) and ZeRO-3 (GRPO): a layout changes the decoder's inputs alone (rows,
+# positions, a 4D mask), one forward per pass in both layouts, so ZeRO-2 (whole parameters in
+# the forward, as DDP) and FSDP2 (a layer gathered per forward, as ZeRO-3) see what these do.
 @pytest.mark.parametrize("strategy, name", [
     *(_case(s, "ppo") for s in ("ddp", "fsdp", "zero2", "zero3")),
     *(_case(s, "ppo_critic") for s in ("fsdp", "zero3")),
     *(_case(s, "ppo_lora") for s in ("ddp", "fsdp")),
     *(_case(s, "grpo") for s in ("ddp", "fsdp", "zero3")),
     _case("ddp", "grpo_s1"),
+    _case("ddp", "ppo_packed"), _case("zero3", "grpo_packed"),
 ])
 def test_two_processes_equal_one(strategy, name, cases, tiny_model_dir, one_process, launched):
     settings = cases[name][0]
@@ -259,6 +267,11 @@ def test_two_processes_equal_one(strategy, name, cases, tiny_model_dir, one_proc
         assert one[0][key] == pytest.approx(two[0][key], rel=1e-3, abs=1e-6), key
     assert json.loads((two_dir / "train_result.json").read_text())["world_size"] == 2
     assert json.loads((one_dir / "train_result.json").read_text())["world_size"] == 1
+    if name.endswith("_packed"):  # every pass packed (no batch fell back), and the update is the padded one's
+        assert "runs padded" not in launched(strategy).text(name, "err") + one_process.text(name, "err")
+        padded = _weights(one_process.ok(name.removesuffix("_packed")) / "final")
+        packed = _weights(one_dir / "final")
+        assert max(float((padded[k] - packed[k]).abs().max()) for k in padded) <= 1e-5
 
 
 def test_two_machines_equal_two_processes_on_one(cases, tiny_model_dir, launched, tmp_path_factory):

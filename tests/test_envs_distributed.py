@@ -1,7 +1,8 @@
 """Multi-turn episodes under 2 processes equal 1 (DDP on CPU, gloo): a PPO and a GRPO step
 on episodes of different lengths (1 to 3 turns; a turn ends at one of many stop ids, so
 some episodes close their turns and go on while others run out of tokens), from the same
-seed and prompts, as tests/test_distributed.py checks single-turn runs. Both methods' 1-process
+seed and prompts, as tests/test_distributed.py checks single-turn runs; the GRPO step also
+with `grpo.layout=packed` (each rank packs its own episodes). Both methods' 1-process
 runs share one process and their 2-process runs one launch (tests/dist_jobs.py), as there."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dist_jobs import run_jobs
-from test_distributed import GRPO_STEP, PPO_STEP, ROOT, _assert_equal_and_moved, _common, _env
+from test_distributed import GRPO_STEP, PPO_STEP, ROOT, _assert_equal_and_moved, _common, _env, _weights
 
 pytestmark = pytest.mark.slow
 
@@ -60,6 +61,8 @@ def runs(stop_model, arith_dir, tmp_path_factory):
                      *_common(stop_model, arith_dir), "training.total_steps=1", 'dataset.prompt_template="{prompt}"',
                      "dataset.use_chat_template=true", "env.name=dist_env:Again", "env.max_turns=3", *settings]
             for method, settings in (("ppo", PPO_STEP), ("grpo", GRPO_STEP))}
+    # GRPO's episodes packed (grpo.layout=packed): the rows of each rank packed on their own
+    jobs["grpo_packed"] = [*jobs["grpo"], "grpo.layout=packed"]
     out = []
     for processes in (1, 2):
         base = tmp_path_factory.mktemp(f"multiturn-{processes}")
@@ -69,7 +72,7 @@ def runs(stop_model, arith_dir, tmp_path_factory):
     return tuple(out)
 
 
-@pytest.mark.parametrize("method", ["ppo", "grpo"])
+@pytest.mark.parametrize("method", ["ppo", "grpo", "grpo_packed"])
 def test_multiturn_two_processes_equal_one(method, stop_model, runs):
     one_dir, two_dir = runs[0].ok(method), runs[1].ok(method)
     _assert_equal_and_moved(one_dir, two_dir, stop_model)
@@ -82,3 +85,7 @@ def test_multiturn_two_processes_equal_one(method, stop_model, runs):
         assert one[0][key] == pytest.approx(two[0][key], abs=1e-6), key
     for key in ("loss/policy", "loss/total", "params/grad_norm"):
         assert one[0][key] == pytest.approx(two[0][key], rel=1e-3, abs=1e-6), key
+    if method.endswith("_packed"):  # every pass packed (no batch fell back), and the update is the padded one's
+        assert "runs padded" not in runs[0].text(method, "err") + runs[1].text(method, "err")
+        padded, packed = (_weights(d / "final") for d in (runs[0].ok("grpo"), one_dir))
+        assert max(float((padded[k] - packed[k]).abs().max()) for k in padded) <= 1e-5

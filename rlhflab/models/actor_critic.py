@@ -375,16 +375,17 @@ class PolicyOnly(nn.Module):
         return ForwardOutput(logprobs, values, entropy, extra)
 
     def forward_response(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int,
-                         with_values: bool = True) -> ResponseOutput:
+                         with_values: bool = True, layout: str = "padded") -> ResponseOutput:
         """Logits (B, T, V) (and values) for the response part of prompt+response (B, L).
 
         The full-logits view, for learner mode and DPO; training uses `forward`.
+        `layout` as in `response_hidden`.
         """
         pi, pm, ri, rm = _split(input_ids, attention_mask, prompt_len)
         with self.autocast(input_ids.device):
-            hidden = response_hidden(self.policy, pi, pm, ri, rm)
+            hidden = response_hidden(self.policy, pi, pm, ri, rm, layout=layout)
         _, head = decoder_and_head(self.policy)
-        values = self._values(hidden, pi, pm, ri, rm, 1) if with_values else None
+        values = self._values(hidden, pi, pm, ri, rm, 1, layout) if with_values else None
         return ResponseOutput(head_logits(head, hidden, logit_transform(self.policy)), values)
 
     def trainable_parameters(self) -> list[nn.Parameter]:

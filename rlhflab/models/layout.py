@@ -72,7 +72,10 @@ class Packing:
 
 def contiguous(prompt_mask: Tensor, response_mask: Tensor) -> bool:
     """True when every prompt's real tokens are a suffix of its row (left padding) and every
-    response's a prefix (right padding): what packing reads."""
+    response's a prefix (right padding): what packing reads. A multi-turn episode's
+    `response_attention_mask` is a prefix (its action mask, with holes at the tools' and
+    environment's tokens, is not): the engine passes the attention mask to the decoder
+    pass and the losses read the action mask, so episodes pack."""
     p, t = prompt_mask.shape[1], response_mask.shape[1]
     plen, rlen = prompt_mask.sum(1, keepdim=True), response_mask.sum(1, keepdim=True)
     left = torch.arange(p, device=prompt_mask.device) >= p - plen

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -73,6 +73,9 @@ class TRPOSection(OptimizerFields):
     value_epochs: int = f(4, "passes over the rollout fitting the value function", gt=0)
     value_mini_batch_size: int = f(16, "episodes per value-function minibatch", gt=0)
     value_clip: Optional[float] = f(None, "value clip range around the rollout values; null: plain regression", gt=0)
+    layout: Literal["padded", "packed"] = f("padded", "decoder passes of the scoring, the natural-gradient step (its "
+                                                      "line search too) and the value fit: padded rows, or packed "
+                                                      "(the same numbers to rounding; SDPA/eager only)")
 
     # What the loop reads of every method's section.
     samples_per_prompt = 1
@@ -132,10 +135,14 @@ def natural_gradient_step(actor, roll: Rollout, sec: TRPOSection, temperature: f
 
     roll.advantages and roll.response_mask (B, T) must be set. Returns the step's
     statistics: the KL and the surrogate improvement of the accepted step (0 when the
-    line search rejected every step and the policy is unchanged).
+    line search rejected every step and the policy is unchanged). Every forward (the
+    line search's too) runs in `sec.layout`; it attends to `roll.attention_mask()` (a
+    multi-turn episode's context included) while the surrogate and the KL read the action
+    tokens (`roll.response_mask`) alone.
     """
     params = [p for p in actor.policy.parameters() if p.requires_grad]
     ids, am, p_len = roll.input_ids(), roll.attention_mask(), roll.prompt_len
+    layout_kw = {} if sec.layout == "padded" else {"layout": sec.layout}
     mask = roll.response_mask.float()
     n = mask.sum().clamp(min=1.0)
     tokens = roll.response_ids.unsqueeze(-1)
@@ -144,7 +151,7 @@ def natural_gradient_step(actor, roll: Rollout, sec: TRPOSection, temperature: f
         # The math attention kernel: the fused ones have no second derivative, which the
         # Fisher-vector products need.
         with sdpa_kernel(SDPBackend.MATH):
-            logits = actor.forward_response(ids, am, p_len, with_values=False).logits
+            logits = actor.forward_response(ids, am, p_len, with_values=False, **layout_kw).logits
         return (logits.float() / temperature).log_softmax(-1)
 
     def surrogate(dist: torch.Tensor) -> torch.Tensor:  # L = mean_t ratio_t · A_t over real tokens
@@ -201,20 +208,22 @@ def value_parameters(actor) -> list[torch.nn.Parameter]:
 
 
 def fit_values(actor, optimizer, roll: Rollout, sec: TRPOSection, step: int, seed: int) -> dict[str, float]:
-    """`value_epochs` passes of minibatches regressing the values on the returns."""
+    """`value_epochs` passes of minibatches regressing the values on the returns. The
+    forward attends to `roll.attend_mask` (a multi-turn episode's context too) in
+    `sec.layout`; the loss reads the action tokens (`roll.response_mask`)."""
     g = torch.Generator().manual_seed(seed * 7_919 + step)
     losses = []
-    mask = roll.response_mask
+    mask, attend = roll.response_mask, roll.attend_mask
     for _ in range(sec.value_epochs):
         order = torch.randperm(len(roll), generator=g)
         for s in range(0, len(roll), sec.value_mini_batch_size):
             rows = order[s : s + sec.value_mini_batch_size]
-            args = (roll.prompt_ids[rows], roll.prompt_mask[rows], roll.response_ids[rows], mask[rows])
+            args = (roll.prompt_ids[rows], roll.prompt_mask[rows], roll.response_ids[rows], attend[rows])
             if actor.critic is not None:
-                values = actor.critic(*args, mixed_precision=actor.mixed_precision)
+                values = actor.critic(*args, mixed_precision=actor.mixed_precision, layout=sec.layout)
             else:  # the policy's features, detached: the value loss does not move the policy
                 with torch.no_grad(), actor.autocast(mask.device):
-                    hidden = response_hidden(actor.policy, *args)
+                    hidden = response_hidden(actor.policy, *args, layout=sec.layout)
                 values = actor.value_head(hidden)
             vl = ops.value_loss(values, roll.values[rows], roll.returns[rows], mask[rows], sec.value_clip)
             vl.loss.backward()
@@ -239,7 +248,7 @@ def trpo_prepare(run: RLRun, roll, step: int, timer: Timer) -> dict[str, float]:
     # 3. forward: old log-probs and values; the KL-shaped rewards.
     with timer("forward"):
         score_rollout(models.actor, models.reference, roll, temperature=temp, micro_batch=sec.batch_size,
-                      with_values=True)
+                      with_values=True, layout=sec.layout)
         ref_lp = roll.ref_logprobs if roll.ref_logprobs is not None else roll.logprobs
         roll.rewards, roll.kl = ops.kl_shaped_rewards(roll.scores, roll.logprobs, ref_lp, roll.response_mask,
                                                       sec.kl_coeff, sec.kl_estimator)
