@@ -37,6 +37,7 @@ import argparse
 import dataclasses
 import math
 import time
+from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Sequence
@@ -89,6 +90,9 @@ class DPOSection(OptimizerFields):
                                   "loss_type [sigmoid, sft] with loss_weights [1, sft_coeff]); 0 is plain DPO", ge=0)
     task_eval_path: Optional[str] = f(None, "GSM8K-format file (question/answer) for greedy held-out accuracy; null skips it")
     task_reward: str = f("gsm8k", "rule reward used to score the greedy task answers")
+    layout: Literal["padded", "packed"] = f("padded", "decoder passes of the policy and reference: padded rows, or "
+                                                      "each sequence's real tokens packed into rows (the same numbers "
+                                                      "to rounding; SDPA/eager only)")
 
     def check(self) -> list[str]:
         errs = super().check()
@@ -226,21 +230,23 @@ def sequence_logprobs(logits: Tensor, batch: ResponseBatch) -> Tensor:
     return ops.masked_sum(logprobs, batch.response_mask, dim=-1)      # (B,)
 
 
-def policy_sequence_logprobs(actor: PolicyOnly, batch: ResponseBatch) -> Tensor:
+def policy_sequence_logprobs(actor: PolicyOnly, batch: ResponseBatch, layout: str = "padded") -> Tensor:
     """Σ_t log p(response token t) under the policy, (B,), never holding (B, T, V) logits.
 
     When the LM head is a plain linear map, the hidden states of the real response tokens
     (padding left out) and the head's weight go to `ops.chunked_logprobs`, one chunk of
     rows at a time in forward and backward; otherwise the policy's own logits are used.
+    `layout` as in `response_hidden` (packed: the same numbers to float rounding).
     """
     head = linear_lm_head(getattr(actor, "policy", None))
     if head is None:
-        out = actor.forward_response(batch.input_ids, batch.attention_mask, batch.prompt_len)
+        out = actor.forward_response(batch.input_ids, batch.attention_mask, batch.prompt_len, with_values=False,
+                                     layout=layout)
         return sequence_logprobs(out.logits, batch)
     p = batch.prompt_len
     with actor.autocast(batch.input_ids.device):  # training.mixed_precision; the head below is float32
         hidden = response_hidden(actor.policy, batch.input_ids[:, :p], batch.attention_mask[:, :p],
-                                 batch.response_ids, batch.response_mask)                        # (B, T, H)
+                                 batch.response_ids, batch.response_mask, layout=layout)         # (B, T, H)
     real = batch.response_mask.bool()                                                            # (B, T)
     logprobs = torch.zeros(real.shape, dtype=torch.float32, device=hidden.device)                # (B, T)
     logprobs[real] = ops.chunked_logprobs(hidden[real], head.weight, head.bias, batch.response_ids[real],
@@ -260,8 +266,9 @@ class ReferenceCache:
     """
 
     def __init__(self, reference: Reference | None, pairs: Sequence[TokenizedPair], pad_token_id: int,
-                 device: torch.device, batch_size: int = 16):
+                 device: torch.device, batch_size: int = 16, layout: str = "padded"):
         self.reference = reference
+        self.layout = layout  # of the reference's pass (`response_hidden`)
         self.pairs = pairs
         self.pad_token_id = pad_token_id
         self.device = device
@@ -282,7 +289,8 @@ class ReferenceCache:
             # The reference's token log-probs from its hidden states (`Reference.logprobs`,
             # the engine's path), summed over the real response tokens.
             token_lp = self.reference.logprobs(batch.input_ids[:, :p], batch.attention_mask[:, :p],
-                                               batch.response_ids, batch.response_mask)   # (2b, T)
+                                               batch.response_ids, batch.response_mask,
+                                               layout=self.layout)                            # (2b, T)
             lp = ops.masked_sum(token_lp, batch.response_mask, dim=-1).cpu()               # (2b,)
             b = len(idx)
             self.chosen[idx], self.rejected[idx] = lp[:b], lp[b:]
@@ -325,7 +333,8 @@ def dpo_micro_batch_loss(actor: PolicyOnly, pairs: Sequence[TokenizedPair], ref_
     plus `sft_coeff` times the chosen responses' mean NLL per token."""
     batch = pair_batch(pairs, pad_token_id, device)
     # (2b,); through the data-parallel wrapper when the actor comes as Forward(actor, ...)
-    lp = actor(batch) if isinstance(inner(actor), Forward) else policy_sequence_logprobs(actor, batch)
+    lp = (actor(batch) if isinstance(inner(actor), Forward)
+          else policy_sequence_logprobs(actor, batch, getattr(sec, "layout", "padded")))
     b = len(pairs)
     out = ops.dpo_loss(lp[:b], lp[b:], ref_chosen, ref_rejected, sec.beta, sec.loss_kind, sec.label_smoothing)
     nll = -lp[:b].sum() / batch.response_mask[:b].sum().clamp(min=1)
@@ -423,8 +432,8 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
         task_scorer = RuleScorer(resolve_rule(sec.task_reward))
 
     # 2. reference log-probs: cached per pair; with a frozen copy, the copy is freed after.
-    train_cache = ReferenceCache(models.reference, train_tok, pad, models.device, sec.mini_batch_size)
-    eval_cache = ReferenceCache(models.reference, eval_tok, pad, models.device, sec.mini_batch_size)
+    train_cache = ReferenceCache(models.reference, train_tok, pad, models.device, sec.mini_batch_size, sec.layout)
+    eval_cache = ReferenceCache(models.reference, eval_tok, pad, models.device, sec.mini_batch_size, sec.layout)
     timer = Timer()
     if sec.precompute_ref_logprobs:
         with timer("reference"):
@@ -439,8 +448,8 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
         total_steps = min(total_steps, sec.max_steps)
     optimizer, scheduler = make_optimization(models.actor.trainable_parameters(), sec, total_steps)
     # The sequence log-probs as a module's forward, wrapped for the launcher's strategy.
-    logprob_model, optimizer = dist.prepare(Forward(models.actor, policy_sequence_logprobs), optimizer,
-                                            sec.max_grad_norm)
+    logprob_model, optimizer = dist.prepare(Forward(models.actor, partial(policy_sequence_logprobs, layout=sec.layout)),
+                                            optimizer, sec.max_grad_norm)
     start_step = run.restore(optimizer, scheduler, logprob_model)
     # The doctor reads each step's row (implicit-reward accuracy at chance, a growing margin,
     # chosen and rejected log-probs falling together, overfitting, gradient spikes) and

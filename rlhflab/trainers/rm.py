@@ -108,6 +108,11 @@ class RMSection:
     head_init_std: Optional[float] = f(None, "std of the normal init of the scalar head (bias 0); null: 1/sqrt(hidden+1)", gt=0)
     logging_steps: int = f(10, "log the training loss every this many optimizer steps", gt=0)
     eval_before: bool = f(True, "evaluate the starting model too (step 0)")
+    layout: Literal["padded", "packed"] = f("padded", "decoder passes of the training and held-out scores: padded "
+                                                      "rows, or each text's real tokens packed into rows (chosen and "
+                                                      "rejected together; the same numbers to rounding; SDPA/eager only)")
+    mini_batch_tokens: Optional[int] = f(None, "cut each optimizer step's pairs into micro-batches of at most this "
+                                               "many real tokens (both texts); null: batch_size pairs each", gt=0)
 
     def check(self) -> list[str]:
         if self.min_learning_rate > self.learning_rate:
@@ -274,15 +279,17 @@ def build_reward_model(cfg: RMRunConfig, device: torch.device):
 # --------------------------------------------------------------------------------------
 # 3. update, 4. evaluate
 # --------------------------------------------------------------------------------------
-def pair_scores(model, tokenizer, pairs: Sequence[JoinedPair], meta: RMMeta, device) -> tuple[Tensor, Tensor]:
-    """(chosen, rejected) scores, each (B,), from one forward over the 2B texts."""
+def pair_scores(model, tokenizer, pairs: Sequence[JoinedPair], meta: RMMeta, device, layout: str = "padded",
+                budget: int | None = None) -> tuple[Tensor, Tensor]:
+    """(chosen, rejected) scores, each (B,), from one forward over the 2B texts (`layout`:
+    padded rows, or chosen and rejected packed together into rows of at most `budget` tokens)."""
     b = encode(tokenizer, [p.chosen for p in pairs] + [p.rejected for p in pairs], meta, device)
-    scores = sequence_scores(model, b["input_ids"], b["attention_mask"])   # (2B,)
+    scores = sequence_scores(model, b["input_ids"], b["attention_mask"], layout, budget)   # (2B,)
     return scores[: len(pairs)], scores[len(pairs):]
 
 
 def _batch_loss(model, tokenizer, pairs: Sequence[JoinedPair], meta: RMMeta, cfg: RMRunConfig, device) -> RMLoss:
-    chosen, rejected = pair_scores(model, tokenizer, pairs, meta, device)
+    chosen, rejected = pair_scores(model, tokenizer, pairs, meta, device, cfg.rm.layout, cfg.rm.mini_batch_tokens)
     margin = None
     if cfg.rm.margin_coeff:
         margin = cfg.rm.margin_coeff * torch.tensor([p.margin for p in pairs], dtype=torch.float32, device=chosen.device)
@@ -292,13 +299,13 @@ def _batch_loss(model, tokenizer, pairs: Sequence[JoinedPair], meta: RMMeta, cfg
 
 @torch.no_grad()
 def evaluate_rm(model, tokenizer, pairs: Sequence[JoinedPair], meta: RMMeta, batch_size: int,
-                device) -> dict[str, float]:
+                device, layout: str = "padded") -> dict[str, float]:
     """Held-out accuracy (non-tie pairs), mean gap r_chosen − r_rejected, score mean/std."""
     was_training = model.training
     model.eval()
     cs, rs = [], []
     for s in range(0, len(pairs), batch_size):
-        c, r = pair_scores(model, tokenizer, pairs[s : s + batch_size], meta, device)
+        c, r = pair_scores(model, tokenizer, pairs[s : s + batch_size], meta, device, layout)
         cs.append(c.cpu())
         rs.append(r.cpu())
     if was_training:
@@ -383,7 +390,7 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
     out_dir = run.open(r.max_grad_norm)
     result = run.result(RMResult, adapter_dir=out_dir / "final" / "adapter" if cfg.lora.enabled else None,
                         train_pairs=len(data.train))
-    evaluate = lambda: evaluate_rm(model, tok, data.eval, meta, t.eval_batch_size, device)  # noqa: E731
+    evaluate = lambda: evaluate_rm(model, tok, data.eval, meta, t.eval_batch_size, device, r.layout)  # noqa: E731
     if r.eval_before and data.eval:  # on the main process, which alone writes (whole weights held: FSDP)
         result.eval_before = run.on_main(evaluate, loss_model)
         run.log_start(result.eval_before)
