@@ -11,10 +11,14 @@ throughout, on means (a token-mean NLL, per-pair losses) whose size is a few uni
 
 from __future__ import annotations
 
+import json
+from functools import partial
+
 import pytest
 import torch
 
 from rlhflab.data import sft as sftdata
+from rlhflab.engine.dist import Forward
 from rlhflab.engine.minibatch import select
 from rlhflab.engine.update import PPOMath, group_normalizer, minibatch_loss
 from rlhflab.models import layout as layouts
@@ -320,3 +324,99 @@ def test_an_all_ones_2d_mask_never_reaches_these_packed_forwards(tiny_model_dir)
     finally:
         for h in hooks:
             h.remove()
+
+
+# --------------------------------------------------------------------------------------
+# Token-budget micro-batches (sft/rm/dpo.mini_batch_tokens)
+# --------------------------------------------------------------------------------------
+def test_token_micro_batches_by_hand():
+    from rlhflab.trainers.common import token_micro_batches
+
+    # lengths 5, 9, 2, 7, 3 in a budget of 10: first-fit decreasing puts 9 in A (room 1),
+    # 7 in B (room 3), 5 in C (room 5), 3 in B (room 0), 2 in C (room 3); each back in step
+    # order and the micro-batches ordered by their first row: [0, 2], [1], [3, 4]
+    assert token_micro_batches([5, 9, 2, 7, 3], 10) == [[0, 2], [1], [3, 4]]
+    assert token_micro_batches([12, 1], 10) == [[0], [1]]  # longer than the budget: its own micro-batch
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_sft_token_budget_gives_the_row_cut_update(tiny_model_dir, layout):
+    """sft.mini_batch_tokens: the step's 8 rows (lengths 1..40) cut into micro-batches of at
+    most 48 real tokens, the summed NLL over the step's token count: the same loss and
+    gradient as the 2 x 4-row micro-batches."""
+    from rlhflab.trainers.sft import accumulate_group, step_micro_batches
+
+    model = _lm("llama", {"llama": tiny_model_dir})
+    ids, mask, labels = _sequences(model.config.vocab_size)
+    rows = [sftdata.TokenizedExample(i[m.bool()].tolist(), lab[m.bool()].tolist(), 0, False)
+            for i, m, lab in zip(ids, mask, labels)]
+    micro = [rows[:4], rows[4:]]
+    out = {}
+    for tokens in (None, 48):
+        group = step_micro_batches(micro, tokens, 0)
+        model.zero_grad(set_to_none=True)
+        nll = accumulate_group(Forward(model, partial(batch_nll, layout=layout, budget=tokens)), group,
+                               torch.device("cpu"))
+        out[tokens] = (len(group), nll.total / nll.tokens, nll.tokens, _grads(model))
+    (n0, l0, t0, g0), (n1, l1, t1, g1) = out[None], out[48]
+    # 112 tokens in micro-batches of <= 48, first-fit decreasing: 40 + 5 + 3 | 31 + 4 + 2 + 1 | 26
+    assert n0 == 2 and n1 == 3 and t0 == t1 == 93
+    assert abs(l0 - l1) <= TOL
+    _assert_grads(g0, g1, model)
+
+
+def _step_one(train, cfg_cls, config, model_dir, out, *overrides):
+    from rlhflab.config import load_config
+
+    from test_grpo_helpers import ROOT
+
+    cfg, _ = load_config(ROOT / "configs" / config, cfg_cls, [
+        f"model.name_or_path={model_dir}", f"training.output_dir={out}", "training.num_threads=1",
+        "logging.progress_bar=false", "logging.plots=false", "logging.doctor=false", *overrides])
+    res = train(cfg, quiet=True)
+    rows = [json.loads(line) for line in (res.output_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("step") == 1][-1]
+
+
+@pytest.mark.slow
+def test_trainers_token_budget_packed_step_equals_row_step(tiny_sft_rm_dir, arith_dir, tmp_path):
+    """One optimizer step of SFT, RM and DPO with mini_batch_tokens and layout: packed logs the
+    same loss and pre-clip gradient norm as the row-cut, padded step (the same rows, the same
+    normaliser). AdamW's first step would magnify rounding where a gradient is near 0, so the
+    step's loss and gradient norm are compared, not the weights after it."""
+    import shutil
+
+    from rlhflab.data import arith
+    from rlhflab.data import preferences as prefdata
+    from rlhflab.trainers import dpo as dpo_trainer
+    from rlhflab.trainers.rm import RMRunConfig, train_rm
+    from rlhflab.trainers.sft import SFTRunConfig, train_sft
+
+    sft_rows = arith.noisy_demonstrations(arith.make_split(64, seed=3), wrong_rate=0.0, seed=0)
+    sft_file = tmp_path / "sft.jsonl"
+    sft_file.write_text("".join(json.dumps(r) + "\n" for r in sft_rows))
+    prefs = prefdata.write_arith_pairs(tmp_path / "prefs", n_train=64, n_test=8, seed=5)
+    task = tmp_path / "task"
+    shutil.copytree(arith_dir, task)
+    pairs = prefdata.write_off_by_one_pairs(task)
+    runs = {
+        "sft": (train_sft, SFTRunConfig, "sft_debug.yaml", "sft", [
+            f"data.path={sft_file}", "data.eval_path=null", "data.eval_fraction=0.1", "sft.max_steps=1",
+            "sft.batch_size=8", "sft.gradient_accumulation_steps=2", "sft.eval_before=false",
+            "sft.num_eval_generate=0", "sft.logging_steps=1"], ("train/loss", "params/grad_norm")),
+        "rm": (train_rm, RMRunConfig, "rm_debug.yaml", "rm", [
+            f"data.path={prefs['train']}", f"data.eval_path={prefs['test']}", "rm.max_steps=1", "rm.batch_size=4",
+            "rm.gradient_accumulation_steps=2", "rm.eval_before=false", "rm.logging_steps=1",
+            "rm.center_coeff=0.1"], ("train/loss", "params/grad_norm")),
+        "dpo": (dpo_trainer.train, dpo_trainer.DPORunConfig, "dpo_debug.yaml", "dpo", [
+            f"dataset.path={pairs['train']}", f"dataset.eval_path={pairs['test']}", "dpo.task_eval_path=null",
+            "dpo.max_steps=1", "dpo.batch_size=8", "dpo.mini_batch_size=8", "dpo.sft_coeff=0.5",
+            "training.eval_interval=0", "training.save_interval=0"], ("loss", "nll/chosen", "params/grad_norm")),
+    }
+    for name, (train, cls, config, sec, overrides, keys) in runs.items():
+        a = _step_one(train, cls, config, tiny_sft_rm_dir, tmp_path / f"{name}-rows", *overrides)
+        b = _step_one(train, cls, config, tiny_sft_rm_dir, tmp_path / f"{name}-tokens", *overrides,
+                      f"{sec}.mini_batch_tokens=64", f"{sec}.layout=packed")
+        for key in keys:
+            assert abs(a[key] - b[key]) <= TOL * max(1.0, abs(a[key])), (name, key, a[key], b[key])
+        assert a["params/grad_norm"] > 1e-3, name

@@ -250,3 +250,25 @@ def config_entry_points(schema, train, *, stem: str, example: str, headline: Cal
         return run_config_command(args, schema, train, headline)
 
     return add_parser, run
+
+
+# --------------------------------------------------------------------------------------
+# Token-budget micro-batches (sft/rm/dpo.mini_batch_tokens)
+# --------------------------------------------------------------------------------------
+def token_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """An optimizer step's rows (their real-token counts `lengths`, in step order) cut into
+    micro-batches of at most `budget` tokens each: first-fit decreasing (`layout.first_fit`,
+    deterministic), each micro-batch's rows back in step order. A row longer than the budget
+    gets a micro-batch of its own. The loss normaliser stays the whole step's, so the
+    update equals the row-cut one to float rounding."""
+    from rlhflab.models.layout import first_fit
+
+    return sorted((sorted(chunk) for chunk in first_fit(lengths, budget)), key=lambda chunk: chunk[0])
+
+
+def one_process_budget(dist, key: str, budget: int | None) -> None:
+    """`key` (a mini_batch_tokens) runs in one process: each rank would cut its share into a
+    different number of micro-batches, and the data-parallel passes must match."""
+    if budget is not None and dist.distributed:
+        raise UserError(f"{key}: token-budget micro-batches run in one process for now; unset it "
+                        f"(null) under several processes, or use the rows' batch size")

@@ -64,7 +64,7 @@ from rlhflab.rewards import RuleScorer, resolve_rule
 from rlhflab.models.setup import PolicyModels, build_models
 from rlhflab.run import TrainResult, entry_point, start_run
 from rlhflab.trainers.common import (Timer, check_finite_model, check_finite_step, clip_and_step, last_eval,
-                                     make_optimization, make_probe_batch)
+                                     make_optimization, make_probe_batch, one_process_budget, token_micro_batches)
 
 
 # --------------------------------------------------------------------------------------
@@ -93,6 +93,8 @@ class DPOSection(OptimizerFields):
     layout: Literal["padded", "packed"] = f("padded", "decoder passes of the policy and reference: padded rows, or "
                                                       "each sequence's real tokens packed into rows (the same numbers "
                                                       "to rounding; SDPA/eager only)")
+    mini_batch_tokens: Optional[int] = f(None, "cut each optimizer step's pairs into micro-batches of at most this many "
+                                               "real tokens (both sequences); null: mini_batch_size pairs each", gt=0)
 
     def check(self) -> list[str]:
         errs = super().check()
@@ -328,19 +330,35 @@ class DPOBatchStats:
 
 def dpo_micro_batch_loss(actor: PolicyOnly, pairs: Sequence[TokenizedPair], ref_chosen: Tensor,
                          ref_rejected: Tensor, sec: DPOSection, pad_token_id: int,
-                         device) -> tuple[Tensor, DPOBatchStats]:
+                         device, nll_denominator: float | None = None) -> tuple[Tensor, DPOBatchStats]:
     """The DPO loss of b pairs (mean over them) from one forward pass over 2b rows,
-    plus `sft_coeff` times the chosen responses' mean NLL per token."""
+    plus `sft_coeff` times the chosen responses' NLL per token: their summed NLL over
+    `nll_denominator` (default: their own token count; token-budget micro-batches give
+    the step's, scaled by the micro-batch's share of the pairs, see `pair_micro_batches`)."""
     batch = pair_batch(pairs, pad_token_id, device)
     # (2b,); through the data-parallel wrapper when the actor comes as Forward(actor, ...)
     lp = (actor(batch) if isinstance(inner(actor), Forward)
           else policy_sequence_logprobs(actor, batch, getattr(sec, "layout", "padded")))
     b = len(pairs)
     out = ops.dpo_loss(lp[:b], lp[b:], ref_chosen, ref_rejected, sec.beta, sec.loss_kind, sec.label_smoothing)
-    nll = -lp[:b].sum() / batch.response_mask[:b].sum().clamp(min=1)
+    nll = -lp[:b].sum() / (batch.response_mask[:b].sum().clamp(min=1) if nll_denominator is None else nll_denominator)
     loss = out.loss + sec.sft_coeff * nll if sec.sft_coeff > 0 else out.loss
     return loss, DPOBatchStats(float(out.loss.detach()), float(nll.detach()), out.chosen_rewards.cpu(),
                                out.rejected_rewards.cpu(), lp[:b].detach().cpu(), lp[b:].detach().cpu())
+
+
+def pair_micro_batches(pairs: Sequence[TokenizedPair], sec: DPOSection,
+                       dist=None) -> tuple[list, int | None]:
+    """One step's micro-batches as positions into `pairs` (this rank's share of the step):
+    slices of `mini_batch_size` pairs, or with `mini_batch_tokens` (one process) lists of
+    positions holding at most that many real tokens each (both sequences of a pair: 2 x
+    prompt + chosen + rejected; `token_micro_batches`). The second item is None for
+    slices, else the step's chosen-response token count, the NLL term's normaliser."""
+    if sec.mini_batch_tokens is None:
+        size = dist.local(sec.mini_batch_size, "dpo.mini_batch_size") if dist is not None else sec.mini_batch_size
+        return [slice(m, m + size) for m in range(0, len(pairs), size)], None
+    lengths = [2 * len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in pairs]
+    return token_micro_batches(lengths, sec.mini_batch_tokens), sum(len(p.chosen_ids) for p in pairs)
 
 
 def reward_metrics(chosen: Tensor, rejected: Tensor, prefix: str = "") -> dict[str, float]:
@@ -405,6 +423,7 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     run = start_run(cfg, "dpo", effective=effective, resume=resume, quiet=quiet, resumable=True,
                     local={"dpo.batch_size": sec.batch_size})
     dist, say = run.dist, run.print
+    one_process_budget(dist, "dpo.mini_batch_tokens", sec.mini_batch_tokens)
     models = build_models(cfg.model, cfg.lora, t.device, need_reference=True, resume_dir=run.resume_dir,
                           mixed_precision=t.mixed_precision, world_size=dist.world_size)
     run.adopt_models(models)  # the CPU-only speed tricks, on a CPU
@@ -492,13 +511,13 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
             # 3. update: micro-batches of pairs, their losses weighted to the batch mean.
             stats = []
             with timer("update"):
-                starts = range(0, len(idx), dist.local(sec.mini_batch_size, "dpo.mini_batch_size"))
-                for j, m in enumerate(starts):
-                    sl = slice(m, m + sec.mini_batch_size // dist.world_size)
-                    mb = idx[sl]
-                    with dist.accumulating(logprob_model, last=j == len(starts) - 1):
+                cuts, chosen_tokens = pair_micro_batches([train_tok[i] for i in idx], sec, dist)
+                for j, sl in enumerate(cuts):
+                    mb = idx[sl] if isinstance(sl, slice) else [idx[i] for i in sl]
+                    denom = None if chosen_tokens is None else chosen_tokens * len(mb) / n_batch
+                    with dist.accumulating(logprob_model, last=j == len(cuts) - 1):
                         loss, st = dpo_micro_batch_loss(logprob_model, [train_tok[i] for i in mb], ref_c[sl],
-                                                        ref_r[sl], sec, pad, models.device)
+                                                        ref_r[sl], sec, pad, models.device, denom)
                         bad = dist.sum(float(not torch.isfinite(loss)))
                         check_finite_step(step, loss=float("nan") if bad else float(loss.detach()),
                                           knob="dpo.learning_rate", lr=optimizer.param_groups[0]["lr"])

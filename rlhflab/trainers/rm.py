@@ -52,8 +52,8 @@ from rlhflab.rewards.model import META_FILE, RMMeta, encode, score_head, sequenc
 from rlhflab.models.checkpoint import atomic_folder, state_part, untied
 from rlhflab.run import TrainResult, entry_point, start_run
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, clip_and_step, config_entry_points,
-                                     make_optimizer, make_probe_batch, make_scheduler,
-                                     train_and_held_out, warmup_of)
+                                     make_optimizer, make_probe_batch, make_scheduler, one_process_budget,
+                                     token_micro_batches, train_and_held_out, warmup_of)
 
 
 # --------------------------------------------------------------------------------------
@@ -288,6 +288,25 @@ def pair_scores(model, tokenizer, pairs: Sequence[JoinedPair], meta: RMMeta, dev
     return scores[: len(pairs)], scores[len(pairs):]
 
 
+def pair_tokens(tokenizer, pairs: Sequence[JoinedPair], meta: RMMeta) -> list[int]:
+    """Each pair's real tokens, chosen and rejected together, as `encode` cuts them."""
+    n = [min(len(ids), meta.max_length) for ids in text_ids(tokenizer, [t for p in pairs for t in (p.chosen, p.rejected)],
+                                                            meta)]
+    return [n[2 * i] + n[2 * i + 1] for i in range(len(pairs))]
+
+
+def step_pairs(micro: Sequence[list[JoinedPair]], tokens: int | None, tokenizer, meta: RMMeta,
+               dist=None) -> list[list[JoinedPair]]:
+    """One optimizer step's micro-batches of pairs: each of `micro` (this rank's share), or
+    with `tokens` (rm.mini_batch_tokens, one process) the step's pairs cut into micro-batches
+    of at most that many real tokens (both texts; `token_micro_batches`)."""
+    if tokens is None:
+        world, rank = (dist.world_size, dist.rank) if dist is not None else (1, 0)
+        return [even_share(b, world, rank) for b in micro]
+    pairs = [p for b in micro for p in b]
+    return [[pairs[i] for i in c] for c in token_micro_batches(pair_tokens(tokenizer, pairs, meta), tokens)]
+
+
 def _batch_loss(model, tokenizer, pairs: Sequence[JoinedPair], meta: RMMeta, cfg: RMRunConfig, device) -> RMLoss:
     chosen, rejected = pair_scores(model, tokenizer, pairs, meta, device, cfg.rm.layout, cfg.rm.mini_batch_tokens)
     margin = None
@@ -361,6 +380,7 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
     t, r = cfg.training, cfg.rm
     run = start_run(cfg, "rm", effective=effective, quiet=quiet, local={"rm.batch_size": r.batch_size})
     dist, device, say = run.dist, run.device, run.print
+    one_process_budget(dist, "rm.mini_batch_tokens", r.mini_batch_tokens)
 
     # 1-2. data and model
     model, tok = build_reward_model(cfg, device)
@@ -407,7 +427,7 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
         for g in range(0, len(micro), r.gradient_accumulation_steps):
             if step >= total_steps:
                 break
-            group = [even_share(b, dist.world_size, dist.rank) for b in micro[g : g + r.gradient_accumulation_steps]]
+            group = step_pairs(micro[g : g + r.gradient_accumulation_steps], r.mini_batch_tokens, tok, meta, dist)
             n_group = sum(len(b) for b in group) * dist.world_size
             # 3. update: each micro-batch's mean loss weighted by its share of the group.
             lr = optimizer.param_groups[0]["lr"]

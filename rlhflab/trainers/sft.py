@@ -63,7 +63,8 @@ from rlhflab.models.precision import autocast
 from rlhflab.models.quant import prepare_quantized, quantization_kwargs
 from rlhflab.run import TrainResult, entry_point, start_run
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, clip_and_step, config_entry_points,
-                                     make_optimizer, make_scheduler, train_and_held_out, warmup_of)
+                                     make_optimizer, make_scheduler, one_process_budget, token_micro_batches,
+                                     train_and_held_out, warmup_of)
 
 
 # --------------------------------------------------------------------------------------
@@ -286,6 +287,19 @@ def batches(examples: Sequence[sftdata.TokenizedExample], batch_size: int, seed:
     return [[examples[i] for i in order[s : s + batch_size]] for s in range(0, len(order), batch_size)]
 
 
+def step_micro_batches(micro: Sequence[list[sftdata.TokenizedExample]], tokens: int | None, pad_token_id: int,
+                       dist: Dist | None = None) -> list[dict[str, torch.Tensor]]:
+    """One optimizer step's micro-batches, collated: each of `micro` (this rank's share), or
+    with `tokens` (sft.mini_batch_tokens, one process) the step's rows cut into micro-batches
+    of at most that many real tokens (`token_micro_batches`)."""
+    dist = dist or Dist()
+    if tokens is None:
+        return [sftdata.collate(even_share(b, dist.world_size, dist.rank), pad_token_id) for b in micro]
+    rows = [ex for b in micro for ex in b]
+    chunks = token_micro_batches([len(ex.input_ids) for ex in rows], tokens)
+    return [sftdata.collate([rows[i] for i in c], pad_token_id) for c in chunks]
+
+
 # --------------------------------------------------------------------------------------
 # 4. evaluation
 # --------------------------------------------------------------------------------------
@@ -409,6 +423,7 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
     t, s = cfg.training, cfg.sft
     run = start_run(cfg, "sft", effective=effective, quiet=quiet, local={"sft.batch_size": s.batch_size})
     dist, device = run.dist, run.device
+    one_process_budget(dist, "sft.mini_batch_tokens", s.mini_batch_tokens)
 
     # 1-2. data and model
     model, tok = build_model(cfg, device)
@@ -459,8 +474,8 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
         for g in range(0, len(micro), s.gradient_accumulation_steps):
             if step >= total_steps:
                 break
-            group = [sftdata.collate(even_share(b, dist.world_size, dist.rank), tok.pad_token_id)
-                     for b in micro[g : g + s.gradient_accumulation_steps]]
+            group = step_micro_batches(micro[g : g + s.gradient_accumulation_steps], s.mini_batch_tokens,
+                                       tok.pad_token_id, dist)
             # 3. update: backward over the group, then clip and step.
             nll = accumulate_group(nll_model, group, device, dist, t.mixed_precision)
             check_finite_step(step + 1, loss=nll.total, knob="sft.learning_rate",
