@@ -255,15 +255,23 @@ def config_entry_points(schema, train, *, stem: str, example: str, headline: Cal
 # --------------------------------------------------------------------------------------
 # Token-budget micro-batches (sft/rm/dpo.mini_batch_tokens)
 # --------------------------------------------------------------------------------------
-def token_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
-    """An optimizer step's rows (their real-token counts `lengths`, in step order) cut into
-    micro-batches of at most `budget` tokens each: first-fit decreasing (`layout.first_fit`,
-    deterministic), each micro-batch's rows back in step order. A row longer than the budget
+def cut_rows_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
+    """An optimizer step's rows (their real-token counts `lengths`) cut into micro-batches of
+    at most `budget` tokens each: the rows from the longest to the shortest (stable), each
+    joining the current micro-batch while the sum stays within the budget, else starting
+    the next (so a padded pass pads little). Deterministic; a row longer than the budget
     gets a micro-batch of its own. The loss normaliser stays the whole step's, so the
-    update equals the row-cut one to float rounding."""
-    from rlhflab.models.layout import first_fit
-
-    return sorted((sorted(chunk) for chunk in first_fit(lengths, budget)), key=lambda chunk: chunk[0])
+    update equals the row-cut one to float rounding. (The PPO family's cut is the same.)"""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    cut: list[list[int]] = []
+    held = budget + 1  # no micro-batch open yet
+    for i in order:
+        if held + lengths[i] > budget:
+            cut.append([])
+            held = 0
+        cut[-1].append(i)
+        held += lengths[i]
+    return cut
 
 
 def one_process_budget(dist, key: str, budget: int | None) -> None:

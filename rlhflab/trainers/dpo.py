@@ -63,8 +63,8 @@ from rlhflab.models.head import linear_lm_head
 from rlhflab.rewards import RuleScorer, resolve_rule
 from rlhflab.models.setup import PolicyModels, build_models
 from rlhflab.run import TrainResult, entry_point, start_run
-from rlhflab.trainers.common import (Timer, check_finite_model, check_finite_step, clip_and_step, last_eval,
-                                     make_optimization, make_probe_batch, one_process_budget, token_micro_batches)
+from rlhflab.trainers.common import (Timer, check_finite_model, check_finite_step, clip_and_step, cut_rows_by_tokens,
+                                     last_eval, make_optimization, make_probe_batch, one_process_budget)
 
 
 # --------------------------------------------------------------------------------------
@@ -352,13 +352,13 @@ def pair_micro_batches(pairs: Sequence[TokenizedPair], sec: DPOSection,
     """One step's micro-batches as positions into `pairs` (this rank's share of the step):
     slices of `mini_batch_size` pairs, or with `mini_batch_tokens` (one process) lists of
     positions holding at most that many real tokens each (both sequences of a pair: 2 x
-    prompt + chosen + rejected; `token_micro_batches`). The second item is None for
+    prompt + chosen + rejected; `cut_rows_by_tokens`). The second item is None for
     slices, else the step's chosen-response token count, the NLL term's normaliser."""
     if sec.mini_batch_tokens is None:
         size = dist.local(sec.mini_batch_size, "dpo.mini_batch_size") if dist is not None else sec.mini_batch_size
         return [slice(m, m + size) for m in range(0, len(pairs), size)], None
     lengths = [2 * len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in pairs]
-    return token_micro_batches(lengths, sec.mini_batch_tokens), sum(len(p.chosen_ids) for p in pairs)
+    return cut_rows_by_tokens(lengths, sec.mini_batch_tokens), sum(len(p.chosen_ids) for p in pairs)
 
 
 def reward_metrics(chosen: Tensor, rejected: Tensor, prefix: str = "") -> dict[str, float]:

@@ -52,8 +52,8 @@ from rlhflab.rewards.model import META_FILE, RMMeta, encode, score_head, sequenc
 from rlhflab.models.checkpoint import atomic_folder, state_part, untied
 from rlhflab.run import TrainResult, entry_point, start_run
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, clip_and_step, config_entry_points,
-                                     make_optimizer, make_probe_batch, make_scheduler, one_process_budget,
-                                     token_micro_batches, train_and_held_out, warmup_of)
+                                     cut_rows_by_tokens, make_optimizer, make_probe_batch, make_scheduler,
+                                     one_process_budget, train_and_held_out, warmup_of)
 
 
 # --------------------------------------------------------------------------------------
@@ -299,12 +299,12 @@ def step_pairs(micro: Sequence[list[JoinedPair]], tokens: int | None, tokenizer,
                dist=None) -> list[list[JoinedPair]]:
     """One optimizer step's micro-batches of pairs: each of `micro` (this rank's share), or
     with `tokens` (rm.mini_batch_tokens, one process) the step's pairs cut into micro-batches
-    of at most that many real tokens (both texts; `token_micro_batches`)."""
+    of at most that many real tokens (both texts; `cut_rows_by_tokens`)."""
     if tokens is None:
         world, rank = (dist.world_size, dist.rank) if dist is not None else (1, 0)
         return [even_share(b, world, rank) for b in micro]
     pairs = [p for b in micro for p in b]
-    return [[pairs[i] for i in c] for c in token_micro_batches(pair_tokens(tokenizer, pairs, meta), tokens)]
+    return [[pairs[i] for i in c] for c in cut_rows_by_tokens(pair_tokens(tokenizer, pairs, meta), tokens)]
 
 
 def _batch_loss(model, tokenizer, pairs: Sequence[JoinedPair], meta: RMMeta, cfg: RMRunConfig, device) -> RMLoss:

@@ -63,7 +63,7 @@ from rlhflab.models.precision import autocast
 from rlhflab.models.quant import prepare_quantized, quantization_kwargs
 from rlhflab.run import TrainResult, entry_point, start_run
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, clip_and_step, config_entry_points,
-                                     make_optimizer, make_scheduler, one_process_budget, token_micro_batches,
+                                     cut_rows_by_tokens, make_optimizer, make_scheduler, one_process_budget,
                                      train_and_held_out, warmup_of)
 
 
@@ -291,12 +291,12 @@ def step_micro_batches(micro: Sequence[list[sftdata.TokenizedExample]], tokens: 
                        dist: Dist | None = None) -> list[dict[str, torch.Tensor]]:
     """One optimizer step's micro-batches, collated: each of `micro` (this rank's share), or
     with `tokens` (sft.mini_batch_tokens, one process) the step's rows cut into micro-batches
-    of at most that many real tokens (`token_micro_batches`)."""
+    of at most that many real tokens (`cut_rows_by_tokens`)."""
     dist = dist or Dist()
     if tokens is None:
         return [sftdata.collate(even_share(b, dist.world_size, dist.rank), pad_token_id) for b in micro]
     rows = [ex for b in micro for ex in b]
-    chunks = token_micro_batches([len(ex.input_ids) for ex in rows], tokens)
+    chunks = cut_rows_by_tokens([len(ex.input_ids) for ex in rows], tokens)
     return [sftdata.collate([rows[i] for i in c], pad_token_id) for c in chunks]
 
 
