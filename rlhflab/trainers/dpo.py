@@ -242,8 +242,8 @@ def policy_sequence_logprobs(actor: PolicyOnly, batch: ResponseBatch, layout: st
     """
     head = linear_lm_head(getattr(actor, "policy", None))
     if head is None:
-        out = actor.forward_response(batch.input_ids, batch.attention_mask, batch.prompt_len, with_values=False,
-                                     layout=layout)
+        out = actor.forward_response(batch.input_ids, batch.attention_mask, batch.prompt_len,
+                                     **({} if layout == "padded" else {"layout": layout}))
         return sequence_logprobs(out.logits, batch)
     p = batch.prompt_len
     with actor.autocast(batch.input_ids.device):  # training.mixed_precision; the head below is float32
