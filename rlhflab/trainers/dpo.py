@@ -94,7 +94,8 @@ class DPOSection(OptimizerFields):
                                                       "each sequence's real tokens packed into rows (the same numbers "
                                                       "to rounding; SDPA/eager only)")
     mini_batch_tokens: Optional[int] = f(None, "cut each optimizer step's pairs into micro-batches of at most this many "
-                                               "real tokens (both sequences); null: mini_batch_size pairs each", gt=0)
+                                               "real tokens, both sequences (a longer pair runs alone; one process "
+                                               "only); null: mini_batch_size pairs each", gt=0)
 
     def check(self) -> list[str]:
         errs = super().check()
@@ -337,8 +338,9 @@ def dpo_micro_batch_loss(actor: PolicyOnly, pairs: Sequence[TokenizedPair], ref_
     the step's, scaled by the micro-batch's share of the pairs, see `pair_micro_batches`)."""
     batch = pair_batch(pairs, pad_token_id, device)
     # (2b,); through the data-parallel wrapper when the actor comes as Forward(actor, ...)
+    layout = getattr(sec, "layout", "padded")
     lp = (actor(batch) if isinstance(inner(actor), Forward)
-          else policy_sequence_logprobs(actor, batch, getattr(sec, "layout", "padded")))
+          else policy_sequence_logprobs(actor, batch, **({} if layout == "padded" else {"layout": layout})))
     b = len(pairs)
     out = ops.dpo_loss(lp[:b], lp[b:], ref_chosen, ref_rejected, sec.beta, sec.loss_kind, sec.label_smoothing)
     nll = -lp[:b].sum() / (batch.response_mask[:b].sum().clamp(min=1) if nll_denominator is None else nll_denominator)

@@ -112,7 +112,8 @@ class RMSection:
                                                       "rows, or each text's real tokens packed into rows (chosen and "
                                                       "rejected together; the same numbers to rounding; SDPA/eager only)")
     mini_batch_tokens: Optional[int] = f(None, "cut each optimizer step's pairs into micro-batches of at most this "
-                                               "many real tokens (both texts); null: batch_size pairs each", gt=0)
+                                               "many real tokens, both texts (a longer pair runs alone; one process "
+                                               "only); null: batch_size pairs each", gt=0)
 
     def check(self) -> list[str]:
         if self.min_learning_rate > self.learning_rate:

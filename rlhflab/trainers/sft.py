@@ -130,7 +130,8 @@ class SFTSection:
                                                       "or each sequence's real tokens packed into rows (the same "
                                                       "numbers to rounding; SDPA/eager only)")
     mini_batch_tokens: Optional[int] = f(None, "cut each optimizer step's rows into micro-batches of at most this "
-                                               "many real tokens; null: batch_size rows each", gt=0)
+                                               "many real tokens (a longer row runs alone; one process only); null: "
+                                               "batch_size rows each", gt=0)
 
     def check(self) -> list[str]:
         if self.min_learning_rate > self.learning_rate:
