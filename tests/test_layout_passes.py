@@ -339,6 +339,19 @@ def test_cut_rows_by_tokens_by_hand():
     assert cut_rows_by_tokens([12, 1], 10) == [[0], [1]]  # longer than the budget: its own micro-batch
 
 
+def test_token_budget_under_several_processes_is_refused_in_one_line():
+    from types import SimpleNamespace
+
+    from rlhflab.errors import UserError
+    from rlhflab.trainers.common import one_process_budget
+
+    one_process_budget(SimpleNamespace(distributed=True), "sft.mini_batch_tokens", None)   # rows: fine
+    one_process_budget(SimpleNamespace(distributed=False), "sft.mini_batch_tokens", 512)   # one process: fine
+    with pytest.raises(UserError, match=r"^rm\.mini_batch_tokens: .*set it to null") as e:
+        one_process_budget(SimpleNamespace(distributed=True), "rm.mini_batch_tokens", 512)
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 def test_sft_token_budget_gives_the_row_cut_update(tiny_model_dir, layout):
     """sft.mini_batch_tokens: the step's 8 rows (lengths 1..40) cut into micro-batches of at

@@ -278,5 +278,5 @@ def one_process_budget(dist, key: str, budget: int | None) -> None:
     """`key` (a mini_batch_tokens) runs in one process: each rank would cut its share into a
     different number of micro-batches, and the data-parallel passes must match."""
     if budget is not None and dist.distributed:
-        raise UserError(f"{key}: token-budget micro-batches run in one process for now; unset it "
-                        f"(null) under several processes, or use the rows' batch size")
+        raise UserError(f"{key}: token-budget micro-batches run in one process for now; set it to null "
+                        f"under several processes (micro-batches of rows then)")
