@@ -242,14 +242,46 @@ class ForwardOutput(NamedTuple):
     lm_loss: Tensor | None = None  # token-mean NLL of an extra LM batch (PPO-ptx), or None
 
 
-def lm_loss(model: nn.Module, batch: dict[str, Tensor], mixed_precision: str = "no") -> Tensor:
+def packed_label_nll(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, labels: Tensor,
+                     budget: int | None = None) -> Tensor:
+    """Summed next-token NLL over the positions whose next label is not -100, from one packed
+    pass of (B, L) right-padded whole sequences (`layout.plan_sequences`): the decoder on the
+    packed rows, then the LM head on the read positions only (chunked when it is a plain
+    linear map). The same sum as the padded pass, to float rounding. The caller has chosen
+    the packed layout (`layout.choose_sequences`)."""
+    decoder, head = decoder_and_head(model)
+    packing = layouts.plan_sequences(input_ids, attention_mask, budget)
+    target = labels[:, 1:]                                                             # (B, L-1)
+    keep = target != -100
+    at = packing.gather[:, :-1][keep]                                                  # (N,) the states read
+    lin = linear_lm_head(model)
+    if lin is not None:
+        with compiled_layers(decoder):
+            hidden = layouts.flat_states(layouts.packed_states(decoder, packing))[at]  # (N, H)
+        return ops.chunked_cross_entropy(hidden, lin.weight, lin.bias, target[keep], onednn=lin.onednn,
+                                         transform=lin.transform)
+    dtype = next(decoder.parameters()).dtype
+    logits = model(**layouts.decoder_inputs(decoder, packing, dtype), use_cache=False).logits   # (R, W, V)
+    flat = layouts.flat_states(logits)[at].float()                                     # (N, V)
+    return torch.nn.functional.cross_entropy(flat, target[keep], reduction="sum")
+
+
+def lm_loss(model: nn.Module, batch: dict[str, Tensor], mixed_precision: str = "no",
+            layout: str = "padded") -> Tensor:
     """Token-mean next-token NLL of `model` on an LM batch (input_ids, attention_mask, and
     labels with -100 where nothing is trained); chunked over the vocabulary when the head
-    is a plain linear map. The decoder runs under `mixed_precision`'s autocast."""
+    is a plain linear map. The decoder runs under `mixed_precision`'s autocast. `layout`:
+    packed runs the rows packed (`packed_label_nll`; PPO-ptx follows its method's layout)."""
     labels = batch["labels"][:, 1:]                                                    # (b, L-1)
     n = (labels != -100).sum().clamp(min=1)
     lin = linear_lm_head(model)
     ids, am = batch["input_ids"], batch["attention_mask"]
+    if layout != "padded":
+        decoder, _ = decoder_and_head(model)
+        layout = layouts.choose_sequences(decoder.config, layout, am)
+    if layout == "packed":
+        with autocast(mixed_precision, ids.device):
+            return packed_label_nll(model, ids, am, batch["labels"]) / n
     if lin is not None:
         decoder, _ = decoder_and_head(model)
         with autocast(mixed_precision, ids.device), compiled_layers(decoder):
@@ -371,7 +403,7 @@ class PolicyOnly(nn.Module):
         values = None
         if with_values:
             values = self._values(hidden, prompt_ids, prompt_mask, response_ids, response_mask, group_size, layout)
-        extra = lm_loss(self.policy, lm_batch, self.mixed_precision) if lm_batch is not None else None
+        extra = lm_loss(self.policy, lm_batch, self.mixed_precision, layout) if lm_batch is not None else None
         return ForwardOutput(logprobs, values, entropy, extra)
 
     def forward_response(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int,

@@ -310,3 +310,65 @@ def shared_plan(prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, r
     gather = torch.where(tt < rlen[:, None], at, n)
     return SharedPacking(ids.view(n_rows, width), pos.view(n_rows, width), segments.view(n_rows, width), gather,
                          group.view(n_rows, width), prompt.view(n_rows, width))
+
+
+def plan_sequences(input_ids: Tensor, attention_mask: Tensor, budget: int | None = None) -> Packing:
+    """The packed layout of (B, L) whole sequences (no prompt|response split: SFT, the reward
+    model, PPO-ptx's LM rows), each row's real tokens one contiguous run (right padding, as
+    `choose(config, layout, mask[:, :0], mask)` checks).
+
+    Every real token is an input (the reward model reads the last one's state), first-fit
+    into rows of at most `budget` tokens (default and floor: the longest sequence). The
+    `gather` of the result is (B, L): row b, column l holds the state of token l, the zero
+    state on padding, so `Packing.unpack` gives the padded pass's (B, L, H) states."""
+    b, width_in = input_ids.shape
+    dev = input_ids.device
+    real = attention_mask.bool()
+    length = real.sum(1).long()                                                     # (B,)
+    start = (real.long().cumsum(1) == 0).sum(1)                                     # (B,) first real column
+    lengths = length.tolist()
+    rows = first_fit([n for n in lengths if n > 0], max(budget or 0, max(lengths or [0]), 1))
+    kept = [i for i, n in enumerate(lengths) if n > 0]
+    rows = [[kept[j] for j in row] for row in rows]
+    n_rows = max(len(rows), 1)
+    width = max([sum(lengths[i] for i in row) for row in rows] or [1])
+    row_of = torch.zeros(b, dtype=torch.long)
+    off_of = torch.zeros(b, dtype=torch.long)
+    for r, row in enumerate(rows):
+        off = 0
+        for i in row:
+            row_of[i], off_of[i] = r, off
+            off += lengths[i]
+    row_of, off_of = row_of.to(dev), off_of.to(dev)
+    seq = torch.repeat_interleave(torch.arange(b, device=dev), length)              # (N,) a sequence per slot
+    j = torch.arange(seq.numel(), device=dev) - torch.repeat_interleave(length.cumsum(0) - length, length)
+    dst = row_of[seq] * width + off_of[seq] + j
+    src = seq * width_in + start[seq] + j
+    ids = torch.zeros(n_rows * width, dtype=input_ids.dtype, device=dev)
+    ids[dst] = input_ids.reshape(-1)[src]
+    pos = torch.zeros(n_rows * width, dtype=torch.long, device=dev)
+    pos[dst] = j
+    segments = torch.full((n_rows * width,), -1, dtype=torch.long, device=dev)
+    segments[dst] = seq
+    col = torch.arange(width_in, device=dev) - start[:, None]                       # (B, L) index within its sequence
+    at = (row_of * width + off_of)[:, None] + col
+    gather = torch.where(real, at, n_rows * width)
+    return Packing(ids.view(n_rows, width), pos.view(n_rows, width), segments.view(n_rows, width), gather)
+
+
+def choose_sequences(model_config, layout: str, attention_mask: Tensor) -> str:
+    """`choose` for (B, L) whole right-padded sequences: the layout this batch runs with."""
+    return choose(model_config, layout, attention_mask[:, :0], attention_mask)
+
+
+def packed_states(decoder: nn.Module, packing: Packing) -> Tensor:
+    """The decoder's last hidden states (R, W, H) on a packed batch (the 4D mask, restarting positions)."""
+    dtype = next(decoder.parameters()).dtype
+    out = decoder(**decoder_inputs(decoder, packing, dtype), use_cache=False)
+    return out[0] if isinstance(out, tuple) else out.last_hidden_state
+
+
+def flat_states(hidden: Tensor) -> Tensor:
+    """(R, W, H) packed states -> (R·W + 1, H), the zero state last: what `Packing.gather` indexes."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    return torch.cat([flat, flat.new_zeros(1, flat.shape[-1])])

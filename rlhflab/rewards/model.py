@@ -76,18 +76,31 @@ def score_head(model: torch.nn.Module) -> torch.nn.Module:
     raise UserError(f"{type(base).__name__} has no score/classifier head; save the reward model with `rlhflab rm`")
 
 
-def sequence_scores(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-    """(B,) float32 scalar scores, read at each row's last real token (any padding side)."""
+def sequence_scores(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor,
+                    layout: str = "padded", budget: int | None = None) -> Tensor:
+    """(B,) float32 scalar scores, read at each row's last real token (any padding side).
+
+    `layout: packed` (right-padded rows) runs the decoder on the rows' real tokens packed
+    into rows of at most `budget` tokens (`models.layout.plan_sequences`) and reads each
+    sequence's last state from the packed rows: the same scores to float rounding."""
+    from rlhflab.models import layout as layouts
     from rlhflab.models.actor_critic import position_ids_from, unwrap
     from rlhflab.ops import last_token_index
 
     base = unwrap(model)
     decoder = getattr(base, base.base_model_prefix)
-    out = decoder(input_ids=input_ids, attention_mask=attention_mask,
-                  position_ids=position_ids_from(attention_mask), use_cache=False)
-    hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state      # (B, L, H)
     last = last_token_index(attention_mask)                                   # (B,)
-    h = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]     # (B, H)
+    if layout != "padded":
+        layout = layouts.choose_sequences(decoder.config, layout, attention_mask)
+    if layout == "packed":
+        packing = layouts.plan_sequences(input_ids, attention_mask, budget)
+        flat = layouts.flat_states(layouts.packed_states(decoder, packing))  # (R·W + 1, H)
+        h = flat[packing.gather[torch.arange(len(last), device=last.device), last]]   # (B, H)
+    else:
+        out = decoder(input_ids=input_ids, attention_mask=attention_mask,
+                      position_ids=position_ids_from(attention_mask), use_cache=False)
+        hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state  # (B, L, H)
+        h = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # (B, H)
     head = score_head(model)
     with torch.autocast(h.device.type, enabled=False):  # the head in its own dtype also under autocast
         return head(h.to(next(head.parameters()).dtype)).float()[:, 0]       # (B,)

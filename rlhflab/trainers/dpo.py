@@ -37,6 +37,7 @@ import argparse
 import dataclasses
 import math
 import time
+from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Sequence
@@ -62,8 +63,8 @@ from rlhflab.models.head import linear_lm_head
 from rlhflab.rewards import RuleScorer, resolve_rule
 from rlhflab.models.setup import PolicyModels, build_models
 from rlhflab.run import TrainResult, entry_point, start_run
-from rlhflab.trainers.common import (Timer, check_finite_model, check_finite_step, clip_and_step, last_eval,
-                                     make_optimization, make_probe_batch)
+from rlhflab.trainers.common import (Timer, check_finite_model, check_finite_step, clip_and_step, cut_rows_by_tokens,
+                                     last_eval, make_optimization, make_probe_batch, one_process_budget)
 
 
 # --------------------------------------------------------------------------------------
@@ -89,6 +90,12 @@ class DPOSection(OptimizerFields):
                                   "loss_type [sigmoid, sft] with loss_weights [1, sft_coeff]); 0 is plain DPO", ge=0)
     task_eval_path: Optional[str] = f(None, "GSM8K-format file (question/answer) for greedy held-out accuracy; null skips it")
     task_reward: str = f("gsm8k", "rule reward used to score the greedy task answers")
+    layout: Literal["padded", "packed"] = f("padded", "decoder passes of the policy and reference: padded rows, or "
+                                                      "each sequence's real tokens packed into rows (the same numbers "
+                                                      "to rounding; SDPA/eager only)")
+    mini_batch_tokens: Optional[int] = f(None, "cut each optimizer step's pairs into micro-batches of at most this many "
+                                               "real tokens, both sequences (a longer pair runs alone; one process "
+                                               "only); null: mini_batch_size pairs each", gt=0)
 
     def check(self) -> list[str]:
         errs = super().check()
@@ -226,21 +233,23 @@ def sequence_logprobs(logits: Tensor, batch: ResponseBatch) -> Tensor:
     return ops.masked_sum(logprobs, batch.response_mask, dim=-1)      # (B,)
 
 
-def policy_sequence_logprobs(actor: PolicyOnly, batch: ResponseBatch) -> Tensor:
+def policy_sequence_logprobs(actor: PolicyOnly, batch: ResponseBatch, layout: str = "padded") -> Tensor:
     """Σ_t log p(response token t) under the policy, (B,), never holding (B, T, V) logits.
 
     When the LM head is a plain linear map, the hidden states of the real response tokens
     (padding left out) and the head's weight go to `ops.chunked_logprobs`, one chunk of
     rows at a time in forward and backward; otherwise the policy's own logits are used.
+    `layout` as in `response_hidden` (packed: the same numbers to float rounding).
     """
     head = linear_lm_head(getattr(actor, "policy", None))
     if head is None:
-        out = actor.forward_response(batch.input_ids, batch.attention_mask, batch.prompt_len)
+        out = actor.forward_response(batch.input_ids, batch.attention_mask, batch.prompt_len,
+                                     **({} if layout == "padded" else {"layout": layout}))
         return sequence_logprobs(out.logits, batch)
     p = batch.prompt_len
     with actor.autocast(batch.input_ids.device):  # training.mixed_precision; the head below is float32
         hidden = response_hidden(actor.policy, batch.input_ids[:, :p], batch.attention_mask[:, :p],
-                                 batch.response_ids, batch.response_mask)                        # (B, T, H)
+                                 batch.response_ids, batch.response_mask, layout=layout)         # (B, T, H)
     real = batch.response_mask.bool()                                                            # (B, T)
     logprobs = torch.zeros(real.shape, dtype=torch.float32, device=hidden.device)                # (B, T)
     logprobs[real] = ops.chunked_logprobs(hidden[real], head.weight, head.bias, batch.response_ids[real],
@@ -260,8 +269,9 @@ class ReferenceCache:
     """
 
     def __init__(self, reference: Reference | None, pairs: Sequence[TokenizedPair], pad_token_id: int,
-                 device: torch.device, batch_size: int = 16):
+                 device: torch.device, batch_size: int = 16, layout: str = "padded"):
         self.reference = reference
+        self.layout = layout  # of the reference's pass (`response_hidden`)
         self.pairs = pairs
         self.pad_token_id = pad_token_id
         self.device = device
@@ -282,7 +292,8 @@ class ReferenceCache:
             # The reference's token log-probs from its hidden states (`Reference.logprobs`,
             # the engine's path), summed over the real response tokens.
             token_lp = self.reference.logprobs(batch.input_ids[:, :p], batch.attention_mask[:, :p],
-                                               batch.response_ids, batch.response_mask)   # (2b, T)
+                                               batch.response_ids, batch.response_mask,
+                                               layout=self.layout)                            # (2b, T)
             lp = ops.masked_sum(token_lp, batch.response_mask, dim=-1).cpu()               # (2b,)
             b = len(idx)
             self.chosen[idx], self.rejected[idx] = lp[:b], lp[b:]
@@ -320,18 +331,36 @@ class DPOBatchStats:
 
 def dpo_micro_batch_loss(actor: PolicyOnly, pairs: Sequence[TokenizedPair], ref_chosen: Tensor,
                          ref_rejected: Tensor, sec: DPOSection, pad_token_id: int,
-                         device) -> tuple[Tensor, DPOBatchStats]:
+                         device, nll_denominator: float | None = None) -> tuple[Tensor, DPOBatchStats]:
     """The DPO loss of b pairs (mean over them) from one forward pass over 2b rows,
-    plus `sft_coeff` times the chosen responses' mean NLL per token."""
+    plus `sft_coeff` times the chosen responses' NLL per token: their summed NLL over
+    `nll_denominator` (default: their own token count; token-budget micro-batches give
+    the step's, scaled by the micro-batch's share of the pairs, see `pair_micro_batches`)."""
     batch = pair_batch(pairs, pad_token_id, device)
     # (2b,); through the data-parallel wrapper when the actor comes as Forward(actor, ...)
-    lp = actor(batch) if isinstance(inner(actor), Forward) else policy_sequence_logprobs(actor, batch)
+    layout = getattr(sec, "layout", "padded")
+    lp = (actor(batch) if isinstance(inner(actor), Forward)
+          else policy_sequence_logprobs(actor, batch, **({} if layout == "padded" else {"layout": layout})))
     b = len(pairs)
     out = ops.dpo_loss(lp[:b], lp[b:], ref_chosen, ref_rejected, sec.beta, sec.loss_kind, sec.label_smoothing)
-    nll = -lp[:b].sum() / batch.response_mask[:b].sum().clamp(min=1)
+    nll = -lp[:b].sum() / (batch.response_mask[:b].sum().clamp(min=1) if nll_denominator is None else nll_denominator)
     loss = out.loss + sec.sft_coeff * nll if sec.sft_coeff > 0 else out.loss
     return loss, DPOBatchStats(float(out.loss.detach()), float(nll.detach()), out.chosen_rewards.cpu(),
                                out.rejected_rewards.cpu(), lp[:b].detach().cpu(), lp[b:].detach().cpu())
+
+
+def pair_micro_batches(pairs: Sequence[TokenizedPair], sec: DPOSection,
+                       dist=None) -> tuple[list, int | None]:
+    """One step's micro-batches as positions into `pairs` (this rank's share of the step):
+    slices of `mini_batch_size` pairs, or with `mini_batch_tokens` (one process) lists of
+    positions holding at most that many real tokens each (both sequences of a pair: 2 x
+    prompt + chosen + rejected; `cut_rows_by_tokens`). The second item is None for
+    slices, else the step's chosen-response token count, the NLL term's normaliser."""
+    if sec.mini_batch_tokens is None:
+        size = dist.local(sec.mini_batch_size, "dpo.mini_batch_size") if dist is not None else sec.mini_batch_size
+        return [slice(m, m + size) for m in range(0, len(pairs), size)], None
+    lengths = [2 * len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in pairs]
+    return cut_rows_by_tokens(lengths, sec.mini_batch_tokens), sum(len(p.chosen_ids) for p in pairs)
 
 
 def reward_metrics(chosen: Tensor, rejected: Tensor, prefix: str = "") -> dict[str, float]:
@@ -396,6 +425,7 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     run = start_run(cfg, "dpo", effective=effective, resume=resume, quiet=quiet, resumable=True,
                     local={"dpo.batch_size": sec.batch_size})
     dist, say = run.dist, run.print
+    one_process_budget(dist, "dpo.mini_batch_tokens", sec.mini_batch_tokens)
     models = build_models(cfg.model, cfg.lora, t.device, need_reference=True, resume_dir=run.resume_dir,
                           mixed_precision=t.mixed_precision, world_size=dist.world_size)
     run.adopt_models(models)  # the CPU-only speed tricks, on a CPU
@@ -423,8 +453,8 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
         task_scorer = RuleScorer(resolve_rule(sec.task_reward))
 
     # 2. reference log-probs: cached per pair; with a frozen copy, the copy is freed after.
-    train_cache = ReferenceCache(models.reference, train_tok, pad, models.device, sec.mini_batch_size)
-    eval_cache = ReferenceCache(models.reference, eval_tok, pad, models.device, sec.mini_batch_size)
+    train_cache = ReferenceCache(models.reference, train_tok, pad, models.device, sec.mini_batch_size, sec.layout)
+    eval_cache = ReferenceCache(models.reference, eval_tok, pad, models.device, sec.mini_batch_size, sec.layout)
     timer = Timer()
     if sec.precompute_ref_logprobs:
         with timer("reference"):
@@ -439,8 +469,8 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
         total_steps = min(total_steps, sec.max_steps)
     optimizer, scheduler = make_optimization(models.actor.trainable_parameters(), sec, total_steps)
     # The sequence log-probs as a module's forward, wrapped for the launcher's strategy.
-    logprob_model, optimizer = dist.prepare(Forward(models.actor, policy_sequence_logprobs), optimizer,
-                                            sec.max_grad_norm)
+    logprob_model, optimizer = dist.prepare(Forward(models.actor, partial(policy_sequence_logprobs, layout=sec.layout)),
+                                            optimizer, sec.max_grad_norm)
     start_step = run.restore(optimizer, scheduler, logprob_model)
     # The doctor reads each step's row (implicit-reward accuracy at chance, a growing margin,
     # chosen and rejected log-probs falling together, overfitting, gradient spikes) and
@@ -483,13 +513,13 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
             # 3. update: micro-batches of pairs, their losses weighted to the batch mean.
             stats = []
             with timer("update"):
-                starts = range(0, len(idx), dist.local(sec.mini_batch_size, "dpo.mini_batch_size"))
-                for j, m in enumerate(starts):
-                    sl = slice(m, m + sec.mini_batch_size // dist.world_size)
-                    mb = idx[sl]
-                    with dist.accumulating(logprob_model, last=j == len(starts) - 1):
+                cuts, chosen_tokens = pair_micro_batches([train_tok[i] for i in idx], sec, dist)
+                for j, sl in enumerate(cuts):
+                    mb = idx[sl] if isinstance(sl, slice) else [idx[i] for i in sl]
+                    denom = None if chosen_tokens is None else chosen_tokens * len(mb) / n_batch
+                    with dist.accumulating(logprob_model, last=j == len(cuts) - 1):
                         loss, st = dpo_micro_batch_loss(logprob_model, [train_tok[i] for i in mb], ref_c[sl],
-                                                        ref_r[sl], sec, pad, models.device)
+                                                        ref_r[sl], sec, pad, models.device, denom)
                         bad = dist.sum(float(not torch.isfinite(loss)))
                         check_finite_step(step, loss=float("nan") if bad else float(loss.detach()),
                                           knob="dpo.learning_rate", lr=optimizer.param_groups[0]["lr"])

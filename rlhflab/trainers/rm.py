@@ -52,8 +52,8 @@ from rlhflab.rewards.model import META_FILE, RMMeta, encode, score_head, sequenc
 from rlhflab.models.checkpoint import atomic_folder, state_part, untied
 from rlhflab.run import TrainResult, entry_point, start_run
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, clip_and_step, config_entry_points,
-                                     make_optimizer, make_probe_batch, make_scheduler,
-                                     train_and_held_out, warmup_of)
+                                     cut_rows_by_tokens, make_optimizer, make_probe_batch, make_scheduler,
+                                     one_process_budget, train_and_held_out, warmup_of)
 
 
 # --------------------------------------------------------------------------------------
@@ -108,6 +108,12 @@ class RMSection:
     head_init_std: Optional[float] = f(None, "std of the normal init of the scalar head (bias 0); null: 1/sqrt(hidden+1)", gt=0)
     logging_steps: int = f(10, "log the training loss every this many optimizer steps", gt=0)
     eval_before: bool = f(True, "evaluate the starting model too (step 0)")
+    layout: Literal["padded", "packed"] = f("padded", "decoder passes of the training and held-out scores: padded "
+                                                      "rows, or each text's real tokens packed into rows (chosen and "
+                                                      "rejected together; the same numbers to rounding; SDPA/eager only)")
+    mini_batch_tokens: Optional[int] = f(None, "cut each optimizer step's pairs into micro-batches of at most this "
+                                               "many real tokens, both texts (a longer pair runs alone; one process "
+                                               "only); null: batch_size pairs each", gt=0)
 
     def check(self) -> list[str]:
         if self.min_learning_rate > self.learning_rate:
@@ -274,15 +280,36 @@ def build_reward_model(cfg: RMRunConfig, device: torch.device):
 # --------------------------------------------------------------------------------------
 # 3. update, 4. evaluate
 # --------------------------------------------------------------------------------------
-def pair_scores(model, tokenizer, pairs: Sequence[JoinedPair], meta: RMMeta, device) -> tuple[Tensor, Tensor]:
-    """(chosen, rejected) scores, each (B,), from one forward over the 2B texts."""
+def pair_scores(model, tokenizer, pairs: Sequence[JoinedPair], meta: RMMeta, device, layout: str = "padded",
+                budget: int | None = None) -> tuple[Tensor, Tensor]:
+    """(chosen, rejected) scores, each (B,), from one forward over the 2B texts (`layout`:
+    padded rows, or chosen and rejected packed together into rows of at most `budget` tokens)."""
     b = encode(tokenizer, [p.chosen for p in pairs] + [p.rejected for p in pairs], meta, device)
-    scores = sequence_scores(model, b["input_ids"], b["attention_mask"])   # (2B,)
+    scores = sequence_scores(model, b["input_ids"], b["attention_mask"], layout, budget)   # (2B,)
     return scores[: len(pairs)], scores[len(pairs):]
 
 
+def pair_tokens(tokenizer, pairs: Sequence[JoinedPair], meta: RMMeta) -> list[int]:
+    """Each pair's real tokens, chosen and rejected together, as `encode` cuts them."""
+    n = [min(len(ids), meta.max_length) for ids in text_ids(tokenizer, [t for p in pairs for t in (p.chosen, p.rejected)],
+                                                            meta)]
+    return [n[2 * i] + n[2 * i + 1] for i in range(len(pairs))]
+
+
+def step_pairs(micro: Sequence[list[JoinedPair]], tokens: int | None, tokenizer, meta: RMMeta,
+               dist=None) -> list[list[JoinedPair]]:
+    """One optimizer step's micro-batches of pairs: each of `micro` (this rank's share), or
+    with `tokens` (rm.mini_batch_tokens, one process) the step's pairs cut into micro-batches
+    of at most that many real tokens (both texts; `cut_rows_by_tokens`)."""
+    if tokens is None:
+        world, rank = (dist.world_size, dist.rank) if dist is not None else (1, 0)
+        return [even_share(b, world, rank) for b in micro]
+    pairs = [p for b in micro for p in b]
+    return [[pairs[i] for i in c] for c in cut_rows_by_tokens(pair_tokens(tokenizer, pairs, meta), tokens)]
+
+
 def _batch_loss(model, tokenizer, pairs: Sequence[JoinedPair], meta: RMMeta, cfg: RMRunConfig, device) -> RMLoss:
-    chosen, rejected = pair_scores(model, tokenizer, pairs, meta, device)
+    chosen, rejected = pair_scores(model, tokenizer, pairs, meta, device, cfg.rm.layout, cfg.rm.mini_batch_tokens)
     margin = None
     if cfg.rm.margin_coeff:
         margin = cfg.rm.margin_coeff * torch.tensor([p.margin for p in pairs], dtype=torch.float32, device=chosen.device)
@@ -292,13 +319,13 @@ def _batch_loss(model, tokenizer, pairs: Sequence[JoinedPair], meta: RMMeta, cfg
 
 @torch.no_grad()
 def evaluate_rm(model, tokenizer, pairs: Sequence[JoinedPair], meta: RMMeta, batch_size: int,
-                device) -> dict[str, float]:
+                device, layout: str = "padded") -> dict[str, float]:
     """Held-out accuracy (non-tie pairs), mean gap r_chosen − r_rejected, score mean/std."""
     was_training = model.training
     model.eval()
     cs, rs = [], []
     for s in range(0, len(pairs), batch_size):
-        c, r = pair_scores(model, tokenizer, pairs[s : s + batch_size], meta, device)
+        c, r = pair_scores(model, tokenizer, pairs[s : s + batch_size], meta, device, layout)
         cs.append(c.cpu())
         rs.append(r.cpu())
     if was_training:
@@ -354,6 +381,7 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
     t, r = cfg.training, cfg.rm
     run = start_run(cfg, "rm", effective=effective, quiet=quiet, local={"rm.batch_size": r.batch_size})
     dist, device, say = run.dist, run.device, run.print
+    one_process_budget(dist, "rm.mini_batch_tokens", r.mini_batch_tokens)
 
     # 1-2. data and model
     model, tok = build_reward_model(cfg, device)
@@ -383,7 +411,7 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
     out_dir = run.open(r.max_grad_norm)
     result = run.result(RMResult, adapter_dir=out_dir / "final" / "adapter" if cfg.lora.enabled else None,
                         train_pairs=len(data.train))
-    evaluate = lambda: evaluate_rm(model, tok, data.eval, meta, t.eval_batch_size, device)  # noqa: E731
+    evaluate = lambda: evaluate_rm(model, tok, data.eval, meta, t.eval_batch_size, device, r.layout)  # noqa: E731
     if r.eval_before and data.eval:  # on the main process, which alone writes (whole weights held: FSDP)
         result.eval_before = run.on_main(evaluate, loss_model)
         run.log_start(result.eval_before)
@@ -400,7 +428,7 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
         for g in range(0, len(micro), r.gradient_accumulation_steps):
             if step >= total_steps:
                 break
-            group = [even_share(b, dist.world_size, dist.rank) for b in micro[g : g + r.gradient_accumulation_steps]]
+            group = step_pairs(micro[g : g + r.gradient_accumulation_steps], r.mini_batch_tokens, tok, meta, dist)
             n_group = sum(len(b) for b in group) * dist.world_size
             # 3. update: each micro-batch's mean loss weighted by its share of the group.
             lr = optimizer.param_groups[0]["lr"]

@@ -36,6 +36,7 @@ import json
 import math
 import random
 import time
+from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Sequence
@@ -52,7 +53,8 @@ from rlhflab.data.loading import read_rows
 from rlhflab.engine.dist import Dist, Forward, even_share
 from rlhflab.engine.update import inner
 from rlhflab.errors import UserError
-from rlhflab.models.actor_critic import decoder_and_head
+from rlhflab.models import layout as layouts
+from rlhflab.models.actor_critic import decoder_and_head, packed_label_nll
 from rlhflab.models.checkpoint import atomic_folder, save_policy, state_part
 from rlhflab.models.head import linear_lm_head
 from rlhflab.models.load import add_lora, load_model
@@ -61,7 +63,8 @@ from rlhflab.models.precision import autocast
 from rlhflab.models.quant import prepare_quantized, quantization_kwargs
 from rlhflab.run import TrainResult, entry_point, start_run
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, clip_and_step, config_entry_points,
-                                     make_optimizer, make_scheduler, train_and_held_out, warmup_of)
+                                     cut_rows_by_tokens, make_optimizer, make_scheduler, one_process_budget,
+                                     train_and_held_out, warmup_of)
 
 
 # --------------------------------------------------------------------------------------
@@ -123,6 +126,12 @@ class SFTSection:
     train_on_prompt: bool = f(False, "put the prompt's tokens in the training loss too (labels = input_ids, as in "
                                      "the notebook seed); false trains on the response only. eval/loss is always "
                                      "the response's")
+    layout: Literal["padded", "packed"] = f("padded", "decoder passes of the training and held-out loss: padded rows, "
+                                                      "or each sequence's real tokens packed into rows (the same "
+                                                      "numbers to rounding; SDPA/eager only)")
+    mini_batch_tokens: Optional[int] = f(None, "cut each optimizer step's rows into micro-batches of at most this "
+                                               "many real tokens (a longer row runs alone; one process only); null: "
+                                               "batch_size rows each", gt=0)
 
     def check(self) -> list[str]:
         if self.min_learning_rate > self.learning_rate:
@@ -174,15 +183,24 @@ def response_nll(logits: torch.Tensor, labels: torch.Tensor) -> ResponseNLL:
     return ResponseNLL(total, int((target != sftdata.IGNORE_INDEX).sum()))
 
 
-def batch_nll(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> ResponseNLL:
+def batch_nll(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
+              layout: str = "padded", budget: int | None = None) -> ResponseNLL:
     """`response_nll` of the model on one micro-batch, never holding the (B, L, V) logits.
 
     When the LM head is a plain linear map (`linear_lm_head`), the decoder's hidden states
     and the head's weight go to `ops.chunked_cross_entropy`, which computes logits only
     for the response positions (label not -100), one chunk of rows at a time, in the
     forward and the backward pass. Otherwise the model's own logits go to `response_nll`.
-    Both give the same sum (tests/test_sft.py).
+    Both give the same sum (tests/test_sft.py). `layout: packed` runs the decoder on the
+    rows' real tokens packed into rows of at most `budget` tokens (`models.layout`), the
+    LM head on the read positions only: the same sum to float rounding.
     """
+    if layout != "padded":
+        decoder, _ = decoder_and_head(model)
+        layout = layouts.choose_sequences(decoder.config, layout, attention_mask)
+    if layout == "packed":
+        total = packed_label_nll(model, input_ids, attention_mask, labels, budget)
+        return ResponseNLL(total, int((labels[:, 1:] != sftdata.IGNORE_INDEX).sum()))
     head = linear_lm_head(model)
     if head is None:
         return response_nll(model(input_ids=input_ids, attention_mask=attention_mask).logits, labels)
@@ -270,19 +288,32 @@ def batches(examples: Sequence[sftdata.TokenizedExample], batch_size: int, seed:
     return [[examples[i] for i in order[s : s + batch_size]] for s in range(0, len(order), batch_size)]
 
 
+def step_micro_batches(micro: Sequence[list[sftdata.TokenizedExample]], tokens: int | None, pad_token_id: int,
+                       dist: Dist | None = None) -> list[dict[str, torch.Tensor]]:
+    """One optimizer step's micro-batches, collated: each of `micro` (this rank's share), or
+    with `tokens` (sft.mini_batch_tokens, one process) the step's rows cut into micro-batches
+    of at most that many real tokens (`cut_rows_by_tokens`)."""
+    dist = dist or Dist()
+    if tokens is None:
+        return [sftdata.collate(even_share(b, dist.world_size, dist.rank), pad_token_id) for b in micro]
+    rows = [ex for b in micro for ex in b]
+    chunks = cut_rows_by_tokens([len(ex.input_ids) for ex in rows], tokens)
+    return [sftdata.collate([rows[i] for i in c], pad_token_id) for c in chunks]
+
+
 # --------------------------------------------------------------------------------------
 # 4. evaluation
 # --------------------------------------------------------------------------------------
 @torch.no_grad()
 def heldout_loss(model, examples: Sequence[sftdata.TokenizedExample], pad_token_id: int,
-                 batch_size: int, device: torch.device) -> dict[str, float]:
+                 batch_size: int, device: torch.device, layout: str = "padded") -> dict[str, float]:
     """Token-weighted mean NLL over every held-out response token, and its perplexity."""
     was_training = model.training
     model.eval()
     total, tokens = 0.0, 0
     for s in range(0, len(examples), batch_size):
         b = {k: v.to(device) for k, v in sftdata.collate(examples[s : s + batch_size], pad_token_id).items()}
-        out = batch_nll(model, b["input_ids"], b["attention_mask"], b["labels"])
+        out = batch_nll(model, b["input_ids"], b["attention_mask"], b["labels"], layout)
         total += float(out.total)
         tokens += out.tokens
     if was_training:
@@ -324,7 +355,8 @@ def evaluate_sft(model, tokenizer, data: SFTData, cfg: SFTRunConfig, device: tor
                  out_dir: Path | None = None, step: int = 0) -> dict[str, float]:
     metrics: dict[str, float] = {}
     if data.eval:
-        metrics.update(heldout_loss(model, data.eval, tokenizer.pad_token_id, cfg.training.eval_batch_size, device))
+        metrics.update(heldout_loss(model, data.eval, tokenizer.pad_token_id, cfg.training.eval_batch_size, device,
+                                    cfg.sft.layout))
     n_gen = min(cfg.sft.num_eval_generate, len(data.eval_examples))
     if n_gen:
         gm, samples = generation_metrics(model, tokenizer, data.eval_examples[:n_gen], data.template,
@@ -395,6 +427,7 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
     t, s = cfg.training, cfg.sft
     run = start_run(cfg, "sft", effective=effective, quiet=quiet, local={"sft.batch_size": s.batch_size})
     dist, device = run.dist, run.device
+    one_process_budget(dist, "sft.mini_batch_tokens", s.mini_batch_tokens)
 
     # 1-2. data and model
     model, tok = build_model(cfg, device)
@@ -409,7 +442,8 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
     optimizer = make_optimizer(params, s.learning_rate, s.weight_decay, (s.adam_beta1, s.adam_beta2), s.adam_eps)
     # Under several processes the loss module is wrapped for the launcher's strategy, and
     # each rank takes its share of every micro-batch (the same rows one process would use).
-    nll_model, optimizer = dist.prepare(Forward(model, batch_nll), optimizer, s.max_grad_norm)
+    nll_model, optimizer = dist.prepare(Forward(model, partial(batch_nll, layout=s.layout, budget=s.mini_batch_tokens)),
+                                        optimizer, s.max_grad_norm)
     scheduler = make_scheduler(optimizer, total_steps, warmup_of(s, total_steps), s.lr_schedule,
                                s.min_learning_rate)
     run.print(f"sft: {len(data.train)} training rows, {len(data.eval)} held out; {total_steps} optimizer steps; "
@@ -444,8 +478,8 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
         for g in range(0, len(micro), s.gradient_accumulation_steps):
             if step >= total_steps:
                 break
-            group = [sftdata.collate(even_share(b, dist.world_size, dist.rank), tok.pad_token_id)
-                     for b in micro[g : g + s.gradient_accumulation_steps]]
+            group = step_micro_batches(micro[g : g + s.gradient_accumulation_steps], s.mini_batch_tokens,
+                                       tok.pad_token_id, dist)
             # 3. update: backward over the group, then clip and step.
             nll = accumulate_group(nll_model, group, device, dist, t.mixed_precision)
             check_finite_step(step + 1, loss=nll.total, knob="sft.learning_rate",
