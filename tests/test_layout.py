@@ -274,3 +274,60 @@ def test_sliding_window_packs_within_it_and_falls_back_beyond(recwarn):
         a, b = response_hidden(model, *args), response_hidden(model, *args, layout="packed")
     m = args[3].bool()
     assert (a - b)[m].abs().max() <= TOL
+
+
+def _gemma3(impl="sdpa"):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    # sliding layers of an 8-token window beside full ones; the rollout's sequences run to
+    # 47 tokens, so the window cuts. Dropout 0 (both passes must draw nothing).
+    torch.manual_seed(0)
+    return Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8, max_position_embeddings=128, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], attention_dropout=0.0,
+        attn_implementation=impl)).float()
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_gemma3_packs_with_a_mask_per_layer_type(impl):
+    """Gemma 3's decoder takes {layer type: mask}: full layers get the block-diagonal causal
+    mask, sliding ones the same cut to the window, so a batch longer than the window packs
+    (no fallback) and equals the padded pass."""
+    policy = _gemma3(impl)
+    roll = _rollout(policy.config.vocab_size)
+    assert layouts.layer_masks_accepted(policy.config)
+    assert layouts.choose(policy.config, "packed", roll.prompt_mask, roll.response_mask) == "packed"
+    seen = {}
+
+    def record(i):
+        def hook(module, args, kwargs):
+            seen[i] = kwargs.get("attention_mask")
+        return hook
+
+    hooks = [layer.self_attn.register_forward_pre_hook(record(i), with_kwargs=True)
+             for i, layer in enumerate(policy.model.layers)]
+    with torch.no_grad():
+        response_hidden(policy, roll.prompt_ids, roll.prompt_mask, roll.response_ids, roll.response_mask,
+                        layout="packed")
+    for h in hooks:
+        h.remove()
+    packing = layouts.plan(roll.prompt_ids, roll.prompt_mask, roll.response_ids, roll.response_mask)
+    kind = "bool" if impl == "sdpa" else "additive"
+    full = packing.mask(kind, torch.float32)
+    assert torch.equal(seen[1], full)  # the full-attention layer
+    for i in (0, 2):
+        allowed = seen[i][:, 0] if seen[i].dtype == torch.bool else seen[i][:, 0] == 0
+        # by hand: row 0 holds the longest sequence (7 + 40 - 1 = 46 inputs) from column 0,
+        # so position 20 sees 13..20 (8 positions) and nothing before 13
+        assert allowed[0, 20].nonzero().flatten().tolist() == list(range(13, 21))
+        assert torch.equal(seen[i], layouts.windowed(full, packing.position_ids, 8))
+    actor = ActorCritic(policy, value_head=ValueHead(hidden_size_of(policy), init_std=0.1))
+    _assert_parity(actor, Reference.frozen_copy(policy), roll, _ppo_sec())
+    # negative control: the full mask on every layer (no window) gives other states
+    decoder = policy.model
+    with torch.no_grad():
+        good = decoder(**layouts.decoder_inputs(decoder, packing, torch.float32)).last_hidden_state
+        wrong = decoder(input_ids=packing.input_ids, position_ids=packing.position_ids,
+                        attention_mask={"full_attention": full, "sliding_attention": full}).last_hidden_state
+    assert (good - wrong)[packing.segments >= 0].abs().max() > 1e-3

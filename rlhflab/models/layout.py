@@ -22,12 +22,19 @@ everything after the decoder (the heads, `ops/`, the losses) sees the padded sha
 Architectures: SDPA and eager attention only (FlashAttention's varlen path is not wired
 yet: refused in one line). Attention sinks and recurrent or linear-attention layers
 cannot be bounded to a sequence by a mask: refused. A sliding window is exact when
-every sequence fits in it (the window then cuts nothing); a batch with a longer
-sequence falls back to padded with a one-line note.
+every sequence fits in it (the window then cuts nothing). Past it, a model whose decoder
+takes a mask per layer type (transformers' ``{layer type: mask}`` mapping, as Gemma 3's
+does) gets both: full-attention layers the block-diagonal causal mask, sliding layers the
+same cut to the window (a position sees the last `window` positions of its own sequence);
+any other model (one mask for all its layers, Mistral's) runs such a batch padded, with a
+one-line note.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -194,9 +201,10 @@ def choose(model_config, layout: str, prompt_mask: Tensor, response_mask: Tensor
     window = sliding_window_of(model_config)
     if window is not None:
         longest = int((prompt_mask.sum(1) + response_mask.sum(1)).max()) if len(prompt_mask) else 0
-        if longest > window:
+        if longest > window and not layer_masks_accepted(model_config):
             _note(f"window{window}", f"layout: packed: a sequence of {longest} tokens is longer than the "
-                  f"{window}-token sliding window; such batches run padded")
+                  f"{window}-token sliding window and {model_config.model_type} takes one mask for all its "
+                  "layers; such batches run padded")
             return "padded"
     if not contiguous(prompt_mask, response_mask):
         _note("holes", "layout: packed: a batch whose masks are not left-padded prompts and right-padded "
@@ -205,8 +213,53 @@ def choose(model_config, layout: str, prompt_mask: Tensor, response_mask: Tensor
     return "packed"
 
 
+_MAPPING_CHECK = re.compile(r"isinstance\(\s*(\w+\s*:=\s*)?attention_mask\s*,\s*dict\s*\)")
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_takes_mapping(cls: type) -> bool:
+    try:
+        return bool(_MAPPING_CHECK.search(inspect.getsource(cls.forward)))
+    except (OSError, TypeError):
+        return False
+
+
+def layer_masks_accepted(config) -> bool:
+    """Whether the decoder of this (text) config takes `attention_mask` as a {layer type:
+    mask} mapping (its forward uses a dict as it is, one mask per `config.layer_types`
+    entry: Gemma 2/3, Qwen2, Cohere 2... in transformers 5)."""
+    if not getattr(config, "layer_types", None):
+        return False
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_MAPPING
+        cls = MODEL_MAPPING[type(config)]
+    except (ImportError, KeyError, ValueError):
+        return False
+    return _forward_takes_mapping(cls)
+
+
+def windowed(mask: Tensor, position_ids: Tensor, window: int) -> Tensor:
+    """`mask` (R, 1, W, W), bool or additive, cut to the sliding window: position i keeps
+    key j only where pos_i - pos_j < window (transformers' sliding-window rule). Within a
+    sequence the positions count its tokens, so this works for any plan's mask."""
+    near = (position_ids[:, :, None] - position_ids[:, None, :] < window).unsqueeze(1)   # (R, 1, W, W)
+    if mask.dtype == torch.bool:  # the diagonal stays: pos_i - pos_i = 0 < window
+        return mask & near
+    return torch.where(near, mask, torch.finfo(mask.dtype).min)
+
+
 def decoder_inputs(decoder: nn.Module, packing: Packing, dtype: torch.dtype) -> dict:
-    """The keyword inputs of a packed decoder pass: ids, restarting positions, the 4D mask."""
-    impl = getattr(decoder.config, "_attn_implementation", None) or "eager"
+    """The keyword inputs of a packed decoder pass: ids, restarting positions, the 4D mask;
+    a {layer type: mask} mapping where some layer slides over a window shorter than a
+    sequence (`layer_masks_accepted`; `choose` runs other such models padded)."""
+    config = decoder.config
+    impl = getattr(config, "_attn_implementation", None) or "eager"
     mask = packing.mask("bool" if impl == "sdpa" else "additive", dtype)
+    window = sliding_window_of(config)
+    if window is not None and packing.input_ids.numel() and int(packing.position_ids.max()) >= window:
+        if not layer_masks_accepted(config):
+            raise ValueError(f"packed layout: a sequence is longer than the {window}-token sliding window of a "
+                             "model that takes one mask (choose() runs such a batch padded)")
+        cut = windowed(mask, packing.position_ids, window)
+        mask = {kind: cut if kind == "sliding_attention" else mask for kind in set(config.layer_types)}
     return {"input_ids": packing.input_ids, "position_ids": packing.position_ids, "attention_mask": mask}
