@@ -122,8 +122,14 @@ def _loss_and_grads(actor, roll, sec, layout, k, separate=False):
     return st, grads
 
 
-def _assert_parity(actor, reference, roll, sec, k=1, values=True, separate=False):
+def _assert_parity(actor, reference, roll, sec, k=1, values=True, separate=False, relative=False):
+    """`relative`: each tolerance TOL times the larger of 1 and the compared tensor's (or
+    number's) largest magnitude, for a deep model whose float32 rounding grows with it."""
     share = k > 1
+
+    def tol(x):
+        return TOL * max(1.0, float(torch.as_tensor(x).abs().max())) if relative else TOL
+
     a = _scored(actor, reference, roll, "padded", share, values)
     b = _scored(actor, reference, roll, "packed", share, values)
     m = roll.response_mask.bool()
@@ -131,16 +137,16 @@ def _assert_parity(actor, reference, roll, sec, k=1, values=True, separate=False
         x, y = getattr(a, key), getattr(b, key)
         if x is None:
             continue
-        assert (x[m] - y[m]).abs().max() <= TOL, key
+        assert (x[m] - y[m]).abs().max() <= tol(x[m]), key
     _fill(a, values)
     st_pad, g_pad = _loss_and_grads(actor, a, sec, "padded", k, separate)
     st_pack, g_pack = _loss_and_grads(actor, a, sec, "packed", k, separate)
     for key in STAT_KEYS:
-        assert abs(getattr(st_pad, key) - getattr(st_pack, key)) <= TOL, key
+        assert abs(getattr(st_pad, key) - getattr(st_pack, key)) <= tol(getattr(st_pad, key)), key
     assert st_pad.policy_clip_frac > 0  # the clip is exercised, not all-1 ratios
     assert g_pad.keys() == g_pack.keys() and len(g_pad) == len(list(actor.trainable_parameters()))
-    worst = max(float((g_pad[n] - g_pack[n]).abs().max()) for n in g_pad)
-    assert worst <= TOL, worst
+    worst = max(float((g_pad[n] - g_pack[n]).abs().max()) / tol(g_pad[n]) for n in g_pad)
+    assert worst <= 1.0, worst * TOL
 
 
 def _ppo_sec(**kw):
@@ -331,3 +337,57 @@ def test_gemma3_packs_with_a_mask_per_layer_type(impl):
         wrong = decoder(input_ids=packing.input_ids, position_ids=packing.position_ids,
                         attention_mask={"full_attention": full, "sliding_attention": full}).last_hidden_state
     assert (good - wrong)[packing.segments >= 0].abs().max() > 1e-3
+
+
+@pytest.mark.slow
+def test_smollm2_grpo_packed_equals_padded(smollm2_dir):
+    """The real model (30 layers, float32): GRPO's scored log-probs, every loss term and every
+    parameter's gradient, packed against padded, on 4 sequences of 7 to 60 tokens (groups of
+    2 sharing a prompt: the padded side runs the shared-prompt pass). Within 1e-5 of each
+    tensor's scale: log-probs of random tokens reach -23 and some gradients 3, where float32
+    rounding through 30 layers of other shapes differs by 2e-5 (measured: 2.0e-5 on both)."""
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32, attn_implementation="sdpa")
+    g = torch.Generator().manual_seed(0)
+    plen, rlen = torch.tensor([6, 6, 10, 10]), torch.tensor([54, 1, 3, 37])  # sequences of 60, 7, 13, 47 tokens
+    p, t = 10, 54
+    pm = (torch.arange(p) >= p - plen[:, None]).long()
+    rm = (torch.arange(t) < rlen[:, None]).long()
+    pi = torch.randint(3, policy.config.vocab_size, (2, p), generator=g).repeat_interleave(2, 0) * pm
+    ri = torch.randint(3, policy.config.vocab_size, (4, t), generator=g) * rm
+    roll = Rollout(pi, pm, ri, rm, torch.zeros(4, dtype=torch.bool), group_size=2)
+    sec = GRPOSection(entropy_coeff=0.01, kl_coeff=0.1, group_size=2)
+    _assert_parity(PolicyOnly(policy), Reference.frozen_copy(policy), roll, sec, k=2, values=False, relative=True)
+
+
+def test_sdpa_runs_per_sequence_attention_equal_to_the_mask(tiny_model_dir, monkeypatch):
+    """Under SDPA a packed pass attends per sequence (`layouts.attention`: each sequence's
+    queries, keys and values gathered into a right-padded batch, causal SDPA), the same
+    states as the block-diagonal mask, in one row as in several."""
+    policy = _tiny(tiny_model_dir)
+    decoder = policy.model
+    roll = _rollout(policy.config.vocab_size)
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+        calls.append((q.shape[0], attn_mask is None, is_causal))
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    for budget in (None, 1000):  # rows of the longest sequence; all 8 sequences in one row
+        packing = layouts.plan(roll.prompt_ids, roll.prompt_mask, roll.response_ids, roll.response_mask, budget)
+        inputs = layouts.decoder_inputs(decoder, packing, torch.float32)
+        with torch.no_grad():
+            calls.clear()
+            masked = decoder(**inputs).last_hidden_state  # plain SDPA: the mask, packed_index ignored
+            assert calls == [(packing.input_ids.shape[0], False, False)] * 2  # 2 layers, the 4D mask
+            calls.clear()
+            with layouts.attention(decoder):
+                assert decoder.config._attn_implementation == layouts.PER_SEQUENCE
+                per_seq = decoder(**inputs).last_hidden_state
+            assert decoder.config._attn_implementation == "sdpa"
+        assert calls == [(8, True, True)] * 2  # the 8 sequences as a batch, causal, no mask
+        real = packing.segments >= 0
+        assert (masked - per_seq)[real].abs().max() <= TOL

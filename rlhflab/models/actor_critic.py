@@ -213,7 +213,7 @@ def response_hidden(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, r
     if layout == "packed":
         packing = layouts.plan(prompt_ids, prompt_mask, response_ids, response_mask)
         dtype = next(decoder.parameters()).dtype
-        with compiled_layers(decoder):
+        with compiled_layers(decoder), layouts.attention(decoder):
             hidden = _last_hidden(decoder(**layouts.decoder_inputs(decoder, packing, dtype), use_cache=False))
         return packing.unpack(hidden)                                                  # (B, T, H)
     if group_size == 1:

@@ -36,6 +36,8 @@ import functools
 import inspect
 import re
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -248,12 +250,85 @@ def windowed(mask: Tensor, position_ids: Tensor, window: int) -> Tensor:
     return torch.where(near, mask, torch.finfo(mask.dtype).min)
 
 
+# --------------------------------------------------------------------------------------
+# Per-sequence attention under SDPA (registered with transformers' AttentionInterface)
+# --------------------------------------------------------------------------------------
+PER_SEQUENCE = "rlhflab_per_sequence_sdpa"
+
+
+def sequence_index(packing: Packing) -> tuple[Tensor, Tensor]:
+    """(S, L) slot of each sequence's position l in the flat R·W positions (0 past its end)
+    and (S, L) True on its real positions: the packed rows' sequences, right-padded."""
+    seg, pos = packing.segments.reshape(-1), packing.position_ids.reshape(-1)
+    real = seg >= 0
+    lengths = torch.bincount(seg[real], minlength=int(seg.max()) + 1 if bool(real.any()) else 1)
+    index = torch.zeros(len(lengths), max(int(lengths.max()), 1), dtype=torch.long, device=seg.device)
+    index[seg[real], pos[real]] = torch.arange(seg.numel(), device=seg.device)[real]
+    return index, torch.arange(index.shape[1], device=seg.device) < lengths[:, None]
+
+
+def _per_sequence_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                       packed_index=None, **kwargs):
+    """transformers' attention-function signature. Each sequence's queries, keys and values
+    are gathered from the packed rows into (S, heads, L, d), right-padded, and attend with
+    causal SDPA (a right-padded sequence's real positions see only real ones), then go back
+    to their slots: the block-diagonal mask's attention, without the work of the masked
+    blocks between sequences. Without `packed_index`, or on a layer with a sliding window
+    or a soft cap, the model's own SDPA with the given 4D mask runs."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    window = kwargs.get("sliding_window")
+    if packed_index is None or (window and packed_index[0].shape[1] > window) or kwargs.get("softcap"):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    index, real = packed_index                                                      # (S, L)
+    r, heads, w, d = query.shape
+    s, n = index.shape
+    flat = index.reshape(-1)
+
+    def gather(x: Tensor) -> Tensor:                                                # (R, h, W, d) -> (S, h, L, d)
+        h = x.shape[1]
+        return x.transpose(1, 2).reshape(r * w, h, d).index_select(0, flat).view(s, n, h, d).transpose(1, 2)
+
+    q, k, v = gather(query), gather(key), gather(value)
+    if k.shape[1] != heads:  # grouped-query attention: query head i reads K/V head i // (heads / kv heads)
+        k, v = k.repeat_interleave(heads // k.shape[1], 1), v.repeat_interleave(heads // v.shape[1], 1)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
+                                                           scale=scaling)            # (S, h, L, d)
+    keep = real.reshape(-1)
+    out = out.transpose(1, 2).reshape(s * n, heads, d)[keep]
+    back = out.new_zeros(r * w, heads, d).index_copy(0, flat[keep], out)            # padding slots: zeros
+    return back.view(r, w, heads, d), None
+
+
+@contextmanager
+def attention(decoder: nn.Module) -> Iterator[None]:
+    """While inside, an SDPA decoder's attention layers run `_per_sequence_sdpa` (under our
+    own name in transformers' AttentionInterface; every other implementation unchanged).
+    Only the attention function's lookup changes: a pass without `packed_index` (padded, or
+    a recomputation outside this context) runs SDPA with its mask, the same numbers."""
+    config = decoder.config
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        yield
+        return
+    from transformers import AttentionInterface
+
+    if PER_SEQUENCE not in AttentionInterface._global_mapping:
+        AttentionInterface.register(PER_SEQUENCE, _per_sequence_sdpa)
+    config._attn_implementation_internal = PER_SEQUENCE  # the plain attribute: sub-configs untouched
+    try:
+        yield
+    finally:
+        config._attn_implementation_internal = "sdpa"
+
+
 def decoder_inputs(decoder: nn.Module, packing: Packing, dtype: torch.dtype) -> dict:
     """The keyword inputs of a packed decoder pass: ids, restarting positions, the 4D mask;
     a {layer type: mask} mapping where some layer slides over a window shorter than a
     sequence (`layer_masks_accepted`; `choose` runs other such models padded)."""
     config = decoder.config
     impl = getattr(config, "_attn_implementation", None) or "eager"
+    impl = "sdpa" if impl == PER_SEQUENCE else impl  # inside `attention(decoder)`
     mask = packing.mask("bool" if impl == "sdpa" else "additive", dtype)
     window = sliding_window_of(config)
     if window is not None and packing.input_ids.numel() and int(packing.position_ids.max()) >= window:
@@ -262,4 +337,7 @@ def decoder_inputs(decoder: nn.Module, packing: Packing, dtype: torch.dtype) -> 
                              "model that takes one mask (choose() runs such a batch padded)")
         cut = windowed(mask, packing.position_ids, window)
         mask = {kind: cut if kind == "sliding_attention" else mask for kind in set(config.layer_types)}
-    return {"input_ids": packing.input_ids, "position_ids": packing.position_ids, "attention_mask": mask}
+    inputs = {"input_ids": packing.input_ids, "position_ids": packing.position_ids, "attention_mask": mask}
+    if impl == "sdpa" and type(packing) is Packing:  # sequences of their own (no shared prefix)
+        inputs["packed_index"] = sequence_index(packing)  # read inside `attention(decoder)`, ignored by plain SDPA
+    return inputs
