@@ -233,7 +233,8 @@ def test_an_all_ones_2d_mask_never_reaches_a_packed_forward(tiny_model_dir):
         h.remove()
     # 2 layers x (policy score + reference score + update) at least
     assert len(seen) >= 6
-    packing = layouts.plan(roll.prompt_ids, roll.prompt_mask, roll.response_ids, roll.response_mask)
+    packing = layouts.plan(roll.prompt_ids, roll.prompt_mask, roll.response_ids, roll.response_mask,
+                           layouts.row_budget(policy.config))
     for mask in seen:
         assert mask is not None and mask.ndim == 4 and mask.dtype == torch.bool
         assert mask.shape[0] < len(roll)  # rows were packed: 8 sequences in fewer rows
@@ -318,7 +319,8 @@ def test_gemma3_packs_with_a_mask_per_layer_type(impl):
                         layout="packed")
     for h in hooks:
         h.remove()
-    packing = layouts.plan(roll.prompt_ids, roll.prompt_mask, roll.response_ids, roll.response_mask)
+    packing = layouts.plan(roll.prompt_ids, roll.prompt_mask, roll.response_ids, roll.response_mask,
+                           layouts.row_budget(policy.config))
     kind = "bool" if impl == "sdpa" else "additive"
     full = packing.mask(kind, torch.float32)
     assert torch.equal(seen[1], full)  # the full-attention layer

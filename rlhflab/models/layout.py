@@ -322,6 +322,16 @@ def attention(decoder: nn.Module) -> Iterator[None]:
         config._attn_implementation_internal = "sdpa"
 
 
+ROW_TOKENS = 2048  # per-sequence attention: rows this wide cost no attention work, a 4 MiB mask each
+
+
+def row_budget(config) -> int | None:
+    """The default row width of a packed pass: `ROW_TOKENS` where attention runs per
+    sequence (SDPA), else None (the longest sequence: under eager the mask's (W, W) scores
+    of every row are computed and kept, so rows stay short)."""
+    return ROW_TOKENS if getattr(config, "_attn_implementation", None) == "sdpa" else None
+
+
 def decoder_inputs(decoder: nn.Module, packing: Packing, dtype: torch.dtype) -> dict:
     """The keyword inputs of a packed decoder pass: ids, restarting positions, the 4D mask;
     a {layer type: mask} mapping where some layer slides over a window shorter than a
