@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         res = measure(actor, roll, c["mb"], c["max_new"], a.repeats)
         res["p50"], res["max"] = int(median(rl)), max(rl)
         results[name] = res
-    print("| case | lengths p50 / max | padded s (runs) | packed s (runs) | ratio | peak MiB padded / packed | memory |")
+    print("| case | lengths p50 / max | padded s (runs) | packed s (runs) | ratio | peak MiB padded / packed "
+          "| memory |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, r in results.items():
         pad, pack = median(r["times"]["padded"]), median(r["times"]["packed"])

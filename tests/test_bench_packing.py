@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-FINAL = re.compile(r"packing: padded (\S+) s, packed (\S+) s, ratio (\S+), memory (\S+) \(lengths p50 (\d+) / max (\d+)\)")
+FINAL = re.compile(r"packing: padded (\S+) s, packed (\S+) s, ratio (\S+), memory (\S+) "
+                   r"\(lengths p50 (\d+) / max (\d+)\)")
 
 
 @pytest.fixture()

@@ -5,19 +5,26 @@ sequence, prompts left-padded and responses right-padded, so every row pays for 
 longest sequence of its batch.
 
 ``packed``: each sequence's real tokens (prompt, then response, no padding) are
-concatenated into rows of at most a token budget (first-fit, longest first; the default
-budget is the longest sequence, so a packed batch never holds more positions than the
-padded one), position ids restart at 0 for every sequence, and attention stays inside
-each sequence through an explicit block-diagonal causal mask (R, 1, W, W): boolean under
-SDPA, additive (0 / the dtype's minimum) under eager. transformers 5 hands a 4D mask to
-the attention as it is (`masking_utils._preprocess_mask_arguments` returns early), so the
-mask we build is the mask that runs. The all-ones 2D mask is never passed: with it
-transformers skips its own packed-sequence detection (it only looks at position ids when
-no 2D mask is given) and packed sequences would attend to each other.
+concatenated into rows of at most a token budget (first-fit, longest first; `plan`'s
+default and floor is the longest sequence; `response_hidden` asks for `row_budget`:
+`ROW_TOKENS` under SDPA), position ids restart at 0 for every sequence, and attention
+stays inside each sequence. Every packed pass hands the attention layers an explicit
+block-diagonal causal mask (R, 1, W, W): boolean under SDPA, additive (0 / the dtype's
+minimum) under eager; transformers 5 passes a 4D mask on as it is
+(`masking_utils._preprocess_mask_arguments` returns early). Under eager that mask is what
+runs. Under SDPA `attention(decoder)` runs each sequence's attention on its own instead
+(`_per_sequence_sdpa`, registered in transformers' AttentionInterface: the sequences'
+queries, keys and values gathered into a right-padded batch, causal SDPA, the same
+numbers to rounding), so wide rows cost no attention work between sequences; the mask is
+its fallback (a sliding layer whose window cuts, a recomputation outside the context).
+The all-ones 2D mask is never passed: with it transformers skips its own packed-sequence
+detection (it only looks at position ids when no 2D mask is given) and packed sequences
+would attend to each other.
 
 The decoder's output is mapped back to (B, T, H): row b, column t holds the state that
 predicts response token t (that of the sequence's token before it), zeros on padding, so
-everything after the decoder (the heads, `ops/`, the losses) sees the padded shapes.
+everything after the decoder (the heads, `ops/`, the losses) sees the padded shapes; the
+LM head runs on the real response tokens only (`actor_critic.stats_for`).
 
 Architectures: SDPA and eager attention only (FlashAttention's varlen path is not wired
 yet: refused in one line). Attention sinks and recurrent or linear-attention layers
