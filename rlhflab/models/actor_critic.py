@@ -216,10 +216,13 @@ def response_hidden(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, r
     if layout == "packed":
         layout = layouts.choose(decoder.config, layout, prompt_mask, response_mask)
     if layout != "padded":
+        # shared: the tree mask (SDPA with it, rows of the longest group); packed: rows up to
+        # `row_budget`, attention per sequence under SDPA (`layouts.attention`)
         packing = (layouts.shared_plan(prompt_ids, prompt_mask, response_ids, response_mask, k) if layout == "shared"
-                   else layouts.plan(prompt_ids, prompt_mask, response_ids, response_mask))
+                   else layouts.plan(prompt_ids, prompt_mask, response_ids, response_mask,
+                                     layouts.row_budget(decoder.config)))
         dtype = next(decoder.parameters()).dtype
-        with compiled_layers(decoder):
+        with compiled_layers(decoder), layouts.attention(decoder):
             hidden = _last_hidden(decoder(**layouts.decoder_inputs(decoder, packing, dtype), use_cache=False))
         return packing.unpack(hidden)                                                  # (B, T, H)
     ids = torch.cat([prompt_ids, response_ids], 1)                                     # (B, P+T)
@@ -350,6 +353,24 @@ def _split(input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> tuple[
             input_ids[:, prompt_len:], attention_mask[:, prompt_len:])
 
 
+def stats_for(layout: str, hidden: Tensor, head: nn.Module, response_ids: Tensor, response_mask: Tensor,
+              *args, **kwargs) -> tuple[Tensor, Tensor | None]:
+    """`token_stats`; under the packed layout on the real response tokens only (its states
+    are zeros on padding, whose log-probs no one reads), (B, T) back with 0 on padding."""
+    if layout != "packed":
+        return token_stats(hidden, head, response_ids, *args, **kwargs)
+    real = response_mask.bool()
+    out = token_stats(hidden[real], head, response_ids[real], *args, **kwargs)          # (N,) each
+
+    def back(x):
+        if x is None:
+            return None
+        full = x.new_zeros(real.shape)
+        full[real] = x
+        return full                                                                    # (B, T)
+    return back(out[0]), back(out[1])
+
+
 class PolicyOnly(nn.Module):
     """A causal LM behind the response interface, with no critic (GRPO, RLOO, DPO, ...)."""
 
@@ -398,8 +419,8 @@ class PolicyOnly(nn.Module):
             return ForwardOutput(None, self._values(hidden, prompt_ids, prompt_mask, response_ids, response_mask,
                                                     group_size, layout), None)
         _, head = decoder_and_head(self.policy)
-        logprobs, entropy = token_stats(hidden, head, response_ids, temperature, with_entropy, entropy_grad,
-                                        model=self.policy)
+        logprobs, entropy = stats_for(layout, hidden, head, response_ids, response_mask, temperature, with_entropy,
+                                      entropy_grad, model=self.policy)
         values = None
         if with_values:
             values = self._values(hidden, prompt_ids, prompt_mask, response_ids, response_mask, group_size, layout)
@@ -521,7 +542,7 @@ class Reference:
                 hidden = response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, group_size,
                                          layout)
             _, head = decoder_and_head(model)
-            return token_stats(hidden, head, response_ids, temperature, model=model)[0]
+            return stats_for(layout, hidden, head, response_ids, response_mask, temperature, model=model)[0]
 
     @torch.no_grad()
     def response_logits(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> Tensor:

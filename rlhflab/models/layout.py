@@ -5,30 +5,46 @@ sequence, prompts left-padded and responses right-padded, so every row pays for 
 longest sequence of its batch.
 
 ``packed``: each sequence's real tokens (prompt, then response, no padding) are
-concatenated into rows of at most a token budget (first-fit, longest first; the default
-budget is the longest sequence, so a packed batch never holds more positions than the
-padded one), position ids restart at 0 for every sequence, and attention stays inside
-each sequence through an explicit block-diagonal causal mask (R, 1, W, W): boolean under
-SDPA, additive (0 / the dtype's minimum) under eager. transformers 5 hands a 4D mask to
-the attention as it is (`masking_utils._preprocess_mask_arguments` returns early), so the
-mask we build is the mask that runs. The all-ones 2D mask is never passed: with it
-transformers skips its own packed-sequence detection (it only looks at position ids when
-no 2D mask is given) and packed sequences would attend to each other.
+concatenated into rows of at most a token budget (first-fit, longest first; `plan`'s
+default and floor is the longest sequence; `response_hidden` asks for `row_budget`:
+`ROW_TOKENS` under SDPA), position ids restart at 0 for every sequence, and attention
+stays inside each sequence. Every packed pass hands the attention layers an explicit
+block-diagonal causal mask (R, 1, W, W): boolean under SDPA, additive (0 / the dtype's
+minimum) under eager; transformers 5 passes a 4D mask on as it is
+(`masking_utils._preprocess_mask_arguments` returns early). Under eager that mask is what
+runs. Under SDPA `attention(decoder)` runs each sequence's attention on its own instead
+(`_per_sequence_sdpa`, registered in transformers' AttentionInterface: the sequences'
+queries, keys and values gathered into a right-padded batch, causal SDPA, the same
+numbers to rounding), so wide rows cost no attention work between sequences; the mask is
+its fallback (a sliding layer whose window cuts, a recomputation outside the context).
+The all-ones 2D mask is never passed: with it transformers skips its own packed-sequence
+detection (it only looks at position ids when no 2D mask is given) and packed sequences
+would attend to each other.
 
 The decoder's output is mapped back to (B, T, H): row b, column t holds the state that
 predicts response token t (that of the sequence's token before it), zeros on padding, so
-everything after the decoder (the heads, `ops/`, the losses) sees the padded shapes.
+everything after the decoder (the heads, `ops/`, the losses) sees the padded shapes; the
+LM head runs on the real response tokens only (`actor_critic.stats_for`).
 
 Architectures: SDPA and eager attention only (FlashAttention's varlen path is not wired
 yet: refused in one line). Attention sinks and recurrent or linear-attention layers
 cannot be bounded to a sequence by a mask: refused. A sliding window is exact when
-every sequence fits in it (the window then cuts nothing); a batch with a longer
-sequence falls back to padded with a one-line note.
+every sequence fits in it (the window then cuts nothing). Past it, a model whose decoder
+takes a mask per layer type (transformers' ``{layer type: mask}`` mapping, as Gemma 3's
+does) gets both: full-attention layers the block-diagonal causal mask, sliding layers the
+same cut to the window (a position sees the last `window` positions of its own sequence);
+any other model (one mask for all its layers, Mistral's) runs such a batch padded, with a
+one-line note.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -197,9 +213,10 @@ def choose(model_config, layout: str, prompt_mask: Tensor, response_mask: Tensor
     window = sliding_window_of(model_config)
     if window is not None:
         longest = int((prompt_mask.sum(1) + response_mask.sum(1)).max()) if len(prompt_mask) else 0
-        if longest > window:
+        if longest > window and not layer_masks_accepted(model_config):
             _note(f"window{window}", f"layout: packed: a sequence of {longest} tokens is longer than the "
-                  f"{window}-token sliding window; such batches run padded")
+                  f"{window}-token sliding window and {model_config.model_type} takes one mask for all its "
+                  "layers; such batches run padded")
             return "padded"
     if not contiguous(prompt_mask, response_mask):
         _note("holes", "layout: packed: a batch whose masks are not left-padded prompts and right-padded "
@@ -208,11 +225,142 @@ def choose(model_config, layout: str, prompt_mask: Tensor, response_mask: Tensor
     return "packed"
 
 
+_MAPPING_CHECK = re.compile(r"isinstance\(\s*(\w+\s*:=\s*)?attention_mask\s*,\s*dict\s*\)")
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_takes_mapping(cls: type) -> bool:
+    try:
+        return bool(_MAPPING_CHECK.search(inspect.getsource(cls.forward)))
+    except (OSError, TypeError):
+        return False
+
+
+def layer_masks_accepted(config) -> bool:
+    """Whether the decoder of this (text) config takes `attention_mask` as a {layer type:
+    mask} mapping (its forward uses a dict as it is, one mask per `config.layer_types`
+    entry: Gemma 2/3, Qwen2, Cohere 2... in transformers 5)."""
+    if not getattr(config, "layer_types", None):
+        return False
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_MAPPING
+        cls = MODEL_MAPPING[type(config)]
+    except (ImportError, KeyError, ValueError):
+        return False
+    return _forward_takes_mapping(cls)
+
+
+def windowed(mask: Tensor, position_ids: Tensor, window: int) -> Tensor:
+    """`mask` (R, 1, W, W), bool or additive, cut to the sliding window: position i keeps
+    key j only where pos_i - pos_j < window (transformers' sliding-window rule). Within a
+    sequence the positions count its tokens, so this works for any plan's mask."""
+    near = (position_ids[:, :, None] - position_ids[:, None, :] < window).unsqueeze(1)   # (R, 1, W, W)
+    if mask.dtype == torch.bool:  # the diagonal stays: pos_i - pos_i = 0 < window
+        return mask & near
+    return torch.where(near, mask, torch.finfo(mask.dtype).min)
+
+
+# --------------------------------------------------------------------------------------
+# Per-sequence attention under SDPA (registered with transformers' AttentionInterface)
+# --------------------------------------------------------------------------------------
+PER_SEQUENCE = "rlhflab_per_sequence_sdpa"
+
+
+def sequence_index(packing: Packing) -> tuple[Tensor, Tensor]:
+    """(S, L) slot of each sequence's position l in the flat R·W positions (0 past its end)
+    and (S, L) True on its real positions: the packed rows' sequences, right-padded."""
+    seg, pos = packing.segments.reshape(-1), packing.position_ids.reshape(-1)
+    real = seg >= 0
+    lengths = torch.bincount(seg[real], minlength=int(seg.max()) + 1 if bool(real.any()) else 1)
+    index = torch.zeros(len(lengths), max(int(lengths.max()), 1), dtype=torch.long, device=seg.device)
+    index[seg[real], pos[real]] = torch.arange(seg.numel(), device=seg.device)[real]
+    return index, torch.arange(index.shape[1], device=seg.device) < lengths[:, None]
+
+
+def _per_sequence_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                       packed_index=None, **kwargs):
+    """transformers' attention-function signature. Each sequence's queries, keys and values
+    are gathered from the packed rows into (S, heads, L, d), right-padded, and attend with
+    causal SDPA (a right-padded sequence's real positions see only real ones), then go back
+    to their slots: the block-diagonal mask's attention, without the work of the masked
+    blocks between sequences. Without `packed_index`, or on a layer with a sliding window
+    or a soft cap, the model's own SDPA with the given 4D mask runs."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    window = kwargs.get("sliding_window")
+    if packed_index is None or (window and packed_index[0].shape[1] > window) or kwargs.get("softcap"):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    index, real = packed_index                                                      # (S, L)
+    r, heads, w, d = query.shape
+    s, n = index.shape
+    flat = index.reshape(-1)
+
+    def gather(x: Tensor) -> Tensor:                                                # (R, h, W, d) -> (S, h, L, d)
+        h = x.shape[1]
+        return x.transpose(1, 2).reshape(r * w, h, d).index_select(0, flat).view(s, n, h, d).transpose(1, 2)
+
+    q, k, v = gather(query), gather(key), gather(value)
+    if k.shape[1] != heads:  # grouped-query attention: query head i reads K/V head i // (heads / kv heads)
+        k, v = k.repeat_interleave(heads // k.shape[1], 1), v.repeat_interleave(heads // v.shape[1], 1)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
+                                                           scale=scaling)            # (S, h, L, d)
+    keep = real.reshape(-1)
+    out = out.transpose(1, 2).reshape(s * n, heads, d)[keep]
+    back = out.new_zeros(r * w, heads, d).index_copy(0, flat[keep], out)            # padding slots: zeros
+    return back.view(r, w, heads, d), None
+
+
+@contextmanager
+def attention(decoder: nn.Module) -> Iterator[None]:
+    """While inside, an SDPA decoder's attention layers run `_per_sequence_sdpa` (under our
+    own name in transformers' AttentionInterface; every other implementation unchanged).
+    Only the attention function's lookup changes: a pass without `packed_index` (padded, or
+    a recomputation outside this context) runs SDPA with its mask, the same numbers."""
+    config = decoder.config
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        yield
+        return
+    from transformers import AttentionInterface
+
+    if PER_SEQUENCE not in AttentionInterface._global_mapping:
+        AttentionInterface.register(PER_SEQUENCE, _per_sequence_sdpa)
+    config._attn_implementation_internal = PER_SEQUENCE  # the plain attribute: sub-configs untouched
+    try:
+        yield
+    finally:
+        config._attn_implementation_internal = "sdpa"
+
+
+ROW_TOKENS = 2048  # per-sequence attention: rows this wide cost no attention work, a 4 MiB mask each
+
+
+def row_budget(config) -> int | None:
+    """The default row width of a packed pass: `ROW_TOKENS` where attention runs per
+    sequence (SDPA), else None (the longest sequence: under eager the mask's (W, W) scores
+    of every row are computed and kept, so rows stay short)."""
+    return ROW_TOKENS if getattr(config, "_attn_implementation", None) == "sdpa" else None
+
+
 def decoder_inputs(decoder: nn.Module, packing: Packing, dtype: torch.dtype) -> dict:
-    """The keyword inputs of a packed decoder pass: ids, restarting positions, the 4D mask."""
-    impl = getattr(decoder.config, "_attn_implementation", None) or "eager"
+    """The keyword inputs of a packed decoder pass: ids, restarting positions, the 4D mask;
+    a {layer type: mask} mapping where some layer slides over a window shorter than a
+    sequence (`layer_masks_accepted`; `choose` runs other such models padded)."""
+    config = decoder.config
+    impl = getattr(config, "_attn_implementation", None) or "eager"
+    impl = "sdpa" if impl == PER_SEQUENCE else impl  # inside `attention(decoder)`
     mask = packing.mask("bool" if impl == "sdpa" else "additive", dtype)
-    return {"input_ids": packing.input_ids, "position_ids": packing.position_ids, "attention_mask": mask}
+    window = sliding_window_of(config)
+    if window is not None and packing.input_ids.numel() and int(packing.position_ids.max()) >= window:
+        if not layer_masks_accepted(config):
+            raise ValueError(f"packed layout: a sequence is longer than the {window}-token sliding window of a "
+                             "model that takes one mask (choose() runs such a batch padded)")
+        cut = windowed(mask, packing.position_ids, window)
+        mask = {kind: cut if kind == "sliding_attention" else mask for kind in set(config.layer_types)}
+    inputs = {"input_ids": packing.input_ids, "position_ids": packing.position_ids, "attention_mask": mask}
+    if impl == "sdpa" and type(packing) is Packing:  # sequences of their own (no shared prefix)
+        inputs["packed_index"] = sequence_index(packing)  # read inside `attention(decoder)`, ignored by plain SDPA
+    return inputs
 
 
 # --------------------------------------------------------------------------------------
