@@ -90,7 +90,7 @@ class MinibatchStats:
     seq_masked: float = 0.0
     seq_judged: float = 0.0
     # the truncated importance weights w = min(pi_old / pi_sampler, tis_cap) on real tokens
-    # (tis_cap set and the sampler's log-probs known): Σ w, Σ w², tokens capped, tokens
+    # (tis_cap set and the sampler's log-probs known): Σ (w - 1), Σ (w - 1)², tokens capped, tokens
     is_sum: float = 0.0
     is_sq_sum: float = 0.0
     is_capped: float = 0.0
@@ -269,7 +269,10 @@ def minibatch_loss(actor, mb: MiniBatch, sec, temperature: float, math_: PPOMath
             real = mb.loss_mask.to(old.dtype)
             w = ops.truncated_is_weights(old, mb.sample_logprobs, mb.loss_mask, sec.tis_cap)   # (b, T)
             capped = ((old - mb.sample_logprobs) >= math.log(sec.tis_cap)).to(old.dtype) * real
-            stats.is_sum, stats.is_sq_sum = float(w.sum()), float((w * w).sum())
+            # about 1 (the on-policy value): summed as w - 1 in float64, so the spread of weights a
+            # rounding apart is not lost in E[w²] - E[w]² (float32 cancels at 2^-12 there)
+            d = (w.double() - 1.0) * real.double()
+            stats.is_sum, stats.is_sq_sum = float(d.sum()), float((d * d).sum())
             stats.is_capped, stats.is_tokens = float(capped.sum()), float(real.sum())
     return total, stats
 
@@ -474,7 +477,7 @@ def policy_update(actor, optimizer, scheduler, roll: Rollout, sec, *, temperatur
         total_w, total_sq, capped, tokens = (dist.sum(x) for x in weights)
         if tokens > 0:  # the first epoch's weights, over every rank (docs/rollout_backends.md)
             mean = total_w / tokens
-            metrics["rollout/is_weight_mean"] = mean
+            metrics["rollout/is_weight_mean"] = 1.0 + mean  # the sums are of w - 1 (`minibatch_loss`)
             metrics["rollout/is_weight_std"] = math.sqrt(max(total_sq / tokens - mean * mean, 0.0))
             metrics["rollout/is_capped_frac"] = capped / tokens
     metrics["params/grad_norm"] = sum(grad_norms) / n_opt
