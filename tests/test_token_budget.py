@@ -25,6 +25,7 @@ from rlhflab.models.actor_critic import ActorCritic, PolicyOnly, Reference, Valu
 from rlhflab.rollout import Rollout
 from rlhflab.trainers.grpo import GRPOSection
 from rlhflab.trainers.ppo import PPORunConfig, PPOSection
+from test_layout import _fill  # advantages and old log-probs a little off the current ones
 
 TOL = 1e-5  # passes of different shapes: float32 rounding, never exact
 RLEN = [40, 3, 1, 4, 37, 2, 5, 30]  # response lengths, 40x apart
@@ -107,18 +108,6 @@ def _tiny(model_dir):
 
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
-
-
-def _fill(roll: Rollout, values: bool, seed: int = 1) -> None:
-    """Advantages (and returns), and old log-probs (and values) a little off the current
-    ones, so the clip is exercised."""
-    g = torch.Generator().manual_seed(seed)
-    m = roll.response_mask.float()
-    roll.advantages = torch.randn(m.shape, generator=g) * m
-    roll.logprobs = (roll.logprobs + 0.3 * torch.randn(m.shape, generator=g)) * m
-    if values:
-        roll.returns = torch.randn(m.shape, generator=g) * m
-        roll.values = (roll.values + 0.3 * torch.randn(m.shape, generator=g)) * m
 
 
 def _one_step(actor, roll, sec):

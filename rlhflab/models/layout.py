@@ -117,6 +117,24 @@ def first_fit(lengths: list[int], budget: int) -> list[list[int]]:
     return rows
 
 
+def place(lengths: list[int], budget: int | None) -> tuple[int, int, Tensor, Tensor]:
+    """Where each sequence (its token count in `lengths`; 0: left out) goes in rows of at most
+    `budget` tokens (`first_fit`; default and floor: the longest): (rows, width, (B,) row of
+    each, (B,) offset of each in its row)."""
+    kept = [i for i, n in enumerate(lengths) if n > 0]
+    rows = first_fit([lengths[i] for i in kept], max(budget or 0, max(lengths, default=0), 1))
+    rows = [[kept[j] for j in row] for row in rows]
+    width = max([sum(lengths[i] for i in row) for row in rows] or [1])
+    row_of = torch.zeros(len(lengths), dtype=torch.long)
+    off_of = torch.zeros(len(lengths), dtype=torch.long)
+    for r, row in enumerate(rows):
+        off = 0
+        for i in row:
+            row_of[i], off_of[i] = r, off
+            off += lengths[i]
+    return max(len(rows), 1), width, row_of, off_of
+
+
 def plan(prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor,
          budget: int | None = None) -> Packing:
     """The packed layout of (B, P) left-padded prompts and (B, T) right-padded responses.
@@ -132,20 +150,7 @@ def plan(prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response
     if bool(((plen == 0) & (rlen > 0)).any()):
         raise ValueError("packed layout: a sequence with an empty prompt has no state to predict its first token")
     length = torch.where(rlen > 0, plen + rlen - 1, 0)                              # (B,)
-    lengths = length.tolist()
-    longest = max(lengths) if lengths else 0
-    rows = first_fit([n for n in lengths if n > 0], max(budget or 0, longest, 1))
-    kept = [i for i, n in enumerate(lengths) if n > 0]
-    rows = [[kept[j] for j in row] for row in rows]
-    n_rows = max(len(rows), 1)
-    width = max([sum(lengths[i] for i in row) for row in rows] or [1])
-    row_of = torch.zeros(b, dtype=torch.long)
-    off_of = torch.zeros(b, dtype=torch.long)
-    for r, row in enumerate(rows):
-        off = 0
-        for i in row:
-            row_of[i], off_of[i] = r, off
-            off += lengths[i]
+    n_rows, width, row_of, off_of = place(length.tolist(), budget)
     row_of, off_of = row_of.to(dev), off_of.to(dev)
     seq = torch.repeat_interleave(torch.arange(b, device=dev), length)              # (N,) a sequence per slot
     first = torch.repeat_interleave(length.cumsum(0) - length, length)
@@ -474,19 +479,7 @@ def plan_sequences(input_ids: Tensor, attention_mask: Tensor, budget: int | None
     real = attention_mask.bool()
     length = real.sum(1).long()                                                     # (B,)
     start = (real.long().cumsum(1) == 0).sum(1)                                     # (B,) first real column
-    lengths = length.tolist()
-    rows = first_fit([n for n in lengths if n > 0], max(budget or 0, max(lengths or [0]), 1))
-    kept = [i for i, n in enumerate(lengths) if n > 0]
-    rows = [[kept[j] for j in row] for row in rows]
-    n_rows = max(len(rows), 1)
-    width = max([sum(lengths[i] for i in row) for row in rows] or [1])
-    row_of = torch.zeros(b, dtype=torch.long)
-    off_of = torch.zeros(b, dtype=torch.long)
-    for r, row in enumerate(rows):
-        off = 0
-        for i in row:
-            row_of[i], off_of[i] = r, off
-            off += lengths[i]
+    n_rows, width, row_of, off_of = place(length.tolist(), budget)
     row_of, off_of = row_of.to(dev), off_of.to(dev)
     seq = torch.repeat_interleave(torch.arange(b, device=dev), length)              # (N,) a sequence per slot
     j = torch.arange(seq.numel(), device=dev) - torch.repeat_interleave(length.cumsum(0) - length, length)
