@@ -140,28 +140,41 @@ def test_tpo_command(tiny_model_dir, arith_dir, tmp_path, capsys):
     assert len((tmp_path / "tpo" / "samples.jsonl").read_text().splitlines()) == 4
 
 
+# The command runs in a process of its own: vLLM's engine runs in the calling process
+# (generation.backend=vllm keeps its core in-process), and whatever it does to that
+# process's streams must not reach the test runner's output capture.
+VLLM_TPO = """
+import sys
+from rlhflab.cli import main
+from rlhflab.rollout.vllm import VLLMEngine
+started, real = [], VLLMEngine.create.__func__
+VLLMEngine.create = classmethod(lambda cls, *a, **k: started.append(1) or real(cls, *a, **k))
+rc = main(sys.argv[1:])
+print(f"engines started: {len(started)}")
+sys.exit(rc)
+"""
+
+
 @pytest.mark.slow
-def test_tpo_command_with_the_vllm_backend(tiny_model_dir, arith_dir, tmp_path, capsys):
+def test_tpo_command_with_the_vllm_backend(tiny_model_dir, arith_dir, tmp_path):
     # `rlhflab tpo` samples through the configured backend: vLLM on the folder (eager, to
-    # start in seconds; tiny_model_dir's head_dim 32 has a CPU kernel), no hf model loaded.
+    # start in seconds; tiny_model_dir's head_dim 32 has a CPU kernel), one engine, no hf
+    # model loaded.
+    import os
+    import subprocess
+    import sys
+
     from test_vllm_backend import HAVE_VLLM
 
     if not HAVE_VLLM:
         pytest.skip("vLLM is not installed")
-    from rlhflab.cli import main
-    from rlhflab.rollout.vllm import VLLMEngine
-
-    started = []
-    real = VLLMEngine.create.__func__
-    VLLMEngine.create = classmethod(lambda cls, *a, **k: started.append(1) or real(cls, *a, **k))
-    try:
-        rc = main(["tpo", "--config", str(ROOT / "configs" / "tpo_quickstart.yaml"),
-                   f"model.name_or_path={tiny_model_dir}", f"dataset.eval_path={arith_dir / 'test.jsonl'}",
-                   "dataset.num_eval_samples=4", "generation.max_new_tokens=4", "tpo.rounds=1",
-                   "tpo.num_candidates=2", f"run.output_dir={tmp_path / 'tpo'}", "run.num_threads=1",
-                   "generation.backend=vllm", "generation.vllm.enforce_eager=true"])
-    finally:
-        VLLMEngine.create = classmethod(real)
-    out = capsys.readouterr().out
-    assert rc == 0 and started == [1] and "round  samples" in out
+    args = ["tpo", "--config", str(ROOT / "configs" / "tpo_quickstart.yaml"),
+            f"model.name_or_path={tiny_model_dir}", f"dataset.eval_path={arith_dir / 'test.jsonl'}",
+            "dataset.num_eval_samples=4", "generation.max_new_tokens=4", "tpo.rounds=1",
+            "tpo.num_candidates=2", f"run.output_dir={tmp_path / 'tpo'}", "run.num_threads=1",
+            "generation.backend=vllm", "generation.vllm.enforce_eager=true"]
+    proc = subprocess.run([sys.executable, "-c", VLLM_TPO, *args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "round  samples" in proc.stdout and proc.stdout.rstrip().endswith("engines started: 1")
     assert len((tmp_path / "tpo" / "samples.jsonl").read_text().splitlines()) == 4
