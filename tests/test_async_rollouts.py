@@ -325,6 +325,9 @@ def test_a_broken_vllm_push_in_the_producer_is_caught(grpo_cfg, tmp_path, monkey
     # vLLM in the producer at s = 1: each rollout's sampler log-probs against the producer's
     # copy of the same version (rollout/engine_gap); steps 1 and 2 (version 0, pushed whole)
     # set the baseline, step 3 samples from the first broken push and stops the run.
+    # vLLM samples unseeded, so the first update is a draw, and with it the stale matrix's
+    # effect: at learning rate 1e-3 step 3's gap was 2.7e-3 in one run and under the
+    # canary's 1e-3 floor in another (caught at step 4); at 1e-2, 5.6e-3 and 1.6e-2.
     from test_vllm_backend import HAVE_VLLM
 
     import producer_faults
@@ -333,7 +336,8 @@ def test_a_broken_vllm_push_in_the_producer_is_caught(grpo_cfg, tmp_path, monkey
         pytest.skip("vLLM is not installed")
     monkeypatch.setattr(service, "PRODUCER_MAIN", producer_faults.vllm_push_skips_a_tensor)
     cfg = grpo_cfg("generation.backend=vllm", "generation.vllm.enforce_eager=true", "generation.seeded_sampling=false",
-                   "generation.max_staleness=1", "training.total_steps=4", "training.save_interval=1", out="vllm")
+                   "generation.max_staleness=1", "training.total_steps=4", "training.save_interval=1",
+                   "grpo.learning_rate=1e-2", out="vllm")
     with pytest.raises(UserError) as err:
         grpo.train(cfg, quiet=True)
     msg = str(err.value)
