@@ -85,8 +85,8 @@ def cases(tiny_model_dir, arith_dir, arith_pairs) -> dict[str, tuple[list[str], 
           "ppo_lora": ("ppo", LORA, ("ddp", "fsdp")),
           "grpo": ("grpo", GRPO_STEP, ("ddp", "fsdp", "zero3")),
           # the packed layout: DDP (whole models) and ZeRO-3 (each layer gathered in its forward)
-          "ppo_packed": ("ppo", [*PPO_STEP, "ppo.layout=packed"], ("ddp",)),
-          "grpo_packed": ("grpo", [*GRPO_STEP, "grpo.layout=packed"], ("zero3",)),
+          "ppo_packed": ("ppo", [*PPO_STEP, "ppo.layout=packed"], ("ddp", "zero2")),
+          "grpo_packed": ("grpo", [*GRPO_STEP, "grpo.layout=packed"], ("fsdp", "zero3")),
           # one step off (generation.max_staleness=1): each rank's producer samples its rows
           "grpo_s1": ("grpo", [*GRPO_STEP, "generation.max_staleness=1", "training.num_threads=1"], ("ddp",))}
     out = {name: ([method, "--config", str(ROOT / "configs" / f"{method}_debug.yaml"),
@@ -236,16 +236,16 @@ def _case(strategy: str, name: str):
 
 # PPO under every strategy; the separate critic where it is sharded on its own, and GRPO
 # (prompt-sharing forward passes) where forward passes gather: FSDP and ZeRO-3. The packed
-# layout under DDP (PPO) and ZeRO-3 (GRPO): a layout changes the decoder's inputs alone (rows,
-# positions, a 4D mask), one forward per pass in both layouts, so ZeRO-2 (whole parameters in
-# the forward, as DDP) and FSDP2 (a layer gathered per forward, as ZeRO-3) see what these do.
+# layout under each strategy: PPO where whole parameters are in the forward (DDP, ZeRO-2),
+# GRPO where a layer is gathered per forward (FSDP2, ZeRO-3).
 @pytest.mark.parametrize("strategy, name", [
     *(_case(s, "ppo") for s in ("ddp", "fsdp", "zero2", "zero3")),
     *(_case(s, "ppo_critic") for s in ("fsdp", "zero3")),
     *(_case(s, "ppo_lora") for s in ("ddp", "fsdp")),
     *(_case(s, "grpo") for s in ("ddp", "fsdp", "zero3")),
     _case("ddp", "grpo_s1"),
-    _case("ddp", "ppo_packed"), _case("zero3", "grpo_packed"),
+    *(_case(s, "ppo_packed") for s in ("ddp", "zero2")),
+    *(_case(s, "grpo_packed") for s in ("fsdp", "zero3")),
 ])
 def test_two_processes_equal_one(strategy, name, cases, tiny_model_dir, one_process, launched):
     settings = cases[name][0]
