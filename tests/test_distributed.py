@@ -84,7 +84,8 @@ def cases(tiny_model_dir, arith_dir, arith_pairs) -> dict[str, tuple[list[str], 
           "ppo_critic": ("ppo", CRITIC, ("fsdp", "zero3")),
           "ppo_lora": ("ppo", LORA, ("ddp", "fsdp")),
           "grpo": ("grpo", GRPO_STEP, ("ddp", "fsdp", "zero3")),
-          # the packed layout: DDP (whole models) and ZeRO-3 (each layer gathered in its forward)
+          # the packed layout: PPO with whole parameters in the forward (DDP, ZeRO-2), GRPO with
+          # each layer gathered in its forward (FSDP2, ZeRO-3)
           "ppo_packed": ("ppo", [*PPO_STEP, "ppo.layout=packed"], ("ddp", "zero2")),
           "grpo_packed": ("grpo", [*GRPO_STEP, "grpo.layout=packed"], ("fsdp", "zero3")),
           # one step off (generation.max_staleness=1): each rank's producer samples its rows

@@ -130,7 +130,7 @@ def test_saved_reward_model_is_a_reward_source(task, reward_model):
                           (chosen - meta["score_mean"]) / meta["score_std"], atol=1e-5)
 
 
-def test_ppo_on_the_reward_model_raises_its_score_and_accuracy(tmp_path, task, policy, reward_model):
+def test_ppo_on_the_reward_model_raises_its_score_and_keeps_the_accuracy(tmp_path, task, policy, reward_model):
     from rlhflab.config import load_config
     from rlhflab.trainers.ppo import PPORunConfig
     from rlhflab.trainers.ppo import train

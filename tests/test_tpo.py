@@ -3,7 +3,10 @@ beside it, the templates checked at load, and the command."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -160,10 +163,6 @@ def test_tpo_command_with_the_vllm_backend(tiny_model_dir, arith_dir, tmp_path):
     # `rlhflab tpo` samples through the configured backend: vLLM on the folder (eager, to
     # start in seconds; tiny_model_dir's head_dim 32 has a CPU kernel), one engine, no hf
     # model loaded.
-    import os
-    import subprocess
-    import sys
-
     from test_vllm_backend import HAVE_VLLM
 
     if not HAVE_VLLM:
