@@ -377,7 +377,7 @@ def test_layout_auto_shares_the_prompt_on_a_cpu_only(model_dir, task_dir, tmp_pa
     assert scoring.group_layout(roll, models.policy, "shared", whole_groups=False) == ("packed", 1)
     assert scoring.group_layout(roll, models.policy, "auto", whole_groups=False) == ("padded", 1)
     assert [cpu.share_prompt(d, "auto") for d in ("cpu", torch.device("cuda"))] == [True, False]
-    impl, models.policy.config._attn_implementation = models.policy.config._attn_implementation, "flash_attention_2"
+    impl, models.policy.config._attn_implementation = models.policy.config._attn_implementation, "flex_attention"
     assert scoring.group_layout(roll, models.policy, "auto") == ("padded", 1)  # packing refuses it: padded
     models.policy.config._attn_implementation = impl
     roll.prompt_ids[1, -1] += 1  # row 1 no longer asks its group's prompt

@@ -296,9 +296,10 @@ def test_an_all_ones_2d_mask_never_reaches_a_packed_forward(tiny_model_dir):
 
 def test_unsupported_attention_is_refused_in_one_line(tiny_model_dir):
     policy = _tiny(tiny_model_dir)
-    policy.config._attn_implementation = "flash_attention_2"
+    policy.config._attn_implementation_internal = "flex_attention"
     roll = _rollout(policy.config.vocab_size)
-    with pytest.raises(UserError, match=r"^layout: packed runs with attn_implementation sdpa or eager") as e:
+    with pytest.raises(UserError, match=r"^layout: packed runs with attn_implementation sdpa, eager or "
+                                        r"flash_attention_2/3, not flex_attention") as e:
         response_hidden(policy, roll.prompt_ids, roll.prompt_mask, roll.response_ids, roll.response_mask,
                         layout="packed")
     assert "\n" not in str(e.value)
@@ -472,3 +473,96 @@ def test_sdpa_runs_per_sequence_attention_equal_to_the_mask(tiny_model_dir, monk
         assert calls == [(8, True, True)] * 2  # the 8 sequences as a batch, causal, no mask
         real = packing.segments >= 0
         assert (masked - per_seq)[real].abs().max() <= TOL
+
+
+def test_sdpa_runs_the_shared_layout_per_sequence_equal_to_the_tree_mask(tiny_model_dir, monkeypatch):
+    """The shared layout under SDPA attends one sequence at a time too: each response with
+    its group's prompt (the prompt's queries, keys and values gathered once per response),
+    the same states as the tree mask, on the prompt's slots as on every response's."""
+    policy = _tiny(tiny_model_dir)
+    decoder = policy.model
+    roll = _rollout(policy.config.vocab_size, group_size=4)
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+        calls.append((q.shape[0], attn_mask is None, is_causal))
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    prompt_ids, prompt_mask = roll.prompt_ids[::4], roll.prompt_mask[::4]  # a prompt per group
+    for budget in (None, 1000):  # rows of the longest group; both groups in one row
+        packing = layouts.shared_plan(prompt_ids, prompt_mask, roll.response_ids, roll.response_mask, 4, budget)
+        assert packing.input_ids.shape[0] == (2 if budget is None else 1)
+        inputs = layouts.decoder_inputs(decoder, packing, torch.float32)
+        with torch.no_grad():
+            calls.clear()
+            masked = decoder(**inputs).last_hidden_state  # plain SDPA: the tree mask
+            assert calls == [(packing.input_ids.shape[0], False, False)] * 2
+            calls.clear()
+            with layouts.attention(decoder):
+                per_seq = decoder(**inputs).last_hidden_state
+        assert calls == [(8, True, True)] * 2  # a sequence per response, causal, no mask
+        real = packing.segments >= 0
+        assert (masked - per_seq)[real].abs().max() <= TOL
+        assert (masked - per_seq)[packing.prompt].abs().max() <= TOL and bool(packing.prompt.any())
+
+
+def _varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=True, softmax_scale=None, **_):
+    """What FlashAttention's varlen kernel computes, in plain SDPA: (N, heads, d) flat
+    queries, keys and values, each run [cu[i], cu[i+1]) attending causally to itself alone."""
+    assert torch.equal(cu_seqlens_q, cu_seqlens_k) and causal
+    out = []
+    for a, b in zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist()):
+        qi, ki, vi = (x[a:b].transpose(0, 1) for x in (q, k, v))                     # (h, L, d)
+        if ki.shape[0] != qi.shape[0]:
+            ki, vi = (x.repeat_interleave(qi.shape[0] // x.shape[0], 0) for x in (ki, vi))
+        out.append(torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, is_causal=True,
+                                                                    scale=softmax_scale).transpose(0, 1))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("build", [None, _qwen2], ids=["llama", "qwen2"])
+def test_flash_attention_packs_by_sequence_boundaries(build, tiny_model_dir, monkeypatch, recwarn):
+    """Under flash_attention_2 a packed pass builds no mask: the decoder gets the sequences'
+    boundaries as transformers' FlashAttention integration reads them (cu_seq_lens_q/k,
+    max_length_q/k) and runs its varlen kernel. transformers' own integration runs here with
+    the kernel swapped for `_varlen_reference` (no FlashAttention on a CPU): the packed log-
+    probs equal the padded pass's, and the shared layout runs packed with a one-line note."""
+    from transformers import modeling_flash_attention_utils as fa
+
+    def process(**kw):  # the kernel's keywords (flash_attn_varlen_func's: causal, softmax_scale)
+        return {"causal": kw["is_causal"], "softmax_scale": kw.get("softmax_scale")}
+
+    runs = []
+
+    def kernel(q, k, v, **kw):
+        runs.append(len(kw["cu_seqlens_q"]) - 1)
+        return _varlen_reference(q, k, v, **kw)
+
+    monkeypatch.setattr(fa, "lazy_import_flash_attention",
+                        lambda *a, **k: ((None, kernel, None, None, None), (process, dict)))
+    monkeypatch.setattr(layouts, "_NOTED", set())
+    policy = _tiny(tiny_model_dir) if build is None else build().float()
+    roll = _rollout(policy.config.vocab_size, group_size=4)
+    prompts = roll.prompt_ids[::4], roll.prompt_mask[::4]
+    with torch.no_grad():
+        padded = response_hidden(policy, *prompts, roll.response_ids, roll.response_mask, 4, "padded")
+        packing = layouts.plan(roll.prompt_ids, roll.prompt_mask, roll.response_ids, roll.response_mask, 40)
+        policy.config._attn_implementation_internal = "flash_attention_2"
+        try:
+            inputs = layouts.decoder_inputs(policy.model, packing, torch.float32)
+            assert "attention_mask" not in inputs and inputs["max_length_q"] == max(
+                int(n) for n in (roll.prompt_mask.sum(1) + roll.response_mask.sum(1) - 1))
+            cu = inputs["cu_seq_lens_q"]
+            assert cu[0] == 0 and cu[-1] == packing.input_ids.numel() and bool((cu.diff() > 0).all())
+            packed = response_hidden(policy, *prompts, roll.response_ids, roll.response_mask, 4, "packed")
+            shared = response_hidden(policy, *prompts, roll.response_ids, roll.response_mask, 4, "shared")
+        finally:
+            policy.config._attn_implementation_internal = "sdpa"
+    m = roll.response_mask.bool()
+    assert (padded - packed)[m].abs().max() <= TOL and (padded - shared)[m].abs().max() <= TOL
+    assert (packed - shared).abs().max() == 0  # shared ran as packed
+    layers = policy.config.num_hidden_layers
+    assert len(runs) == 2 * layers and all(n >= 8 for n in runs)  # 2 passes; 8 sequences (and row tails)
+    assert any("layout: shared runs packed under FlashAttention" in str(w.message) for w in recwarn)

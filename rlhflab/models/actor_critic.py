@@ -211,16 +211,20 @@ def response_hidden(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, r
     if layout == "shared":  # where packing would not be exact (`layouts.choose`): padded
         rows_mask = prompt_mask.repeat_interleave(k, 0) if k > 1 else prompt_mask
         layout = "shared" if layouts.choose(decoder.config, "packed", rows_mask, response_mask) == "packed" else "padded"
+        if layout == "shared" and getattr(decoder.config, "_attn_implementation", None) in layouts.FLASH:
+            layouts.note_once("flash-shared", "layout: shared runs packed under FlashAttention (each row its own "
+                              "prompt): its varlen kernel cannot run a prompt shared by several sequences")
+            layout = "packed"
     if layout != "shared" and k > 1:
         prompt_ids, prompt_mask = prompt_ids.repeat_interleave(k, 0), prompt_mask.repeat_interleave(k, 0)
     if layout == "packed":
         layout = layouts.choose(decoder.config, layout, prompt_mask, response_mask)
     if layout != "padded":
-        # shared: the tree mask (SDPA with it, rows of the longest group); packed: rows up to
-        # `row_budget`, attention per sequence under SDPA (`layouts.attention`)
-        packing = (layouts.shared_plan(prompt_ids, prompt_mask, response_ids, response_mask, k) if layout == "shared"
-                   else layouts.plan(prompt_ids, prompt_mask, response_ids, response_mask,
-                                     layouts.row_budget(decoder.config)))
+        # rows up to `row_budget`; under SDPA attention runs per sequence (`layouts.attention`:
+        # shared's sequences are each response with its group's prompt), under eager the mask
+        budget = layouts.row_budget(decoder.config)
+        packing = (layouts.shared_plan(prompt_ids, prompt_mask, response_ids, response_mask, k, budget)
+                   if layout == "shared" else layouts.plan(prompt_ids, prompt_mask, response_ids, response_mask, budget))
         dtype = next(decoder.parameters()).dtype
         with compiled_layers(decoder), layouts.attention(decoder):
             hidden = _last_hidden(decoder(**layouts.decoder_inputs(decoder, packing, dtype), use_cache=False))

@@ -17,6 +17,8 @@ runs. Under SDPA `attention(decoder)` runs each sequence's attention on its own 
 queries, keys and values gathered into a right-padded batch, causal SDPA, the same
 numbers to rounding), so wide rows cost no attention work between sequences; the mask is
 its fallback (a sliding layer whose window cuts, a recomputation outside the context).
+The shared layout (a group's prompt once, its responses after it; `shared_plan`) runs
+the same way: each response is a sequence of its group's prompt and its own tokens.
 The all-ones 2D mask is never passed: with it transformers skips its own packed-sequence
 detection (it only looks at position ids when no 2D mask is given) and packed sequences
 would attend to each other.
@@ -26,8 +28,12 @@ predicts response token t (that of the sequence's token before it), zeros on pad
 everything after the decoder (the heads, `ops/`, the losses) sees the padded shapes; the
 LM head runs on the real response tokens only (`actor_critic.stats_for`).
 
-Architectures: SDPA and eager attention only (FlashAttention's varlen path is not wired
-yet: refused in one line). Attention sinks and recurrent or linear-attention layers
+Under FlashAttention (`flash_attention_2`/`_3`) no mask is built: the decoder gets the
+sequences' boundaries (`cu_seq_lens_q/k`, `max_length_q/k`, the keywords transformers'
+FlashAttention integration reads) and its varlen kernel keeps each sequence to itself,
+sliding windows and soft caps included; the shared layout's tree is not a set of
+contiguous sequences, so under FlashAttention it runs packed (each row its own prompt).
+Other kernels (flex attention, hub kernels) are refused in one line. Attention sinks and recurrent or linear-attention layers
 cannot be bounded to a sequence by a mask: refused. A sliding window is exact when
 every sequence fits in it (the window then cuts nothing). Past it, a model whose decoder
 takes a mask per layer type (transformers' ``{layer type: mask}`` mapping, as Gemma 3's
@@ -51,6 +57,7 @@ import torch
 from torch import Tensor, nn
 
 LAYOUTS = ("padded", "packed")
+FLASH = ("flash_attention_2", "flash_attention_3")  # varlen kernels: the boundaries, no mask
 _ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
 _NOTED: set[str] = set()
 
@@ -170,7 +177,8 @@ def plan(prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response
     return Packing(ids.view(n_rows, width), pos.view(n_rows, width), segments.view(n_rows, width), gather)
 
 
-def _note(key: str, text: str) -> None:
+def note_once(key: str, text: str) -> None:
+    """A one-line warning, once per process for each `key`."""
     if key not in _NOTED:
         _NOTED.add(key)
         warnings.warn(text, stacklevel=3)
@@ -179,9 +187,9 @@ def _note(key: str, text: str) -> None:
 def refusal(config) -> str | None:
     """Why a model with this (text) config cannot take the packed layout, in one line, or None."""
     impl = getattr(config, "_attn_implementation", None) or "eager"
-    if impl not in ("sdpa", "eager"):
-        return (f"layout: packed runs with attn_implementation sdpa or eager, not {impl} (FlashAttention's "
-                "varlen path is not wired yet); set layout: padded or model.attn_implementation: sdpa")
+    if impl not in ("sdpa", "eager", *FLASH):
+        return (f"layout: packed runs with attn_implementation sdpa, eager or flash_attention_2/3, not {impl}; "
+                "set layout: padded or model.attn_implementation: sdpa")
     kinds = set(getattr(config, "layer_types", None) or ())
     if kinds - _ATTENTION_LAYERS:
         return (f"layout: packed cannot bound {', '.join(sorted(kinds - _ATTENTION_LAYERS))} layers to one "
@@ -219,12 +227,12 @@ def choose(model_config, layout: str, prompt_mask: Tensor, response_mask: Tensor
     if window is not None:
         longest = int((prompt_mask.sum(1) + response_mask.sum(1)).max()) if len(prompt_mask) else 0
         if longest > window and not layer_masks_accepted(model_config):
-            _note(f"window{window}", f"layout: packed: a sequence of {longest} tokens is longer than the "
+            note_once(f"window{window}", f"layout: packed: a sequence of {longest} tokens is longer than the "
                   f"{window}-token sliding window and {model_config.model_type} takes one mask for all its "
                   "layers; such batches run padded")
             return "padded"
     if not contiguous(prompt_mask, response_mask):
-        _note("holes", "layout: packed: a batch whose masks are not left-padded prompts and right-padded "
+        note_once("holes", "layout: packed: a batch whose masks are not left-padded prompts and right-padded "
               "responses runs padded")
         return "padded"
     return "packed"
@@ -271,15 +279,37 @@ def windowed(mask: Tensor, position_ids: Tensor, window: int) -> Tensor:
 PER_SEQUENCE = "rlhflab_per_sequence_sdpa"
 
 
-def sequence_index(packing: Packing) -> tuple[Tensor, Tensor]:
-    """(S, L) slot of each sequence's position l in the flat R·W positions (0 past its end)
-    and (S, L) True on its real positions: the packed rows' sequences, right-padded."""
+def sequence_index(packing: Packing) -> tuple[Tensor, Tensor, Tensor]:
+    """The packed rows' sequences, right-padded, for attention one sequence at a time:
+    (S, L) the slot in the flat R·W positions of each sequence's position l (0 past its end),
+    (S, L) True on its real positions, and (S, L) True where its output is the slot's (each
+    slot written once). Packed: a sequence per segment. Shared: a sequence per response row,
+    its group's prompt then its own tokens; a prompt slot takes the output of its group's
+    first row (every row of the group computes the same, from the same keys and values)."""
     seg, pos = packing.segments.reshape(-1), packing.position_ids.reshape(-1)
+    slots = torch.arange(seg.numel(), device=seg.device)
+    if isinstance(packing, SharedPacking):
+        grp, prm = packing.group.reshape(-1), packing.prompt.reshape(-1)
+        b, k = packing.gather.shape[0], packing.group_size
+        resp = (seg >= 0) & ~prm
+        rin = torch.bincount(seg[resp], minlength=b)                                # (B,) response inputs
+        plen = torch.bincount(grp[prm], minlength=b // k)                           # (G,) 0: group left out
+        row_plen = plen.repeat_interleave(k)                                        # (B,)
+        lengths = torch.where(row_plen > 0, row_plen + rin, 0)
+        index = torch.zeros(b, max(int(lengths.max()), 1), dtype=torch.long, device=seg.device)
+        index[seg[resp], pos[resp]] = slots[resp]
+        rows = (grp[prm][:, None] * k + torch.arange(k, device=seg.device)).reshape(-1)  # every row of its group
+        index[rows, pos[prm].repeat_interleave(k)] = slots[prm].repeat_interleave(k)
+        col = torch.arange(index.shape[1], device=seg.device)
+        real = col < lengths[:, None]
+        first_row = (torch.arange(b, device=seg.device) % k == 0)[:, None]
+        return index, real, real & ((col >= row_plen[:, None]) | first_row)
     real = seg >= 0
     lengths = torch.bincount(seg[real], minlength=int(seg.max()) + 1 if bool(real.any()) else 1)
     index = torch.zeros(len(lengths), max(int(lengths.max()), 1), dtype=torch.long, device=seg.device)
-    index[seg[real], pos[real]] = torch.arange(seg.numel(), device=seg.device)[real]
-    return index, torch.arange(index.shape[1], device=seg.device) < lengths[:, None]
+    index[seg[real], pos[real]] = slots[real]
+    real = torch.arange(index.shape[1], device=seg.device) < lengths[:, None]
+    return index, real, real
 
 
 def _per_sequence_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -296,7 +326,7 @@ def _per_sequence_sdpa(module, query, key, value, attention_mask, dropout: float
     if packed_index is None or (window and packed_index[0].shape[1] > window) or kwargs.get("softcap"):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    index, real = packed_index                                                      # (S, L)
+    index, real, write = packed_index                                               # (S, L)
     r, heads, w, d = query.shape
     s, n = index.shape
     flat = index.reshape(-1)
@@ -310,7 +340,7 @@ def _per_sequence_sdpa(module, query, key, value, attention_mask, dropout: float
         k, v = k.repeat_interleave(heads // k.shape[1], 1), v.repeat_interleave(heads // v.shape[1], 1)
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
                                                            scale=scaling)            # (S, h, L, d)
-    keep = real.reshape(-1)
+    keep = write.reshape(-1)
     out = out.transpose(1, 2).reshape(s * n, heads, d)[keep]
     back = out.new_zeros(r * w, heads, d).index_copy(0, flat[keep], out)            # padding slots: zeros
     return back.view(r, w, heads, d), None
@@ -342,9 +372,24 @@ ROW_TOKENS = 2048  # per-sequence attention: rows this wide cost no attention wo
 
 def row_budget(config) -> int | None:
     """The default row width of a packed pass: `ROW_TOKENS` where attention runs per
-    sequence (SDPA), else None (the longest sequence: under eager the mask's (W, W) scores
-    of every row are computed and kept, so rows stay short)."""
-    return ROW_TOKENS if getattr(config, "_attn_implementation", None) == "sdpa" else None
+    sequence (SDPA, FlashAttention's varlen kernel), else None (the longest sequence: under
+    eager the mask's (W, W) scores of every row are computed and kept, so rows stay short)."""
+    return ROW_TOKENS if getattr(config, "_attn_implementation", None) in ("sdpa", *FLASH) else None
+
+
+def flash_inputs(packing: Packing) -> dict:
+    """FlashAttention's varlen keywords for the packed rows read as one flat sequence of R·W
+    positions: every sequence a run of its own, and each row's padding tail one more (its
+    states are never read)."""
+    seg = packing.segments.reshape(-1)
+    n = seg.numel()
+    cut = torch.ones(n, dtype=torch.bool, device=seg.device)
+    cut[1:] = seg[1:] != seg[:-1]
+    cut[::packing.segments.shape[1]] = True                                          # every row starts a run
+    starts = cut.nonzero().view(-1)
+    cu = torch.cat([starts, starts.new_tensor([n])]).to(torch.int32)
+    longest = int(cu.diff().max())
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
 def decoder_inputs(decoder: nn.Module, packing: Packing, dtype: torch.dtype) -> dict:
@@ -354,6 +399,11 @@ def decoder_inputs(decoder: nn.Module, packing: Packing, dtype: torch.dtype) -> 
     config = decoder.config
     impl = getattr(config, "_attn_implementation", None) or "eager"
     impl = "sdpa" if impl == PER_SEQUENCE else impl  # inside `attention(decoder)`
+    if impl in FLASH:
+        if isinstance(packing, SharedPacking):
+            raise ValueError("shared layout: FlashAttention's varlen kernel cannot run its tree (response_hidden "
+                             "runs such a batch packed)")
+        return {"input_ids": packing.input_ids, "position_ids": packing.position_ids, **flash_inputs(packing)}
     mask = packing.mask("bool" if impl == "sdpa" else "additive", dtype)
     window = sliding_window_of(config)
     if window is not None and packing.input_ids.numel() and int(packing.position_ids.max()) >= window:
@@ -363,7 +413,7 @@ def decoder_inputs(decoder: nn.Module, packing: Packing, dtype: torch.dtype) -> 
         cut = windowed(mask, packing.position_ids, window)
         mask = {kind: cut if kind == "sliding_attention" else mask for kind in set(config.layer_types)}
     inputs = {"input_ids": packing.input_ids, "position_ids": packing.position_ids, "attention_mask": mask}
-    if impl == "sdpa" and type(packing) is Packing:  # sequences of their own (no shared prefix)
+    if impl == "sdpa":
         inputs["packed_index"] = sequence_index(packing)  # read inside `attention(decoder)`, ignored by plain SDPA
     return inputs
 
@@ -382,6 +432,7 @@ class SharedPacking(Packing):
 
     group: Tensor = None   # (R, W) the group each position belongs to, -1 on padding
     prompt: Tensor = None  # (R, W) True on prompt tokens
+    group_size: int = 1    # k: responses [g·k, (g+1)·k) answer prompt g
 
     def mask(self, kind: str, dtype: torch.dtype) -> Tensor:
         """(R, 1, W, W) the tree mask; `kind` as in `Packing.mask`."""
@@ -423,19 +474,8 @@ def shared_plan(prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, r
     rin = (rlen - 1).clamp(min=0)                                                   # (B,) response inputs
     used = (rlen > 0).view(g, k).any(1)                                             # (G,) a group read at all
     glen = torch.where(used, plen + rin.view(g, k).sum(1), 0)                       # (G,) tokens of its span
-    lengths = glen.tolist()
-    kept = [i for i, n in enumerate(lengths) if n > 0]
-    rows = first_fit([lengths[i] for i in kept], max(budget or 0, max(lengths, default=0), 1))
-    rows = [[kept[j] for j in row] for row in rows]
-    n_rows = max(len(rows), 1)
-    width = max([sum(lengths[i] for i in row) for row in rows] or [1])
-    start = torch.zeros(g, dtype=torch.long)                                        # (G,) flat slot of its span
-    for r, row in enumerate(rows):
-        off = 0
-        for i in row:
-            start[i] = r * width + off
-            off += lengths[i]
-    start = start.to(dev)
+    n_rows, width, row_of, off_of = place(glen.tolist(), budget)
+    start = (row_of * width + off_of).to(dev)                                       # (G,) flat slot of its span
     n = n_rows * width
     ids = torch.zeros(n, dtype=prompt_ids.dtype, device=dev)
     pos = torch.zeros(n, dtype=torch.long, device=dev)
@@ -462,7 +502,7 @@ def shared_plan(prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, r
     at = torch.where(tt == 0, last[:, None], first[:, None] + tt - 1)               # (B, T) state before token t
     gather = torch.where(tt < rlen[:, None], at, n)
     return SharedPacking(ids.view(n_rows, width), pos.view(n_rows, width), segments.view(n_rows, width), gather,
-                         group.view(n_rows, width), prompt.view(n_rows, width))
+                         group.view(n_rows, width), prompt.view(n_rows, width), k)
 
 
 def plan_sequences(input_ids: Tensor, attention_mask: Tensor, budget: int | None = None) -> Packing:
