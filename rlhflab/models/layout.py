@@ -336,10 +336,10 @@ def _per_sequence_sdpa(module, query, key, value, attention_mask, dropout: float
         return x.transpose(1, 2).reshape(r * w, h, d).index_select(0, flat).view(s, n, h, d).transpose(1, 2)
 
     q, k, v = gather(query), gather(key), gather(value)
-    if k.shape[1] != heads:  # grouped-query attention: query head i reads K/V head i // (heads / kv heads)
-        k, v = k.repeat_interleave(heads // k.shape[1], 1), v.repeat_interleave(heads // v.shape[1], 1)
+    # grouped-query attention: query head i reads K/V head i // (heads / kv heads), which
+    # SDPA does itself (`enable_gqa`), so K and V are not repeated (nor kept for the backward)
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
-                                                           scale=scaling)            # (S, h, L, d)
+                                                           scale=scaling, enable_gqa=k.shape[1] != heads)  # (S, h, L, d)
     keep = write.reshape(-1)
     out = out.transpose(1, 2).reshape(s * n, heads, d)[keep]
     back = out.new_zeros(r * w, heads, d).index_copy(0, flat[keep], out)            # padding slots: zeros
