@@ -13,16 +13,19 @@ step of learning rate 0, so every repeat runs the same weights):
 
 The lengths are sampled once with the model (temperature 0.7) and cached in --out
 (`lengths-<model>.json`, with their histogram printed); the update then runs on random
-token ids of those lengths (time and memory depend on the lengths alone). Padded and
-packed alternate, after one warm-up each; the median wall time is reported. Memory: the
+token ids of those lengths (time and memory depend on the lengths alone), each group of 8
+responses sharing one prompt. Three layouts: padded; packed (each response after its own
+copy of the prompt); shared (packed, each group's prompt once: what `layout: auto` runs
+for GRPO on a CPU). They alternate, after one warm-up each; the median wall time is reported. Memory: the
 peak bytes of tensors allocated during one more step of each side, read by the profiler
 (`_common.profiled_tensor_bytes`: exact, no allocator slack). The model: --model-dir, or
 SmolLM2-135M-Instruct imported from the packaged GGUF file into --out (as the tests'
 `smollm2_dir` does); --tiny: the project's tiny model and short lengths (a test's run).
-The last line (the long-tailed case; ratio = padded time / packed time, memory = packed
-peak / padded peak):
+The last two lines (the long-tailed case; ratio = padded time / packed time, memory =
+packed peak / padded peak), packed then shared:
 
     packing: padded X s, packed Y s, ratio Z, memory W (lengths p50 A / max B)
+    packing (shared prompt): padded X s, packed Y s, ratio Z, memory W (lengths p50 A / max B)
 """
 
 from __future__ import annotations
@@ -135,7 +138,7 @@ def rollout(plens: list[int], rlens: list[int], vocab: int, seed: int):
     p, t = int(pl.max()), int(rl.max())
     pm = (torch.arange(p) >= p - pl[:, None]).long()
     rm = (torch.arange(t) < rl[:, None]).long()
-    pi = torch.randint(3, vocab, (len(pl), p), generator=g) * pm
+    pi = torch.randint(3, vocab, (len(pl) // 8, p), generator=g).repeat_interleave(8, 0) * pm  # a prompt per group
     ri = torch.randint(3, vocab, (len(rl), t), generator=g) * rm
     roll = Rollout(pi, pm, ri, rm, rl >= t, group_size=8)
     m = rm.float()
@@ -158,13 +161,16 @@ def update_step(actor, roll, layout: str, mini_batch: int, max_new: int) -> None
                   step=0, seed=0, max_new_tokens=max_new)
 
 
+SIDES = ("padded", "packed", "shared")
+
+
 def measure(actor, roll, mini_batch: int, max_new: int, repeats: int) -> dict:
-    sides = ("padded", "packed")
+    sides = SIDES
     times: dict[str, list[float]] = {s: [] for s in sides}
     for s in sides:  # warm-up
         update_step(actor, roll, s, mini_batch, max_new)
     for r in range(repeats):
-        for s in (sides if r % 2 == 0 else sides[::-1]):  # interleaved, alternating who goes first
+        for s in (sides if r % 2 == 0 else sides[::-1]):  # interleaved, alternating the order
             t0 = clock()
             update_step(actor, roll, s, mini_batch, max_new)
             times[s].append(clock() - t0)
@@ -212,20 +218,22 @@ def main(argv: list[str] | None = None) -> int:
         res = measure(actor, roll, c["mb"], c["max_new"], a.repeats)
         res["p50"], res["max"] = int(median(rl)), max(rl)
         results[name] = res
-    print("| case | lengths p50 / max | padded s (runs) | packed s (runs) | ratio | peak MiB padded / packed "
-          "| memory |")
+    print("| case | lengths p50 / max | layout | update s (runs) | speed-up | tensor peak MiB | memory |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, r in results.items():
-        pad, pack = median(r["times"]["padded"]), median(r["times"]["packed"])
-        r["ratio"], r["memory"] = pad / pack, r["peak_mib"]["packed"] / r["peak_mib"]["padded"]
-        runs = {s: ", ".join(f"{x:.2f}" for x in r["times"][s]) for s in ("padded", "packed")}
-        print(f"| {name} | {r['p50']} / {r['max']} | {pad:.2f} ({runs['padded']}) | {pack:.2f} ({runs['packed']}) "
-              f"| {r['ratio']:.2f} | {r['peak_mib']['padded']:.0f} / {r['peak_mib']['packed']:.0f} "
-              f"| {r['memory']:.2f} |")
+        pad = median(r["times"]["padded"])
+        for s in SIDES:
+            t, peak = median(r["times"][s]), r["peak_mib"][s]
+            r[f"ratio_{s}"], r[f"memory_{s}"] = pad / t, peak / r["peak_mib"]["padded"]
+            runs = ", ".join(f"{x:.2f}" for x in r["times"][s])
+            print(f"| {name} | {r['p50']} / {r['max']} | {s} | {t:.2f} ({runs}) | {r[f'ratio_{s}']:.2f} | {peak:.0f} "
+                  f"| {r[f'memory_{s}']:.2f} |")
     (a.out / "results.json").write_text(json.dumps({"cpu": cpu_name(), "threads": a.threads, **results}, indent=1))
     r = results["long-tailed"]
-    print(f"packing: padded {median(r['times']['padded']):.2f} s, packed {median(r['times']['packed']):.2f} s, "
-          f"ratio {r['ratio']:.2f}, memory {r['memory']:.2f} (lengths p50 {r['p50']} / max {r['max']})")
+    for s in SIDES[1:]:  # packed: each response its prompt; shared: a group's prompt once (GRPO's packed layout)
+        print(f"packing{'' if s == 'packed' else ' (shared prompt)'}: padded {median(r['times']['padded']):.2f} s, "
+              f"packed {median(r['times'][s]):.2f} s, ratio {r[f'ratio_{s}']:.2f}, memory {r[f'memory_{s}']:.2f} "
+              f"(lengths p50 {r['p50']} / max {r['max']})")
     return 0
 
 
