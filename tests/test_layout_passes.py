@@ -339,17 +339,21 @@ def test_cut_rows_by_tokens_by_hand():
     assert cut_rows_by_tokens([12, 1], 10) == [[0], [1]]  # longer than the budget: its own micro-batch
 
 
-def test_token_budget_under_several_processes_is_refused_in_one_line():
+def test_cut_rows_by_tokens_makes_as_many_micro_batches_on_every_rank():
     from types import SimpleNamespace
 
-    from rlhflab.errors import UserError
-    from rlhflab.trainers.common import one_process_budget
+    from rlhflab.trainers.common import cut_rows_by_tokens
 
-    one_process_budget(SimpleNamespace(distributed=True), "sft.mini_batch_tokens", None)   # rows: fine
-    one_process_budget(SimpleNamespace(distributed=False), "sft.mini_batch_tokens", 512)   # one process: fine
-    with pytest.raises(UserError, match=r"^rm\.mini_batch_tokens: .*set it to null") as e:
-        one_process_budget(SimpleNamespace(distributed=True), "rm.mini_batch_tokens", 512)
-    assert "\n" not in str(e.value)
+    def rank(most: int):  # a rank of a run whose busiest rank needs `most` micro-batches
+        return SimpleNamespace(distributed=True, max=lambda n: max(n, most))
+
+    lengths = [5, 9, 2, 7, 3]  # alone: [[1], [3], [0, 4, 2]] (the case above)
+    assert cut_rows_by_tokens(lengths, 10, rank(3)) == [[1], [3], [0, 4, 2]]
+    # 4: the micro-batch of most tokens (5 + 3 + 2) split where it halves best: 5 | 3 + 2
+    assert cut_rows_by_tokens(lengths, 10, rank(4)) == [[1], [3], [0], [4, 2]]
+    # 5: then 7 | 9 cannot split (one row each), so 3 + 2 does: a row per micro-batch
+    assert cut_rows_by_tokens(lengths, 10, rank(5)) == [[1], [3], [0], [4], [2]]
+    assert cut_rows_by_tokens(lengths, 10, SimpleNamespace(distributed=False)) == [[1], [3], [0, 4, 2]]
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])

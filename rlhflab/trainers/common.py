@@ -255,22 +255,23 @@ def config_entry_points(schema, train, *, stem: str, example: str, headline: Cal
 # --------------------------------------------------------------------------------------
 # Token-budget micro-batches (sft/rm/dpo.mini_batch_tokens)
 # --------------------------------------------------------------------------------------
-def cut_rows_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
-    """An optimizer step's rows (their real-token counts `lengths`) cut into micro-batches of
-    at most `budget` tokens each: the rows from the longest to the shortest (stable), each
-    joining the current micro-batch while the sum stays within the budget, else starting
-    the next (so a padded pass pads little). Deterministic; a row longer than the budget
-    gets a micro-batch of its own. The loss normaliser stays the whole step's, so the
-    update equals the row-cut one to float rounding. (The PPO family's cut is the same.)"""
+def cut_rows_by_tokens(lengths: list[int], budget: int, dist=None) -> list[list[int]]:
+    """An optimizer step's rows (their real-token counts `lengths`: this rank's share) cut
+    into micro-batches of at most `budget` tokens each: the rows from the longest to the
+    shortest (stable), each joining the current micro-batch while the sum stays within the
+    budget, else starting the next (so a padded pass pads little). Deterministic; a row
+    longer than the budget gets a micro-batch of its own. The loss normaliser stays the
+    whole step's, so the update equals the row-cut one to float rounding. (The PPO family's
+    cut is the same.) Under several processes (`dist`) every rank makes as many
+    micro-batches as the rank that needs most (its largest ones split in two): the
+    data-parallel passes must pair up, and FSDP's and ZeRO-3's gather in each forward."""
     from rlhflab.engine.minibatch import cut_by_tokens
 
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    return [[order[j] for j in mb] for mb in cut_by_tokens([lengths[i] for i in order], budget)]
-
-
-def one_process_budget(dist, key: str, budget: int | None) -> None:
-    """`key` (a mini_batch_tokens) runs in one process: each rank would cut its share into a
-    different number of micro-batches, and the data-parallel passes must match."""
-    if budget is not None and dist.distributed:
-        raise UserError(f"{key}: token-budget micro-batches run in one process for now; set it to null "
-                        f"under several processes (micro-batches of rows then)")
+    ordered = [lengths[i] for i in order]
+    cut = cut_by_tokens(ordered, budget)
+    if dist is not None and dist.distributed:
+        n = int(dist.max(len(cut)))  # at most this rank's rows: every rank holds as many
+        if n > len(cut):
+            cut = cut_by_tokens(ordered, budget, parts=n)
+    return [[order[j] for j in mb] for mb in cut]

@@ -64,7 +64,7 @@ from rlhflab.rewards import RuleScorer, resolve_rule
 from rlhflab.models.setup import PolicyModels, build_models
 from rlhflab.run import TrainResult, entry_point, start_run
 from rlhflab.trainers.common import (Timer, check_finite_model, check_finite_step, clip_and_step, cut_rows_by_tokens,
-                                     last_eval, make_optimization, make_probe_batch, one_process_budget)
+                                     last_eval, make_optimization, make_probe_batch)
 
 
 # --------------------------------------------------------------------------------------
@@ -94,8 +94,8 @@ class DPOSection(OptimizerFields):
                                                       "each sequence's real tokens packed into rows (the same numbers "
                                                       "to rounding; SDPA/eager only)")
     mini_batch_tokens: Optional[int] = f(None, "cut each optimizer step's pairs into micro-batches of at most this many "
-                                               "real tokens, both sequences (a longer pair runs alone; one process "
-                                               "only); null: mini_batch_size pairs each", gt=0)
+                                               "real tokens, both sequences (a longer pair runs alone); null: "
+                                               "mini_batch_size pairs each", gt=0)
 
     def check(self) -> list[str]:
         errs = super().check()
@@ -352,15 +352,18 @@ def dpo_micro_batch_loss(actor: PolicyOnly, pairs: Sequence[TokenizedPair], ref_
 def pair_micro_batches(pairs: Sequence[TokenizedPair], sec: DPOSection,
                        dist=None) -> tuple[list, int | None]:
     """One step's micro-batches as positions into `pairs` (this rank's share of the step):
-    slices of `mini_batch_size` pairs, or with `mini_batch_tokens` (one process) lists of
-    positions holding at most that many real tokens each (both sequences of a pair: 2 x
-    prompt + chosen + rejected; `cut_rows_by_tokens`). The second item is None for
-    slices, else the step's chosen-response token count, the NLL term's normaliser."""
+    slices of `mini_batch_size` pairs, or with `mini_batch_tokens` lists of positions holding
+    at most that many real tokens each (both sequences of a pair: 2 x prompt + chosen +
+    rejected; `cut_rows_by_tokens`: as many on every rank). The second item is None for
+    slices, else the step's chosen-response token count over every rank, the NLL term's
+    normaliser."""
     if sec.mini_batch_tokens is None:
         size = dist.local(sec.mini_batch_size, "dpo.mini_batch_size") if dist is not None else sec.mini_batch_size
         return [slice(m, m + size) for m in range(0, len(pairs), size)], None
     lengths = [2 * len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in pairs]
-    return cut_rows_by_tokens(lengths, sec.mini_batch_tokens), sum(len(p.chosen_ids) for p in pairs)
+    chosen = sum(len(p.chosen_ids) for p in pairs)
+    return (cut_rows_by_tokens(lengths, sec.mini_batch_tokens, dist),
+            int(dist.sum(float(chosen))) if dist is not None else chosen)
 
 
 def reward_metrics(chosen: Tensor, rejected: Tensor, prefix: str = "") -> dict[str, float]:
@@ -425,7 +428,6 @@ def train(cfg: DPORunConfig, resume: str | Path | None = None, effective=None, q
     run = start_run(cfg, "dpo", effective=effective, resume=resume, quiet=quiet, resumable=True,
                     local={"dpo.batch_size": sec.batch_size})
     dist, say = run.dist, run.print
-    one_process_budget(dist, "dpo.mini_batch_tokens", sec.mini_batch_tokens)
     models = build_models(cfg.model, cfg.lora, t.device, need_reference=True, resume_dir=run.resume_dir,
                           mixed_precision=t.mixed_precision, world_size=dist.world_size)
     run.adopt_models(models)  # the CPU-only speed tricks, on a CPU

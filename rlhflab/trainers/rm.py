@@ -53,7 +53,7 @@ from rlhflab.models.checkpoint import atomic_folder, state_part, untied
 from rlhflab.run import TrainResult, entry_point, start_run
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, clip_and_step, config_entry_points,
                                      cut_rows_by_tokens, make_optimizer, make_probe_batch, make_scheduler,
-                                     one_process_budget, train_and_held_out, warmup_of)
+                                     train_and_held_out, warmup_of)
 
 
 # --------------------------------------------------------------------------------------
@@ -112,8 +112,8 @@ class RMSection:
                                                       "rows, or each text's real tokens packed into rows (chosen and "
                                                       "rejected together; the same numbers to rounding; SDPA/eager only)")
     mini_batch_tokens: Optional[int] = f(None, "cut each optimizer step's pairs into micro-batches of at most this "
-                                               "many real tokens, both texts (a longer pair runs alone; one process "
-                                               "only); null: batch_size pairs each", gt=0)
+                                               "many real tokens, both texts (a longer pair runs alone); null: "
+                                               "batch_size pairs each", gt=0)
 
     def check(self) -> list[str]:
         if self.min_learning_rate > self.learning_rate:
@@ -299,13 +299,13 @@ def pair_tokens(tokenizer, pairs: Sequence[JoinedPair], meta: RMMeta) -> list[in
 def step_pairs(micro: Sequence[list[JoinedPair]], tokens: int | None, tokenizer, meta: RMMeta,
                dist=None) -> list[list[JoinedPair]]:
     """One optimizer step's micro-batches of pairs: each of `micro` (this rank's share), or
-    with `tokens` (rm.mini_batch_tokens, one process) the step's pairs cut into micro-batches
-    of at most that many real tokens (both texts; `cut_rows_by_tokens`)."""
+    with `tokens` (rm.mini_batch_tokens) this rank's pairs of the step cut into micro-batches
+    of at most that many real tokens (both texts; `cut_rows_by_tokens`: as many on every rank)."""
+    world, rank = (dist.world_size, dist.rank) if dist is not None else (1, 0)
     if tokens is None:
-        world, rank = (dist.world_size, dist.rank) if dist is not None else (1, 0)
         return [even_share(b, world, rank) for b in micro]
-    pairs = [p for b in micro for p in b]
-    return [[pairs[i] for i in c] for c in cut_rows_by_tokens(pair_tokens(tokenizer, pairs, meta), tokens)]
+    pairs = [p for b in micro for p in even_share(b, world, rank)]
+    return [[pairs[i] for i in c] for c in cut_rows_by_tokens(pair_tokens(tokenizer, pairs, meta), tokens, dist)]
 
 
 def _batch_loss(model, tokenizer, pairs: Sequence[JoinedPair], meta: RMMeta, cfg: RMRunConfig, device) -> RMLoss:
@@ -381,7 +381,6 @@ def train_rm(cfg: RMRunConfig, effective=None, quiet: bool = False) -> RMResult:
     t, r = cfg.training, cfg.rm
     run = start_run(cfg, "rm", effective=effective, quiet=quiet, local={"rm.batch_size": r.batch_size})
     dist, device, say = run.dist, run.device, run.print
-    one_process_budget(dist, "rm.mini_batch_tokens", r.mini_batch_tokens)
 
     # 1-2. data and model
     model, tok = build_reward_model(cfg, device)

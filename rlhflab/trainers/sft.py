@@ -63,7 +63,7 @@ from rlhflab.models.precision import autocast
 from rlhflab.models.quant import prepare_quantized, quantization_kwargs
 from rlhflab.run import TrainResult, entry_point, start_run
 from rlhflab.trainers.common import (check_finite_model, check_finite_step, clip_and_step, config_entry_points,
-                                     cut_rows_by_tokens, make_optimizer, make_scheduler, one_process_budget,
+                                     cut_rows_by_tokens, make_optimizer, make_scheduler,
                                      train_and_held_out, warmup_of)
 
 
@@ -130,7 +130,7 @@ class SFTSection:
                                                       "or each sequence's real tokens packed into rows (the same "
                                                       "numbers to rounding; SDPA/eager only)")
     mini_batch_tokens: Optional[int] = f(None, "cut each optimizer step's rows into micro-batches of at most this "
-                                               "many real tokens (a longer row runs alone; one process only); null: "
+                                               "many real tokens (a longer row runs alone); null: "
                                                "batch_size rows each", gt=0)
 
     def check(self) -> list[str]:
@@ -291,13 +291,13 @@ def batches(examples: Sequence[sftdata.TokenizedExample], batch_size: int, seed:
 def step_micro_batches(micro: Sequence[list[sftdata.TokenizedExample]], tokens: int | None, pad_token_id: int,
                        dist: Dist | None = None) -> list[dict[str, torch.Tensor]]:
     """One optimizer step's micro-batches, collated: each of `micro` (this rank's share), or
-    with `tokens` (sft.mini_batch_tokens, one process) the step's rows cut into micro-batches
-    of at most that many real tokens (`cut_rows_by_tokens`)."""
+    with `tokens` (sft.mini_batch_tokens) this rank's rows of the step cut into micro-batches
+    of at most that many real tokens (`cut_rows_by_tokens`: as many on every rank)."""
     dist = dist or Dist()
     if tokens is None:
         return [sftdata.collate(even_share(b, dist.world_size, dist.rank), pad_token_id) for b in micro]
-    rows = [ex for b in micro for ex in b]
-    chunks = cut_rows_by_tokens([len(ex.input_ids) for ex in rows], tokens)
+    rows = [ex for b in micro for ex in even_share(b, dist.world_size, dist.rank)]
+    chunks = cut_rows_by_tokens([len(ex.input_ids) for ex in rows], tokens, dist)
     return [sftdata.collate([rows[i] for i in c], pad_token_id) for c in chunks]
 
 
@@ -427,7 +427,6 @@ def train_sft(cfg: SFTRunConfig, effective=None, quiet: bool = False) -> SFTResu
     t, s = cfg.training, cfg.sft
     run = start_run(cfg, "sft", effective=effective, quiet=quiet, local={"sft.batch_size": s.batch_size})
     dist, device = run.dist, run.device
-    one_process_budget(dist, "sft.mini_batch_tokens", s.mini_batch_tokens)
 
     # 1-2. data and model
     model, tok = build_model(cfg, device)
