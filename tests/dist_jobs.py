@@ -14,7 +14,8 @@ collective; its traceback is in its .err file. The process ends as `rlhflab` doe
 (`rlhflab.engine.dist.leave`).
 
 The tests start it with `run_jobs` (which writes JOBS.json) and read what it left with the
-`Launch` it returns (tests/test_distributed.py, test_envs_distributed.py, test_envs_training.py).
+`Launch` it returns (tests/test_distributed.py, test_envs_distributed.py, test_envs_training.py,
+and test_vllm_commands.py, whose vLLM commands run out of the pytest process).
 Standard library only: each launched process imports rlhflab once, in `main`.
 """
 
@@ -67,10 +68,13 @@ class Launch:
 
 
 def run_jobs(base: Path, jobs: dict[str, list[str]], env: dict, processes: int, strategy: str = "ddp",
-             cwd: Path | None = None) -> Launch:
-    """Run `jobs` (name -> rlhflab argv, its output folder added) one after another in one
-    process, or in each of the 2 processes of one accelerate launch under `strategy`."""
+             cwd: Path | None = None, output_dirs: bool = True) -> Launch:
+    """Run `jobs` (name -> rlhflab argv, its output folder added unless `output_dirs` is
+    False: commands that take no training.output_dir) one after another in one process, or
+    in each of the 2 processes of one accelerate launch under `strategy`."""
     def with_output(argv: list[str], folder: Path) -> list[str]:  # an override goes before --resume
+        if not output_dirs:
+            return argv
         at = argv.index("--resume") if "--resume" in argv else len(argv)
         return [*argv[:at], f"training.output_dir={folder}", *argv[at:]]
 
