@@ -212,12 +212,17 @@ def exported(trained, tmp_path_factory):
     return get
 
 
-def _gguf_load(path: Path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _gguf_model(path: Path):
+    """The exported file read back by transformers' GGUF loader, float32."""
+    from transformers import AutoModelForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return model.eval(), tok
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def _gguf_load(path: Path):
+    from transformers import AutoTokenizer
+
+    return _gguf_model(path), AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 @pytest.fixture(scope="module")
@@ -256,12 +261,14 @@ def test_f32_logits_and_tokenizer_round_trip(exported, folder_model):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
-def _agreement(path, folder_greedy, arith_dir):
-    """(greedy responses equal token for token, final answers equal as the grader reads them)."""
+def _agreement(path, folder_model, folder_greedy, arith_dir):
+    """(greedy responses equal token for token, final answers equal as the grader reads them).
+    The prompts are tokenized by the folder's tokenizer: the file's is the same metadata in
+    every type, checked against the folder's once (the f32 round trip)."""
     from rlhflab.rewards.gsm8k import extract_answer
     from rlhflab.rollout.hf import generate
 
-    model, tok = _gguf_load(path)
+    model, tok = _gguf_model(path), folder_model[1]
     out = generate(model, tok, _held_out(arith_dir, tok), max_new_tokens=16, greedy=True)
     got = [r[m.bool()].tolist() for r, m in zip(out.response_ids, out.response_mask)]
     answer = lambda ids: extract_answer(tok.decode(ids, skip_special_tokens=True), fallback_last_number=True)  # noqa: E731
@@ -270,17 +277,17 @@ def _agreement(path, folder_greedy, arith_dir):
 
 
 @pytest.mark.slow
-def test_f16_agrees_greedily_token_for_token(exported, folder_greedy, arith_dir):
-    tokens, answers = _agreement(exported("f16"), folder_greedy, arith_dir)
+def test_f16_agrees_greedily_token_for_token(exported, folder_model, folder_greedy, arith_dir):
+    tokens, answers = _agreement(exported("f16"), folder_model, folder_greedy, arith_dir)
     print(f"f16: greedy responses equal on {tokens} of 32 held-out prompts, answers on {answers}")
     assert tokens >= 31
 
 
 @pytest.mark.slow
-def test_q8_0_agrees_on_the_answers(exported, folder_greedy, arith_dir):
+def test_q8_0_agrees_on_the_answers(exported, folder_model, folder_greedy, arith_dir):
     """q8_0 moves a weight by up to half a quantization step: 16-token responses drift apart
     late (25 of 32 equal when measured), the answer the grader reads much less."""
-    tokens, answers = _agreement(exported("q8_0"), folder_greedy, arith_dir)
+    tokens, answers = _agreement(exported("q8_0"), folder_model, folder_greedy, arith_dir)
     print(f"q8_0: greedy responses equal on {tokens} of 32 held-out prompts, answers on {answers}")
     assert answers >= 28
 
@@ -322,7 +329,7 @@ def test_lora_adapter_exports_merged(smollm2_dir, tmp_path):
     assert not (adapter / "config.json").exists()
     merged = model.merge_and_unload().eval()
     res = export_gguf(adapter, tmp_path / "out" / "lora.gguf", type_="f32")
-    back, _ = _gguf_load(res.out)
+    back = _gguf_model(res.out)
     ids = torch.tensor([tok("What is 7 + 5? The answer is").input_ids])
     with torch.no_grad():
         want, got = merged(ids).logits, back(ids).logits
