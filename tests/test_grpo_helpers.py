@@ -1,7 +1,7 @@
 """Helpers shared by the GRPO, RLOO and DPO tests (this module holds no tests).
 
 - `small_model`: a very small Llama (64 hidden, 2 layers) and its tokenizer, built once
-  per pytest session.
+  per pytest session (`_once`: once for all of pytest-xdist's workers too).
 - `easy_task`: the arithmetic task restricted to sums of 0-4 (25 facts), so that a
   supervised warm start learns the format and most facts in seconds on a CPU. The
   demonstrations are the sloppy ones of `rlhflab.data.arith` (60 % off by one).
@@ -13,7 +13,10 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 import random
+import shutil
 from pathlib import Path
 
 import torch
@@ -26,12 +29,22 @@ TEMPLATE = "Question: {prompt}\nAnswer:"
 
 
 def _once(tmp_path_factory, name: str, build) -> Path:
-    """A folder under the session's base temp dir, built the first time it is asked for."""
-    path = tmp_path_factory.getbasetemp() / name
-    if not (path / ".done").exists():
-        path.mkdir(parents=True, exist_ok=True)
-        build(path)
-        (path / ".done").write_text("ok")
+    """A folder under the session's base temp dir, built the first time it is asked for.
+    Under pytest-xdist the folder is in the root that every worker's base temp dir sits in,
+    and a lock file orders the workers: the first to ask builds it, the others wait for it
+    and read it (a fixture asked for in both workers' files is built once, not twice)."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    path = base / name
+    with open(base / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (path / ".done").exists():
+            if path.exists():  # a build that stopped halfway
+                shutil.rmtree(path)
+            path.mkdir(parents=True)
+            build(path)
+            (path / ".done").write_text("ok")
     return path
 
 
