@@ -3,13 +3,13 @@
 evaluation) at reduced settings and asserts a gain after RL, not just a run.
 
 Reduced against the scripts' defaults: a 2-layer model instead of 4 (same width), fewer
-training rows (calculator) or SFT steps (guess-the-number), fewer RL steps. The margins asserted are well inside what three seeds gave
+training rows and SFT steps, fewer RL steps. The margins asserted are well inside what three seeds gave
 (the numbers beside each assertion); the seed here is 0. The examples' own figures
 (docs/environments.md, examples/*/results/) come from the scripts at their defaults.
 
 Each example's work runs in a process of its own with one torch thread (what the margins
-were measured with), both side by side, so that CI's two cores are both used (about 55 s
-each alone); the processes start when the first test asks and write what they measured
+were measured with), both side by side, so that CI's two cores are both used (about 50-60 s
+each, side by side); the processes start when the first test asks and write what they measured
 as JSON, which the tests assert on. `python tests/test_examples_learn.py NAME OUT` runs one.
 """
 
@@ -40,7 +40,7 @@ def _grpo(config: Path, overrides: list[str]) -> None:
 
 
 def calculator(out: Path) -> dict:
-    """SFT on the tool demonstrations, greedy evaluation, 10 GRPO steps, evaluation again."""
+    """SFT (200 steps) on the tool demonstrations, greedy evaluation, 10 GRPO steps, evaluation again."""
     from rlhflab.data.arith import write_jsonl
     from rlhflab.models.load import load_model
 
@@ -49,7 +49,7 @@ def calculator(out: Path) -> dict:
     write_jsonl(train, out / "train.jsonl")
     write_jsonl(test, out / "test.jsonl")
     base = run.make_base(out / "base", train, SEED, num_layers=2)
-    model, tok = run.sft(base, run.demonstrations(train, SEED, run.SKIP_RATE), True, 300, SEED)
+    model, tok = run.sft(base, run.demonstrations(train, SEED, run.SKIP_RATE), True, 200, SEED)
     model.save_pretrained(out / "sft_tool")
     tok.save_pretrained(out / "sft_tool")
     before = run.evaluate(model, tok, test, True)
@@ -59,7 +59,7 @@ def calculator(out: Path) -> dict:
 
 
 def guess_the_number(out: Path) -> dict:
-    """150 SFT steps on the demonstrator's games, 100 greedy games, 20 GRPO steps, the games again."""
+    """150 SFT steps on the demonstrator's games, 100 greedy games, 12 GRPO steps, the games again."""
     from rlhflab.data.arith import write_jsonl
     from rlhflab.models.load import load_model
 
@@ -73,7 +73,7 @@ def guess_the_number(out: Path) -> dict:
     model.save_pretrained(out / "sft")
     tok.save_pretrained(out / "sft")
     before = run.measure(model, tok, test)
-    _grpo(EXAMPLES / "guess_the_number" / "grpo.yaml", run.rl_overrides(out, 20, 1, SEED))
+    _grpo(EXAMPLES / "guess_the_number" / "grpo.yaml", run.rl_overrides(out, 12, 1, SEED))
     model, tok = load_model(str(out / "grpo" / "final"))
     return {"before": before, "after": run.measure(model, tok, test)}
 
@@ -113,44 +113,45 @@ def example_runs(request, tmp_path_factory):
 
 
 def test_calculator_grpo_raises_held_out_accuracy_with_the_tool(example_runs):
-    """examples/calculator: SFT on tool demonstrations (the demonstrator skips the tool on 70%
-    of products and quotients and answers those off by one), then 10 GRPO steps: the model
-    learns to call the calculator on every problem and held-out accuracy rises.
+    """examples/calculator: 200 SFT steps on tool demonstrations (the demonstrator skips the
+    tool on 70% of products and quotients and answers those off by one), then 10 GRPO steps:
+    the model learns to call the calculator on every problem and held-out accuracy rises.
 
-    Three seeds at these settings (50 held-out problems, greedy), accuracy and calls/episode:
-      seed 0: 52% -> 84%, 0.66 -> 1.00;  seed 1: 52% -> 64%, 0.58 -> 0.82;
-      seed 2: 50% -> 72%, 0.60 -> 0.90.   Smallest gains: +12 points, +0.24 calls/episode."""
+    Three seeds at these settings (50 held-out problems, greedy; a 2-core AMD EPYC, one
+    thread), accuracy and calls/episode:
+      seed 0: 32% -> 46%, 0.60 -> 1.00;  seed 1: 50% -> 70%, 0.58 -> 1.02;
+      seed 2: 44% -> 82%, 0.62 -> 1.00.   Smallest gains: +14 points, +0.38 calls/episode.
+    At 300 SFT steps (the earlier setting, 20 s more) seed 0 gave 40% -> 70% on the same CPU."""
     got = example_runs("calculator")
     before, after = got["before"], got["after"]
-    assert before["accuracy"] >= 0.3   # the SFT learned the format and to copy the tool's answer (50-52%)
+    assert before["accuracy"] >= 0.25  # the SFT learned the format and to copy the tool's answer (32-50%)
     print(f"calculator: accuracy {before['accuracy']:.0%} -> {after['accuracy']:.0%}, "
           f"calls/episode {before['calls']:.2f} -> {after['calls']:.2f}")
-    assert after["accuracy"] >= before["accuracy"] + 0.06, (before, after)   # 3 of 50 more (seeds: 6, 11, 16 more)
-    assert after["calls"] >= before["calls"] + 0.1, (before, after)         # seeds: +0.24 to +0.34
+    assert after["accuracy"] >= before["accuracy"] + 0.06, (before, after)   # 3 of 50 more (seeds: 7, 10, 19 more)
+    assert after["calls"] >= before["calls"] + 0.1, (before, after)         # seeds: +0.38 to +0.44
 
 
 def test_guess_the_number_grpo_solves_more_games(example_runs):
     """examples/guess_the_number: SFT on a demonstrator that plays 30% of its games by halving
     the range and 70% by counting up, then 20 GRPO steps. Greedy, the SFT model opens with 1
     and counts up, which finds only secrets 1 to 4 within 4 turns (38 of the 100 held-out
-    games); GRPO learns to open with the middle number, which the SFT model continues by
-    halving, and far more games are solved.
+    games); 12 GRPO steps teach it to open with the middle number, which the SFT model
+    continues by halving, and far more games are solved.
 
-    Three seeds at these settings (100 held-out games, greedy), share solved and mean turns
-    to solve (halving takes more turns on the secrets counting finds too, so it rises):
-      seed 0: 38% -> 92%, 2.47 -> 2.89;  seed 1: 38% -> 92%, 2.47 -> 2.89;
-      seed 2: 38% -> 88%, 2.47 -> 2.98.   Smallest gain: +50 points.
-    At 100 SFT steps instead of 150 seed 2 did not gain (38% -> 32%): the SFT model must have
-    learned to continue a halving opening (mean return 0.14 after opening with 5 then,
-    0.69 at 150 steps) before RL has a reason to open with it."""
+    Three seeds at these settings (100 held-out games, greedy; a 2-core AMD EPYC, one
+    thread), share solved and mean return: seeds 0, 1 and 2 each 38% -> 100%, 0.076 -> 0.802
+    (at 20 GRPO steps, on another CPU: 38% -> 92%, 92% and 88%). Smallest gain: +62 points.
+    At 100 SFT steps instead of 150 (and 20 GRPO steps) seed 2 did not gain (38% -> 32%):
+    the SFT model must have learned to continue a halving opening (mean return 0.14 after
+    opening with 5 then, 0.69 at 150 steps) before RL has a reason to open with it."""
     got = example_runs("guess_the_number")
     before, after = got["before"], got["after"]
     # Counting up from 1 solves exactly the secrets 1-4: 38 of these 100 games on every seed.
     assert 0.3 <= before["solved"] <= 0.45, before
     print(f"guess-the-number: solved {before['solved']:.0%} -> {after['solved']:.0%}, "
           f"turns to solve {before['turns_solved']:.2f} -> {after['turns_solved']:.2f}")
-    assert after["solved"] >= before["solved"] + 0.25, (before, after)   # seeds: +54, +54, +50 points
-    assert after["return"] >= before["return"] + 0.2, (before, after)    # seeds: 0.08 -> 0.71, 0.71, 0.66
+    assert after["solved"] >= before["solved"] + 0.25, (before, after)   # seeds: +62 points each
+    assert after["return"] >= before["return"] + 0.2, (before, after)    # seeds: 0.08 -> 0.80 each
 
 
 if __name__ == "__main__":  # one example's job: python tests/test_examples_learn.py NAME OUT

@@ -448,13 +448,8 @@ def test_smollm2_grpo_packed_equals_padded(smollm2_dir):
                    layout=("packed", "shared"), relative=True)
 
 
-def test_sdpa_runs_per_sequence_attention_equal_to_the_mask(tiny_model_dir, monkeypatch):
-    """Under SDPA a packed pass attends per sequence (`layouts.attention`: each sequence's
-    queries, keys and values gathered into a right-padded batch, causal SDPA), the same
-    states as the block-diagonal mask, in one row as in several."""
-    policy = _tiny(tiny_model_dir)
-    decoder = policy.model
-    roll = _rollout(policy.config.vocab_size)
+def _sdpa_calls(monkeypatch) -> list:
+    """Each SDPA call from now on, as (batch, no mask given, causal), in order."""
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -463,6 +458,17 @@ def test_sdpa_runs_per_sequence_attention_equal_to_the_mask(tiny_model_dir, monk
         return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return calls
+
+
+def test_sdpa_runs_per_sequence_attention_equal_to_the_mask(tiny_model_dir, monkeypatch):
+    """Under SDPA a packed pass attends per sequence (`layouts.attention`: each sequence's
+    queries, keys and values gathered into a right-padded batch, causal SDPA), the same
+    states as the block-diagonal mask, in one row as in several."""
+    policy = _tiny(tiny_model_dir)
+    decoder = policy.model
+    roll = _rollout(policy.config.vocab_size)
+    calls = _sdpa_calls(monkeypatch)
     for budget in (None, 1000):  # rows of the longest sequence; all 8 sequences in one row
         packing = layouts.plan(roll.prompt_ids, roll.prompt_mask, roll.response_ids, roll.response_mask, budget)
         inputs = layouts.decoder_inputs(decoder, packing, torch.float32)
@@ -487,14 +493,7 @@ def test_sdpa_runs_the_shared_layout_per_sequence_equal_to_the_tree_mask(tiny_mo
     policy = _tiny(tiny_model_dir)
     decoder = policy.model
     roll = _rollout(policy.config.vocab_size, group_size=4)
-    calls = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
-        calls.append((q.shape[0], attn_mask is None, is_causal))
-        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    calls = _sdpa_calls(monkeypatch)
     prompt_ids, prompt_mask = roll.prompt_ids[::4], roll.prompt_mask[::4]  # a prompt per group
     for budget in (None, 1000):  # rows of the longest group; both groups in one row
         packing = layouts.shared_plan(prompt_ids, prompt_mask, roll.response_ids, roll.response_mask, 4, budget)
