@@ -16,8 +16,8 @@ The lengths are sampled once with the model (temperature 0.7) and cached in --ou
 token ids of those lengths (time and memory depend on the lengths alone), each group of 8
 responses sharing one prompt. Three layouts: padded; packed (each response after its own
 copy of the prompt); shared (packed, each group's prompt once: what `layout: auto` runs
-for GRPO on a CPU). They alternate, after one warm-up each; the median wall time is reported. Memory: the
-peak bytes of tensors allocated during one more step of each side, read by the profiler
+for GRPO on a CPU). They alternate, after one warm-up each; the median wall time is
+reported. Memory: the peak bytes of tensors allocated during one more step of each side, read by the profiler
 (`_common.profiled_tensor_bytes`: exact, no allocator slack). The model: --model-dir, or
 SmolLM2-135M-Instruct imported from the packaged GGUF file into --out (as the tests'
 `smollm2_dir` does); --tiny: the project's tiny model and short lengths (a test's run).
@@ -164,8 +164,7 @@ def update_step(actor, roll, layout: str, mini_batch: int, max_new: int) -> None
 SIDES = ("padded", "packed", "shared")
 
 
-def measure(actor, roll, mini_batch: int, max_new: int, repeats: int) -> dict:
-    sides = SIDES
+def measure(actor, roll, mini_batch: int, max_new: int, repeats: int, sides: tuple[str, ...] = SIDES) -> dict:
     times: dict[str, list[float]] = {s: [] for s in sides}
     for s in sides:  # warm-up
         update_step(actor, roll, s, mini_batch, max_new)

@@ -33,8 +33,8 @@ sequences' boundaries (`cu_seq_lens_q/k`, `max_length_q/k`, the keywords transfo
 FlashAttention integration reads) and its varlen kernel keeps each sequence to itself,
 sliding windows and soft caps included; the shared layout's tree is not a set of
 contiguous sequences, so under FlashAttention it runs packed (each row its own prompt).
-Other kernels (flex attention, hub kernels) are refused in one line. Attention sinks and recurrent or linear-attention layers
-cannot be bounded to a sequence by a mask: refused. A sliding window is exact when
+Other kernels (flex attention, hub kernels) are refused in one line. Attention sinks and
+recurrent or linear-attention layers cannot be bounded to a sequence by a mask: refused. A sliding window is exact when
 every sequence fits in it (the window then cuts nothing). Past it, a model whose decoder
 takes a mask per layer type (transformers' ``{layer type: mask}`` mapping, as Gemma 3's
 does) gets both: full-attention layers the block-diagonal causal mask, sliding layers the
@@ -228,12 +228,12 @@ def choose(model_config, layout: str, prompt_mask: Tensor, response_mask: Tensor
         longest = int((prompt_mask.sum(1) + response_mask.sum(1)).max()) if len(prompt_mask) else 0
         if longest > window and not layer_masks_accepted(model_config):
             note_once(f"window{window}", f"layout: packed: a sequence of {longest} tokens is longer than the "
-                  f"{window}-token sliding window and {model_config.model_type} takes one mask for all its "
-                  "layers; such batches run padded")
+                      f"{window}-token sliding window and {model_config.model_type} takes one mask for all its "
+                      "layers; such batches run padded")
             return "padded"
     if not contiguous(prompt_mask, response_mask):
         note_once("holes", "layout: packed: a batch whose masks are not left-padded prompts and right-padded "
-              "responses runs padded")
+                  "responses runs padded")
         return "padded"
     return "packed"
 

@@ -92,7 +92,7 @@ class DPOSection(OptimizerFields):
     task_reward: str = f("gsm8k", "rule reward used to score the greedy task answers")
     layout: Literal["padded", "packed"] = f("padded", "decoder passes of the policy and reference: padded rows, or "
                                                       "each sequence's real tokens packed into rows (the same numbers "
-                                                      "to rounding; SDPA/eager only)")
+                                                      "to rounding; SDPA, eager or FlashAttention)")
     mini_batch_tokens: Optional[int] = f(None, "cut each optimizer step's pairs into micro-batches of at most this many "
                                                "real tokens, both sequences (a longer pair runs alone); null: "
                                                "mini_batch_size pairs each", gt=0)

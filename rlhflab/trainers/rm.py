@@ -110,7 +110,7 @@ class RMSection:
     eval_before: bool = f(True, "evaluate the starting model too (step 0)")
     layout: Literal["padded", "packed"] = f("padded", "decoder passes of the training and held-out scores: padded "
                                                       "rows, or each text's real tokens packed into rows (chosen and "
-                                                      "rejected together; the same numbers to rounding; SDPA/eager only)")
+                                                      "rejected together; the same numbers to rounding; SDPA, eager or FlashAttention)")
     mini_batch_tokens: Optional[int] = f(None, "cut each optimizer step's pairs into micro-batches of at most this "
                                                "many real tokens, both texts (a longer pair runs alone); null: "
                                                "batch_size pairs each", gt=0)

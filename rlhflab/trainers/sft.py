@@ -128,7 +128,7 @@ class SFTSection:
                                      "the response's")
     layout: Literal["padded", "packed"] = f("padded", "decoder passes of the training and held-out loss: padded rows, "
                                                       "or each sequence's real tokens packed into rows (the same "
-                                                      "numbers to rounding; SDPA/eager only)")
+                                                      "numbers to rounding; SDPA, eager or FlashAttention)")
     mini_batch_tokens: Optional[int] = f(None, "cut each optimizer step's rows into micro-batches of at most this "
                                                "many real tokens (a longer row runs alone); null: "
                                                "batch_size rows each", gt=0)

@@ -75,7 +75,7 @@ class TRPOSection(OptimizerFields):
     value_clip: Optional[float] = f(None, "value clip range around the rollout values; null: plain regression", gt=0)
     layout: Literal["padded", "packed"] = f("padded", "decoder passes of the scoring, the natural-gradient step (its "
                                                       "line search too) and the value fit: padded rows, or packed "
-                                                      "(the same numbers to rounding; SDPA/eager only)")
+                                                      "(the same numbers to rounding; SDPA, eager or FlashAttention)")
 
     # What the loop reads of every method's section.
     samples_per_prompt = 1
